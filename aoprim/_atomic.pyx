@@ -1,0 +1,174 @@
+# cython: language_level=3, freethreading_compatible=True
+# cython: boundscheck=False, wraparound=False, initializedcheck=False
+"""AtomicInt and RefCount: 64-bit hardware atomics for Python.
+
+Invariants
+- ``AtomicInt.cell`` is only ever read or written through aop_*_i64 (GCC __atomic builtins),
+  never with a plain load or store, so no access is torn and none is reordered past another.
+- Every Python-level AtomicInt operation is sequentially consistent (API.md): one total order
+  of all of them exists that every thread agrees on.
+- ``RefCount.cell`` >= 0 always.  Increments and decrements are CAS loops that refuse to move
+  the count away from 0, so 0 is terminal and the 1 -> 0 transition happens exactly once:
+  exactly one thread (the one whose CAS performed it) runs ``on_zero``.
+"""
+from cpython.long cimport PyLong_CheckExact, PyLong_AsLongLong
+from cpython.number cimport PyNumber_Index
+from libc.stdint cimport int64_t
+
+from aoprim.atomic_h cimport (
+    AOP_RELAXED, AOP_ACQUIRE, AOP_RELEASE, AOP_ACQ_REL, AOP_SEQ_CST,
+    aop_load_i64, aop_store_i64, aop_exchange_i64, aop_fetch_add_i64, aop_fetch_sub_i64,
+    aop_cas_i64, aop_cas_weak_i64,
+)
+from aoprim.errors import RefCountError
+
+
+cdef inline int64_t as_i64(object v) except? -1:
+    """operator.index(v) as a signed 64-bit int: TypeError for non-integers (a float is never
+    truncated), OverflowError outside [-2**63, 2**63)."""
+    if not PyLong_CheckExact(v):
+        v = PyNumber_Index(v)
+    return PyLong_AsLongLong(v)
+
+
+cdef class AtomicInt:
+    """A signed 64-bit integer with sequentially consistent atomic operations.
+
+    Arithmetic wraps modulo 2**64 (two's complement), as C atomics do.
+    """
+
+    def __cinit__(self, value=0):
+        # relaxed: the object is not yet shared with any other thread
+        aop_store_i64(&self.cell, as_i64(value), AOP_RELAXED)
+
+    def load(self):
+        """Return the current value."""
+        return aop_load_i64(&self.cell, AOP_SEQ_CST)   # seq_cst: API.md
+
+    def store(self, v):
+        """Set the value to ``v``."""
+        cdef int64_t x = as_i64(v)
+        aop_store_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst: API.md
+
+    def fetch_add(self, d=1):
+        """Add ``d``; return the value before the change."""
+        cdef int64_t x = as_i64(d)
+        return aop_fetch_add_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: API.md
+
+    def fetch_sub(self, d=1):
+        """Subtract ``d``; return the value before the change."""
+        cdef int64_t x = as_i64(d)
+        return aop_fetch_sub_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: API.md
+
+    def exchange(self, v):
+        """Set the value to ``v``; return the old value."""
+        cdef int64_t x = as_i64(v)
+        return aop_exchange_i64(&self.cell, x, AOP_SEQ_CST)    # seq_cst RMW: API.md
+
+    def compare_exchange(self, expected, desired):
+        """Store ``desired`` only if the value equals ``expected``; True if it did."""
+        cdef int64_t e = as_i64(expected)
+        cdef int64_t d = as_i64(desired)
+        # seq_cst on success and on failure: a failed CAS is still a seq_cst load (API.md)
+        return aop_cas_i64(&self.cell, &e, d, AOP_SEQ_CST, AOP_SEQ_CST)
+
+    @property
+    def value(self):
+        """The current value (read-only; same as load())."""
+        return aop_load_i64(&self.cell, AOP_SEQ_CST)
+
+    def __int__(self):
+        return aop_load_i64(&self.cell, AOP_SEQ_CST)
+
+    def __index__(self):
+        return aop_load_i64(&self.cell, AOP_SEQ_CST)
+
+    def __repr__(self):
+        return f"AtomicInt({aop_load_i64(&self.cell, AOP_SEQ_CST)})"
+
+    def __reduce__(self):
+        return (AtomicInt, (aop_load_i64(&self.cell, AOP_SEQ_CST),))
+
+
+cdef class RefCount:
+    """An atomic reference count that runs ``on_zero()`` exactly once, when it reaches 0.
+
+    Ordering (as in Rust's Arc): increments need no ordering beyond atomicity, because a new
+    reference is always made from an existing one; a decrement releases everything its holder
+    wrote, and the decrement that reaches 0 acquires all of them, so ``on_zero`` sees every
+    write made by every former holder.
+    """
+
+    def __cinit__(self, count=1, on_zero=None):
+        cdef int64_t c = as_i64(count)
+        if c < 0:
+            raise ValueError(f"count must be >= 0, got {c}")
+        if on_zero is not None and not callable(on_zero):
+            raise TypeError("on_zero must be callable or None")
+        self.on_zero = on_zero
+        aop_store_i64(&self.cell, c, AOP_RELAXED)   # relaxed: not yet shared
+
+    cdef int64_t c_incref(self) noexcept nogil:
+        # relaxed load: only a starting guess for the CAS, which re-validates it
+        cdef int64_t c = aop_load_i64(&self.cell, AOP_RELAXED)
+        while True:
+            if c <= 0:
+                return -1
+            # relaxed CAS: taking a reference from one we already hold publishes nothing;
+            # the CAS (not a blind add) is what keeps 0 terminal
+            if aop_cas_weak_i64(&self.cell, &c, c + 1, AOP_RELAXED, AOP_RELAXED):
+                return c + 1
+
+    cdef bint c_try_incref(self) noexcept nogil:
+        cdef int64_t c = aop_load_i64(&self.cell, AOP_RELAXED)   # relaxed: a guess, see CAS
+        while c > 0:
+            # acquire on success: a weak-to-strong upgrade must see what the holders wrote
+            # before their references were published (pairs with the release in decref)
+            if aop_cas_weak_i64(&self.cell, &c, c + 1, AOP_ACQUIRE, AOP_RELAXED):
+                return True
+        return False
+
+    cdef int64_t c_decref(self) noexcept nogil:
+        cdef int64_t c = aop_load_i64(&self.cell, AOP_RELAXED)   # relaxed: a guess, see CAS
+        while True:
+            if c <= 0:
+                return -1
+            # acq_rel: release publishes this holder's writes; acquire (meaningful on the
+            # 1 -> 0 step) makes every other holder's released writes visible to on_zero
+            if aop_cas_weak_i64(&self.cell, &c, c - 1, AOP_ACQ_REL, AOP_RELAXED):
+                return c - 1
+
+    cdef int run_on_zero(self) except -1:
+        cb = self.on_zero
+        self.on_zero = None        # exactly once, and break any reference cycle through it
+        if cb is not None:
+            cb()
+        return 0
+
+    def incref(self):
+        """Add a reference; return the new count.  RefCountError at 0 (no resurrection)."""
+        cdef int64_t n = self.c_incref()
+        if n < 0:
+            raise RefCountError("incref() of a RefCount at 0 (resurrection)")
+        return n
+
+    def try_incref(self):
+        """Add a reference only if the count is above 0; True if it did."""
+        return self.c_try_incref()
+
+    def decref(self):
+        """Drop a reference; return the new count.  At 0, on_zero() runs once, here."""
+        cdef int64_t n = self.c_decref()
+        if n < 0:
+            raise RefCountError("decref() of a RefCount already at 0")
+        if n == 0:
+            self.run_on_zero()
+        return n
+
+    @property
+    def count(self):
+        """The current count (read-only; a snapshot)."""
+        return aop_load_i64(&self.cell, AOP_SEQ_CST)   # seq_cst: a plain, unsurprising read
+
+    def __repr__(self):
+        return f"RefCount({aop_load_i64(&self.cell, AOP_SEQ_CST)})"

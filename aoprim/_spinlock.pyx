@@ -1,0 +1,119 @@
+# cython: language_level=3, freethreading_compatible=True
+# cython: boundscheck=False, wraparound=False, initializedcheck=False
+"""SpinLock: a non-reentrant test-and-test-and-set lock with backoff; a drop-in for
+threading.Lock.
+
+The lock itself is aop_spinlock_t in aop_atomic.h (its invariants and memory orders are
+documented there).  This module adds threading.Lock's Python surface:
+- the uncontended acquire is one CAS with the GIL held: no syscall, no GIL release;
+- a contended acquire releases the GIL, then spins, yields and parks (futex) in C, so a
+  holder in another Python thread always progresses and no core burns while we wait.
+"""
+from cpython.float cimport PyFloat_AS_DOUBLE
+from cpython.number cimport PyNumber_Index
+from libc.math cimport isnan
+from libc.stdint cimport int64_t
+
+from aoprim.atomic_h cimport (
+    aop_spin_init, aop_spin_trylock, aop_spin_locked, aop_spin_lock_timed, aop_spin_unlock,
+)
+
+import threading as _threading
+
+cdef double TIMEOUT_MAX = _threading.TIMEOUT_MAX
+
+
+cdef class SpinLock:
+    """A non-reentrant lock; same methods and argument rules as threading.Lock."""
+
+    def __cinit__(self):
+        aop_spin_init(&self.lock)
+
+    def acquire(self, blocking=True, timeout=-1):
+        """Acquire the lock; True if acquired.  Same rules as threading.Lock.acquire()."""
+        cdef double t
+        cdef int64_t ns
+        cdef bint ok
+        # fast path, GIL held: the overwhelmingly common uncontended case costs one CAS.
+        # (`timeout is -1` holds for the default; any other -1 takes the general path.)
+        if timeout is -1 and (blocking is True or blocking is False):
+            if aop_spin_trylock(&self.lock):
+                return True
+            if blocking is False:
+                return False
+            ns = -1
+        else:
+            blocking = _flag(blocking)
+            t = _seconds(timeout)
+            if not blocking:
+                if t != -1:
+                    raise ValueError("can't specify a timeout for a non-blocking call")
+                return bool(aop_spin_trylock(&self.lock))
+            if t < 0 and t != -1:
+                raise ValueError("timeout value must be a non-negative number")
+            if t == -1:
+                ns = -1
+            else:
+                if t > TIMEOUT_MAX:
+                    raise OverflowError("timeout value is too large")
+                ns = <int64_t>(t * 1e9)
+            if aop_spin_trylock(&self.lock):
+                return True
+            if ns == 0:
+                return False
+        with nogil:
+            ok = aop_spin_lock_timed(&self.lock, ns)
+        return ok
+
+    def release(self):
+        """Release the lock.  RuntimeError if it is not locked."""
+        if not aop_spin_locked(&self.lock):
+            raise RuntimeError("release unlocked lock")
+        aop_spin_unlock(&self.lock)
+
+    def locked(self):
+        """True if the lock is held (by anyone)."""
+        return aop_spin_locked(&self.lock)
+
+    def __enter__(self):
+        if not aop_spin_trylock(&self.lock):
+            with nogil:
+                aop_spin_lock_timed(&self.lock, -1)
+        return True
+
+    def __exit__(self, exc_type, exc_value, tb):
+        if not aop_spin_locked(&self.lock):
+            raise RuntimeError("release unlocked lock")
+        aop_spin_unlock(&self.lock)
+
+    # threading.Lock's old aliases, kept for drop-in compatibility
+    acquire_lock = acquire
+    release_lock = release
+    locked_lock = locked
+
+    def _at_fork_reinit(self):
+        """After fork(), the child starts with a fresh, unlocked lock (as threading.Lock)."""
+        aop_spin_init(&self.lock)
+
+    def __repr__(self):
+        state = "locked" if aop_spin_locked(&self.lock) else "unlocked"
+        return f"<{state} aoprim.SpinLock object at {id(self):#x}>"
+
+
+cdef bint _flag(object blocking) except -1:
+    """threading.Lock parses ``blocking`` as a C int: any integer (bool included) is fine,
+    anything else is a TypeError."""
+    return PyNumber_Index(blocking) != 0
+
+
+cdef double _seconds(object timeout) except? -2:
+    """A timeout in seconds, as threading.Lock reads it: a float, or an integer (anything
+    with __index__); NaN is refused, as are strings and None."""
+    cdef double t
+    if isinstance(timeout, float):
+        t = PyFloat_AS_DOUBLE(timeout)
+    else:
+        t = <double>PyNumber_Index(timeout)   # TypeError for non-integers
+    if isnan(t):
+        raise ValueError("Invalid value NaN (not a number)")
+    return t

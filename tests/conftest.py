@@ -1,0 +1,51 @@
+"""Shared test set-up.
+
+The suite must test the installed, compiled package.  The checkout's own aoprim/ folder has
+no built extensions; if it were imported instead (``python -m pytest`` from the checkout
+puts the current directory on sys.path) every test would fail confusingly, so stop with a
+clear message.  Set AOPRIM_ALLOW_CHECKOUT=1 to test an in-place build on purpose.
+"""
+import gc
+import os
+import pathlib
+import sys
+import threading
+
+import importlib.util
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_spec = importlib.util.find_spec("aoprim")   # where it would come from, without importing it
+if _spec is None:
+    pytest.exit("aoprim is not installed: run `pip install '.[test]'` first", returncode=4)
+_pkg = pathlib.Path(_spec.origin).resolve().parent
+if _pkg.parent == ROOT and not os.environ.get("AOPRIM_ALLOW_CHECKOUT"):
+    pytest.exit(f"aoprim was imported from the checkout ({_pkg}), not from the installed "
+                "package: run `pip install '.[test]'` and `pytest` (not `python -m pytest`)",
+                returncode=4)
+
+# tests/ (never the checkout root) goes on sys.path so that tests can import support.py.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+
+@pytest.fixture(scope="session")
+def cybuild(tmp_path_factory):
+    """build(name, source) -> module: compile a Cython module against the installed aoprim."""
+    from aoprim.cybuild import build_module
+
+    def build(name, source):
+        return build_module(name, source, workdir=str(tmp_path_factory.mktemp(name)))
+    return build
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_leak():
+    before = set(threading.enumerate())
+    yield
+    gc.collect()
+    leaked = [t for t in threading.enumerate() if t not in before]
+    for t in leaked:
+        t.join(5)   # a thread that was told to stop may still be unwinding
+    leaked = [t for t in leaked if t.is_alive()]
+    assert not leaked, f"threads leaked by the test: {leaked}"

@@ -1,0 +1,36 @@
+"""Helpers shared by the tests (importable because conftest puts tests/ on sys.path)."""
+import os
+import threading
+
+# Scale factor for stress tests: AOPRIM_STRESS=10 for a long soak.
+STRESS = float(os.environ.get("AOPRIM_STRESS", "1"))
+
+
+def scaled(n):
+    return max(1, int(n * STRESS))
+
+
+def run_threads(targets, timeout=60):
+    """Start one thread per callable (all released together by a barrier), join them all
+    within `timeout`, and re-raise the first exception any of them raised."""
+    errors = []
+    barrier = threading.Barrier(len(targets))
+
+    def wrap(fn):
+        def run():
+            try:
+                barrier.wait(timeout)
+                fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+                errors.append(e)
+        return run
+
+    threads = [threading.Thread(target=wrap(t), daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    alive = [t for t in threads if t.is_alive()]
+    assert not alive, f"{len(alive)} thread(s) still running after {timeout}s"
+    if errors:
+        raise errors[0]

@@ -1,0 +1,202 @@
+"""SpinLock: threading.Lock's behaviour and argument rules, Condition, threaded stress."""
+import threading
+import time
+
+import pytest
+
+from aoprim import SpinLock
+from support import run_threads, scaled
+
+try:
+    from test import lock_tests
+except ImportError:  # pragma: no cover - CPython's own test package is not always shipped
+    lock_tests = None
+
+
+def test_basic_acquire_release():
+    lk = SpinLock()
+    assert lk.locked() is False
+    assert lk.acquire() is True
+    assert lk.locked() is True
+    assert lk.acquire(False) is False
+    assert lk.acquire(blocking=False) is False
+    lk.release()
+    assert lk.locked() is False
+
+
+def test_release_unlocked_raises():
+    lk = SpinLock()
+    with pytest.raises(RuntimeError):
+        lk.release()
+    with lk:
+        pass
+    with pytest.raises(RuntimeError):
+        lk.release()
+
+
+def test_context_manager():
+    lk = SpinLock()
+    with lk as entered:
+        assert entered is True
+        assert lk.locked()
+    assert not lk.locked()
+    with pytest.raises(KeyError):
+        with lk:
+            raise KeyError
+    assert not lk.locked()
+
+
+def test_argument_rules_match_threading_lock():
+    cases = [
+        ((), {}), ((True,), {}), ((False,), {}), ((1,), {}), ((0,), {}),
+        ((False, -1), {}), ((False, 0.5), {}), ((True, -2), {}), ((True, -1.0), {}),
+        ((True, 0), {}), ((True, 0.0), {}), ((), {"timeout": 0.01}),
+        ((True, float("nan")), {}), ((True, threading.TIMEOUT_MAX * 2), {}),
+        ((True, 10**30), {}), ((True, "1"), {}), ((True, None), {}), (("yes",), {}),
+        ((1.5,), {}), ((), {"blocking": False, "timeout": 1}),
+    ]
+    for args, kwargs in cases:
+        outcome = []
+        for lk in (threading.Lock(), SpinLock()):
+            try:
+                r = lk.acquire(*args, **kwargs)
+                outcome.append(("ok", r))
+                if r:
+                    lk.release()
+            except Exception as e:
+                outcome.append(("raise", type(e)))
+        ref, ours = outcome
+        # threading.Lock says OverflowError for a timeout that doesn't fit its clock
+        # type; both must at least agree on the exception class.
+        assert ref == ours, (args, kwargs, ref, ours)
+
+
+def test_timeout_when_held():
+    lk = SpinLock()
+    lk.acquire()
+    t0 = time.monotonic()
+    assert lk.acquire(timeout=0.05) is False
+    dt = time.monotonic() - t0
+    assert 0.04 <= dt < 2.0
+    assert lk.acquire(True, 0) is False
+    lk.release()
+
+
+def test_release_from_another_thread():
+    lk = SpinLock()
+    lk.acquire()
+    t = threading.Thread(target=lk.release)
+    t.start()
+    t.join(10)
+    assert not lk.locked()
+
+
+def test_blocked_acquire_wakes_on_release():
+    lk = SpinLock()
+    lk.acquire()
+    got = threading.Event()
+    started = threading.Event()
+
+    def waiter():
+        started.set()
+        if lk.acquire(timeout=30):
+            got.set()
+            lk.release()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    started.wait(10)
+    assert not got.is_set()
+    lk.release()
+    assert got.wait(10)
+    t.join(10)
+
+
+def test_as_condition_lock():
+    lk = SpinLock()
+    cond = threading.Condition(lk)
+    items = []
+    n = 2000
+
+    def producer():
+        for i in range(n):
+            with cond:
+                items.append(i)
+                cond.notify()
+
+    seen = []
+
+    def consumer():
+        while len(seen) < n:
+            with cond:
+                while not items:
+                    assert cond.wait(30)
+                seen.extend(items)
+                items.clear()
+
+    run_threads([producer, consumer])
+    assert seen == list(range(n))
+    assert not lk.locked()
+
+
+def test_guards_plain_int_four_threads():
+    lk = SpinLock()
+    box = [0]
+    n = scaled(50_000)
+
+    def work():
+        for _ in range(n):
+            with lk:
+                v = box[0]
+                box[0] = v + 1
+
+    def work_explicit():
+        for _ in range(n):
+            lk.acquire()
+            v = box[0]
+            box[0] = v + 1
+            lk.release()
+
+    run_threads([work, work, work_explicit, work_explicit])
+    assert box[0] == 4 * n
+
+
+def test_holder_blocked_in_c_while_python_waits():
+    # a waiter must release the GIL: otherwise the holder (needing the GIL to release)
+    # would never progress and this would hang until the timeout
+    lk = SpinLock()
+    lk.acquire()
+    done = threading.Event()
+
+    def waiter():
+        assert lk.acquire(timeout=20)
+        lk.release()
+        done.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    for _ in range(1000):   # keep this thread busy in Python while the waiter waits
+        sum(range(100))
+    lk.release()
+    assert done.wait(20)
+    t.join(10)
+
+
+if lock_tests is not None:
+    class TestCPythonLockSuite(lock_tests.LockTests):
+        """CPython's own threading.Lock test-suite, run against SpinLock."""
+        locktype = staticmethod(SpinLock)
+
+        def test_repr(self):   # SpinLock's repr says SpinLock, not _thread.lock
+            lk = self.locktype()
+            assert "unlocked" in repr(lk)
+            lk.acquire()
+            assert "locked" in repr(lk)
+            lk.release()
+
+        def test_locked_repr(self):
+            self.test_repr()
+
+    class TestCPythonConditionSuite(lock_tests.ConditionTests):
+        """CPython's Condition tests with a SpinLock underneath."""
+        condtype = staticmethod(lambda lock=None: threading.Condition(lock or SpinLock()))
