@@ -9,6 +9,12 @@ from aoprim.errors import Closed, Empty, Full, PoolExhausted, RefCountError
 from aoprim._atomic import AtomicInt, RefCount
 from aoprim._spinlock import SpinLock
 
+# queues (issue 3)
+
+# buffers (issue 4)
+
+# send batching (issue 5)
+
 __version__ = "0.1.0"
 
 __all__ = [
