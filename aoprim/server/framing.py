@@ -1,0 +1,174 @@
+"""Framing: cutting a byte stream into frames.  Pure -- no sockets, no selectors, no I/O.
+
+Three framings:
+
+- ``raw``: every chunk the transport delivers is one frame (no header; nothing is buffered).
+- ``u16``: a 2-byte big-endian length header, then that many payload bytes.
+- ``u32``: a 4-byte big-endian length header, then that many payload bytes.
+
+Rules (the session layer relies on them):
+
+1. A length header is validated against ``max_frame`` as soon as its bytes are complete, and
+   before any memory is reserved for its payload: a header above ``max_frame`` raises
+   :class:`FrameTooLarge` (a ``ValueError``) and nothing after it is looked at.
+2. Frames come out in stream order; many frames in one chunk and one frame over many chunks
+   both work, and the result never depends on where the stream was split.
+3. A zero-length frame is a valid frame (an empty payload).
+4. Encoding a payload too long for the header (> 65535 for u16, > 2**32-1 for u32) raises
+   ``ValueError``.
+
+Two interfaces:
+
+- :meth:`Framing.scan` -- the session's hot path: given a buffer and a window
+  ``[pos, end)`` it returns the spans of the complete frames in it, without copying, and how
+  many bytes the next (incomplete) frame still needs.
+- :class:`FrameDecoder` -- ``feed(bytes) -> [bytes, ...]``, the same rules with its own
+  buffer; convenient for clients, tests and tools.
+"""
+import struct
+
+__all__ = ["Framing", "FrameDecoder", "FrameTooLarge", "FRAMINGS", "DEFAULT_MAX_FRAME"]
+
+FRAMINGS = ("raw", "u16", "u32")
+DEFAULT_MAX_FRAME = 65536
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+
+
+class FrameTooLarge(ValueError):
+    """A length header announced a frame above ``max_frame``."""
+
+    def __init__(self, length, max_frame, spans=(), pos=0):
+        super().__init__(f"frame header announces {length} bytes, above max_frame={max_frame}")
+        self.length = length
+        self.max_frame = max_frame
+        self.spans = list(spans)   # complete frames before the bad header (scan)
+        self.pos = pos             # where the bad header starts (scan)
+        self.frames = []           # complete frames before the bad header (FrameDecoder)
+
+
+class Framing:
+    """One framing kind with its limit.  Immutable; share it between sessions."""
+
+    __slots__ = ("kind", "max_frame", "header_size", "max_payload", "_st", "_unpack_from",
+                 "_pack")
+
+    def __init__(self, kind="raw", max_frame=DEFAULT_MAX_FRAME):
+        if kind not in FRAMINGS:
+            raise ValueError(f"framing must be one of {FRAMINGS}, not {kind!r}")
+        if isinstance(max_frame, bool) or not isinstance(max_frame, int):
+            raise TypeError(f"max_frame must be an int, not {type(max_frame).__name__}")
+        if max_frame < 1:
+            raise ValueError(f"max_frame must be >= 1, not {max_frame}")
+        self.kind = kind
+        self.max_frame = max_frame
+        if kind == "raw":
+            self.header_size = 0
+            self.max_payload = None
+            self._st = None
+        else:
+            self._st = _U16 if kind == "u16" else _U32
+            self.header_size = self._st.size
+            self.max_payload = (1 << (8 * self.header_size)) - 1
+            self._unpack_from = self._st.unpack_from
+            self._pack = self._st.pack
+
+    def __repr__(self):
+        return f"Framing({self.kind!r}, max_frame={self.max_frame})"
+
+    # -- decoding -------------------------------------------------------------------------
+    def scan(self, buf, pos, end):
+        """Find the complete frames in ``buf[pos:end]``.
+
+        Returns ``(spans, pos, need)``: ``spans`` is a list of ``(start, stop)`` payload
+        offsets into ``buf`` in stream order, ``pos`` is where the first incomplete frame
+        begins (== ``end`` when none is pending), and ``need`` is the total number of bytes
+        (header included) that the incomplete frame occupies once complete -- the header size
+        while the header itself is incomplete, 0 when nothing is pending.  Raises
+        :class:`FrameTooLarge` on a header above ``max_frame`` (rule 1); the frames complete
+        before it are in the exception's ``spans``.  Not for ``raw``.
+        """
+        hs = self.header_size
+        unpack = self._unpack_from
+        limit = self.max_frame
+        spans = []
+        while True:
+            avail = end - pos
+            if avail < hs:
+                return spans, pos, (hs if avail else 0)
+            n = unpack(buf, pos)[0]
+            if n > limit:
+                raise FrameTooLarge(n, limit, spans, pos)
+            if avail < hs + n:
+                return spans, pos, hs + n
+            spans.append((pos + hs, pos + hs + n))
+            pos += hs + n
+
+    def peek_need(self, buf, pos, end):
+        """Bytes (header included) the frame starting at ``pos`` needs; the header size while
+        the header is incomplete.  Validates the header (rule 1)."""
+        hs = self.header_size
+        if end - pos < hs:
+            return hs
+        n = self._unpack_from(buf, pos)[0]
+        if n > self.max_frame:
+            raise FrameTooLarge(n, self.max_frame)
+        return hs + n
+
+    # -- encoding -------------------------------------------------------------------------
+    def header(self, n):
+        """The header for an ``n``-byte payload (``b""`` for raw)."""
+        if self._st is None:
+            return b""
+        if n > self.max_payload:
+            raise ValueError(f"payload of {n} bytes is too long for {self.kind} framing "
+                             f"(at most {self.max_payload})")
+        return self._pack(n)
+
+    def encode(self, payload):
+        """Header + payload as one bytes object."""
+        if self._st is None:
+            return bytes(payload)
+        n = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+        return self.header(n) + payload
+
+
+class FrameDecoder:
+    """``feed(data) -> list[bytes]``: the frames completed by ``data``, in order.
+
+    Keeps the unfinished tail in its own buffer.  :class:`FrameTooLarge` carries the frames
+    completed before the bad header in ``.frames``; afterwards the decoder is poisoned (every
+    later ``feed`` raises again): the stream has lost its framing.
+    """
+
+    __slots__ = ("framing", "_buf", "_error")
+
+    def __init__(self, kind="raw", max_frame=DEFAULT_MAX_FRAME):
+        self.framing = kind if isinstance(kind, Framing) else Framing(kind, max_frame)
+        self._buf = bytearray()
+        self._error = None
+
+    @property
+    def pending(self):
+        """Bytes buffered for an unfinished frame."""
+        return len(self._buf)
+
+    def feed(self, data):
+        if self._error is not None:
+            raise self._error
+        fr = self.framing
+        if fr.kind == "raw":
+            return [bytes(data)] if len(data) else []
+        buf = self._buf
+        buf += data
+        try:
+            spans, pos, _need = fr.scan(buf, 0, len(buf))
+        except FrameTooLarge as e:
+            e.frames = [bytes(buf[a:b]) for a, b in e.spans]
+            buf.clear()
+            self._error = FrameTooLarge(e.length, e.max_frame)
+            raise
+        out = [bytes(buf[a:b]) for a, b in spans]
+        del buf[:pos]
+        return out

@@ -1,0 +1,33 @@
+"""Layer 3 -- your code (the logic layer).
+
+Subclass :class:`Handler` and implement ``on_read``; everything below (event loop, buffers,
+framing, batching, lifetimes, limits) is the server's.  This module imports no socket and no
+selectors: a handler sees sessions only through their small API (``send``, ``close``,
+``peer``, ``id``, ``closed``, ``server.broadcast``).
+
+Rules for handlers:
+
+- ``data`` in ``on_read`` is one frame as a bytes-like view, valid only during the call
+  (copy it with ``bytes(data)`` to keep it).
+- ``session.send()`` copies (or retains a ``Slot``), so the view can be sent back directly.
+- With ``workers=0`` the hooks run on the loop thread: do not block in them.  With
+  ``workers=N`` ``on_read`` runs on a worker thread; a session's frames still arrive in order
+  and never on two workers at once.
+- An exception raised by a hook closes that session (logged with its traceback) and nothing
+  else.
+"""
+
+__all__ = ["Handler"]
+
+
+class Handler:
+    """Base class of the Layer 3 code.  All hooks default to doing nothing."""
+
+    def on_connect(self, session):
+        """A session was accepted (before any of its frames is read)."""
+
+    def on_read(self, session, data):
+        """One frame arrived; ``data`` is valid during this call only."""
+
+    def on_close(self, session, exc):
+        """The session is closed; ``exc`` is the exception that closed it, or None."""

@@ -1,0 +1,167 @@
+"""Layer 3 adapter: run an unchanged ``asyncio.Protocol`` / ``asyncio.BufferedProtocol`` on the
+aoprim server (see ``serve_protocol`` in :mod:`aoprim.server`).
+
+Each session gets one protocol instance (from the factory) and one :class:`SessionTransport`.
+``Protocol.data_received`` gets ``bytes`` (asyncio's contract: the protocol may keep them).
+A ``BufferedProtocol`` gets its bytes through ``get_buffer``/``buffer_updated``: they were
+received into pool slots by Layer 2 and are copied once, straight from the slot, into the
+buffer the protocol hands out.  The transport's write buffer is the session's ``SendBatch``:
+``get_write_buffer_size()`` is its unsent bytes, and the protocol's ``pause_writing`` /
+``resume_writing`` are called when it crosses the limits of ``set_write_buffer_limits``.
+
+Differences from asyncio worth knowing: the peer's EOF closes the session (``eof_received``
+is not called; ``connection_lost(None)`` is), and ``write_eof`` is not supported.
+"""
+import asyncio
+import logging
+
+from .handler import Handler
+
+__all__ = ["ProtocolHandler", "SessionTransport"]
+
+log = logging.getLogger("aoprim.server")
+
+
+class SessionTransport(asyncio.Transport):
+    """An ``asyncio.Transport`` over one session."""
+
+    def __init__(self, session, protocol):
+        super().__init__({"peername": session.peer})
+        self._session = session
+        self._protocol = protocol
+        self._closing = False
+        self._paused_reading = False
+        self._low = self._high = 0
+        self.set_write_buffer_limits()
+
+    # -- writing -------------------------------------------------------------------------
+    def write(self, data):
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data argument must be a bytes-like object, "
+                            f"not {type(data).__name__!r}")
+        if self._closing or not data:
+            return
+        self._session.send(data)
+
+    def writelines(self, list_of_data):
+        data = b"".join(list_of_data)
+        if data:
+            self.write(data)
+
+    def can_write_eof(self):
+        return False
+
+    def get_write_buffer_size(self):
+        return self._session.pending_bytes
+
+    def get_write_buffer_limits(self):
+        return (self._low, self._high)
+
+    def set_write_buffer_limits(self, high=None, low=None):
+        if high is None:
+            high = 4 * low if low is not None else 64 * 1024
+        if low is None:
+            low = high // 4
+        if not high >= low >= 0:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        self._high, self._low = high, low
+        self._session.set_write_limits(high, low, self._pause_writing, self._resume_writing)
+
+    def _pause_writing(self):
+        try:
+            self._protocol.pause_writing()
+        except Exception:
+            log.exception("protocol pause_writing() failed")
+
+    def _resume_writing(self):
+        try:
+            self._protocol.resume_writing()
+        except Exception:
+            log.exception("protocol resume_writing() failed")
+
+    # -- reading -------------------------------------------------------------------------
+    def is_reading(self):
+        return not self._paused_reading and not self._closing
+
+    def pause_reading(self):
+        if self._closing or self._paused_reading:
+            return
+        self._paused_reading = True
+        self._session.pause_reading()
+
+    def resume_reading(self):
+        if self._closing or not self._paused_reading:
+            return
+        self._paused_reading = False
+        self._session.resume_reading()
+
+    # -- closing -------------------------------------------------------------------------
+    def is_closing(self):
+        return self._closing or self._session.closed
+
+    def close(self):
+        if self._closing:
+            return
+        self._closing = True
+        self._session.close()
+
+    def abort(self):
+        self._closing = True
+        self._session.abort()
+
+    def get_extra_info(self, name, default=None):
+        s = self._session
+        if name == "peername":
+            return s.peer
+        if name == "sockname":
+            return s.sockname
+        if name == "socket":
+            return s.socket
+        return super().get_extra_info(name, default)
+
+    def get_protocol(self):
+        return self._protocol
+
+    def set_protocol(self, protocol):
+        self._protocol = protocol
+
+
+class ProtocolHandler(Handler):
+    """A Handler that drives one asyncio protocol per session."""
+
+    def __init__(self, protocol_factory):
+        self._factory = protocol_factory
+
+    def on_connect(self, session):
+        proto = self._factory()
+        tr = SessionTransport(session, proto)
+        session.user = (proto, tr, isinstance(proto, asyncio.BufferedProtocol))
+        proto.connection_made(tr)
+
+    def on_read(self, session, data):
+        proto, tr, buffered = session.user
+        if tr._closing:
+            return
+        if not buffered:
+            proto.data_received(bytes(data))
+            return
+        n = len(data)
+        off = 0
+        while off < n:
+            buf = proto.get_buffer(n - off)
+            mv = memoryview(buf).cast("B")
+            k = min(mv.nbytes, n - off)
+            if k <= 0:
+                raise RuntimeError("get_buffer() returned an empty buffer")
+            mv[:k] = data[off:off + k]
+            mv.release()
+            proto.buffer_updated(k)
+            off += k
+
+    def on_close(self, session, exc):
+        if session.user is None:
+            return
+        proto, tr, _ = session.user
+        tr._closing = True
+        session.user = None
+        proto.connection_lost(exc)

@@ -1,0 +1,76 @@
+"""Worker threads in the IOCP shape: a completion queue (``MPMCQueue``) and N threads that take
+completions in batches (``get_many``) and run them.
+
+This module is generic: an item is whatever the producer posts, and ``dispatch(item)`` is the
+producer's function.  Per-session ordering is the session layer's business (it posts a session
+at most once at a time, see session.py).  ``close()`` closes the queue: the threads drain
+what is left, then exit; each exiting thread calls ``on_exit()``.
+"""
+import logging
+import threading
+
+from aoprim import Closed, MPMCQueue
+
+__all__ = ["WorkerPool"]
+
+log = logging.getLogger("aoprim.server")
+
+
+class WorkerPool:
+    def __init__(self, n, dispatch, capacity=4096, batch=32, on_exit=None, name="aoprim-worker"):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError("workers must be an int")
+        if n < 1:
+            raise ValueError("a WorkerPool needs at least one thread")
+        self.queue = MPMCQueue(capacity)
+        self._dispatch = dispatch
+        self._batch = batch
+        self._on_exit = on_exit
+        self.threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                        for i in range(n)]
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+
+    def post(self, item):
+        """Enqueue one completion (blocks while the queue is full: back-pressure on the loop)."""
+        self.queue.put(item)
+
+    def close(self):
+        self.queue.close()
+
+    def join(self, timeout=None):
+        for t in self.threads:
+            if t.ident is not None:
+                t.join(timeout)
+        return not any(t.is_alive() for t in self.threads)
+
+    def _run(self):
+        q = self.queue
+        dispatch = self._dispatch
+        batch = self._batch
+        try:
+            while True:
+                try:
+                    item = q.get()          # blocks (spins briefly, then parks)
+                except Closed:
+                    return
+                dispatch(item)
+                while True:                 # then take what is there in batches
+                    try:
+                        items = q.get_many(batch)
+                    except Closed:
+                        return
+                    if not items:
+                        break
+                    for item in items:
+                        dispatch(item)
+                    del items
+                del item
+        except BaseException:   # pragma: no cover - dispatch guards its own errors
+            log.exception("worker thread crashed")
+            raise
+        finally:
+            if self._on_exit is not None:
+                self._on_exit()
