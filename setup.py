@@ -18,6 +18,9 @@ COMPILER_DIRECTIVES = {
     "initializedcheck": False,
     "cdivision": True,                   # divisors are checked non-zero where they come in
     "embedsignature": True,
+    # plain method descriptors instead of CyFunction objects: ~5 ns less per Python call
+    # (measured on AtomicInt.fetch_add: 30.8 -> 25.7 ns); signatures stay in the docstrings
+    "binding": False,
 }
 
 CFLAGS = ["-O3", "-fno-strict-aliasing", "-Wno-unused-function"]

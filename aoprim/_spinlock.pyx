@@ -15,7 +15,7 @@ from libc.math cimport isnan
 from libc.stdint cimport int64_t
 
 from aoprim.atomic_h cimport (
-    aop_spin_init, aop_spin_trylock, aop_spin_locked, aop_spin_lock_timed, aop_spin_unlock,
+    aop_spin_init, aop_spin_trylock, aop_spin_locked, aop_spin_lock_timed, aop_spin_unlock_checked,
 )
 
 import threading as _threading
@@ -67,9 +67,8 @@ cdef class SpinLock:
 
     def release(self):
         """Release the lock.  RuntimeError if it is not locked."""
-        if not aop_spin_locked(&self.lock):
+        if not aop_spin_unlock_checked(&self.lock):
             raise RuntimeError("release unlocked lock")
-        aop_spin_unlock(&self.lock)
 
     def locked(self):
         """True if the lock is held (by anyone)."""
@@ -82,9 +81,8 @@ cdef class SpinLock:
         return True
 
     def __exit__(self, exc_type, exc_value, tb):
-        if not aop_spin_locked(&self.lock):
+        if not aop_spin_unlock_checked(&self.lock):
             raise RuntimeError("release unlocked lock")
-        aop_spin_unlock(&self.lock)
 
     # threading.Lock's old aliases, kept for drop-in compatibility
     acquire_lock = acquire

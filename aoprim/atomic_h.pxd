@@ -66,3 +66,4 @@ cdef extern from "aop_atomic.h" nogil:
     bint aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns) noexcept
     void aop_spin_lock(aop_spinlock_t *l) noexcept
     void aop_spin_unlock(aop_spinlock_t *l) noexcept
+    bint aop_spin_unlock_checked(aop_spinlock_t *l) noexcept

@@ -65,4 +65,8 @@ def pytest_terminal_summary(terminalreporter, config):
                 ref = base[0]
                 ref_ns = ref.stats.median * 1e9 / ref.extra_info.get("per_call", 1)
                 line += f"   x{ref_ns / ns:6.2f} vs {ref.name}"
+            extra = {k: v for k, v in b.extra_info.items()
+                     if k not in ("baseline", "per_call")}
+            if extra:
+                line += "   " + " ".join(f"{k}={v}" for k, v in extra.items())
             tr.write_line(line)

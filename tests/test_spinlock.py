@@ -229,3 +229,37 @@ if lock_tests is not None:
 
         def test_locked_repr(self):
             self.test_repr()
+
+
+def test_parked_waiter_burns_no_core():
+    """A waiter blocked for a long time must park (futex), not spin: its own thread CPU
+    time stays a small fraction of the time it waited."""
+    lk = SpinLock()
+    lk.acquire()
+    started = threading.Event()
+    result = {}
+
+    def waiter():
+        c0, w0 = time.thread_time(), time.monotonic()
+        started.set()
+        assert lk.acquire(timeout=30)
+        result["cpu"], result["wall"] = time.thread_time() - c0, time.monotonic() - w0
+        lk.release()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert started.wait(10)
+    time.sleep(0.3)     # hold the lock: the waiter must be parked meanwhile, not spinning
+    lk.release()
+    t.join(10)
+    assert result["wall"] >= 0.25
+    assert result["cpu"] < 0.1 * result["wall"], result
+
+
+def test_timed_wait_burns_no_core():
+    lk = SpinLock()
+    lk.acquire()
+    c0 = time.thread_time()
+    assert lk.acquire(timeout=0.3) is False
+    assert time.thread_time() - c0 < 0.05
+    lk.release()

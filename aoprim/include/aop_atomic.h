@@ -263,4 +263,16 @@ AOP_INLINE void aop_spin_unlock(aop_spinlock_t *l)
         aop_unpark(&l->state, 1);   /* someone may be parked: wake one */
 }
 
+/* Unlock, reporting whether the lock was held: the check and the release are one atomic
+ * exchange, so two racing releases of a once-held lock cannot both succeed.  Returns 0 (and
+ * changes nothing) if it was not locked. */
+AOP_INLINE int aop_spin_unlock_checked(aop_spinlock_t *l)
+{
+    /* release: as aop_spin_unlock */
+    uint32_t old = aop_exchange_u32(&l->state, 0, AOP_RELEASE);
+    if (old == 2)
+        aop_unpark(&l->state, 1);
+    return old != 0;
+}
+
 #endif /* AOP_ATOMIC_H */
