@@ -349,9 +349,12 @@ cdef class SendBatch:
                 off += v[k].iov_len
         else:
             off = <size_t>(self.added - self.sent)
+        offered[0] = off
         if self.write_limit and off > self.write_limit:
-            # test hook: offer only write_limit bytes, by trimming the segment that crosses
-            # the limit for the duration of the call (no copy), then restoring it.
+            # test hook: a kernel that takes at most write_limit bytes.  Offer only that
+            # much, by trimming the segment that crosses the limit for the duration of the
+            # call (no copy), then restoring it; *offered stays the full amount, so the
+            # caller sees a short (partial) write, exactly as from a full socket buffer.
             off = 0
             k = 0
             while off + v[k].iov_len < self.write_limit:
@@ -359,11 +362,9 @@ cdef class SendBatch:
                 k += 1
             saved = v[k].iov_len
             v[k].iov_len = self.write_limit - off
-            offered[0] = self.write_limit
             r = aop_sb_write(fd, v, <int>(k + 1), self.is_sock)
             v[k].iov_len = saved
             return r
-        offered[0] = off
         return aop_sb_write(fd, v, <int>cnt, self.is_sock)
 
     cdef Py_ssize_t _advance(self, size_t n) noexcept nogil:
@@ -693,6 +694,11 @@ cdef class SendBatch:
             _raise_busy()
         self.write_limit = <size_t>v
         _unclaim(self)
+
+    @property
+    def _capacity(self):
+        """Test hook: (segment slots, coalescing-buffer bytes, message slots) allocated."""
+        return (self.segcap, self.ccap, self.mcap)
 
     def __repr__(self):
         return (f"<aoprim.SendBatch target={self.target!r} pending_msgs="
