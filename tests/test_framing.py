@@ -1,0 +1,161 @@
+"""framing.py is pure: bytes in, frames out.  Fed whole, one byte at a time, and split at
+every point, the result must be the same; a header above max_frame is refused before any
+payload memory is reserved."""
+import random
+import struct
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from aoprim.server.framing import FrameDecoder, FrameTooLarge, Framing
+
+KINDS = ["u16", "u32"]
+
+
+def enc(kind, payload):
+    return struct.pack(">H" if kind == "u16" else ">I", len(payload)) + payload
+
+
+PAYLOADS = [b"", b"a", b"hello", bytes(range(256)) * 3, b"\x00" * 1000, b"z" * 65535]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_whole_stream(kind):
+    stream = b"".join(enc(kind, p) for p in PAYLOADS)
+    d = FrameDecoder(kind, max_frame=65535)
+    assert d.feed(stream) == PAYLOADS
+    assert d.pending == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_byte_by_byte(kind):
+    payloads = PAYLOADS[:5]
+    stream = b"".join(enc(kind, p) for p in payloads)
+    d = FrameDecoder(kind)
+    out = []
+    for i in range(len(stream)):
+        out += d.feed(stream[i:i + 1])
+    assert out == payloads
+    assert d.pending == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_split_at_every_point(kind):
+    payloads = [b"abc", b"", b"defgh", bytes(range(40))]
+    stream = b"".join(enc(kind, p) for p in payloads)
+    for i in range(len(stream) + 1):
+        for j in range(i, len(stream) + 1):
+            d = FrameDecoder(kind)
+            out = d.feed(stream[:i]) + d.feed(stream[i:j]) + d.feed(stream[j:])
+            assert out == payloads, (i, j)
+            assert d.pending == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trailing_partial_is_kept(kind):
+    d = FrameDecoder(kind)
+    full = enc(kind, b"one") + enc(kind, b"two")
+    assert d.feed(full + enc(kind, b"three")[:-1]) == [b"one", b"two"]
+    assert d.pending == len(enc(kind, b"three")) - 1
+    assert d.feed(b"e") == [b"three"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(kind=st.sampled_from(KINDS),
+       payloads=st.lists(st.binary(max_size=300), max_size=20),
+       cuts=st.lists(st.integers(min_value=0, max_value=10000), max_size=10))
+def test_any_split_gives_the_same_frames(kind, payloads, cuts):
+    stream = b"".join(enc(kind, p) for p in payloads)
+    points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    d = FrameDecoder(kind)
+    out = []
+    for a, b in zip(points, points[1:]):
+        out += d.feed(stream[a:b])
+    assert out == payloads
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_header_above_max_frame_is_refused_before_the_payload(kind):
+    d = FrameDecoder(kind, max_frame=100)
+    good = enc(kind, b"x" * 100)
+    bad_header = struct.pack(">H" if kind == "u16" else ">I", 101)
+    # the bad header alone (no payload bytes at all) is enough to refuse it
+    with pytest.raises(FrameTooLarge) as ei:
+        d.feed(good + bad_header)
+    assert ei.value.length == 101 and ei.value.max_frame == 100
+    assert ei.value.frames == [b"x" * 100]        # the frame before it was complete
+    assert isinstance(ei.value, ValueError)
+    with pytest.raises(FrameTooLarge):             # poisoned: the stream lost its framing
+        d.feed(b"")
+
+
+def test_scan_reports_spans_and_need():
+    fr = Framing("u16", 1000)
+    buf = bytearray(enc("u16", b"ab") + enc("u16", b"cde") + enc("u16", b"0123456789")[:5])
+    spans, pos, need = fr.scan(buf, 0, len(buf))
+    assert [bytes(buf[a:b]) for a, b in spans] == [b"ab", b"cde"]
+    assert pos == 9 and need == 12
+    spans, pos, need = fr.scan(buf, 9, 10)       # one header byte only
+    assert spans == [] and pos == 9 and need == 2
+    spans, pos, need = fr.scan(buf, 0, 9)        # exactly at a boundary
+    assert len(spans) == 2 and pos == 9 and need == 0
+    big = bytearray(struct.pack(">H", 1001))
+    with pytest.raises(FrameTooLarge) as ei:
+        fr.scan(big, 0, 2)
+    assert ei.value.spans == [] and ei.value.pos == 0
+
+
+def test_scan_with_offset_and_memoryview():
+    fr = Framing("u32", 64)
+    data = b"junk" + enc("u32", b"hi") + enc("u32", b"")
+    mv = memoryview(bytearray(data))
+    spans, pos, need = fr.scan(mv, 4, len(data))
+    assert [bytes(mv[a:b]) for a, b in spans] == [b"hi", b""]
+    assert pos == len(data) and need == 0
+
+
+def test_encode_and_header_limits():
+    assert Framing("u16").encode(b"abc") == b"\x00\x03abc"
+    assert Framing("u32").encode(memoryview(b"abc")) == b"\x00\x00\x00\x03abc"
+    assert Framing("raw").encode(bytearray(b"abc")) == b"abc"
+    assert Framing("raw").header(5) == b""
+    with pytest.raises(ValueError):
+        Framing("u16").header(65536)
+    with pytest.raises(ValueError):
+        Framing("u16").encode(b"x" * 65536)
+    assert Framing("u16").header(65535) == b"\xff\xff"
+    assert Framing("u32").header(2 ** 32 - 1) == b"\xff\xff\xff\xff"
+    with pytest.raises(ValueError):
+        Framing("u32").header(2 ** 32)
+
+
+def test_raw_passes_chunks_through():
+    d = FrameDecoder("raw")
+    assert d.feed(b"abc") == [b"abc"]
+    assert d.feed(b"") == []
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        Framing("u8")
+    with pytest.raises(TypeError):
+        Framing("u16", 10.0)
+    with pytest.raises(TypeError):
+        Framing("u16", True)
+    with pytest.raises(ValueError):
+        Framing("u16", 0)
+
+
+def test_random_streams_against_a_model():
+    rng = random.Random(7)
+    for _ in range(200):
+        kind = rng.choice(KINDS)
+        payloads = [rng.randbytes(rng.randrange(0, 70)) for _ in range(rng.randrange(0, 30))]
+        stream = b"".join(enc(kind, p) for p in payloads)
+        d = FrameDecoder(kind)
+        out, i = [], 0
+        while i < len(stream):
+            k = rng.randrange(1, 50)
+            out += d.feed(stream[i:i + k])
+            i += k
+        assert out == payloads

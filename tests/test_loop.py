@@ -1,0 +1,123 @@
+"""Layer 1: readiness callbacks, call_soon(_threadsafe) wake-ups, timers, backends."""
+import socket
+import threading
+import time
+
+import pytest
+
+from aoprim.server.loop import BackendUnavailable, EventLoop
+
+
+@pytest.fixture
+def loop():
+    lp = EventLoop()
+    yield lp
+    lp.close()
+
+
+def run_in_thread(lp):
+    t = threading.Thread(target=lp.run, daemon=True)
+    t.start()
+    return t
+
+
+def test_call_soon_threadsafe_wakes_a_blocked_loop(loop):
+    t = run_in_thread(loop)
+    got = []
+    done = threading.Event()
+    n = 2000
+
+    def producer(k):
+        for i in range(n):
+            loop.call_soon_threadsafe(got.append, (k, i))
+
+    ps = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(10)
+    loop.call_soon_threadsafe(done.set)
+    assert done.wait(10), "the loop was not woken"
+    loop.stop()
+    t.join(10)
+    assert not t.is_alive()
+    assert len(got) == 4 * n
+    for k in range(4):      # per-producer FIFO
+        assert [i for kk, i in got if kk == k] == list(range(n))
+
+
+def test_stop_from_another_thread_while_idle(loop):
+    t = run_in_thread(loop)
+    time.sleep(0.05)        # let it block in select with no timers: only a wake-up ends it
+    loop.stop()
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_timers_run_in_order_and_cancel(loop):
+    order = []
+    loop.call_later(0.03, order.append, 3)
+    loop.call_later(0.01, order.append, 1)
+    cancelled = loop.call_later(0.02, order.append, 2)
+    cancelled.cancel()
+    loop.call_later(0.01, order.append, 1.5)     # same time: FIFO by sequence
+    loop.call_later(0.05, loop.stop)
+    t0 = time.monotonic()
+    loop.run()
+    assert order == [1, 1.5, 3]
+    assert time.monotonic() - t0 >= 0.045
+
+
+def test_reader_and_writer_callbacks(loop):
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    got = bytearray()
+
+    def on_read():
+        got.extend(a.recv(100))
+        if got == b"ping":
+            loop.remove_reader(a.fileno())
+            loop.add_writer(a.fileno(), on_write)
+
+    def on_write():
+        a.send(b"pong")
+        loop.remove_writer(a.fileno())
+        loop.stop()
+
+    loop.add_reader(a.fileno(), on_read)
+    b.send(b"ping")
+    loop.run()
+    b.settimeout(5)
+    assert b.recv(10) == b"pong"
+    a.close()
+    b.close()
+
+
+def test_iteration_hook_runs_after_callbacks(loop):
+    seen = []
+    loop.add_iteration_hook(lambda: seen.append("hook"))
+    loop.call_soon(seen.append, "cb")
+    loop.call_soon(loop.stop)
+    loop.run()
+    assert seen[:2] == ["cb", "hook"]
+
+
+def test_backends():
+    with pytest.raises(BackendUnavailable, match="io_uring backend is unavailable"):
+        EventLoop(backend="uring")
+    lp = EventLoop(backend="auto")
+    assert lp.backend == "selectors"
+    lp.close()
+    with pytest.raises(ValueError):
+        EventLoop(backend="kqueue-please")
+
+
+def test_close_rules(loop):
+    loop.call_soon(loop.stop)
+    loop.run()
+    loop.close()
+    loop.close()        # idempotent
+    with pytest.raises(RuntimeError):
+        loop.run()
+    loop.call_soon_threadsafe(print)   # after close: queued, never written to a dead fd

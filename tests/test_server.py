@@ -1,0 +1,336 @@
+"""The server end to end on loopback: echo under concurrency, framing over any split,
+broadcast, workers, shutdown, lifetimes.  Limits and failures: test_server_limits.py."""
+import logging
+import random
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from aoprim import AtomicInt
+from aoprim.server import BackendUnavailable, Handler, Server
+from aoprim.server.apps import Chat, Echo
+
+from support import run_threads
+from test_server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
+                                 read_frame, recv_exact, recv_until_closed, wait_for)
+
+
+class Recorder(Echo):
+    """Echo that also records each frame it got (as bytes), per session."""
+
+    def __init__(self):
+        self.frames = {}
+        self.closed = []
+        self.lock = threading.Lock()
+
+    def on_connect(self, session):
+        with self.lock:
+            self.frames[session.id] = []
+
+    def on_read(self, session, data):
+        with self.lock:
+            self.frames[session.id].append(bytes(data))
+        session.send(data)
+
+    def on_close(self, session, exc):
+        with self.lock:
+            self.closed.append((session.id, exc))
+
+
+def test_echo_100_concurrent_clients_every_byte(make_server, connect):
+    srv = make_server(Echo())
+    socks = [connect(srv) for _ in range(100)]
+    wait_for(lambda: srv.stats()["connections"] == 100, what="100 sessions")
+
+    def client(s, seed):
+        rng = random.Random(seed)
+        def run():
+            for _ in range(20):
+                msg = rng.randbytes(rng.randrange(1, 5000))
+                s.sendall(msg)
+                assert recv_exact(s, len(msg)) == msg
+        return run
+
+    run_threads([client(s, i) for i, s in enumerate(socks)], timeout=60)
+    st = srv.stats()
+    assert st["bytes_in"] == st["bytes_out"] > 0
+    assert st["connections_total"] == 100
+
+
+@pytest.mark.parametrize("kind", ["u16", "u32"])
+def test_framing_split_into_single_bytes_and_many_in_one_send(make_server, connect, kind):
+    h = Recorder()
+    srv = make_server(h, framing=kind)
+    payloads = [b"", b"a", b"hello world", bytes(range(256)) * 4]
+    s = connect(srv)
+    stream = b"".join(frame(p, kind) for p in payloads)
+    for i in range(len(stream)):          # one byte per send (TCP_NODELAY: one segment each)
+        s.send(stream[i:i + 1])
+    for p in payloads:
+        assert read_frame(s, kind) == p
+    many = [struct.pack(">I", i) * (i % 7) for i in range(500)]
+    s.sendall(b"".join(frame(p, kind) for p in many))    # 500 frames in one send
+    for p in many:
+        assert read_frame(s, kind) == p
+    sid = srv.sessions[0].id
+    assert h.frames[sid] == payloads + many               # exact frame boundaries
+    st = srv.stats()
+    assert st["frames_in"] == st["frames_out"] == len(payloads) + len(many)
+
+
+def test_frames_larger_than_a_slot(make_server, connect):
+    srv = make_server(Recorder(), framing="u32", max_frame=1 << 20, rx_slot_size=4096)
+    s = connect(srv)
+    rng = random.Random(3)
+    big = [rng.randbytes(n) for n in (4090, 4096, 5000, 300_000, 1 << 20)]
+    s.sendall(b"".join(frame(p, "u32") for p in big))
+    for p in big:
+        assert read_frame(s, "u32") == p
+
+
+def test_replies_of_one_read_burst_leave_in_one_syscall(make_server, connect):
+    srv = make_server(Echo(), framing="u16")
+    s = connect(srv)
+    s.sendall(frame(b"warm"))
+    assert read_frame(s) == b"warm"
+    before = srv.stats()
+    s.sendall(b"".join(frame(struct.pack(">H", i)) for i in range(64)))
+    for i in range(64):
+        assert read_frame(s) == struct.pack(">H", i)
+    after = srv.stats()
+    frames = after["frames_out"] - before["frames_out"]
+    sends = after["send_syscalls"] - before["send_syscalls"]
+    recvs = after["recv_syscalls"] - before["recv_syscalls"]
+    assert frames == 64
+    assert sends <= recvs and sends <= 4, (sends, recvs)
+
+
+def test_broadcast_to_50_clients_one_slot(make_server, connect):
+    srv = make_server(Echo(), framing="u16")
+    socks = [connect(srv) for _ in range(50)]
+    wait_for(lambda: srv.stats()["connections"] == 50, what="50 sessions")
+    for k in range(5):
+        srv.broadcast(b"news %d" % k)       # from a foreign thread
+    for s in socks:
+        for k in range(5):
+            assert read_frame(s) == b"news %d" % k
+    assert srv.tx_pool.high_water <= 5      # one slot per broadcast, not one per client
+    assert srv.tx_pool.in_use == 0
+    with pytest.raises(ValueError):
+        srv.broadcast(b"x" * 70000)         # too long for a u16 header
+
+
+def test_chat_app_broadcasts_to_the_others(make_server, connect):
+    srv = make_server(Chat(), framing="u32")
+    a, b, c = (connect(srv) for _ in range(3))
+    wait_for(lambda: srv.stats()["connections"] == 3)
+    a.sendall(frame(b"hi from a", "u32"))
+    assert read_frame(b, "u32") == b"hi from a"
+    assert read_frame(c, "u32") == b"hi from a"
+    b.sendall(frame(b"b here", "u32"))
+    assert read_frame(a, "u32") == b"b here"
+    assert read_frame(c, "u32") == b"b here"
+    a.settimeout(0.2)
+    with pytest.raises(socket.timeout):     # a does not get its own message back
+        a.recv(1)
+
+
+class OrderChecker(Handler):
+    """Records per-session sequence numbers on worker threads and detects two workers on one
+    session at once."""
+
+    def __init__(self):
+        self.active = {}
+        self.seqs = {}
+        self.threads = set()
+        self.overlaps = AtomicInt(0)
+        self.lock = threading.Lock()
+
+    def on_connect(self, session):
+        with self.lock:
+            self.active[session.id] = AtomicInt(0)
+            self.seqs[session.id] = []
+
+    def on_read(self, session, data):
+        a = self.active[session.id]
+        if a.fetch_add(1) != 0:
+            self.overlaps.fetch_add(1)
+        self.threads.add(threading.get_ident())
+        self.seqs[session.id].append(struct.unpack(">I", data[:4])[0])
+        if len(self.seqs[session.id]) % 50 == 0:
+            time.sleep(0)           # let another worker try to barge in
+        session.send(data)          # from a worker thread: queued, loop woken
+        a.fetch_sub(1)
+
+
+def test_workers_preserve_per_session_order(make_server, connect):
+    h = OrderChecker()
+    srv = make_server(h, framing="u32", workers=4)
+    n, conns = 3000, 6
+    socks = [connect(srv) for _ in range(conns)]
+
+    def client(s):
+        def run():
+            for start in range(0, n, 500):
+                s.sendall(b"".join(frame(struct.pack(">I", i) + b"x" * (i % 13), "u32")
+                                   for i in range(start, start + 500)))
+            for i in range(n):
+                got = read_frame(s, "u32")
+                assert struct.unpack(">I", got[:4])[0] == i
+                assert got[4:] == b"x" * (i % 13)
+        return run
+
+    run_threads([client(s) for s in socks], timeout=90)
+    assert h.overlaps.load() == 0
+    assert all(seq == list(range(n)) for seq in h.seqs.values())
+    assert len(h.seqs) == conns
+    assert len(h.threads) >= 2, "only one worker ever ran"
+
+
+def test_on_close_runs_once_after_the_last_frame_with_workers(make_server, connect):
+    h = Recorder()
+    srv = make_server(h, framing="u16", workers=2)
+    s = connect(srv)
+    s.sendall(b"".join(frame(b"%d" % i) for i in range(100)))
+    for i in range(100):
+        assert read_frame(s) == b"%d" % i
+    s.close()
+    wait_for(lambda: len(h.closed) == 1, what="on_close")
+    assert h.closed[0][1] is None
+
+
+def test_shutdown_flushes_pending_data_within_5s(make_server, connect):
+    big = bytes(range(256)) * 8192          # 2 MiB per client, more than the socket buffers
+
+    class Dump(Handler):
+        def on_read(self, session, data):
+            session.send(big)
+
+    srv = make_server(Dump(), max_pending=8 << 20)
+    readers = [connect(srv) for _ in range(3)]
+    idle = [connect(srv) for _ in range(5)]
+    for r in readers:
+        r.sendall(b"go")
+    wait_for(lambda: srv.stats()["frames_out"] >= 3, what="replies queued")
+    t = threading.Thread(target=srv.shutdown)
+    t0 = time.monotonic()
+    t.start()
+    for r in readers:                       # start reading only once shutdown has begun
+        data, how = recv_until_closed(r, timeout=10)
+        assert how == "eof" and data == big
+    for s in idle:
+        assert recv_until_closed(s, timeout=10) == (b"", "eof")
+    t.join(10)
+    assert not t.is_alive()
+    assert time.monotonic() - t0 < 5.0
+    assert_no_leaks(srv)
+
+
+def test_shutdown_with_workers_and_clients_connected(make_server, connect):
+    srv = make_server(Echo(), framing="u16", workers=3)
+    socks = [connect(srv) for _ in range(10)]
+    for s in socks:
+        s.sendall(b"".join(frame(b"m%d" % i) for i in range(200)))
+    for s in socks:
+        assert read_frame(s) == b"m0"
+    t0 = time.monotonic()
+    srv.shutdown()
+    assert time.monotonic() - t0 < 5.0
+    for s in socks:       # every frame that was read was answered before the close
+        data, how = recv_until_closed(s)
+        assert how == "eof"
+    assert_no_leaks(srv)
+
+
+def test_send_from_many_threads_keeps_each_threads_order(make_server, connect):
+    srv = make_server(Handler(), framing="u32")
+    s = connect(srv)
+    wait_for(lambda: srv.sessions)
+    sess = srv.sessions[0]
+    n, k = 2000, 4
+
+    def sender(t):
+        def run():
+            for i in range(n):
+                sess.send(struct.pack(">II", t, i))
+        return run
+
+    got = {t: [] for t in range(k)}
+    reader_err = []
+
+    def reader():
+        try:
+            for _ in range(n * k):
+                t, i = struct.unpack(">II", read_frame(s, "u32"))
+                got[t].append(i)
+        except BaseException as e:   # noqa: BLE001
+            reader_err.append(e)
+
+    rt = threading.Thread(target=reader)
+    rt.start()
+    run_threads([sender(t) for t in range(k)], timeout=60)
+    rt.join(30)
+    assert not rt.is_alive() and not reader_err
+    assert all(got[t] == list(range(n)) for t in range(k))
+
+
+def test_session_slot_send_and_pool_return(make_server, connect):
+    from aoprim import SlabPool
+    pool = SlabPool(256, 4)
+
+    class SlotEcho(Handler):
+        def on_read(self, session, data):
+            slot = pool.acquire()
+            mv = memoryview(slot)
+            mv[:len(data)] = data
+            mv.release()
+            slot.length = len(data)
+            session.send(slot)      # retained by the batch
+            slot.release()          # our reference
+
+    srv = make_server(SlotEcho(), framing="u16")
+    s = connect(srv)
+    for i in range(50):
+        s.sendall(frame(b"slot %d" % i))
+        assert read_frame(s) == b"slot %d" % i
+    s.close()
+    wait_for(lambda: srv.live_sessions == 0)
+    assert pool.in_use == 0
+
+
+def test_uring_backend_error_and_auto_fallback():
+    with pytest.raises(BackendUnavailable, match="io_uring"):
+        Server(Echo(), HOST, 0, backend="uring")
+    srv = Server(Echo(), HOST, 0, backend="auto")
+    assert srv.backend == "selectors"
+    srv.shutdown()
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError):
+        Server(object())
+    with pytest.raises(ValueError):
+        Server(Echo(), HOST, 0, framing="u64")
+    with pytest.raises(TypeError):
+        Server(Echo(), HOST, 0, max_connections=10.5)
+    with pytest.raises(ValueError):
+        Server(Echo(), HOST, 0, idle_timeout=-1)
+    with pytest.raises(TypeError):
+        Server(Echo(), HOST, 0, workers="2")
+
+
+def test_lifecycle_is_logged(make_server, connect, caplog):
+    caplog.set_level(logging.DEBUG, logger="aoprim.server")
+    srv = make_server(Echo())
+    s = connect(srv)
+    s.sendall(b"x")
+    assert recv_exact(s, 1) == b"x"
+    s.close()
+    wait_for(lambda: srv.live_sessions == 0)
+    srv.shutdown()
+    text = caplog.text
+    assert "listening on" in text and "connected" in text
+    assert "peer closed the connection" in text and "server stopped" in text

@@ -1,0 +1,266 @@
+"""Limits and failures: each closes only the offending session, with a logged reason, while
+another client keeps being served."""
+import logging
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aoprim.server import Handler
+from aoprim.server.apps import Chat, Echo
+
+from test_server_support import (HOST, connect, frame, make_server, read_frame,  # noqa: F401
+                                 recv_exact, recv_until_closed, wait_for)
+
+
+def still_served(s, kind="u16", tag=b"ok"):
+    for i in range(3):
+        msg = tag + b"%d" % i
+        s.sendall(frame(msg, kind) if kind != "raw" else msg)
+        got = read_frame(s, kind) if kind != "raw" else recv_exact(s, len(msg))
+        assert got == msg
+
+
+@pytest.fixture
+def logs(caplog):
+    caplog.set_level(logging.DEBUG, logger="aoprim.server")
+    return caplog
+
+
+@pytest.mark.parametrize("kind", ["u16", "u32"])
+def test_oversized_header_closes_only_that_session(make_server, connect, logs, kind):
+    srv = make_server(Echo(), framing=kind, max_frame=1000)
+    good, bad = connect(srv), connect(srv)
+    still_served(good, kind)
+    bad.sendall(frame(b"fine", kind))
+    assert read_frame(bad, kind) == b"fine"
+    bad.sendall(struct.pack(">H" if kind == "u16" else ">I", 1001))   # header only
+    data, how = recv_until_closed(bad)
+    assert data == b""
+    still_served(good, kind)
+    assert "frame too large" in logs.text and "1001" in logs.text
+    assert srv.stats()["connections"] == 1
+
+
+def test_handler_exception_closes_only_that_session(make_server, connect, logs):
+    class Fragile(Echo):
+        def on_read(self, session, data):
+            if bytes(data) == b"boom":
+                raise RuntimeError("handler bug")
+            session.send(data)
+
+    srv = make_server(Fragile(), framing="u16")
+    good, bad = connect(srv), connect(srv)
+    bad.sendall(frame(b"boom"))
+    assert recv_until_closed(bad)[0] == b""
+    still_served(good)
+    recs = [r for r in logs.records if r.exc_info and "handler on_read raised" in r.getMessage()]
+    assert recs and isinstance(recs[0].exc_info[1], RuntimeError)   # logged with traceback
+    assert "Traceback" in logs.text and "handler bug" in logs.text
+    assert srv.stats()["handler_errors"] == 1
+
+
+def test_handler_exception_on_a_worker_closes_only_that_session(make_server, connect, logs):
+    class Fragile(Echo):
+        def on_read(self, session, data):
+            if bytes(data) == b"boom":
+                raise ValueError("worker bug")
+            session.send(data)
+
+    srv = make_server(Fragile(), framing="u16", workers=2)
+    good, bad = connect(srv), connect(srv)
+    bad.sendall(frame(b"boom"))
+    assert recv_until_closed(bad)[0] == b""
+    still_served(good)
+    assert "worker bug" in logs.text
+
+
+def test_abrupt_reset_closes_only_that_session(make_server, connect, logs):
+    class Closes(Echo):
+        def __init__(self):
+            self.excs = []
+
+        def on_close(self, session, exc):
+            self.excs.append(exc)
+
+    h = Closes()
+    srv = make_server(h, framing="u16", max_pending=64 << 20)
+    good = connect(srv)
+    rude = connect(srv, rcvbuf=4096)
+    wait_for(lambda: srv.stats()["connections"] == 2)
+    rude.sendall(frame(b"x" * 60000) * 40)   # the echo backs up: the server is mid-send
+    time.sleep(0.05)
+    rude.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    rude.close()                             # RST
+    wait_for(lambda: srv.stats()["connections"] == 1, what="the reset session to close")
+    still_served(good)
+    assert len(h.excs) == 1
+    assert "closed" in logs.text
+
+
+def test_client_that_never_reads_is_cut_off(make_server, connect, logs):
+    srv = make_server(Chat(), framing="u16", max_pending=256 << 10)
+    talker = connect(srv)
+    listener = connect(srv)
+    sloth = connect(srv, rcvbuf=4096)        # never reads
+    wait_for(lambda: srv.stats()["connections"] == 3)
+    sloth_session = [s for s in srv.sessions if s.peer == sloth.getsockname()][0]
+    payload = b"y" * 1000
+    got = 0
+    total = 8000                              # ~8 MB pushed towards the sloth
+    for start in range(0, total, 100):
+        talker.sendall(frame(payload) * 100)
+        for _ in range(100):
+            assert read_frame(listener) == payload
+            got += 1
+        assert sloth_session.pending_bytes <= (256 << 10) + 2 * len(payload)  # bounded
+    assert got == total
+    wait_for(lambda: sloth_session.closed, what="the sloth to be cut off")
+    assert "max_pending exceeded" in logs.text
+    still_served_chat = connect(srv)
+    wait_for(lambda: srv.stats()["connections"] == 3)
+    talker.sendall(frame(b"after"))
+    assert read_frame(listener) == b"after"
+    assert read_frame(still_served_chat) == b"after"
+
+
+def test_max_pending_cuts_a_flooded_session(make_server, connect, logs):
+    blob = b"z" * (64 << 10)
+
+    class Amplify(Handler):
+        def on_read(self, session, data):
+            for _ in range(len(data)):
+                session.send(blob)
+
+    srv = make_server(Amplify(), max_pending=1 << 20)
+    victim, other = connect(srv, rcvbuf=4096), connect(srv)
+    wait_for(lambda: srv.stats()["connections"] == 2)
+    victim.sendall(b"x" * 64)                 # asks for 4 MiB at once
+    wait_for(lambda: srv.stats()["connections"] == 1, what="the flooded session to close")
+    assert "max_pending exceeded" in logs.text
+    other.sendall(b"a")
+    assert recv_exact(other, len(blob)) == blob
+
+
+def test_thousand_concurrent_connections(make_server):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * 1000 + 200
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {need} needed for 1,000 clients")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    srv = make_server(Echo(), framing="u16")
+    socks = []
+    try:
+        for i in range(1000):
+            s = socket.create_connection(srv.address, timeout=10)
+            socks.append(s)
+        wait_for(lambda: srv.stats()["connections"] == 1000, 20, "1,000 sessions")
+        for i, s in enumerate(socks):
+            s.sendall(frame(b"c%d" % i))
+        for i, s in enumerate(socks):
+            assert read_frame(s) == b"c%d" % i
+        assert srv.stats()["connections"] == 1000
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_idle_timeout(make_server, connect, logs):
+    srv = make_server(Echo(), framing="u16", idle_timeout=0.4)
+    idle, busy = connect(srv), connect(srv)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:      # busy talks every 0.1 s, idle says nothing
+        still_served(busy, tag=b"b")
+        time.sleep(0.1)
+    assert recv_until_closed(idle, timeout=5)[0] == b""
+    assert "idle timeout" in logs.text
+    still_served(busy)
+
+
+def test_frame_timeout_stops_slowloris(make_server, connect, logs):
+    srv = make_server(Echo(), framing="u16", frame_timeout=0.5)
+    slow, good = connect(srv), connect(srv)
+    msg = frame(b"a" * 100)
+    closed = False
+    t0 = time.monotonic()
+    for i in range(len(msg)):            # one byte every 50 ms: never idle, never done
+        try:
+            slow.send(msg[i:i + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+            break
+        time.sleep(0.05)
+        if time.monotonic() - t0 > 3:
+            break
+        still_served(good, tag=b"g")
+    if not closed:
+        assert recv_until_closed(slow, timeout=5)[0] == b""
+    assert time.monotonic() - t0 < 3
+    assert "frame timeout" in logs.text
+    still_served(good)
+
+
+def test_max_connections(make_server, connect, logs):
+    srv = make_server(Echo(), max_connections=3)
+    first = [connect(srv) for _ in range(3)]
+    wait_for(lambda: srv.stats()["connections"] == 3)
+    extra = connect(srv)
+    assert recv_until_closed(extra, timeout=5)[0] == b""
+    assert "max_connections (3) reached" in logs.text
+    for s in first:
+        s.sendall(b"hi")
+        assert recv_exact(s, 2) == b"hi"
+    first[0].close()
+    wait_for(lambda: srv.stats()["connections"] == 2)
+    again = connect(srv)
+    again.sendall(b"back")
+    assert recv_exact(again, 4) == b"back"
+    assert srv.stats()["connections_refused"] == 1
+
+
+EMFILE_SCRIPT = r"""
+import resource, socket, sys, time, logging
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from aoprim.server import Server
+from aoprim.server.apps import Echo
+srv = Server(Echo(), "127.0.0.1", 0).start()
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(srv.address[1], flush=True)
+sys.stdin.readline()
+srv.shutdown()
+print("clean", flush=True)
+"""
+
+
+def test_emfile_pauses_accepting_instead_of_dying(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", EMFILE_SCRIPT], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(p.stdout.readline())
+        socks = []
+        for _ in range(60):                  # more than the server process can hold
+            socks.append(socket.create_connection((HOST, port), timeout=5))
+        time.sleep(0.3)
+        for s in socks[:30]:                 # free descriptors: the rest get served
+            s.close()
+        served = 0
+        for s in socks[30:]:
+            s.sendall(b"ping")
+            if recv_exact(s, 4, timeout=10) == b"ping":
+                served += 1
+        assert served == 30
+        for s in socks[30:]:
+            s.close()
+        out, err = p.communicate("\n", timeout=20)
+        assert "clean" in out
+        assert "pausing accepts" in err
+        assert "Traceback" not in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

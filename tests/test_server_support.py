@@ -1,0 +1,109 @@
+"""Helpers shared by the server tests (no tests in here).
+
+Import as ``from test_server_support import ...`` (conftest puts tests/ on sys.path).
+"""
+import socket
+import struct
+import time
+
+import pytest
+
+from aoprim.server import Server
+from aoprim.server.apps import Echo
+
+HOST = "127.0.0.1"      # loopback only, always
+
+
+def wait_for(pred, timeout=5.0, what="condition"):
+    """Poll ``pred()`` until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+def recv_exact(sock, n, timeout=10.0):
+    sock.settimeout(timeout)
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(1 << 20, n - len(buf)))
+        if not chunk:
+            raise ConnectionError(f"EOF after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_until_closed(sock, timeout=10.0, limit=1 << 30):
+    """Read until EOF or a reset; returns (data, how) with how in {'eof', 'reset'}."""
+    sock.settimeout(timeout)
+    buf = bytearray()
+    while len(buf) < limit:
+        try:
+            chunk = sock.recv(1 << 20)
+        except ConnectionResetError:
+            return bytes(buf), "reset"
+        if not chunk:
+            return bytes(buf), "eof"
+        buf += chunk
+    raise AssertionError("too much data")
+
+
+def frame(payload, kind="u16"):
+    return struct.pack(">H" if kind == "u16" else ">I", len(payload)) + payload
+
+
+def read_frame(sock, kind="u16", timeout=10.0):
+    hs = 2 if kind == "u16" else 4
+    (n,) = struct.unpack(">H" if kind == "u16" else ">I", recv_exact(sock, hs, timeout))
+    return recv_exact(sock, n, timeout)
+
+
+def assert_no_leaks(srv):
+    """Leak checks after shutdown: pools empty, no live sessions, loop thread joined."""
+    assert srv._thread is None or not srv._thread.is_alive(), "loop thread still running"
+    wait_for(lambda: srv.live_sessions == 0, 5, "live sessions to drop to 0")
+    assert srv.rx_pool.in_use == 0, f"receive slots leaked: {srv.rx_pool.in_use}"
+    assert srv.tx_pool.in_use == 0, f"send slots leaked: {srv.tx_pool.in_use}"
+    assert not srv._stuck, "slots held back by escaped views"
+
+
+@pytest.fixture
+def make_server():
+    servers = []
+
+    def make(handler=None, **kw):
+        srv = Server(handler if handler is not None else Echo(), kw.pop("host", HOST),
+                     kw.pop("port", 0), **kw)
+        servers.append(srv)
+        return srv.start()
+
+    yield make
+    for srv in servers:
+        srv.shutdown(timeout=15)
+    for srv in servers:
+        assert_no_leaks(srv)
+
+
+@pytest.fixture
+def connect(make_server):
+    """connect(srv) -> a blocking client socket (closed at teardown, before the servers)."""
+    socks = []
+
+    def conn(srv, nodelay=True, rcvbuf=None, timeout=10.0):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.settimeout(timeout)
+        s.connect(srv.address)
+        if nodelay:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        socks.append(s)
+        return s
+
+    yield conn
+    for s in socks:
+        s.close()
