@@ -22,7 +22,7 @@ import time
 from . import loadgen
 from .apps import APPS
 from .framing import FRAMINGS
-from .loop import BACKENDS
+from .loop import BACKENDS, BackendUnavailable
 from .session import Server
 
 log = logging.getLogger("aoprim.server")
@@ -172,6 +172,6 @@ def main(argv=None):
         return _serve_one(a)
     except (_Stop, KeyboardInterrupt):
         return 0
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, BackendUnavailable) as e:
         print(f"aoprim: {e}", file=sys.stderr)
         return 2

@@ -49,10 +49,18 @@ def _check_backend(backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
     if backend == "uring":
+        kernel = ""
+        try:
+            with open("/proc/sys/kernel/io_uring_disabled") as f:
+                v = f.read().strip()
+            if v != "0":
+                kernel = f"; besides, this kernel disables it (kernel.io_uring_disabled={v})"
+        except OSError:
+            pass
         raise BackendUnavailable(
             "the io_uring backend is unavailable: this version of aoprim ships no io_uring "
             "implementation (the Python standard library has no io_uring binding, and Layer 1 "
-            "is pure Python on selectors); use backend='selectors' or 'auto'")
+            f"is pure Python on selectors){kernel}; use backend='selectors' or 'auto'")
     return "selectors"   # "auto": io_uring is never available in this version
 
 

@@ -1,0 +1,147 @@
+"""The command line: python -m aoprim serve / loadgen, as subprocesses."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aoprim.server import Handler, Server
+
+from test_server_support import HOST, frame, read_frame, recv_exact
+
+
+def start_server(*args):
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST,
+                          "--port", "0", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if not line.startswith("listening on "):
+        p.kill()
+        out, err = p.communicate(timeout=10)
+        raise AssertionError(f"server did not start: {line!r} {err}")
+    host, port = line.split()[-1].rsplit(":", 1)
+    assert host == HOST
+    return p, int(port)
+
+
+def stop(p, sig):
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=20)
+    return p.returncode, out, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_echo_answers_and_exits_0_on_signal(sig):
+    p, port = start_server("--app", "echo")
+    try:
+        with socket.create_connection((HOST, port), timeout=10) as s:
+            s.sendall(b"hello cli")
+            assert recv_exact(s, 9) == b"hello cli"
+            rc, out, err = stop(p, sig)     # a client is still connected
+        assert rc == 0, err
+        assert "Traceback" not in err
+        assert "shutting down" in err
+        stats = json.loads(out.split("stats ", 1)[1])
+        assert stats["frames_in"] >= 1 and stats["connections_total"] == 1
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_serve_chat_framed_with_workers():
+    p, port = start_server("--app", "chat", "--framing", "u16", "--workers", "2",
+                           "--max-frame", "1000", "--idle-timeout", "30",
+                           "--max-connections", "10")
+    try:
+        a = socket.create_connection((HOST, port), timeout=10)
+        b = socket.create_connection((HOST, port), timeout=10)
+        time.sleep(0.2)
+        a.sendall(frame(b"to everyone"))
+        assert read_frame(b) == b"to everyone"
+        a.close()
+        b.close()
+        rc, out, err = stop(p, signal.SIGTERM)
+        assert rc == 0 and "Traceback" not in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_serve_procs_supervises_and_forwards_shutdown():
+    p, port = start_server("--app", "echo", "--procs", "2")
+    try:
+        socks = [socket.create_connection((HOST, port), timeout=10) for _ in range(8)]
+        for i, s in enumerate(socks):
+            s.sendall(b"p%d" % i)
+            assert recv_exact(s, len(b"p%d" % i)) == b"p%d" % i
+        for s in socks:
+            s.close()
+        rc, out, err = stop(p, signal.SIGINT)
+        assert rc == 0, err
+        assert "Traceback" not in err
+        assert out.count("stats ") == 2          # both children shut down cleanly
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_uring_backend_is_a_clear_error():
+    r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--port", "0", "--backend",
+                        "uring"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert "io_uring backend is unavailable" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_loadgen_against_the_cli_server(procs):
+    p, port = start_server("--app", "echo", "--framing", "u16")
+    try:
+        r = subprocess.run([sys.executable, "-m", "aoprim", "loadgen", "--host", HOST,
+                            "--port", str(port), "--conns", "4", "--size", "64", "--pipeline",
+                            "8", "--duration", "0.5", "--warmup", "0.2", "--framing", "u16",
+                            "--procs", str(procs), "--json", "--cpu-pid", str(p.pid)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        res = json.loads(r.stdout)
+        assert res["errors"] == [] and res["msgs"] > 0 and res["conns"] == 4
+        assert res["p50_us"] is not None and res["p99_us"] >= res["p50_us"]
+        assert res["server_cpu"]["cpu_us_per_msg"] >= 0
+        rc, out, err = stop(p, signal.SIGTERM)
+        assert rc == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_loadgen_catches_a_corrupted_echo():
+    class Corrupt(Handler):
+        def __init__(self):
+            self.n = 0
+
+        def on_read(self, session, data):
+            self.n += 1
+            b = bytearray(data)
+            if self.n == 20:
+                b[len(b) // 2] ^= 0xFF
+            session.send(b)
+
+    srv = Server(Corrupt(), HOST, 0).start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "aoprim", "loadgen", "--host", HOST,
+                            "--port", str(srv.address[1]), "--conns", "1", "--size", "100",
+                            "--duration", "0.5", "--warmup", "0", "--json"],
+                           capture_output=True, text=True, timeout=60)
+        res = json.loads(r.stdout)
+        assert r.returncode == 1
+        assert any("differ" in e for e in res["errors"])
+    finally:
+        srv.shutdown()
