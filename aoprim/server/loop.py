@@ -30,6 +30,7 @@ This module knows nothing about sockets, sessions or frames.
 import collections
 import heapq
 import os
+import select
 import selectors
 import threading
 import time
@@ -37,6 +38,10 @@ import time
 __all__ = ["EventLoop", "Timer", "BackendUnavailable", "BACKENDS", "EVENT_READ", "EVENT_WRITE"]
 
 BACKENDS = ("selectors", "uring", "auto")
+_epoll_type = getattr(select, "epoll", ())
+_NOT_EPOLLIN = ~getattr(select, "EPOLLIN", 0)
+_NOT_EPOLLOUT = ~getattr(select, "EPOLLOUT", 0)
+_NONE2 = (None, None)
 EVENT_READ = selectors.EVENT_READ
 EVENT_WRITE = selectors.EVENT_WRITE
 
@@ -105,7 +110,8 @@ class EventLoop:
             self._wfd = self._rfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         else:   # pragma: no cover - Linux has eventfd
             self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._sel.register(self._rfd, EVENT_READ, (self._drain_wakeup, None))
+        self._cbs = {}                    # fd -> (read callback, write callback)
+        self.set_callbacks(self._rfd, self._drain_wakeup, None)
 
     # -- time and timers (loop thread) --------------------------------------------------
     def time(self):
@@ -174,35 +180,35 @@ class EventLoop:
 
     def set_callbacks(self, fd, on_read, on_write):
         """Set both readiness callbacks of ``fd`` at once (None = not interested)."""
-        sel = self._sel
         events = (EVENT_READ if on_read is not None else 0) | \
                  (EVENT_WRITE if on_write is not None else 0)
-        try:
-            key = sel.get_key(fd)
-        except KeyError:
+        cbs = self._cbs
+        if fd not in cbs:
             if events:
-                sel.register(fd, events, (on_read, on_write))
+                self._sel.register(fd, events)
+                cbs[fd] = (on_read, on_write)
             return
         if not events:
-            sel.unregister(fd)
-        else:
-            sel.modify(fd, events, (on_read, on_write))
+            self._sel.unregister(fd)
+            del cbs[fd]
+            return
+        old = cbs[fd]
+        cbs[fd] = (on_read, on_write)
+        if (old[0] is None) != (on_read is None) or (old[1] is None) != (on_write is None):
+            self._sel.modify(fd, events)
 
     def _update(self, fd, which, callback):
-        try:
-            key = self._sel.get_key(fd)
-            cbs = list(key.data)
-        except KeyError:
-            cbs = [None, None]
+        cbs = list(self._cbs.get(fd, (None, None)))
         cbs[which] = callback
         self.set_callbacks(fd, cbs[0], cbs[1])
 
     def remove(self, fd):
         """Forget ``fd`` entirely (before closing it)."""
-        try:
-            self._sel.unregister(fd)
-        except (KeyError, ValueError):
-            pass
+        if self._cbs.pop(fd, None) is not None:
+            try:
+                self._sel.unregister(fd)
+            except (KeyError, ValueError):
+                pass
 
     # -- running ------------------------------------------------------------------------
     def stop(self):
@@ -220,13 +226,22 @@ class EventLoop:
         self._running = True
         self._stopping = False
         self.thread_id = threading.get_ident()
-        sel_select = self._sel.select
+        cbs = self._cbs
+        sel = self._sel
+        # Fast path: on Linux DefaultSelector is an EpollSelector whose select() builds a
+        # (key, events) tuple per ready fd in Python -- about 0.35 us per event, measured.
+        # The registrations stay the selector's (public register/modify/unregister); only
+        # the wait goes straight to its epoll object, with the same event mapping.
+        ep = getattr(sel, "_selector", None)
+        ep_poll = ep.poll if isinstance(ep, _epoll_type) else None
+        sel_select = sel.select
         ready = self._ready
         timers = self._timers
         hooks = self._hooks
         monotonic = time.monotonic
         heappop = heapq.heappop
         R, W = EVENT_READ, EVENT_WRITE
+        NOT_IN, NOT_OUT = _NOT_EPOLLIN, _NOT_EPOLLOUT
         try:
             while not self._stopping:
                 if ready:
@@ -235,16 +250,26 @@ class EventLoop:
                     timeout = max(0.0, timers[0].when - monotonic())
                 else:
                     timeout = None
-                events = sel_select(timeout)
-                self.now = now = monotonic()
-                self.iterations += 1
-                for key, mask in events:
-                    rcb, wcb = key.data
-                    if mask & R and rcb is not None:
-                        rcb()
-                    if mask & W and wcb is not None:
-                        # the read callback may have changed the interest: re-check
-                        wcb()
+                if ep_poll is not None:
+                    events = ep_poll(-1 if timeout is None else timeout, len(cbs))
+                    self.now = now = monotonic()
+                    self.iterations += 1
+                    for fd, ev in events:
+                        rcb, wcb = cbs.get(fd, _NONE2)
+                        if ev & NOT_OUT and rcb is not None:
+                            rcb()
+                        if ev & NOT_IN and wcb is not None:
+                            wcb()
+                else:   # pragma: no cover - other platforms
+                    events = sel_select(timeout)
+                    self.now = now = monotonic()
+                    self.iterations += 1
+                    for key, mask in events:
+                        rcb, wcb = cbs.get(key.fd, _NONE2)
+                        if mask & R and rcb is not None:
+                            rcb()
+                        if mask & W and wcb is not None:
+                            wcb()
                 while timers and timers[0].when <= now:
                     t = heappop(timers)
                     if not t.cancelled:

@@ -101,8 +101,7 @@ class Session:
         self._sock = sock
         self._fd = sock.fileno()
         self._loop = server._loop
-        self._batch = SendBatch(sock, max_msgs=IOV_MAX, max_bytes=server._batch_bytes,
-                                auto_flush=False)
+        self._batch = server._make_batch(sock)
         self._rc = RefCount(1, self._on_zero)
         self._state = _OPEN
         self._reason = None
@@ -165,16 +164,58 @@ class Session:
 
     def send(self, data):
         """Queue ``data`` (bytes-like or ``Slot``) for sending; with u16/u32 framing a header is
-        added.  Thread-safe; what one thread sends leaves in that order.  Non-bytes data is
-        copied (a ``Slot`` is retained instead), so the caller may reuse its buffer at once.
-        A payload too long for the header raises ``ValueError``; after close, sends are
+        added.  Thread-safe; what one thread sends leaves in that order.  The data is copied
+        (a ``Slot`` is retained instead), so the caller may reuse its buffer at once.  A
+        payload too long for the header raises ``ValueError``; after close, sends are
         dropped."""
-        if self._state != _OPEN:
+        if self._state:
             return
+        if _get_ident() != self._loop.thread_id:
+            self._send_foreign(data)
+            return
+        # loop thread, the hot path: straight into the batch
         srv = self.server
-        if _get_ident() == self._loop.thread_id:
-            self._send_now(data)
-            return
+        b = self._batch
+        if type(data) is memoryview or type(data) is bytes:
+            hdr = srv._hdr
+            if hdr is None:
+                if data.nbytes if type(data) is memoryview else len(data):
+                    b.add(data if type(data) is bytes or data.nbytes <= srv._copy_max
+                          else bytes(data))
+                else:
+                    return
+            elif type(data) is bytes or data.nbytes <= srv._copy_max:
+                b.add(hdr(len(data) if type(data) is bytes else data.nbytes))
+                b.add(data)
+            else:
+                b.add(srv._framing.encode(data))
+        else:
+            self._add_other(data)
+        srv._st_frames_out += 1
+        if not self._dirty:
+            self._dirty = True
+            srv._dirty.append(self)
+        if b.pending_bytes > srv._high_water:
+            self._over_high()
+        elif self._wm is not None:
+            self._check_wm()
+
+    def _add_other(self, data):
+        """send() of a Slot, bytearray or other bytes-like object (loop thread)."""
+        fr = self.server._framing
+        b = self._batch
+        if isinstance(data, Slot):
+            if fr.header_size:
+                b.add(fr.header(data.length))
+            b.add(data)
+        elif fr.header_size:
+            b.add(fr.encode(data))
+        else:
+            b.add(bytes(data))
+
+    def _send_foreign(self, data):
+        """send() from a thread other than the loop's: frame/copy here, hand over, wake."""
+        srv = self.server
         fr = srv._framing
         xq = self._xq
         if isinstance(data, Slot):
@@ -234,29 +275,6 @@ class Session:
         self._check_wm()
 
     # -- sending (loop thread) -----------------------------------------------------------
-    def _send_now(self, data):
-        srv = self.server
-        fr = srv._framing
-        b = self._batch
-        if isinstance(data, Slot):
-            if fr.header_size:
-                b.add(fr.header(data.length))
-            b.add(data)
-        elif fr.header_size:
-            b.add(fr.encode(data))
-        else:
-            if not len(data):
-                return          # raw: nothing to send
-            b.add(data if type(data) is bytes else bytes(data))
-        srv._st_frames_out += 1
-        if not self._dirty:
-            self._dirty = True
-            srv._dirty.append(self)
-        if b.pending_bytes > srv._high_water:
-            self._over_high()
-        elif self._wm is not None:
-            self._check_wm()
-
     def _add_ready(self, item):
         """Add an already framed item (bytes or Slot) -- broadcast and the _xq drain."""
         self._batch.add(item)
@@ -356,13 +374,39 @@ class Session:
         if self._state == _CLOSED:
             return
         srv = self.server
-        r = (self._on_readable if self._state == _OPEN and not self._bp_paused
+        r = (srv._reader(self) if self._state == _OPEN and not self._bp_paused
              and not self._user_paused and not srv._reads_stopped else None)
         w = self._on_writable if self._writing else None
         self._reading = r is not None
         self._loop.set_callbacks(self._fd, r, w)
 
     # -- receiving (loop thread) ---------------------------------------------------------
+    def _read_raw(self):
+        """The raw framing fast path without workers: read into the scratch slot, hand the
+        chunk to on_read as a view of it."""
+        if self._state:
+            return
+        srv = self.server
+        mv = srv._scratch_mv
+        try:
+            n = self._sock.recv_into(mv)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._abort(f"recv failed: {e}", e)
+            return
+        srv._st_recv += 1
+        if not n:
+            self._close("peer closed the connection", level=logging.DEBUG)
+            return
+        srv._st_bytes_in += n
+        srv._st_frames_in += 1
+        self._last = srv._loop.now
+        try:
+            srv._on_read(self, mv[:n])
+        except Exception as e:
+            self._handler_failed("on_read", e)
+
     def _on_readable(self):
         if self._state != _OPEN:
             return
@@ -703,6 +747,8 @@ class Server:
         self._st_bytes_out = 0
         self._st_recv = 0
         self._st_handler_errors = 0
+        self._hdr = None if framing == "raw" else self._framing.header
+        self._copy_max = 0          # messages up to this size SendBatch copies (set below)
         self._lsock = self._make_listener(host, port, backlog, reuse_port, sock)
         self.address = self._lsock.getsockname()[:2]
 
@@ -727,6 +773,25 @@ class Server:
             s.close()
             raise
         return s
+
+    def _reader(self, s):
+        return s._read_raw if self._scratch is not None and self._hdr is None \
+            else s._on_readable
+
+    def _make_batch(self, sock):
+        """A SendBatch with auto_flush off.  Messages up to ``copy_max`` bytes are copied into
+        the batch's own buffer (aoprim's SendBatch extension argument), so a view of the
+        scratch slot may be added directly when it is that small; anything else is copied
+        to bytes first (or, for a Slot, retained)."""
+        try:
+            b = SendBatch(sock, max_msgs=IOV_MAX, max_bytes=self._batch_bytes,
+                          auto_flush=False, copy_max=2048)
+            self._copy_max = 2048
+        except TypeError:       # a SendBatch without copy_max: always hand it bytes
+            b = SendBatch(sock, max_msgs=IOV_MAX, max_bytes=self._batch_bytes,
+                          auto_flush=False)
+            self._copy_max = -1
+        return b
 
     def _prepare(self):
         if self._started:
