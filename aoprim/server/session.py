@@ -345,10 +345,15 @@ class Session:
                     self._update_interest()
                 return False
             sent += n
-            srv._st_bytes_out += n
-            self._last = self._loop.now
             if sent >= budget and b.pending_msgs:
                 return True
+        return self._flushed()
+
+    def _flushed(self):
+        """Everything pending is written: drop write interest, resume reading, finish a
+        close."""
+        b = self._batch
+        srv = self.server
         if self._writing:
             self._writing = False
             self._update_interest()
@@ -744,7 +749,6 @@ class Server:
         self._st_frames_in = 0
         self._st_frames_out = 0
         self._st_bytes_in = 0
-        self._st_bytes_out = 0
         self._st_recv = 0
         self._st_handler_errors = 0
         self._hdr = None if framing == "raw" else self._framing.header
@@ -1016,6 +1020,8 @@ class Server:
 
     # -- flushing (loop thread, end of every iteration) ------------------------------------
     def _flush_dirty(self):
+        """End of every loop iteration: one flush per dirty session (usually ONE sendmsg for
+        everything its read burst produced), starting from a rotating position."""
         dirty = self._dirty
         if not dirty:
             return
@@ -1029,11 +1035,25 @@ class Server:
         again = self._dirty
         for s in dirty:
             s._dirty = False
-            if s._state == _CLOSED:
+            if s._state or s._writing:
+                # closing/closed sessions and sockets waiting for writability take the
+                # general path (a writable socket is flushed by its write callback)
+                if s._state != _CLOSED and not s._writing and s._flush():
+                    s._dirty = True
+                    again.append(s)
                 continue
-            if s._flush():
-                s._dirty = True
-                again.append(s)
+            b = s._batch
+            try:
+                b.flush()
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                s._abort(f"send failed: {e}", e)
+                continue
+            if b.pending_msgs or s._bp_paused or s._wm is not None:
+                if s._flush():          # the general path: budget, interest, watermarks
+                    s._dirty = True
+                    again.append(s)
 
     # -- timeouts (loop thread) ------------------------------------------------------------
     def _sweep(self):
@@ -1163,11 +1183,10 @@ class Server:
             "frames_in": self._st_frames_in,
             "frames_out": self._st_frames_out,
             "bytes_in": self._st_bytes_in,
-            "bytes_out": self._st_bytes_out,
+            "bytes_out": agg["bytes"],
             "recv_syscalls": self._st_recv,
             "send_syscalls": sends,
-            "messages_sent": agg["messages"],
-            "messages_per_send": (agg["messages"] / sends) if sends else 0.0,
+            "messages_per_send": (self._st_frames_out / sends) if sends else 0.0,
             "handler_errors": self._st_handler_errors,
             "loop_iterations": self._loop.iterations,
         }

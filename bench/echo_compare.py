@@ -1,0 +1,190 @@
+"""Echo benchmark: the same load generator against the aoprim server and asyncio echo servers
+(default loop and uvloop), in one session, on loopback.
+
+    python bench/echo_compare.py [--duration 3] [--rounds 1] [--procs 1] [--json out.json]
+    pytest bench/bench_echo.py --benchmark-enable -s      (the same, as a pytest run)
+
+Scenarios (issue 6):
+  raw-1k-10     raw echo, 1 KiB ping-pong, 10 connections
+  raw-1k-100    raw echo, 1 KiB ping-pong, 100 connections
+  u16-64x16-10  u16-framed 64 B messages pipelined 16 deep on 10 connections; every frame
+                gets its own reply (asyncio: one transport.write per frame)
+
+Each server runs in its own process; ``python -m aoprim loadgen`` drives it and reads the
+server's CPU time (user+sys from /proc/PID/stat) over the measured window.  Reported per
+server: messages/s, server CPU us/message (user, sys), and for aoprim the send syscalls per
+message from Server.stats() (printed by the server at exit).
+"""
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HOST = "127.0.0.1"
+
+SCENARIOS = {
+    "raw-1k-10": dict(framing="raw", size=1024, conns=10, pipeline=1),
+    "raw-1k-100": dict(framing="raw", size=1024, conns=100, pipeline=1),
+    "u16-64x16-10": dict(framing="u16", size=64, conns=10, pipeline=16),
+}
+SERVERS = ("aoprim", "asyncio", "uvloop")
+
+
+def have_uvloop():
+    try:
+        import uvloop  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def server_cmd(server, framing):
+    if server == "aoprim":
+        return [sys.executable, "-m", "aoprim", "serve", "--app", "echo", "--host", HOST,
+                "--port", "0", "--framing", framing, "--log-level", "WARNING"]
+    cmd = [sys.executable, os.path.join(HERE, "echo_asyncio.py"), "--host", HOST, "--port",
+           "0", "--framing", framing]
+    if server == "uvloop":
+        cmd.append("--uvloop")
+    return cmd
+
+
+def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5):
+    sc = SCENARIOS[scenario]
+    p = subprocess.Popen(server_cmd(server, sc["framing"]), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        if not line.startswith("listening on"):
+            raise RuntimeError(f"{server} did not start: {line!r} {p.stderr.read()}")
+        port = int(line.rsplit(":", 1)[1])
+        lg = subprocess.run(
+            [sys.executable, "-m", "aoprim", "loadgen", "--host", HOST, "--port", str(port),
+             "--conns", str(sc["conns"]), "--size", str(sc["size"]), "--pipeline",
+             str(sc["pipeline"]), "--framing", sc["framing"], "--duration", str(duration),
+             "--warmup", str(warmup), "--procs", str(procs), "--cpu-pid", str(p.pid),
+             "--json"], capture_output=True, text=True, timeout=duration + 120)
+        if not lg.stdout.strip():
+            raise RuntimeError(f"loadgen failed against {server}: {lg.stderr}")
+        res = json.loads(lg.stdout)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+        if "stats " in out:
+            st = json.loads(out.split("stats ", 1)[1].splitlines()[0])
+            res["server_stats"] = st
+            if st["frames_out"]:
+                res["send_syscalls_per_msg"] = st["send_syscalls"] / st["frames_out"]
+                res["msgs_per_send"] = st["messages_per_send"]
+        res["server"] = server
+        res["scenario"] = scenario
+        return res
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def compare(scenario, duration=3.0, rounds=1, procs=1, servers=SERVERS, log=print):
+    """Run every server on one scenario (rounds interleaved); returns {server: summary}."""
+    servers = [s for s in servers if s != "uvloop" or have_uvloop()]
+    runs = {s: [] for s in servers}
+    for _ in range(rounds):
+        for s in servers:
+            r = run_one(s, scenario, duration, procs)
+            if r["errors"]:
+                raise AssertionError(f"{s}: echo verification failed: {r['errors'][:3]}")
+            runs[s].append(r)
+    out = {}
+    for s, rs in runs.items():
+        cpu = [r["server_cpu"] for r in rs]
+        out[s] = {
+            "msgs_per_s": _median([r["msgs_per_s"] for r in rs]),
+            "cpu_us_per_msg": _median([c["cpu_us_per_msg"] for c in cpu]),
+            "user_us_per_msg": _median([c["user_us_per_msg"] for c in cpu]),
+            "sys_us_per_msg": _median([c["sys_us_per_msg"] for c in cpu]),
+            "p50_us": _median([r["p50_us"] for r in rs]),
+            "p99_us": _median([r["p99_us"] for r in rs]),
+        }
+        if "send_syscalls_per_msg" in rs[0]:
+            out[s]["send_syscalls_per_msg"] = _median([r["send_syscalls_per_msg"] for r in rs])
+    return out
+
+
+def report(scenario, res, log=print):
+    log(f"\n[{scenario}]  {SCENARIOS[scenario]}")
+    log(f"  {'server':<8} {'msgs/s':>10} {'CPU us/msg':>11} {'user':>7} {'sys':>7} "
+        f"{'p50 us':>7} {'p99 us':>7} {'sends/msg':>10}")
+    for s, r in res.items():
+        spm = r.get("send_syscalls_per_msg")
+        log(f"  {s:<8} {r['msgs_per_s']:>10.0f} {r['cpu_us_per_msg']:>11.2f} "
+            f"{r['user_us_per_msg']:>7.2f} {r['sys_us_per_msg']:>7.2f} {r['p50_us']:>7} "
+            f"{r['p99_us']:>7} {'' if spm is None else f'{spm:.4f}':>10}")
+    a = res["aoprim"]
+    for base in ("asyncio", "uvloop"):
+        if base in res:
+            b = res[base]
+            log(f"  aoprim vs {base}: CPU/msg x{a['cpu_us_per_msg'] / b['cpu_us_per_msg']:.2f}"
+                f", msgs/s x{a['msgs_per_s'] / b['msgs_per_s']:.2f}")
+
+
+def check_targets(results):
+    """The issue's targets, as (name, met, detail) tuples."""
+    t = []
+    for sc in ("raw-1k-10", "raw-1k-100"):
+        if sc in results:
+            r = results[sc]
+            a, b = r["aoprim"], r["asyncio"]
+            t.append((f"{sc}: CPU/msg <= asyncio's", a["cpu_us_per_msg"] <= b["cpu_us_per_msg"],
+                      f"{a['cpu_us_per_msg']:.2f} vs {b['cpu_us_per_msg']:.2f} us"))
+            t.append((f"{sc}: user/msg <= 1.5 us", a["user_us_per_msg"] <= 1.5,
+                      f"{a['user_us_per_msg']:.2f} us"))
+    sc = "u16-64x16-10"
+    if sc in results:
+        r = results[sc]
+        a = r["aoprim"]
+        for base in ("asyncio", "uvloop"):
+            if base in r:
+                b = r[base]
+                ratio = a["cpu_us_per_msg"] / b["cpu_us_per_msg"]
+                t.append((f"{sc}: CPU/msg <= 0.3x {base}'s", ratio <= 0.3, f"x{ratio:.2f}"))
+        ratio = a["msgs_per_s"] / r["asyncio"]["msgs_per_s"]
+        t.append((f"{sc}: msgs/s >= 3x asyncio's", ratio >= 3, f"x{ratio:.2f}"))
+        spm = a.get("send_syscalls_per_msg", 1)
+        t.append((f"{sc}: send syscalls/msg <= 1/10", spm <= 0.1, f"{spm:.4f}"))
+    return t
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--procs", type=int, default=1, help="load generator processes")
+    ap.add_argument("--scenario", action="append", choices=sorted(SCENARIOS))
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+    print(f"machine: {platform.machine()} {os.cpu_count()} cpus, Python "
+          f"{platform.python_version()}, uvloop {'yes' if have_uvloop() else 'NO'}")
+    results = {}
+    for sc in a.scenario or list(SCENARIOS):
+        results[sc] = compare(sc, a.duration, a.rounds, a.procs)
+        report(sc, results[sc])
+    print("\ntargets:")
+    for name, ok, detail in check_targets(results):
+        print(f"  [{'met' if ok else 'MISSED'}] {name}: {detail}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
