@@ -175,22 +175,23 @@ class Session:
             return
         # loop thread, the hot path: straight into the batch
         srv = self.server
-        b = self._batch
-        if type(data) is memoryview or type(data) is bytes:
-            hdr = srv._hdr
-            if hdr is None:
-                if data.nbytes if type(data) is memoryview else len(data):
-                    b.add(data if type(data) is bytes or data.nbytes <= srv._copy_max
-                          else bytes(data))
-                else:
-                    return
-            elif type(data) is bytes or data.nbytes <= srv._copy_max:
-                b.add(hdr(len(data) if type(data) is bytes else data.nbytes))
-                b.add(data)
-            else:
-                b.add(srv._framing.encode(data))
+        t = type(data)
+        if t is memoryview:
+            n = data.nbytes
+            if n > srv._copy_max:       # the batch would keep a view: copy it instead
+                data = bytes(data)
+        elif t is bytes:
+            n = len(data)
         else:
-            self._add_other(data)
+            self._send_other(data)
+            return
+        b = self._batch
+        hdr = srv._hdr
+        if hdr is not None:
+            b.add(hdr(n))
+        elif not n:
+            return
+        b.add(data)
         srv._st_frames_out += 1
         if not self._dirty:
             self._dirty = True
@@ -200,18 +201,31 @@ class Session:
         elif self._wm is not None:
             self._check_wm()
 
-    def _add_other(self, data):
+    def _send_other(self, data):
         """send() of a Slot, bytearray or other bytes-like object (loop thread)."""
-        fr = self.server._framing
+        srv = self.server
+        fr = srv._framing
         b = self._batch
         if isinstance(data, Slot):
             if fr.header_size:
                 b.add(fr.header(data.length))
             b.add(data)
-        elif fr.header_size:
-            b.add(fr.encode(data))
         else:
-            b.add(bytes(data))
+            data = memoryview(data).cast("B")
+            if fr.header_size:
+                b.add(fr.encode(data))
+            elif data.nbytes:
+                b.add(bytes(data))
+            else:
+                return
+        srv._st_frames_out += 1
+        if not self._dirty:
+            self._dirty = True
+            srv._dirty.append(self)
+        if b.pending_bytes > srv._high_water:
+            self._over_high()
+        elif self._wm is not None:
+            self._check_wm()
 
     def _send_foreign(self, data):
         """send() from a thread other than the loop's: frame/copy here, hand over, wake."""
