@@ -144,6 +144,10 @@ cdef class SendBatch:
         if self.iov != NULL:
             raise RuntimeError("SendBatch.__init__ called twice")
         if isinstance(target, _socket.socket):
+            if hasattr(target, "do_handshake"):
+                # ssl.SSLSocket: bytes written to its fd would bypass the TLS layer
+                raise TypeError("SendBatch cannot write to a TLS socket (its fd carries "
+                                "encrypted records); batch into it with sendall() instead")
             if target.fileno() < 0:
                 raise OSError(EBADF, "the socket is closed")
             self.sock = target

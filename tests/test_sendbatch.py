@@ -695,6 +695,13 @@ def test_bad_constructor_arguments(pair):
             SendBatch(*args)
     with pytest.raises(TypeError):
         SendBatch(a, copy_max=1.0)
+    import ssl
+    ctx = ssl.create_default_context()
+    tls = ctx.wrap_socket(socket.socket(), do_handshake_on_connect=False,
+                          server_hostname="x")
+    with pytest.raises(TypeError):         # raw writes would bypass TLS
+        SendBatch(tls)
+    tls.close()
     with pytest.raises(ValueError):
         SendBatch(a, copy_max=-1)
     sb = SendBatch(a)
