@@ -134,15 +134,41 @@ cdef class SendBatch:
     """
 
     def __cinit__(self):
-        self.iov = NULL
-        self.own = NULL
-        self.cbuf = NULL
-        self.ends = NULL
+        # Allocated here (always runs), so a batch made by __new__ without __init__ is still
+        # memory-safe: it has no target (fd -1) and its flush() raises EBADF.
+        self.fd = -1
+        self.has_sock = False
+        self.is_sock = True
+        self.max_msgs = 16
+        self.max_bytes = 65536
+        self.auto_flush = True
+        self.copy_max = DEFAULT_COPY_MAX
+        self.iov = <iovec *>malloc(SEG_INIT * sizeof(iovec))
+        self.own = <aop_sb_owner *>malloc(SEG_INIT * sizeof(aop_sb_owner))
+        self.cbuf = <char *>malloc(CBUF_INIT)
+        self.ends = <uint64_t *>malloc(MSG_INIT * sizeof(uint64_t))
+        if self.iov == NULL or self.own == NULL or self.cbuf == NULL or self.ends == NULL:
+            raise MemoryError()
+        self.segcap = SEG_INIT
+        self.ccap = CBUF_INIT
+        self.mcap = MSG_INIT
 
     def __init__(self, target, max_msgs=16, max_bytes=65536, auto_flush=True, *,
                  copy_max=None):
-        if self.iov != NULL:
+        cdef Py_ssize_t mm, mb
+        if self.has_sock or self.fd >= 0:
             raise RuntimeError("SendBatch.__init__ called twice")
+        # validate everything first: a failed __init__ leaves the batch without a target
+        mm = _positive(max_msgs, "max_msgs")
+        mb = _positive(max_bytes, "max_bytes")
+        if not isinstance(auto_flush, (bool, int)):
+            raise TypeError("auto_flush must be a bool")
+        if copy_max is None:
+            copy_max = DEFAULT_COPY_MAX
+        if isinstance(copy_max, bool) or not isinstance(copy_max, int):
+            raise TypeError("copy_max must be an int")
+        if copy_max < 0 or copy_max > (1 << 30):
+            raise ValueError("copy_max must be in 0 .. 2**30")
         if isinstance(target, _socket.socket):
             if hasattr(target, "do_handshake"):
                 # ssl.SSLSocket: bytes written to its fd would bypass the TLS layer
@@ -153,41 +179,21 @@ cdef class SendBatch:
             self.sock = target
             self.has_sock = True
             self.fd = -1
-            self.is_sock = True
         elif isinstance(target, int) and not isinstance(target, bool):
             if target < 0:
                 raise ValueError("a file descriptor must be >= 0")
             if target > 0x7fffffff:
                 raise OverflowError("file descriptor out of range")
             self.sock = None
-            self.has_sock = False
             self.fd = <int>target
-            self.is_sock = True       # until the first ENOTSOCK
         else:
             raise TypeError(f"target must be a socket or an int file descriptor, "
                             f"not {type(target).__name__}")
-        self.max_msgs = _positive(max_msgs, "max_msgs")
-        self.max_bytes = _positive(max_bytes, "max_bytes")
-        if not isinstance(auto_flush, (bool, int)):
-            raise TypeError("auto_flush must be a bool")
+        self.is_sock = True           # for an int fd: until the first ENOTSOCK
+        self.max_msgs = mm
+        self.max_bytes = mb
         self.auto_flush = bool(auto_flush)
-        if copy_max is None:
-            copy_max = DEFAULT_COPY_MAX
-        if isinstance(copy_max, bool) or not isinstance(copy_max, int):
-            raise TypeError("copy_max must be an int")
-        if copy_max < 0 or copy_max > (1 << 30):
-            raise ValueError("copy_max must be in 0 .. 2**30")
         self.copy_max = <size_t>copy_max
-        self.write_limit = 0
-        self.iov = <iovec *>malloc(SEG_INIT * sizeof(iovec))
-        self.own = <aop_sb_owner *>malloc(SEG_INIT * sizeof(aop_sb_owner))
-        self.cbuf = <char *>malloc(CBUF_INIT)
-        self.ends = <uint64_t *>malloc(MSG_INIT * sizeof(uint64_t))
-        if self.iov == NULL or self.own == NULL or self.cbuf == NULL or self.ends == NULL:
-            raise MemoryError()
-        self.segcap = SEG_INIT
-        self.ccap = CBUF_INIT
-        self.mcap = MSG_INIT
 
     def __dealloc__(self):
         if self.own != NULL and self.nseg > self.head:
@@ -449,6 +455,8 @@ cdef class SendBatch:
     cdef int _target_fd(self) except -2:
         cdef int fd
         if not self.has_sock:
+            if self.fd < 0:
+                raise OSError(EBADF, "Bad file descriptor (SendBatch.__init__ was not run)")
             return self.fd
         fd = self.sock.fileno()
         if fd < 0:
