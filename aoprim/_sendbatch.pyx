@@ -124,6 +124,29 @@ cdef Py_ssize_t _positive(object v, str name) except -1:
     return <Py_ssize_t>i
 
 
+cdef inline bint _fast_add_small_bytes(SendBatch b, object data) noexcept:
+    """The common case, inlined: a small bytes object appended to a copy segment that is
+    already last, with room in every array.  Returns False (nothing done) otherwise; the
+    general path (_add_obj) then handles it.  Same effect as _add_raw(..., SB_COPY)."""
+    cdef Py_ssize_t n
+    cdef Py_ssize_t last = b.nseg - 1
+    if type(data) is not bytes:
+        return False
+    n = PyBytes_GET_SIZE(data)
+    if (n == 0 or <size_t>n > b.copy_max or b.ccap - b.cused < <size_t>n or
+            b.mtail >= b.mcap or last < b.head or b.own[last].kind != SB_COPY):
+        return False
+    memcpy(b.cbuf + b.cused, PyBytes_AS_STRING(data), n)
+    b.iov[last].iov_len += n          # I4: the last copy segment ends at cused
+    b.cused += n
+    b.added += n
+    b.ends[b.mtail] = b.added
+    b.mtail += 1
+    _add(&b.pend_bytes, <int64_t>n)
+    _add(&b.pend_msgs, 1)
+    return True
+
+
 cdef class SendBatch:
     """SendBatch(target, max_msgs=16, max_bytes=65536, auto_flush=True, *, copy_max=None)
 
@@ -592,7 +615,8 @@ cdef class SendBatch:
         if not _claim(self):
             _raise_busy()
         try:
-            self._add_obj(data)
+            if not _fast_add_small_bytes(self, data):
+                self._add_obj(data)
             if self.auto_flush and self._over():
                 self._flush_locked()
         finally:
@@ -608,13 +632,15 @@ cdef class SendBatch:
         try:
             if type(iterable) is list:
                 for item in <list>iterable:
-                    self._add_obj(item)
+                    if not _fast_add_small_bytes(self, item):
+                        self._add_obj(item)
                     count += 1
                     if af and self._over():
                         self._flush_locked()
             elif type(iterable) is tuple:
                 for item in <tuple>iterable:
-                    self._add_obj(item)
+                    if not _fast_add_small_bytes(self, item):
+                        self._add_obj(item)
                     count += 1
                     if af and self._over():
                         self._flush_locked()
