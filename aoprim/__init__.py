@@ -14,12 +14,14 @@ from aoprim._spinlock import SpinLock
 # buffers (issue 4)
 
 # send batching (issue 5)
+from aoprim._sendbatch import SendBatch
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AtomicInt", "RefCount", "SpinLock",
     "Full", "Empty", "PoolExhausted", "RefCountError", "Closed",
+    "SendBatch",
     "get_include",
 ]
 

@@ -1,0 +1,115 @@
+# cython: language_level=3
+"""SendBatch, for ``cimport``: a nogil add-pointer / flush API.
+
+    from aoprim._sendbatch cimport SendBatch
+
+    cdef SendBatch b = SendBatch(fd, auto_flush=False)
+    cdef Py_ssize_t n
+    with nogil:
+        b.c_add_copy(header, 4)          # copied now: the caller may reuse `header` at once
+        b.c_add_ptr(payload, size)       # by reference: NOT copied
+        n = b.c_flush()                  # >= 0 bytes written, or -errno
+
+Lifetime rule for c_add_ptr: the batch keeps only the pointer.  The caller must keep the
+memory alive and unchanged until it has been fully sent: until a flush has returned with
+``pending_bytes`` no longer covering it (simplest: until ``pending_bytes == 0``), or until
+``clear()`` / the batch's deallocation.  c_add_copy has no such rule.
+
+Return codes: c_add_* return 0 when the batch is below both thresholds, 1 when ``max_msgs``
+or ``max_bytes`` is reached (the C API never flushes by itself: flush when you see 1),
+-ENOMEM when memory ran out (nothing was added), -EBUSY when another thread is inside the
+same batch (nothing was added).  c_flush returns the bytes written by this call (0 when the
+kernel would block or nothing is pending), -EBUSY, or -errno of a failed write (pending data
+intact).  c_flush retries EINTR without checking Python signal handlers.  When a flush
+completes messages added from Python that own objects (bytes, buffer exports, slots), it
+takes the GIL briefly to release them.
+
+One thread at a time: every entry point (Python or C) claims the batch with one atomic
+exchange; a concurrent entry gets RuntimeError (Python) or -EBUSY (C), never corruption.
+"""
+from libc.stdint cimport uint32_t, uint64_t
+from posix.uio cimport iovec
+from cpython.ref cimport PyObject
+from aoprim.atomic_h cimport aop_atomic_i64, aop_atomic_u32
+
+cdef extern from "aop_sendbatch.h" nogil:
+    enum: AOP_SB_IOV_MAX
+    ssize_t aop_sb_write(int fd, iovec *iov, int cnt, int is_sock)
+    int aop_sb_would_block(int e)
+
+# What keeps one segment's memory alive (parallel to SendBatch.iov).
+ctypedef struct aop_sb_owner:
+    int kind                 # SB_COPY, SB_RAW, SB_BYTES, SB_VIEW or SB_SLOT (below)
+    PyObject *obj            # SB_BYTES: the bytes (strong ref); SB_SLOT: the slot (strong ref)
+    Py_buffer view           # SB_VIEW / SB_SLOT: the held export (PyBUF_SIMPLE, no self-pointers)
+
+cdef enum:
+    SB_COPY = 0              # bytes live in the coalescing buffer `cbuf`
+    SB_RAW = 1               # c_add_ptr: caller-owned memory, nothing to release
+    SB_BYTES = 2             # a bytes object, referenced
+    SB_VIEW = 3              # a bytearray/memoryview export, held until sent
+    SB_SLOT = 4              # a slot-like object: export + retain(), release() when sent
+
+cdef class SendBatch:
+    cdef object sock                 # the target socket (kept alive), or None for an int fd
+    cdef bint has_sock               # target is a socket object (sock is not None)
+    cdef int fd                      # int-fd target (sockets re-read fileno() at each flush)
+    cdef bint is_sock                # send/sendmsg; False after ENOTSOCK -> write/writev
+    cdef readonly Py_ssize_t max_msgs         # auto-flush threshold in messages (>= 1)
+    cdef readonly Py_ssize_t max_bytes        # auto-flush threshold in bytes (>= 1)
+    cdef readonly bint auto_flush             # add() flushes when a threshold is reached
+    cdef readonly size_t copy_max             # messages of at most this many bytes are copied
+    cdef size_t write_limit          # test hook: cap on bytes offered per syscall (0 = none)
+
+    # unsent segments are iov[head:nseg]; own[k] keeps iov[k]'s memory alive
+    cdef iovec *iov                  # iovec array handed to the kernel (cursor = head)
+    cdef aop_sb_owner *own           # owners, parallel to iov
+    cdef Py_ssize_t head             # first unsent segment (its front may be trimmed)
+    cdef Py_ssize_t nseg             # one past the last segment
+    cdef Py_ssize_t segcap           # allocated length of iov and own
+
+    # coalescing buffer: live copied bytes are cbuf[first live SB_COPY segment : cused]
+    cdef char *cbuf                  # preallocated, reused; grows by doubling, compacts
+    cdef size_t cused                # bytes of cbuf in use (sent prefix included)
+    cdef size_t ccap                 # allocated size of cbuf
+
+    # message boundaries: ends[mhead:mtail] = stream offset just past each pending message
+    cdef uint64_t *ends              # absolute stream offsets (bytes ever added), ascending
+    cdef Py_ssize_t mhead            # first pending message
+    cdef Py_ssize_t mtail            # one past the last pending message
+    cdef Py_ssize_t mcap             # allocated length of ends
+    cdef uint64_t added              # stream offset: bytes ever added (cleared ones included)
+    cdef uint64_t sent               # stream offset: bytes written or dropped by clear()
+
+    # read by any thread (relaxed loads), written by the owner (relaxed stores)
+    cdef aop_atomic_i64 pend_bytes   # added - sent
+    cdef aop_atomic_i64 pend_msgs    # mtail - mhead
+    cdef aop_atomic_i64 st_syscalls  # write syscalls issued (failed ones included)
+    cdef aop_atomic_i64 st_messages  # messages fully written
+    cdef aop_atomic_i64 st_bytes     # bytes written
+    cdef aop_atomic_i64 st_partial   # syscalls that wrote less than offered
+    cdef aop_atomic_i64 st_wouldblock  # syscalls that got EAGAIN/EWOULDBLOCK
+    cdef aop_atomic_u32 busy         # 1 while a thread is inside (add/flush/clear/C API)
+
+    # C-level API (see the module docstring for return codes and lifetime rules)
+    cdef int c_add_ptr(self, const void *p, size_t n) noexcept nogil
+    cdef int c_add_copy(self, const void *p, size_t n) noexcept nogil
+    cdef Py_ssize_t c_flush(self) noexcept nogil
+
+    # internals (busy held by the caller)
+    cdef int _room_segs(self) noexcept nogil
+    cdef int _room_msgs(self) noexcept nogil
+    cdef int _room_copy(self, size_t n) noexcept nogil
+    cdef int _add_raw(self, const char *p, size_t n, int kind, PyObject *obj,
+                      Py_buffer *view) noexcept nogil
+    cdef bint _over(self) noexcept nogil
+    cdef ssize_t _write_once(self, int fd, size_t *offered) noexcept nogil
+    cdef Py_ssize_t _advance(self, size_t n) noexcept nogil
+    cdef bint _range_owned(self, Py_ssize_t a, Py_ssize_t b) noexcept nogil
+    cdef void _release_range(self, Py_ssize_t a, Py_ssize_t b) noexcept
+    cdef void _commit_head(self, Py_ssize_t h) noexcept nogil
+    cdef int _target_fd(self) except -2
+    cdef Py_ssize_t _flush_locked(self) except -1
+    cdef int _add_obj(self, object data) except -1
+    cdef int _add_buffer(self, object data) except -1
+    cdef int _add_slot(self, object s) except -1

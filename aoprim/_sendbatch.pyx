@@ -1,0 +1,821 @@
+# cython: language_level=3, freethreading_compatible=True
+# cython: boundscheck=False, wraparound=False, initializedcheck=False
+"""SendBatch: gather small writes and send them with one system call.
+
+Layout (fields are documented one by one in _sendbatch.pxd):
+
+    iov[head:nseg]   the unsent segments, ready to hand to sendmsg()/writev()
+    own[head:nseg]   what keeps each segment's memory alive
+    cbuf[...:cused]  the coalescing buffer small messages are copied into
+    ends[mhead:mtail] stream offsets where each pending message ends
+
+A message of at most ``copy_max`` bytes is copied to the end of ``cbuf``; when the last
+segment is a copy segment ending exactly there, it just grows, so any run of small messages
+is ONE segment.  A larger message becomes its own segment by reference: a bytes object is
+INCREF'd, a bytearray/memoryview export is held (so a bytearray cannot be resized while
+queued), a slot-like object is exported and retain()'d.
+
+Invariants (hold whenever no thread is inside the batch, i.e. ``busy == 0``):
+  I1  0 <= head <= nseg <= segcap; every segment in [head, nseg) has iov_len > 0.
+  I2  sum(iov[k].iov_len for k in [head, nseg)) == added - sent == pend_bytes.
+  I3  ends[mhead:mtail] is strictly ascending, every value > sent, the last == added;
+      mtail - mhead == pend_msgs.  (Empty messages are not recorded at all.)
+  I4  copy segments are contiguous in cbuf and in segment order: the live copied bytes are
+      cbuf[base of the first live copy segment : cused], and the last copy segment ends at
+      cused.  So compaction is one memmove plus a rebase of the copy segments' pointers.
+  I5  own[k] for k in [head, nseg) holds exactly one reference/export/retain; segments
+      outside [head, nseg) hold nothing.  Each owner is released exactly once: when its
+      segment is fully written, or by clear() / deallocation.
+  I6  head == nseg implies head == nseg == 0 and cused == 0 (reset as soon as drained).
+
+Partial writes: _advance(n) walks from ``head`` over the n written bytes, stepping past
+fully written segments and trimming the first partly written one in place (iov_base += k,
+iov_len -= k).  Nothing is copied again; the owners of the fully written segments are then
+released (a slot's export is released BEFORE slot.release(), since a slot refuses to drop
+its last reference while a view of it lives).
+
+A flush issues one system call for up to AOP_SB_IOV_MAX (IOV_MAX, 1024) segments, and
+another only if the kernel took everything offered and segments remain; a short write or
+EAGAIN ends it.  So a flush is one syscall unless more than 1024 segments are pending.
+
+Threads: a batch belongs to one thread at a time (like the write side of a socket).  Every
+entry point claims ``busy`` with an atomic exchange (acquire) and frees it with a release
+store, so the next owner sees every field the previous one wrote; a second thread entering
+meanwhile gets RuntimeError (Python) or -EBUSY (C) and changes nothing.  The GIL is released
+during the system call, so this guard -- not the GIL -- is what keeps another thread from
+reallocating the iovec array under the kernel's feet.  Counters read by other threads
+(pending_*, stats) are relaxed atomics: exact when the batch is idle, approximate during.
+"""
+from libc.stdint cimport uint32_t, uint64_t, int64_t
+from libc.stdlib cimport malloc, realloc, free
+from libc.string cimport memcpy, memmove, strerror
+from libc.errno cimport EINTR, ENOTSOCK, ENOMEM, EBUSY, EBADF
+from posix.uio cimport iovec
+from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.number cimport PyNumber_Index
+
+from aoprim.atomic_h cimport (
+    aop_load_i64, aop_store_i64, aop_exchange_u32, aop_store_u32, AOP_RELAXED, AOP_ACQUIRE,
+    AOP_RELEASE,
+)
+
+import socket as _socket
+
+# Copy cut-off: messages up to this many bytes are copied into the coalescing buffer; larger
+# ones go by reference as their own segment.  Chosen by bench/bench_sendbatch.py
+# (test_cutoff_*): see the README section "Send batching" for the figures.
+DEFAULT_COPY_MAX = 2048
+IOV_MAX = AOP_SB_IOV_MAX
+
+cdef size_t CBUF_INIT = 16384          # initial coalescing buffer
+cdef size_t CBUF_KEEP = 1 << 20        # a drained buffer larger than this shrinks back
+cdef Py_ssize_t SEG_INIT = 32
+cdef Py_ssize_t MSG_INIT = 64
+
+
+cdef inline int64_t _get(aop_atomic_i64 *a) noexcept nogil:
+    # relaxed: a counter read for reporting; no other memory depends on it
+    return aop_load_i64(a, AOP_RELAXED)
+
+
+cdef inline void _add(aop_atomic_i64 *a, int64_t d) noexcept nogil:
+    # relaxed load + store, not an RMW: only the thread holding `busy` writes the counters,
+    # other threads only read them (relaxed), so no update can be lost.
+    aop_store_i64(a, aop_load_i64(a, AOP_RELAXED) + d, AOP_RELAXED)
+
+
+cdef inline bint _claim(SendBatch b) noexcept nogil:
+    # acquire: pairs with the release store in _unclaim() by the previous owner, so every
+    # field it wrote (arrays, cursors, buffers) is visible to us.
+    return aop_exchange_u32(&b.busy, 1, AOP_ACQUIRE) == 0
+
+
+cdef inline void _unclaim(SendBatch b) noexcept nogil:
+    # release: publishes all our writes to the next thread that claims the batch.
+    aop_store_u32(&b.busy, 0, AOP_RELEASE)
+
+
+cdef int _raise_busy() except -1:
+    raise RuntimeError("SendBatch is in use by another thread (a batch belongs to one thread "
+                       "at a time)")
+
+
+cdef void _slot_release(object s) noexcept:
+    # noexcept: an error from a slot's release() is reported as unraisable; the bytes were
+    # sent and the batch must stay consistent whatever the slot says.
+    s.release()
+
+
+cdef inline bint _is_slot_like(object o):
+    return hasattr(o, "retain") and hasattr(o, "release") and hasattr(o, "length")
+
+
+cdef Py_ssize_t _positive(object v, str name) except -1:
+    if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+        raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+    cdef object i = PyNumber_Index(v)
+    if i < 1:
+        raise ValueError(f"{name} must be >= 1")
+    if i > (1 << 62):
+        raise OverflowError(f"{name} is too large")
+    return <Py_ssize_t>i
+
+
+cdef inline bint _fast_add_small_bytes(SendBatch b, object data) noexcept:
+    """The common case, inlined: a small bytes object appended to a copy segment that is
+    already last, with room in every array.  Returns False (nothing done) otherwise; the
+    general path (_add_obj) then handles it.  Same effect as _add_raw(..., SB_COPY)."""
+    cdef Py_ssize_t n
+    cdef Py_ssize_t last = b.nseg - 1
+    if type(data) is not bytes:
+        return False
+    n = PyBytes_GET_SIZE(data)
+    if (n == 0 or <size_t>n > b.copy_max or b.ccap - b.cused < <size_t>n or
+            b.mtail >= b.mcap or last < b.head or b.own[last].kind != SB_COPY):
+        return False
+    memcpy(b.cbuf + b.cused, PyBytes_AS_STRING(data), n)
+    b.iov[last].iov_len += n          # I4: the last copy segment ends at cused
+    b.cused += n
+    b.added += n
+    b.ends[b.mtail] = b.added
+    b.mtail += 1
+    _add(&b.pend_bytes, <int64_t>n)
+    _add(&b.pend_msgs, 1)
+    return True
+
+
+cdef class SendBatch:
+    """SendBatch(target, max_msgs=16, max_bytes=65536, auto_flush=True, *, copy_max=None)
+
+    Gathers small writes and sends them with one sendmsg()/writev() call.  ``target`` is a
+    socket (kept alive; its fileno() is read at each flush) or an int file descriptor.
+    ``copy_max`` (aoprim extension): messages up to this many bytes are copied into the
+    batch's own buffer, larger ones are sent by reference (default DEFAULT_COPY_MAX).
+    """
+
+    def __cinit__(self):
+        # Allocated here (always runs), so a batch made by __new__ without __init__ is still
+        # memory-safe: it has no target (fd -1) and its flush() raises EBADF.
+        self.fd = -1
+        self.has_sock = False
+        self.is_sock = True
+        self.max_msgs = 16
+        self.max_bytes = 65536
+        self.auto_flush = True
+        self.copy_max = DEFAULT_COPY_MAX
+        self.iov = <iovec *>malloc(SEG_INIT * sizeof(iovec))
+        self.own = <aop_sb_owner *>malloc(SEG_INIT * sizeof(aop_sb_owner))
+        self.cbuf = <char *>malloc(CBUF_INIT)
+        self.ends = <uint64_t *>malloc(MSG_INIT * sizeof(uint64_t))
+        if self.iov == NULL or self.own == NULL or self.cbuf == NULL or self.ends == NULL:
+            raise MemoryError()
+        self.segcap = SEG_INIT
+        self.ccap = CBUF_INIT
+        self.mcap = MSG_INIT
+
+    def __init__(self, target, max_msgs=16, max_bytes=65536, auto_flush=True, *,
+                 copy_max=None):
+        cdef Py_ssize_t mm, mb
+        if self.has_sock or self.fd >= 0:
+            raise RuntimeError("SendBatch.__init__ called twice")
+        # validate everything first: a failed __init__ leaves the batch without a target
+        mm = _positive(max_msgs, "max_msgs")
+        mb = _positive(max_bytes, "max_bytes")
+        if not isinstance(auto_flush, (bool, int)):
+            raise TypeError("auto_flush must be a bool")
+        if copy_max is None:
+            copy_max = DEFAULT_COPY_MAX
+        if isinstance(copy_max, bool) or not isinstance(copy_max, int):
+            raise TypeError("copy_max must be an int")
+        if copy_max < 0 or copy_max > (1 << 30):
+            raise ValueError("copy_max must be in 0 .. 2**30")
+        if isinstance(target, _socket.socket):
+            if hasattr(target, "do_handshake"):
+                # ssl.SSLSocket: bytes written to its fd would bypass the TLS layer
+                raise TypeError("SendBatch cannot write to a TLS socket (its fd carries "
+                                "encrypted records); batch into it with sendall() instead")
+            if target.fileno() < 0:
+                raise OSError(EBADF, "the socket is closed")
+            self.sock = target
+            self.has_sock = True
+            self.fd = -1
+        elif isinstance(target, int) and not isinstance(target, bool):
+            if target < 0:
+                raise ValueError("a file descriptor must be >= 0")
+            if target > 0x7fffffff:
+                raise OverflowError("file descriptor out of range")
+            self.sock = None
+            self.fd = <int>target
+        else:
+            raise TypeError(f"target must be a socket or an int file descriptor, "
+                            f"not {type(target).__name__}")
+        self.is_sock = True           # for an int fd: until the first ENOTSOCK
+        self.max_msgs = mm
+        self.max_bytes = mb
+        self.auto_flush = bool(auto_flush)
+        self.copy_max = <size_t>copy_max
+
+    def __dealloc__(self):
+        if self.own != NULL and self.nseg > self.head:
+            self._release_range(self.head, self.nseg)
+        free(self.iov)
+        free(self.own)
+        free(self.cbuf)
+        free(self.ends)
+
+    # ---- space management (busy held) ---------------------------------------------------
+
+    cdef int _room_segs(self) noexcept nogil:
+        """Make room for one more segment: slide [head, nseg) down, or double.  -1: ENOMEM."""
+        cdef Py_ssize_t live
+        cdef Py_ssize_t cap
+        cdef iovec *ni
+        cdef aop_sb_owner *no
+        if self.nseg < self.segcap:
+            return 0
+        live = self.nseg - self.head
+        if self.head > 0 and live <= self.segcap // 2:
+            # Py_buffer is moved by value: exports are taken with PyBUF_SIMPLE, which makes
+            # the exporter leave shape/strides NULL, so a view holds no pointer to itself.
+            memmove(self.iov, self.iov + self.head, live * sizeof(iovec))
+            memmove(self.own, self.own + self.head, live * sizeof(aop_sb_owner))
+            self.head = 0
+            self.nseg = live
+            return 0
+        cap = self.segcap * 2
+        ni = <iovec *>realloc(self.iov, cap * sizeof(iovec))
+        if ni == NULL:
+            return -1
+        self.iov = ni
+        no = <aop_sb_owner *>realloc(self.own, cap * sizeof(aop_sb_owner))
+        if no == NULL:
+            return -1
+        self.own = no
+        self.segcap = cap
+        return 0
+
+    cdef int _room_msgs(self) noexcept nogil:
+        cdef Py_ssize_t live
+        cdef Py_ssize_t cap
+        cdef uint64_t *ne
+        if self.mtail < self.mcap:
+            return 0
+        live = self.mtail - self.mhead
+        if self.mhead > 0 and live <= self.mcap // 2:
+            memmove(self.ends, self.ends + self.mhead, live * sizeof(uint64_t))
+            self.mhead = 0
+            self.mtail = live
+            return 0
+        cap = self.mcap * 2
+        ne = <uint64_t *>realloc(self.ends, cap * sizeof(uint64_t))
+        if ne == NULL:
+            return -1
+        self.ends = ne
+        self.mcap = cap
+        return 0
+
+    cdef int _room_copy(self, size_t n) noexcept nogil:
+        """Make cbuf[cused:cused+n] available (I4 kept).  -1: ENOMEM."""
+        cdef size_t live_start
+        cdef size_t live
+        cdef size_t cap
+        cdef char *dst
+        cdef char *src
+        cdef Py_ssize_t k
+        if self.ccap - self.cused >= n:
+            return 0
+        live_start = self.cused
+        for k in range(self.head, self.nseg):
+            if self.own[k].kind == SB_COPY:
+                live_start = <size_t>(<char *>self.iov[k].iov_base - self.cbuf)
+                break
+        live = self.cused - live_start
+        if live + n <= self.ccap and live <= self.ccap // 2:
+            # compact in place: at least half the buffer is freed, so moves cost O(1) per
+            # byte appended, amortised (as a deque's).
+            dst = self.cbuf
+        else:
+            cap = self.ccap * 2
+            while cap < 2 * (live + n):
+                cap *= 2
+            dst = <char *>malloc(cap)
+            if dst == NULL:
+                return -1
+        src = self.cbuf + live_start
+        if live:
+            memmove(dst, src, live)
+        for k in range(self.head, self.nseg):
+            if self.own[k].kind == SB_COPY:
+                self.iov[k].iov_base = dst + (<char *>self.iov[k].iov_base - src)
+        if dst != self.cbuf:
+            free(self.cbuf)
+            self.cbuf = dst
+            self.ccap = cap
+        self.cused = live
+        return 0
+
+    cdef int _add_raw(self, const char *p, size_t n, int kind, PyObject *obj,
+                      Py_buffer *view) noexcept nogil:
+        """Append one non-empty message.  SB_COPY copies p[0:n]; other kinds take over the
+        owner given (obj reference / view export).  0, or -1 on ENOMEM (nothing changed,
+        the owner still belongs to the caller)."""
+        cdef Py_ssize_t last
+        if self._room_msgs() < 0:
+            return -1
+        if kind == SB_COPY:
+            if self._room_copy(n) < 0:
+                return -1
+            last = self.nseg - 1
+            if last >= self.head and self.own[last].kind == SB_COPY:
+                # I4: the last copy segment ends at cused, so the new bytes extend it
+                memcpy(self.cbuf + self.cused, p, n)
+                self.iov[last].iov_len += n
+            else:
+                if self._room_segs() < 0:
+                    return -1
+                memcpy(self.cbuf + self.cused, p, n)
+                self.iov[self.nseg].iov_base = self.cbuf + self.cused
+                self.iov[self.nseg].iov_len = n
+                self.own[self.nseg].kind = SB_COPY
+                self.own[self.nseg].obj = NULL
+                self.nseg += 1
+            self.cused += n
+        else:
+            if self._room_segs() < 0:
+                return -1
+            self.iov[self.nseg].iov_base = <void *>p
+            self.iov[self.nseg].iov_len = n
+            self.own[self.nseg].kind = kind
+            self.own[self.nseg].obj = obj
+            if view != NULL:
+                memcpy(&self.own[self.nseg].view, view, sizeof(Py_buffer))
+            self.nseg += 1
+        self.added += n
+        self.ends[self.mtail] = self.added
+        self.mtail += 1
+        _add(&self.pend_bytes, <int64_t>n)
+        _add(&self.pend_msgs, 1)
+        return 0
+
+    cdef bint _over(self) noexcept nogil:
+        return (self.mtail - self.mhead >= self.max_msgs or
+                <Py_ssize_t>(self.added - self.sent) >= self.max_bytes)
+
+    # ---- writing and cursor advance ----------------------------------------------------
+
+    cdef ssize_t _write_once(self, int fd, size_t *offered) noexcept nogil:
+        """One system call for iov[head : head + min(pending, IOV_MAX)] (capped to
+        write_limit bytes by the test hook).  Sets *offered; returns bytes or -errno."""
+        cdef Py_ssize_t cnt = self.nseg - self.head
+        cdef Py_ssize_t k
+        cdef size_t off
+        cdef size_t saved
+        cdef ssize_t r
+        cdef iovec *v = self.iov + self.head
+        if cnt > AOP_SB_IOV_MAX:
+            cnt = AOP_SB_IOV_MAX
+            off = 0
+            for k in range(cnt):
+                off += v[k].iov_len
+        else:
+            off = <size_t>(self.added - self.sent)
+        offered[0] = off
+        if self.write_limit and off > self.write_limit:
+            # test hook: a kernel that takes at most write_limit bytes.  Offer only that
+            # much, by trimming the segment that crosses the limit for the duration of the
+            # call (no copy), then restoring it; *offered stays the full amount, so the
+            # caller sees a short (partial) write, exactly as from a full socket buffer.
+            off = 0
+            k = 0
+            while off + v[k].iov_len < self.write_limit:
+                off += v[k].iov_len
+                k += 1
+            saved = v[k].iov_len
+            v[k].iov_len = self.write_limit - off
+            r = aop_sb_write(fd, v, <int>(k + 1), self.is_sock)
+            v[k].iov_len = saved
+            return r
+        return aop_sb_write(fd, v, <int>cnt, self.is_sock)
+
+    cdef Py_ssize_t _advance(self, size_t n) noexcept nogil:
+        """Account for n written bytes: trim the first partly written segment in place and
+        return the index of the first segment not fully written (segments before it are
+        done; their owners are released by the caller, then _commit_head).  Also retires
+        the messages that are now complete."""
+        cdef Py_ssize_t k = self.head
+        cdef size_t left = n
+        cdef size_t l
+        cdef Py_ssize_t done = 0
+        while left:
+            l = self.iov[k].iov_len
+            if left >= l:
+                left -= l
+                k += 1
+            else:
+                self.iov[k].iov_base = <char *>self.iov[k].iov_base + left
+                self.iov[k].iov_len = l - left
+                left = 0
+        self.sent += n
+        while self.mhead < self.mtail and self.ends[self.mhead] <= self.sent:
+            self.mhead += 1
+            done += 1
+        if self.mhead == self.mtail:
+            self.mhead = self.mtail = 0
+        _add(&self.pend_bytes, -<int64_t>n)
+        _add(&self.pend_msgs, -done)
+        _add(&self.st_messages, done)
+        _add(&self.st_bytes, <int64_t>n)
+        return k
+
+    cdef bint _range_owned(self, Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+        cdef Py_ssize_t k
+        for k in range(a, b):
+            if self.own[k].kind >= SB_BYTES:
+                return True
+        return False
+
+    cdef void _release_range(self, Py_ssize_t a, Py_ssize_t b) noexcept:
+        """Release the owners of segments [a, b) (GIL held).  Each is cleared first, so an
+        owner is released exactly once whatever its release() does."""
+        cdef Py_ssize_t k
+        cdef int kind
+        cdef PyObject *obj
+        for k in range(a, b):
+            kind = self.own[k].kind
+            if kind < SB_BYTES:
+                continue
+            obj = self.own[k].obj
+            self.own[k].kind = SB_COPY
+            self.own[k].obj = NULL
+            if kind == SB_BYTES:
+                Py_DECREF(<object>obj)
+            elif kind == SB_VIEW:
+                PyBuffer_Release(&self.own[k].view)
+            else:
+                # the export first: a slot refuses to drop its last reference while a view
+                # of it is alive
+                PyBuffer_Release(&self.own[k].view)
+                _slot_release(<object>obj)
+                Py_DECREF(<object>obj)
+
+    cdef void _commit_head(self, Py_ssize_t h) noexcept nogil:
+        cdef char *nb
+        self.head = h
+        if h == self.nseg:
+            # I6: drained -- reuse everything from the start
+            self.head = self.nseg = 0
+            self.cused = 0
+            if self.ccap > CBUF_KEEP:
+                nb = <char *>malloc(CBUF_INIT)
+                if nb != NULL:
+                    free(self.cbuf)
+                    self.cbuf = nb
+                    self.ccap = CBUF_INIT
+
+    cdef int _target_fd(self) except -2:
+        cdef int fd
+        if not self.has_sock:
+            if self.fd < 0:
+                raise OSError(EBADF, "Bad file descriptor (SendBatch.__init__ was not run)")
+            return self.fd
+        fd = self.sock.fileno()
+        if fd < 0:
+            raise OSError(EBADF, "Bad file descriptor (the socket is closed)")
+        return fd
+
+    cdef Py_ssize_t _flush_locked(self) except -1:
+        cdef Py_ssize_t total = 0
+        cdef Py_ssize_t h
+        cdef Py_ssize_t old
+        cdef ssize_t r
+        cdef size_t offered = 0
+        cdef int err
+        cdef int fd
+        if self.head == self.nseg:
+            return 0
+        fd = self._target_fd()
+        while self.head < self.nseg:
+            with nogil:
+                r = self._write_once(fd, &offered)
+            _add(&self.st_syscalls, 1)
+            if r < 0:
+                err = <int>-r
+                if err == EINTR:
+                    PyErr_CheckSignals()      # a handler's exception propagates, data intact
+                    continue
+                if aop_sb_would_block(err):
+                    _add(&self.st_wouldblock, 1)
+                    break
+                if err == ENOTSOCK and self.is_sock and not self.has_sock:
+                    self.is_sock = False      # an int fd that is a pipe/file: writev from now
+                    continue
+                raise OSError(err, strerror(err).decode("utf-8", "replace"))
+            old = self.head
+            h = self._advance(<size_t>r)
+            self._release_range(old, h)
+            self._commit_head(h)
+            total += r
+            if <size_t>r < offered:
+                _add(&self.st_partial, 1)
+                break
+        return total
+
+    # ---- adding from Python -------------------------------------------------------------
+
+    cdef int _add_obj(self, object data) except -1:
+        cdef type t = type(data)
+        cdef Py_ssize_t n
+        if t is bytes:
+            n = PyBytes_GET_SIZE(data)
+            if n == 0:
+                return 0
+            if <size_t>n <= self.copy_max:
+                if self._add_raw(PyBytes_AS_STRING(data), n, SB_COPY, NULL, NULL) < 0:
+                    raise MemoryError()
+                return 0
+            Py_INCREF(data)
+            if self._add_raw(PyBytes_AS_STRING(data), n, SB_BYTES, <PyObject *>data,
+                             NULL) < 0:
+                Py_DECREF(data)
+                raise MemoryError()
+            return 0
+        if t is bytearray or t is memoryview:
+            return self._add_buffer(data)
+        if _is_slot_like(data):
+            return self._add_slot(data)
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return self._add_buffer(data)
+        raise TypeError(f"SendBatch.add() takes bytes, bytearray, memoryview or a Slot, "
+                        f"not {t.__name__}")
+
+    cdef int _add_buffer(self, object data) except -1:
+        cdef Py_buffer view
+        cdef int rc
+        try:
+            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        except BufferError:
+            if isinstance(data, memoryview):
+                # not C-contiguous: there is no single span to reference; send a copy
+                return self._add_obj(data.tobytes())
+            raise
+        if view.len == 0:
+            PyBuffer_Release(&view)
+            return 0
+        if <size_t>view.len <= self.copy_max:
+            # small: copied now, so later changes by the caller are never seen
+            rc = self._add_raw(<char *>view.buf, view.len, SB_COPY, NULL, NULL)
+            PyBuffer_Release(&view)
+        else:
+            # large: by reference; the export is held until sent (a bytearray cannot be
+            # resized meanwhile: BufferError), in-place writes before the send are sent
+            rc = self._add_raw(<char *>view.buf, view.len, SB_VIEW, NULL, &view)
+            if rc < 0:
+                PyBuffer_Release(&view)
+        if rc < 0:
+            raise MemoryError()
+        return 0
+
+    cdef int _add_slot(self, object s) except -1:
+        cdef Py_buffer view
+        cdef object lo = s.length
+        cdef Py_ssize_t length
+        if isinstance(lo, bool) or not hasattr(type(lo), "__index__"):
+            raise TypeError("slot.length must be an int")
+        length = PyNumber_Index(lo)
+        PyObject_GetBuffer(s, &view, PyBUF_SIMPLE)
+        if length < 0 or length > view.len:
+            PyBuffer_Release(&view)
+            raise ValueError(f"slot.length {length} is outside 0..{view.len}")
+        if length == 0:
+            PyBuffer_Release(&view)
+            return 0
+        try:
+            s.retain()
+        except BaseException:
+            PyBuffer_Release(&view)
+            raise
+        Py_INCREF(s)
+        if self._add_raw(<char *>view.buf, length, SB_SLOT, <PyObject *>s, &view) < 0:
+            PyBuffer_Release(&view)
+            _slot_release(s)
+            Py_DECREF(s)
+            raise MemoryError()
+        return 0
+
+    # ---- Python API ---------------------------------------------------------------------
+
+    def add(self, data):
+        """Queue one message: bytes, bytearray, memoryview or a Slot (its first ``length``
+        bytes; retained until fully sent, then released).  With auto_flush, reaching
+        max_msgs messages or max_bytes bytes flushes (an OSError from that flush propagates;
+        the message stays queued).  Empty messages are ignored."""
+        if not _claim(self):
+            _raise_busy()
+        try:
+            if not _fast_add_small_bytes(self, data):
+                self._add_obj(data)
+            if self.auto_flush and self._over():
+                self._flush_locked()
+        finally:
+            _unclaim(self)
+
+    def add_many(self, iterable):
+        """add() each item of ``iterable`` in order (one call: low per-message overhead).
+        Returns how many items were taken.  On a bad item, the items before it stay added."""
+        cdef Py_ssize_t count = 0
+        cdef bint af = self.auto_flush
+        if not _claim(self):
+            _raise_busy()
+        try:
+            if type(iterable) is list:
+                for item in <list>iterable:
+                    if not _fast_add_small_bytes(self, item):
+                        self._add_obj(item)
+                    count += 1
+                    if af and self._over():
+                        self._flush_locked()
+            elif type(iterable) is tuple:
+                for item in <tuple>iterable:
+                    if not _fast_add_small_bytes(self, item):
+                        self._add_obj(item)
+                    count += 1
+                    if af and self._over():
+                        self._flush_locked()
+            else:
+                for item in iterable:
+                    self._add_obj(item)
+                    count += 1
+                    if af and self._over():
+                        self._flush_locked()
+        finally:
+            _unclaim(self)
+        return count
+
+    def flush(self):
+        """Write what is pending; returns the bytes written by this call.  One system call
+        (more only beyond IOV_MAX segments); a partial write keeps the unsent tail in
+        order; a write that would block keeps everything and returns 0; EINTR is retried;
+        any other error raises OSError with the pending data intact."""
+        cdef Py_ssize_t n
+        if not _claim(self):
+            _raise_busy()
+        try:
+            n = self._flush_locked()
+        finally:
+            _unclaim(self)
+        return n
+
+    def clear(self):
+        """Drop everything pending (retained slots are released)."""
+        cdef Py_ssize_t h, t
+        if not _claim(self):
+            _raise_busy()
+        try:
+            h = self.head
+            t = self.nseg
+            self._release_range(h, t)
+            self.head = self.nseg = 0
+            self.cused = 0
+            self.sent = self.added
+            self.mhead = self.mtail = 0
+            aop_store_i64(&self.pend_bytes, 0, AOP_RELAXED)   # relaxed: see _add()
+            aop_store_i64(&self.pend_msgs, 0, AOP_RELAXED)
+        finally:
+            _unclaim(self)
+
+    @property
+    def pending_bytes(self):
+        """Bytes added and not yet written."""
+        return _get(&self.pend_bytes)
+
+    @property
+    def pending_msgs(self):
+        """Messages not yet fully written (a partly written one counts)."""
+        return _get(&self.pend_msgs)
+
+    def __len__(self):
+        return <Py_ssize_t>_get(&self.pend_msgs)
+
+    @property
+    def stats(self):
+        """Counters since creation: syscalls, messages (fully written), bytes (written),
+        partial_writes, would_block."""
+        return {
+            "syscalls": _get(&self.st_syscalls),
+            "messages": _get(&self.st_messages),
+            "bytes": _get(&self.st_bytes),
+            "partial_writes": _get(&self.st_partial),
+            "would_block": _get(&self.st_wouldblock),
+        }
+
+    @property
+    def target(self):
+        """The socket, or the int file descriptor, given to the constructor."""
+        return self.sock if self.has_sock else self.fd
+
+    @property
+    def _write_limit(self):
+        return self.write_limit
+
+    @_write_limit.setter
+    def _write_limit(self, v):
+        """Test hook: offer at most this many bytes per system call (0: no cap), so tests
+        can force partial writes at chosen points through the real cursor-advance code."""
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError("_write_limit must be an int")
+        if v < 0:
+            raise ValueError("_write_limit must be >= 0")
+        if not _claim(self):
+            _raise_busy()
+        self.write_limit = <size_t>v
+        _unclaim(self)
+
+    @property
+    def _capacity(self):
+        """Test hook: (segment slots, coalescing-buffer bytes, message slots) allocated."""
+        return (self.segcap, self.ccap, self.mcap)
+
+    def __repr__(self):
+        return (f"<aoprim.SendBatch target={self.target!r} pending_msgs="
+                f"{_get(&self.pend_msgs)} pending_bytes={_get(&self.pend_bytes)}>")
+
+    # ---- C API --------------------------------------------------------------------------
+
+    cdef int c_add_ptr(self, const void *p, size_t n) noexcept nogil:
+        cdef int r
+        if n == 0:
+            return 0
+        if not _claim(self):
+            return -EBUSY
+        if self._add_raw(<const char *>p, n, SB_RAW, NULL, NULL) < 0:
+            r = -ENOMEM
+        else:
+            r = 1 if self._over() else 0
+        _unclaim(self)
+        return r
+
+    cdef int c_add_copy(self, const void *p, size_t n) noexcept nogil:
+        cdef int r
+        if n == 0:
+            return 0
+        if not _claim(self):
+            return -EBUSY
+        if self._add_raw(<const char *>p, n, SB_COPY, NULL, NULL) < 0:
+            r = -ENOMEM
+        else:
+            r = 1 if self._over() else 0
+        _unclaim(self)
+        return r
+
+    cdef Py_ssize_t c_flush(self) noexcept nogil:
+        cdef Py_ssize_t total = 0
+        cdef Py_ssize_t h
+        cdef Py_ssize_t old
+        cdef ssize_t r
+        cdef size_t offered = 0
+        cdef int fd
+        if not _claim(self):
+            return -EBUSY
+        if self.head == self.nseg:
+            _unclaim(self)
+            return 0
+        if self.has_sock:
+            with gil:
+                try:
+                    fd = self.sock.fileno()
+                except BaseException:
+                    fd = -1
+            if fd < 0:
+                _unclaim(self)
+                return -EBADF
+        else:
+            fd = self.fd
+        while self.head < self.nseg:
+            r = self._write_once(fd, &offered)
+            _add(&self.st_syscalls, 1)
+            if r < 0:
+                if r == -EINTR:
+                    continue
+                if aop_sb_would_block(<int>-r):
+                    _add(&self.st_wouldblock, 1)
+                    break
+                if r == -ENOTSOCK and self.is_sock and not self.has_sock:
+                    self.is_sock = False
+                    continue
+                _unclaim(self)
+                return r
+            old = self.head
+            h = self._advance(<size_t>r)
+            if self._range_owned(old, h):
+                with gil:
+                    self._release_range(old, h)
+            self._commit_head(h)
+            total += r
+            if <size_t>r < offered:
+                _add(&self.st_partial, 1)
+                break
+        _unclaim(self)
+        return total
