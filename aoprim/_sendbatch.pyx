@@ -124,6 +124,29 @@ cdef Py_ssize_t _positive(object v, str name) except -1:
     return <Py_ssize_t>i
 
 
+cdef inline bint _fast_add_small_bytes(SendBatch b, object data) noexcept:
+    """The common case, inlined: a small bytes object appended to a copy segment that is
+    already last, with room in every array.  Returns False (nothing done) otherwise; the
+    general path (_add_obj) then handles it.  Same effect as _add_raw(..., SB_COPY)."""
+    cdef Py_ssize_t n
+    cdef Py_ssize_t last = b.nseg - 1
+    if type(data) is not bytes:
+        return False
+    n = PyBytes_GET_SIZE(data)
+    if (n == 0 or <size_t>n > b.copy_max or b.ccap - b.cused < <size_t>n or
+            b.mtail >= b.mcap or last < b.head or b.own[last].kind != SB_COPY):
+        return False
+    memcpy(b.cbuf + b.cused, PyBytes_AS_STRING(data), n)
+    b.iov[last].iov_len += n          # I4: the last copy segment ends at cused
+    b.cused += n
+    b.added += n
+    b.ends[b.mtail] = b.added
+    b.mtail += 1
+    _add(&b.pend_bytes, <int64_t>n)
+    _add(&b.pend_msgs, 1)
+    return True
+
+
 cdef class SendBatch:
     """SendBatch(target, max_msgs=16, max_bytes=65536, auto_flush=True, *, copy_max=None)
 
@@ -134,47 +157,15 @@ cdef class SendBatch:
     """
 
     def __cinit__(self):
-        self.iov = NULL
-        self.own = NULL
-        self.cbuf = NULL
-        self.ends = NULL
-
-    def __init__(self, target, max_msgs=16, max_bytes=65536, auto_flush=True, *,
-                 copy_max=None):
-        if self.iov != NULL:
-            raise RuntimeError("SendBatch.__init__ called twice")
-        if isinstance(target, _socket.socket):
-            if target.fileno() < 0:
-                raise OSError(EBADF, "the socket is closed")
-            self.sock = target
-            self.has_sock = True
-            self.fd = -1
-            self.is_sock = True
-        elif isinstance(target, int) and not isinstance(target, bool):
-            if target < 0:
-                raise ValueError("a file descriptor must be >= 0")
-            if target > 0x7fffffff:
-                raise OverflowError("file descriptor out of range")
-            self.sock = None
-            self.has_sock = False
-            self.fd = <int>target
-            self.is_sock = True       # until the first ENOTSOCK
-        else:
-            raise TypeError(f"target must be a socket or an int file descriptor, "
-                            f"not {type(target).__name__}")
-        self.max_msgs = _positive(max_msgs, "max_msgs")
-        self.max_bytes = _positive(max_bytes, "max_bytes")
-        if not isinstance(auto_flush, (bool, int)):
-            raise TypeError("auto_flush must be a bool")
-        self.auto_flush = bool(auto_flush)
-        if copy_max is None:
-            copy_max = DEFAULT_COPY_MAX
-        if isinstance(copy_max, bool) or not isinstance(copy_max, int):
-            raise TypeError("copy_max must be an int")
-        if copy_max < 0 or copy_max > (1 << 30):
-            raise ValueError("copy_max must be in 0 .. 2**30")
-        self.copy_max = <size_t>copy_max
-        self.write_limit = 0
+        # Allocated here (always runs), so a batch made by __new__ without __init__ is still
+        # memory-safe: it has no target (fd -1) and its flush() raises EBADF.
+        self.fd = -1
+        self.has_sock = False
+        self.is_sock = True
+        self.max_msgs = 16
+        self.max_bytes = 65536
+        self.auto_flush = True
+        self.copy_max = DEFAULT_COPY_MAX
         self.iov = <iovec *>malloc(SEG_INIT * sizeof(iovec))
         self.own = <aop_sb_owner *>malloc(SEG_INIT * sizeof(aop_sb_owner))
         self.cbuf = <char *>malloc(CBUF_INIT)
@@ -184,6 +175,48 @@ cdef class SendBatch:
         self.segcap = SEG_INIT
         self.ccap = CBUF_INIT
         self.mcap = MSG_INIT
+
+    def __init__(self, target, max_msgs=16, max_bytes=65536, auto_flush=True, *,
+                 copy_max=None):
+        cdef Py_ssize_t mm, mb
+        if self.has_sock or self.fd >= 0:
+            raise RuntimeError("SendBatch.__init__ called twice")
+        # validate everything first: a failed __init__ leaves the batch without a target
+        mm = _positive(max_msgs, "max_msgs")
+        mb = _positive(max_bytes, "max_bytes")
+        if not isinstance(auto_flush, (bool, int)):
+            raise TypeError("auto_flush must be a bool")
+        if copy_max is None:
+            copy_max = DEFAULT_COPY_MAX
+        if isinstance(copy_max, bool) or not isinstance(copy_max, int):
+            raise TypeError("copy_max must be an int")
+        if copy_max < 0 or copy_max > (1 << 30):
+            raise ValueError("copy_max must be in 0 .. 2**30")
+        if isinstance(target, _socket.socket):
+            if hasattr(target, "do_handshake"):
+                # ssl.SSLSocket: bytes written to its fd would bypass the TLS layer
+                raise TypeError("SendBatch cannot write to a TLS socket (its fd carries "
+                                "encrypted records); batch into it with sendall() instead")
+            if target.fileno() < 0:
+                raise OSError(EBADF, "the socket is closed")
+            self.sock = target
+            self.has_sock = True
+            self.fd = -1
+        elif isinstance(target, int) and not isinstance(target, bool):
+            if target < 0:
+                raise ValueError("a file descriptor must be >= 0")
+            if target > 0x7fffffff:
+                raise OverflowError("file descriptor out of range")
+            self.sock = None
+            self.fd = <int>target
+        else:
+            raise TypeError(f"target must be a socket or an int file descriptor, "
+                            f"not {type(target).__name__}")
+        self.is_sock = True           # for an int fd: until the first ENOTSOCK
+        self.max_msgs = mm
+        self.max_bytes = mb
+        self.auto_flush = bool(auto_flush)
+        self.copy_max = <size_t>copy_max
 
     def __dealloc__(self):
         if self.own != NULL and self.nseg > self.head:
@@ -445,6 +478,8 @@ cdef class SendBatch:
     cdef int _target_fd(self) except -2:
         cdef int fd
         if not self.has_sock:
+            if self.fd < 0:
+                raise OSError(EBADF, "Bad file descriptor (SendBatch.__init__ was not run)")
             return self.fd
         fd = self.sock.fileno()
         if fd < 0:
@@ -580,7 +615,8 @@ cdef class SendBatch:
         if not _claim(self):
             _raise_busy()
         try:
-            self._add_obj(data)
+            if not _fast_add_small_bytes(self, data):
+                self._add_obj(data)
             if self.auto_flush and self._over():
                 self._flush_locked()
         finally:
@@ -596,13 +632,15 @@ cdef class SendBatch:
         try:
             if type(iterable) is list:
                 for item in <list>iterable:
-                    self._add_obj(item)
+                    if not _fast_add_small_bytes(self, item):
+                        self._add_obj(item)
                     count += 1
                     if af and self._over():
                         self._flush_locked()
             elif type(iterable) is tuple:
                 for item in <tuple>iterable:
-                    self._add_obj(item)
+                    if not _fast_add_small_bytes(self, item):
+                        self._add_obj(item)
                     count += 1
                     if af and self._over():
                         self._flush_locked()

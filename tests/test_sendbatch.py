@@ -695,6 +695,13 @@ def test_bad_constructor_arguments(pair):
             SendBatch(*args)
     with pytest.raises(TypeError):
         SendBatch(a, copy_max=1.0)
+    import ssl
+    ctx = ssl.create_default_context()
+    tls = ctx.wrap_socket(socket.socket(), do_handshake_on_connect=False,
+                          server_hostname="x")
+    with pytest.raises(TypeError):         # raw writes would bypass TLS
+        SendBatch(tls)
+    tls.close()
     with pytest.raises(ValueError):
         SendBatch(a, copy_max=-1)
     sb = SendBatch(a)
@@ -810,3 +817,62 @@ def test_hypothesis_stream_model(ops, copy_max, seed):
     finally:
         a.close()
         b.close()
+
+
+# ---- lifetimes: references, failing release(), uninitialised objects ---------------------
+
+def test_bytes_reference_released_after_send_clear_and_dealloc(pair):
+    import sys
+    a, b = pair
+    big = os.urandom(50000)
+    base = sys.getrefcount(big)
+    sb = SendBatch(a, auto_flush=False)
+    sb.add(big)
+    assert sys.getrefcount(big) == base + 1           # by reference
+    assert sb.flush() == 50000
+    assert sys.getrefcount(big) == base
+    recv_exact(b, 50000)
+    sb.add(big)
+    sb.clear()
+    assert sys.getrefcount(big) == base
+    sb.add(big)
+    small = os.urandom(100)
+    sb.add(small)
+    assert sys.getrefcount(small) == base             # copied: no reference kept
+    del sb
+    gc.collect()
+    assert sys.getrefcount(big) == base
+
+
+def test_failing_slot_release_is_reported_not_fatal(pair, monkeypatch):
+    import sys
+    a, b = pair
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_type))
+
+    class Grumpy(FakeSlot):
+        def release(self):
+            super().release()
+            raise ValueError("grumpy")
+
+    s = Grumpy(b"g" * 3000)
+    sb = SendBatch(a, auto_flush=False)
+    sb.add(s)
+    sb.add(b"after")
+    assert sb.flush() == 3005                          # the batch carries on
+    assert seen == [ValueError] and s.refs == 1 and not s._exported()
+    assert recv_exact(b, 3005) == b"g" * 3000 + b"after"
+    assert len(sb) == 0 and sb.stats["messages"] == 2
+
+
+def test_uninitialised_and_reinitialised(pair):
+    a, _ = pair
+    sb = SendBatch.__new__(SendBatch)
+    sb.add(b"x")
+    with pytest.raises(OSError) as ei:
+        sb.flush()
+    assert ei.value.errno == errno.EBADF and len(sb) == 1
+    sb.clear()
+    sb = SendBatch(a)
+    with pytest.raises(RuntimeError):
+        sb.__init__(a)
