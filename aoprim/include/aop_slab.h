@@ -28,7 +28,11 @@
  *    a release store and the dequeue that takes it reads seq with acquire, so the next owner
  *    sees every write of the previous one;
  *  - free == enq - deq, 0 <= free <= nslots (exact when quiescent; a snapshot otherwise);
- *    high_water only grows; failed counts acquires that found no free slot;
+ *    failed counts acquires that found no free slot; high_water only grows.  It is exact
+ *    single-threaded and whenever the pool ran dry (then it is nslots); with concurrent
+ *    acquires it is a lower bound, because in-use is derived from two positions read one
+ *    after the other rather than kept in a counter (which would cost two more locked
+ *    instructions per acquire/release);
  *  - busy[i] == 1 exactly while i is held by C code (aop_slab_acquire .. aop_slab_release);
  *    Python Slots do not use it, so C code can never release an index a Slot holds.
  *
@@ -166,6 +170,9 @@ AOP_INLINE int64_t aop_slab_take(aop_slab_t *s)
     int64_t i = aop_slab_pop(s);
     if (i < 0) {
         aop_fetch_add_i64(&s->failed, 1, AOP_RELAXED);   /* relaxed: a statistic */
+        /* the ring was empty: at that instant every slot was held (exact high water) */
+        if (aop_load_i64(&s->high_water, AOP_RELAXED) != s->nslots)   /* relaxed: statistic */
+            aop_store_i64(&s->high_water, s->nslots, AOP_RELAXED);
         return -1;
     }
     aop_slab_note_acquire(s);
