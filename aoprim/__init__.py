@@ -12,6 +12,8 @@ from aoprim._spinlock import SpinLock
 # queues (issue 3)
 
 # buffers (issue 4)
+from aoprim._slab import SlabPool, Slot
+from aoprim._blocktable import BlockTable
 
 # send batching (issue 5)
 
@@ -19,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AtomicInt", "RefCount", "SpinLock",
+    "SlabPool", "Slot", "BlockTable",
     "Full", "Empty", "PoolExhausted", "RefCountError", "Closed",
     "get_include",
 ]
