@@ -22,6 +22,7 @@ cdef class BlockTable:
     cdef Py_ssize_t nbytes      # logical length
     cdef Py_ssize_t exports     # live views of the tail buffer (mutation refused while > 0)
     cdef _TailBuffer _tail      # the reusable writable exporter returned by tail()
+    cdef _FrameExporter _fx     # reusable exporter behind view(): one getbuffer per view
 
     cdef Py_ssize_t _fill_last(self)            # bytes used in the last block (bsize if none)
     cdef int _check_unexported(self) except -1
@@ -30,9 +31,20 @@ cdef class BlockTable:
     cdef int _write(self, const char *src, Py_ssize_t n) except -1
     cdef int _copy_out(self, char *dst, Py_ssize_t pos, Py_ssize_t n) except -1
     cdef int _drop_front(self, Py_ssize_t k) except -1
+    cdef object _view(self, Py_ssize_t a, Py_ssize_t b)     # view(), positions resolved
+    cdef unsigned long long _uint(self, Py_ssize_t p, Py_ssize_t n)   # no range check
     cdef int _range(self, object start, object stop, Py_ssize_t *a, Py_ssize_t *b) except -1
 
 
 cdef class _TailBuffer:
     cdef PyObject *table        # borrowed; owned (INCREF) only while a view is exported;
                                 # NULL once the table is gone
+
+
+cdef class _FrameExporter:
+    # Set by BlockTable.view() right before PyMemoryView_FromObject(self); read only inside
+    # that call's getbuffer (the table has one owner at a time).  Each exported view pins
+    # its Slot (a view count on it, plus a strong reference in Py_buffer.internal).
+    cdef Slot slot               # the block the next view is cut from
+    cdef Py_ssize_t off          # offset of the view in the block
+    cdef Py_ssize_t len          # length of the view

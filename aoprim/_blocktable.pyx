@@ -29,6 +29,7 @@ cimport cython
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBuffer_FillInfo
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.ref cimport PyObject, Py_INCREF
+from cpython.memoryview cimport PyMemoryView_FromObject
 from cpython.number cimport PyNumber_Index
 from cpython.long cimport PyLong_CheckExact, PyLong_AsSsize_t
 from libc.string cimport memcpy
@@ -351,38 +352,78 @@ cdef class BlockTable:
 
     def view(self, start=0, stop=None):
         """The range [start:stop) (slice semantics) without copying when it lies within one
-        block: a memoryview of that block (it pins the block: the slot returns to the pool
-        only after the view is released, even if the table drops it).  A range that spans
-        blocks is copied into bytes; an empty range gives b""."""
-        cdef Py_ssize_t a, b, p, q
+        block: a read-only memoryview of that block (it pins the block: the slot returns to
+        the pool only after the view is released, even if the table drops it first).  A
+        range that spans blocks is copied into bytes; an empty range gives b""."""
+        cdef Py_ssize_t a, b
         self._range(start, stop, &a, &b)
+        return self._view(a, b)
+
+    cdef object _view(self, Py_ssize_t a, Py_ssize_t b):
+        cdef Py_ssize_t p, q
+        cdef _FrameExporter fx
         if a == b:
             return b""
         p = self.start + a
         q = self.start + b - 1
         if p // self.bsize == q // self.bsize:
-            p = p % self.bsize
-            return memoryview(self._blocks[q // self.bsize])[p:p + (b - a)]
+            fx = self._fx
+            if fx is None:
+                fx = self._fx = _FrameExporter.__new__(_FrameExporter)
+            fx.slot = <Slot>self._blocks[q // self.bsize]
+            fx.off = p % self.bsize
+            fx.len = b - a
+            try:
+                return PyMemoryView_FromObject(fx)
+            finally:
+                fx.slot = None
         out = PyBytes_FromStringAndSize(NULL, b - a)
         self._copy_out(PyBytes_AS_STRING(out), a, b - a)
         return out
+
+    cdef unsigned long long _uint(self, Py_ssize_t p, Py_ssize_t n):
+        cdef Py_ssize_t B = self.bsize, q = self.start + p, j
+        cdef unsigned long long v = 0
+        cdef Slot blk
+        cdef Py_ssize_t off
+        blk = <Slot>self._blocks[q // B]
+        off = q % B
+        if off + n <= B:                    # header inside one block: the common case
+            for j in range(n):
+                v = (v << 8) | <unsigned char>blk.ptr[off + j]
+            return v
+        for j in range(n):
+            blk = <Slot>self._blocks[(q + j) // B]
+            v = (v << 8) | <unsigned char>blk.ptr[(q + j) % B]
+        return v
+
+    def frame(self, pos, header):
+        """The payload of the length-prefixed frame at ``pos``: a ``header``-byte (1..8)
+        big-endian length, then that many bytes.  Returns the payload as view() does
+        (zero-copy memoryview within a block, bytes across blocks), or None while the header
+        or the payload is incomplete.  The frame ends at pos + header + len(payload)."""
+        cdef Py_ssize_t p = _as_index(pos, "pos"), h = _as_index(header, "header")
+        cdef unsigned long long size
+        if h < 1 or h > 8:
+            raise ValueError(f"header must be in 1..8, got {h}")
+        if p < 0 or p > self.nbytes:
+            raise ValueError(f"pos {p} out of range 0..{self.nbytes}")
+        if p + h > self.nbytes:
+            return None
+        size = self._uint(p, h)
+        if size > <unsigned long long>(self.nbytes - p - h):
+            return None
+        return self._view(p + h, p + h + <Py_ssize_t>size)
 
     def uint(self, pos, size):
         """The big-endian unsigned integer of ``size`` bytes (1..8) at ``pos`` (0 <= pos and
         pos + size <= len), read across blocks without allocating (for length headers)."""
         cdef Py_ssize_t p = _as_index(pos, "pos"), n = _as_index(size, "size")
-        cdef Py_ssize_t B = self.bsize, q, j
-        cdef unsigned long long v = 0
-        cdef Slot blk
         if n < 1 or n > 8:
             raise ValueError(f"size must be in 1..8, got {n}")
         if p < 0 or p + n > self.nbytes:
             raise ValueError(f"uint({p}, {n}) out of range for length {self.nbytes}")
-        for j in range(n):
-            q = self.start + p + j
-            blk = <Slot>self._blocks[q // B]
-            v = (v << 8) | <unsigned char>blk.ptr[q % B]
-        return v
+        return self._uint(p, n)
 
     def __repr__(self):
         return f"<BlockTable len={self.nbytes} blocks={self.blocks} start={self.start}>"
@@ -422,3 +463,26 @@ cdef class _TailBuffer:
         if self.table == NULL:
             return 0
         return (<BlockTable>self.table).tail_room
+
+
+@cython.final
+cdef class _FrameExporter:
+    """Exports the block range that BlockTable.view() set just before (see the .pxd)."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("use BlockTable.view()")
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        cdef Slot s = self.slot
+        if s is None:
+            raise BufferError("use BlockTable.view()")
+        s.c_view_acquired()                 # pins the block (counts as a view of the Slot)
+        # read-only: a block may be shared with a fork, and committed bytes never change
+        PyBuffer_FillInfo(view, self, s.ptr + self.off, self.len, 1, flags)
+        Py_INCREF(s)
+        view.internal = <void *>s
+
+    def __releasebuffer__(self, Py_buffer *view):
+        cdef Slot s = <Slot>view.internal     # +1 (local)
+        Py_DECREF_p(<PyObject *>s)            # the reference taken in getbuffer
+        s.c_view_released()                   # may give a dropped block back to the pool

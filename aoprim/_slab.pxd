@@ -92,3 +92,8 @@ cdef class Slot:
     # back when the last view is released (used by BlockTable, whose views pin their block).
     cdef int c_release_deferred(self) except -1
     cdef int _give_back(self) except -1
+    # Count one more exported view of this slot (BufferError if it is back in the pool) /
+    # one fewer (gives the slot back if it was deferred and this was the last view).  For
+    # exporters that hand out sub-ranges of the slot (BlockTable.view).
+    cdef int c_view_acquired(self) except -1
+    cdef int c_view_released(self) except -1

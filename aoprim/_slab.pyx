@@ -321,17 +321,16 @@ cdef class Slot:
             Py_DECREF_p(self.pool)
             self.pool = NULL
 
-    def __getbuffer__(self, Py_buffer *view, int flags):
+    cdef int c_view_acquired(self) except -1:
         cdef int64_t w = aop_load_i64(&self.state, AOP_RELAXED)   # relaxed: a guess, see CAS
         while True:
             if (w & REF_MASK) == 0:
                 raise BufferError(f"slot {self._index} is back in the pool")
             # acquire: the view reads bytes that holders wrote before their release
             if aop_cas_weak_i64(&self.state, &w, w + VIEW_ONE, AOP_ACQUIRE, AOP_RELAXED):
-                break
-        PyBuffer_FillInfo(view, self, self.ptr, self._size, 0, flags)
+                return 0
 
-    def __releasebuffer__(self, Py_buffer *view):
+    cdef int c_view_released(self) except -1:
         # acq_rel: the view's writes are released to whoever returns the slot; on the
         # DEFER path we are that one and acquire every holder's writes
         cdef int64_t w = aop_fetch_sub_i64(&self.state, VIEW_ONE, AOP_ACQ_REL) - VIEW_ONE
@@ -339,6 +338,14 @@ cdef class Slot:
             # refs 0, views 0, deferred: nobody can add a view or a reference any more
             aop_store_i64(&self.state, 0, AOP_RELAXED)   # relaxed: we are the only actor
             self._give_back()
+        return 0
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        self.c_view_acquired()
+        PyBuffer_FillInfo(view, self, self.ptr, self._size, 0, flags)
+
+    def __releasebuffer__(self, Py_buffer *view):
+        self.c_view_released()
 
     @property
     def index(self):
