@@ -22,10 +22,13 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOST = "127.0.0.1"
+# never run `python -m aoprim` from the checkout: it would import the uncompiled aoprim/ there
+CWD = tempfile.gettempdir()
 
 SCENARIOS = {
     "raw-1k-10": dict(framing="raw", size=1024, conns=10, pipeline=1),
@@ -57,7 +60,7 @@ def server_cmd(server, framing):
 def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5):
     sc = SCENARIOS[scenario]
     p = subprocess.Popen(server_cmd(server, sc["framing"]), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, cwd=CWD)
     try:
         line = p.stdout.readline()
         if not line.startswith("listening on"):
@@ -68,7 +71,7 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5):
              "--conns", str(sc["conns"]), "--size", str(sc["size"]), "--pipeline",
              str(sc["pipeline"]), "--framing", sc["framing"], "--duration", str(duration),
              "--warmup", str(warmup), "--procs", str(procs), "--cpu-pid", str(p.pid),
-             "--json"], capture_output=True, text=True, timeout=duration + 120)
+             "--json"], capture_output=True, text=True, timeout=duration + 120, cwd=CWD)
         if not lg.stdout.strip():
             raise RuntimeError(f"loadgen failed against {server}: {lg.stderr}")
         res = json.loads(lg.stdout)

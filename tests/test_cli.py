@@ -7,17 +7,23 @@ import subprocess
 import sys
 import time
 
+import tempfile
+
 import pytest
 
 from aoprim.server import Handler, Server
 
 from test_server_support import HOST, frame, read_frame, recv_exact
 
+# never the checkout as the working directory: `python -m aoprim` would import its
+# uncompiled aoprim/ folder instead of the installed package
+CWD = tempfile.gettempdir()
+
 
 def start_server(*args):
     p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST,
                           "--port", "0", *args],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=CWD)
     line = p.stdout.readline()
     if not line.startswith("listening on "):
         p.kill()
@@ -94,7 +100,7 @@ def test_serve_procs_supervises_and_forwards_shutdown():
 
 def test_uring_backend_is_a_clear_error():
     r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--port", "0", "--backend",
-                        "uring"], capture_output=True, text=True, timeout=30)
+                        "uring"], capture_output=True, text=True, timeout=30, cwd=CWD)
     assert r.returncode == 2
     assert "io_uring backend is unavailable" in r.stderr
     assert "Traceback" not in r.stderr
@@ -108,7 +114,7 @@ def test_loadgen_against_the_cli_server(procs):
                             "--port", str(port), "--conns", "4", "--size", "64", "--pipeline",
                             "8", "--duration", "0.5", "--warmup", "0.2", "--framing", "u16",
                             "--procs", str(procs), "--json", "--cpu-pid", str(p.pid)],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60, cwd=CWD)
         assert r.returncode == 0, r.stderr
         res = json.loads(r.stdout)
         assert res["errors"] == [] and res["msgs"] > 0 and res["conns"] == 4
@@ -139,7 +145,7 @@ def test_loadgen_catches_a_corrupted_echo():
         r = subprocess.run([sys.executable, "-m", "aoprim", "loadgen", "--host", HOST,
                             "--port", str(srv.address[1]), "--conns", "1", "--size", "100",
                             "--duration", "0.5", "--warmup", "0", "--json"],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60, cwd=CWD)
         res = json.loads(r.stdout)
         assert r.returncode == 1
         assert any("differ" in e for e in res["errors"])

@@ -239,7 +239,8 @@ print("clean", flush=True)
 
 def test_emfile_pauses_accepting_instead_of_dying(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", EMFILE_SCRIPT], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=str(tmp_path))    # not the checkout: import the installed aoprim
     try:
         port = int(p.stdout.readline())
         socks = []

@@ -44,6 +44,7 @@ import errno
 import logging
 import socket
 import threading
+import traceback
 
 from aoprim import Closed, RefCount, SendBatch, SlabPool, Slot, SpinLock
 
@@ -600,6 +601,9 @@ class Session:
     def _handler_failed(self, hook, exc):
         log.error("session %d %s: handler %s raised; closing this session", self.id, self.peer,
                   hook, exc_info=exc)
+        # the traceback's frames hold the frame view (and so the pool slot under it) for as
+        # long as anyone keeps the exception -- a log record, say: drop their locals
+        traceback.clear_frames(exc.__traceback__)
         self.server._st_handler_errors += 1
         if _get_ident() == self._loop.thread_id:
             self._close(f"handler {hook} raised {type(exc).__name__}: {exc}", exc,
