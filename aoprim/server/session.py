@@ -415,12 +415,12 @@ class Session:
         except OSError as e:
             self._abort(f"recv failed: {e}", e)
             return
-        srv._st_recv += 1
         if not n:
+            srv._st_recv += 1
             self._close("peer closed the connection", level=logging.DEBUG)
             return
+        srv._st_raw_frames += 1         # one recv, one frame (counted once for both)
         srv._st_bytes_in += n
-        srv._st_frames_in += 1
         self._last = srv._loop.now
         try:
             srv._on_read(self, mv[:n])
@@ -765,6 +765,7 @@ class Server:
         self._st_conn_total = 0
         self._st_refused = 0
         self._st_frames_in = 0
+        self._st_raw_frames = 0
         self._st_frames_out = 0
         self._st_bytes_in = 0
         self._st_recv = 0
@@ -1198,11 +1199,11 @@ class Server:
             "connections": len(self._sessions),
             "connections_total": self._st_conn_total,
             "connections_refused": self._st_refused,
-            "frames_in": self._st_frames_in,
+            "frames_in": self._st_frames_in + self._st_raw_frames,
             "frames_out": self._st_frames_out,
             "bytes_in": self._st_bytes_in,
             "bytes_out": agg["bytes"],
-            "recv_syscalls": self._st_recv,
+            "recv_syscalls": self._st_recv + self._st_raw_frames,
             "send_syscalls": sends,
             "messages_per_send": (self._st_frames_out / sends) if sends else 0.0,
             "handler_errors": self._st_handler_errors,
