@@ -340,3 +340,48 @@ def test_lifecycle_is_logged(make_server, connect, caplog):
     text = caplog.text
     assert "listening on" in text and "connected" in text
     assert "peer closed the connection" in text and "server stopped" in text
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_random_frames_in_random_chunks_through_small_slots(make_server, connect, workers):
+    """Frames straddling reads, slot relocation and the larger-than-a-slot path, all mixed."""
+    h = Recorder()
+    srv = make_server(h, framing="u16", rx_slot_size=64, workers=workers)
+    s = connect(srv)
+    rng = random.Random(11 + workers)
+    payloads = [rng.randbytes(rng.choice([0, 1, 5, 30, 61, 62, 63, 64, 100, 500]))
+                for _ in range(1500)]
+    stream = b"".join(frame(p) for p in payloads)
+    done = threading.Event()
+    got = []
+
+    def reader():
+        for _ in payloads:
+            got.append(read_frame(s))
+        done.set()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    i = 0
+    while i < len(stream):
+        k = rng.randrange(1, 300)
+        s.sendall(stream[i:i + k])
+        i += k
+    assert done.wait(30)
+    t.join(10)
+    assert got == payloads
+    assert h.frames[srv.sessions[0].id] == payloads
+    if not workers:     # with workers, each slot stays out until its frames are handled
+        assert srv.rx_pool.high_water <= 3
+
+
+def test_bind_failure_leaks_nothing():
+    import os
+    blocker = socket.socket()
+    blocker.bind((HOST, 0))
+    blocker.listen(1)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError):
+        Server(Echo(), HOST, blocker.getsockname()[1])
+    assert len(os.listdir("/proc/self/fd")) == before
+    blocker.close()

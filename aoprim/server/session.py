@@ -772,7 +772,11 @@ class Server:
         self._st_handler_errors = 0
         self._hdr = None if framing == "raw" else self._framing.header
         self._copy_max = 0          # messages up to this size SendBatch copies (set below)
-        self._lsock = self._make_listener(host, port, backlog, reuse_port, sock)
+        try:
+            self._lsock = self._make_listener(host, port, backlog, reuse_port, sock)
+        except BaseException:
+            self._loop.close()
+            raise
         self.address = self._lsock.getsockname()[:2]
 
     # -- set-up --------------------------------------------------------------------------
