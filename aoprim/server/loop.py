@@ -255,7 +255,10 @@ class EventLoop:
                     self.now = now = monotonic()
                     self.iterations += 1
                     for fd, ev in events:
-                        rcb, wcb = cbs.get(fd, _NONE2)
+                        try:
+                            rcb, wcb = cbs[fd]
+                        except KeyError:    # removed by an earlier callback of this batch
+                            continue
                         if ev & NOT_OUT and rcb is not None:
                             rcb()
                         if ev & NOT_IN and wcb is not None:

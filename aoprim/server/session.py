@@ -92,7 +92,7 @@ class Session:
                  "_state", "_reason", "_exc", "_rx", "_rxmv", "_pos", "_end", "_big", "_bigmv",
                  "_bigfill", "_reading", "_writing", "_bp_paused", "_user_paused", "_dirty",
                  "_xq", "_xsched", "_last", "_frame_t0", "_wlock", "_wsched", "_backlog",
-                 "_wm", "_wm_paused", "_linger", "_sockname", "__weakref__")
+                 "_wm", "_wm_paused", "_linger", "_sockname", "_tid", "__weakref__")
 
     def __init__(self, server, sock, sid, peer):
         self.id = sid
@@ -102,6 +102,7 @@ class Session:
         self._sock = sock
         self._fd = sock.fileno()
         self._loop = server._loop
+        self._tid = server._loop.thread_id   # sessions are created on the running loop
         self._batch = server._make_batch(sock)
         self._rc = RefCount(1, self._on_zero)
         self._state = _OPEN
@@ -171,7 +172,7 @@ class Session:
         dropped."""
         if self._state:
             return
-        if _get_ident() != self._loop.thread_id:
+        if _get_ident() != self._tid:
             self._send_foreign(data)
             return
         # loop thread, the hot path: straight into the batch
