@@ -194,6 +194,8 @@ def test_workers_preserve_per_session_order(make_server, connect):
     assert all(seq == list(range(n)) for seq in h.seqs.values())
     assert len(h.seqs) == conns
     assert len(h.threads) >= 2, "only one worker ever ran"
+    st = srv.stats()     # counted from the loop and from worker threads: exact
+    assert st["frames_in"] == st["frames_out"] == n * conns
 
 
 def test_on_close_runs_once_after_the_last_frame_with_workers(make_server, connect):

@@ -46,7 +46,7 @@ import socket
 import threading
 import traceback
 
-from aoprim import Closed, RefCount, SendBatch, SlabPool, Slot, SpinLock
+from aoprim import AtomicInt, Closed, RefCount, SendBatch, SlabPool, Slot, SpinLock
 
 from .framing import DEFAULT_MAX_FRAME, FrameTooLarge, Framing
 from .loop import EventLoop
@@ -244,7 +244,7 @@ class Session:
             if not len(data):
                 return
             xq.append(data if type(data) is bytes else bytes(data))
-        srv._st_frames_out += 1
+        srv._st_frames_out_x.fetch_add(1)   # any thread: atomic
         if not self._xsched:
             self._xsched = True
             self._loop.call_soon_threadsafe(self._drain_xq)
@@ -605,7 +605,7 @@ class Session:
         # the traceback's frames hold the frame view (and so the pool slot under it) for as
         # long as anyone keeps the exception -- a log record, say: drop their locals
         traceback.clear_frames(exc.__traceback__)
-        self.server._st_handler_errors += 1
+        self.server._st_handler_errors.fetch_add(1)    # loop or worker thread: atomic
         if _get_ident() == self._loop.thread_id:
             self._close(f"handler {hook} raised {type(exc).__name__}: {exc}", exc,
                         level=logging.WARNING)
@@ -767,10 +767,11 @@ class Server:
         self._st_refused = 0
         self._st_frames_in = 0
         self._st_raw_frames = 0
-        self._st_frames_out = 0
+        self._st_frames_out = 0                 # loop thread only
+        self._st_frames_out_x = AtomicInt(0)    # sends from other threads
         self._st_bytes_in = 0
         self._st_recv = 0
-        self._st_handler_errors = 0
+        self._st_handler_errors = AtomicInt(0)
         self._hdr = None if framing == "raw" else self._framing.header
         self._copy_max = 0          # messages up to this size SendBatch copies (set below)
         try:
@@ -1200,17 +1201,18 @@ class Server:
             for k in agg:
                 agg[k] += st.get(k, 0)
         sends = agg["syscalls"]
+        frames_out = self._st_frames_out + self._st_frames_out_x.load()
         return {
             "connections": len(self._sessions),
             "connections_total": self._st_conn_total,
             "connections_refused": self._st_refused,
             "frames_in": self._st_frames_in + self._st_raw_frames,
-            "frames_out": self._st_frames_out,
+            "frames_out": frames_out,
             "bytes_in": self._st_bytes_in,
             "bytes_out": agg["bytes"],
             "recv_syscalls": self._st_recv + self._st_raw_frames,
             "send_syscalls": sends,
-            "messages_per_send": (self._st_frames_out / sends) if sends else 0.0,
-            "handler_errors": self._st_handler_errors,
+            "messages_per_send": (frames_out / sends) if sends else 0.0,
+            "handler_errors": self._st_handler_errors.load(),
             "loop_iterations": self._loop.iterations,
         }
