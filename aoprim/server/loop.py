@@ -17,8 +17,10 @@ Invariants:
   appends to a ``collections.deque`` (atomic append) and, unless a wake-up is already
   pending, writes to an eventfd (a self-pipe where eventfd is missing).  The flag
   ``_wake_pending`` is cleared by the loop *before* it drains the deque, so a callback
-  appended after the drain always finds the flag clear and writes the eventfd again: no
-  wake-up is lost (at worst one is spurious).
+  appended after the drain always finds the flag clear and writes the eventfd again; and
+  the loop never blocks while its deque is non-empty (it polls with a zero timeout), so a
+  callback appended between the clear and the drain runs in the next iteration at the
+  latest: no wake-up is lost (at worst one is spurious).
 - ``time()`` is the monotonic clock cached once per iteration (cheap timestamps for the
   session layer's idle/frame timeouts).
 - The backend is swappable: ``backend="selectors"`` (default); ``"uring"`` raises
