@@ -26,7 +26,7 @@ cdef extern from "Python.h":
 
 from aoprim.atomic_h cimport aop_load_u32, AOP_RELAXED
 from aoprim._qwait cimport (
-    AOP_Q_OK, AOP_Q_RETRY, AOP_Q_CLOSED, AOP_Q_MODE_OBJ, aop_q_mode_ok,
+    AOP_Q_OK, AOP_Q_RETRY, AOP_Q_BUSY, AOP_Q_CLOSED, AOP_Q_MODE_OBJ, aop_q_mode_ok,
     q_obj_mode, q_steal, q_word, q_capacity, q_timeout_ns, q_max_items, q_raise,
 )
 
@@ -78,7 +78,7 @@ cdef class MPMCQueue:
         r = aop_mpmc_push_(self.q, v)
         if r == AOP_Q_OK:
             return
-        if r == AOP_Q_RETRY and ns != 0:
+        if (r == AOP_Q_RETRY or r == AOP_Q_BUSY) and ns != 0:
             with nogil:
                 r = aop_mpmc_push_wait_(self.q, v, ns)
             if r == AOP_Q_OK:
@@ -108,7 +108,7 @@ cdef class MPMCQueue:
         r = aop_mpmc_pop_(self.q, &v)
         if r == AOP_Q_OK:
             return q_steal(v)
-        if r == AOP_Q_RETRY and ns != 0:
+        if (r == AOP_Q_RETRY or r == AOP_Q_BUSY) and ns != 0:
             with nogil:
                 r = aop_mpmc_pop_wait_(self.q, &v, ns)
             if r == AOP_Q_OK:
@@ -170,7 +170,7 @@ cdef class MPMCQueue:
             Py_INCREF(x)
             v = q_word(x)
             r = aop_mpmc_push_(self.q, v)
-            if r == AOP_Q_RETRY:
+            if r == AOP_Q_RETRY or r == AOP_Q_BUSY:
                 with nogil:
                     r = aop_mpmc_push_wait_(self.q, v, -1)
             if r != AOP_Q_OK:
@@ -197,7 +197,7 @@ cdef class MPMCQueue:
             return []
         r = aop_mpmc_pop_many_(self.q, buf, want if want < CHUNK else CHUNK, &n)
         if r != AOP_Q_OK:
-            if r == AOP_Q_RETRY:
+            if r == AOP_Q_RETRY or r == AOP_Q_BUSY:
                 return []
             q_raise(r, False)
         if n == want or n < CHUNK:

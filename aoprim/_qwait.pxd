@@ -25,6 +25,7 @@ cdef extern from "aop_queue.h" nogil:
     int AOP_Q_RETRY
     int AOP_Q_CLOSED
     int AOP_Q_BADMODE
+    int AOP_Q_BUSY           # internal (MPMC): full/empty because the other side is mid-operation
     uint32_t AOP_Q_MODE_NONE
     uint32_t AOP_Q_MODE_OBJ
     uint32_t AOP_Q_MODE_RAW
