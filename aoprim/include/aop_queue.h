@@ -608,7 +608,7 @@ AOP_INLINE int aop_spsc_pop_many_(aop_spsc_t *q, uint64_t *out, uint64_t n, uint
     int closed;
     *popped = 0;
     avail = aop_spsc_avail_(q, h, n ? n : 1, &closed);
-    if (avail == 0) return closed ? AOP_Q_CLOSED : AOP_Q_RETRY;
+    if (avail == 0) return closed ? AOP_Q_CLOSED : (n == 0 ? AOP_Q_OK : AOP_Q_RETRY);
     if (n == 0) return AOP_Q_OK;
     if (avail < n) n = avail;
     for (i = 0; i < n; i++) out[i] = q->buf[(h + i) & q->mask];
