@@ -41,8 +41,8 @@
  *   Each queue has two aop_qwait_t: not_empty (consumers wait there) and not_full
  *   (producers).  A blocked thread spins briefly, yields, then parks:
  *       W1 waiters += 1 (seq_cst RMW)
- *       loop: W2 s = seq (seq_cst);  W3 seq_cst fence;  W4 retry the operation;
- *             if it cannot proceed: W5 futex-wait while seq == s
+ *       loop: W2 s = fetch_or(seq, SLEEPY) | SLEEPY (seq_cst RMW);  W3 seq_cst fence;
+ *             W4 retry the operation;  if it cannot proceed: W5 futex-wait while seq == s
  *       waiters -= 1
  *   Every operation that can let a waiter proceed (publish an item, free a cell, close):
  *       N1 a seq_cst RMW that announces it (SPSC: the CAS of tail / a seq_cst store of head,
@@ -50,16 +50,20 @@
  *          BEFORE the cell is filled / emptied; close: the CAS that marks tail)
  *       N2 w = waiters (seq_cst load)
  *       -- the publication itself (MPMC: release store of the cell's seq) --
- *       if (w != 0):  N3 seq += 1 (seq_cst RMW);  N4 futex-wake all
+ *       if (w != 0):  N3 if seq has SLEEPY: CAS seq -> next epoch, SLEEPY clear (seq_cst);
+ *                     N4 and then futex-wake all
  *   W1, W2, W3 and N1, N2 are all in the single total order S of seq_cst operations.
  *   - If N2 reads waiters == 0, N2 precedes W1 in S, so N1 precedes the fence W3 and the
  *     re-check W4 sees N1.  SPSC: N1 is the publication, so W4 succeeds.  MPMC: W4 sees the
  *     claim (tail > pos for a consumer, head + cap > pos for a producer) while the cell is
  *     not yet published: the try returns AOP_Q_BUSY, and a BUSY waiter never parks, it
  *     yields and retries until the publication lands.
- *   - Otherwise the notifier bumps seq (N3) after its publication: either W2 read the old
- *     seq, so the kernel's compare in W5 fails or the wake N4 finds the waiter parked; or W2
- *     read the bumped seq, which synchronises with N3, so W4 sees the publication.
+ *   - Otherwise W1 < W2 < N1 < N2 in S, so the notifier's seq_cst load in N3 sees W2's SLEEPY
+ *     or a later value.  With SLEEPY it bumps the epoch: the kernel's compare in W5 fails or
+ *     the wake N4 finds the waiter parked.  Without it, another notifier already bumped
+ *     after W2 (only a bump clears SLEEPY), so the value differs from s: again W5 cannot
+ *     sleep, or that notifier's wake (after its bump) finds it.  (A 31-bit epoch would
+ *     have to wrap exactly between W2 and W5 to fool this.)
  *   Either way no waiter sleeps past a publication.  We wake all (not one) so that a woken
  *   waiter that leaves on timeout can never swallow the only wake.  The fast path pays no
  *   fence for this: the seq_cst CAS it needs anyway is N1, and N2 is a plain load on x86.
@@ -92,7 +96,13 @@
 #define AOP_Q_MAX_CAPACITY ((uint64_t)1 << 32)
 
 #define AOP_Q_SPIN 7       /* backoff doublings while spinning: 1 .. 64 pauses per retry */
-#define AOP_Q_YIELD 3      /* sched_yield()s before parking */
+#define AOP_Q_YIELD 20     /* sched_yield()s before parking (a Python-level waiter usually waits
+                              for a thread that needs the GIL; yielding beats a futex round trip) */
+
+/* aop_atomic.h has no fetch_or; this is the one extra RMW the wait protocol needs
+ * (always seq_cst: it is W2 of the protocol). */
+AOP_INLINE uint32_t aop_fetch_or_u32_(aop_atomic_u32 *a, uint32_t bits)
+{ return __atomic_fetch_or(&a->v, bits, __ATOMIC_SEQ_CST); }
 
 #define AOP_Q_LIKELY(x) __builtin_expect(!!(x), 1)
 #define AOP_Q_UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -100,20 +110,42 @@
 /* ---- wait sets ------------------------------------------------------------------------- */
 
 typedef struct {
-    aop_atomic_u32 seq;       /* futex word: bumped by a notifier that saw waiters != 0 */
+    aop_atomic_u32 seq;       /* futex word: bit 0 = SLEEPY (a waiter may be asleep on this
+                                 value), bits 1.. = epoch, bumped by a notifier that wakes */
     aop_atomic_u32 waiters;   /* threads inside the park phase of aop_q_wait */
     char _pad[AOP_CACHE_LINE - 8];
 } aop_qwait_t;
 
+#define AOP_QW_SLEEPY 1u
+
+/* N3/N4: if a waiter may be asleep on the current value (SLEEPY), move to the next epoch
+ * (clearing SLEEPY) and wake everybody; if not, every waiter will re-check before it sleeps
+ * (it must first set SLEEPY, and re-checks after that), so the syscall is skipped.  This is
+ * what keeps a producer from paying a futex syscall per item while woken consumers have not
+ * yet run. */
 AOP_INLINE void aop_qwait_wake_all(aop_qwait_t *w)
 {
-    /* N3: seq_cst RMW; a waiter whose W2 reads the new value synchronises with it */
-    aop_fetch_add_u32(&w->seq, 1, AOP_SEQ_CST);
-    aop_unpark(&w->seq, INT32_MAX);                             /* N4 */
+    /* seq_cst: in S after the caller's N1/N2, so that it sees a SLEEPY set before them */
+    uint32_t v = aop_load_u32(&w->seq, AOP_SEQ_CST);
+    while (v & AOP_QW_SLEEPY) {
+        /* seq_cst CAS: a waiter whose W2 reads the new value synchronises with it; on failure
+         * v is reloaded (another notifier bumped, or a waiter set SLEEPY) and re-tested */
+        if (aop_cas_u32(&w->seq, &v, (v & ~AOP_QW_SLEEPY) + 2, AOP_SEQ_CST, AOP_SEQ_CST)) {
+            aop_unpark(&w->seq, INT32_MAX);                         /* N4 */
+            return;
+        }
+    }
 }
 
-/* N2: call after the publishing store (seq_cst store or RMW, or release stores followed by
- * aop_thread_fence(AOP_SEQ_CST)).  The load is seq_cst so that it is ordered in S after N1. */
+/* Wake every waiter unconditionally (close()): bump the epoch whatever SLEEPY says. */
+AOP_INLINE void aop_qwait_wake_all_force(aop_qwait_t *w)
+{
+    /* seq_cst RMW; +2 keeps bit 0 as it was (harmless: at worst one needless later wake) */
+    aop_fetch_add_u32(&w->seq, 2, AOP_SEQ_CST);
+    aop_unpark(&w->seq, INT32_MAX);
+}
+
+/* N2: call after the publishing seq_cst store or RMW. */
 AOP_INLINE void aop_qwait_notify(aop_qwait_t *w)
 {
     if (AOP_Q_UNLIKELY(aop_load_u32(&w->waiters, AOP_SEQ_CST) != 0))
@@ -167,7 +199,8 @@ static int aop_q_wait(aop_qwait_t *w, aop_q_try_fn try_fn, void *queue, void *ar
     /* phase 3: park */
     aop_fetch_add_u32(&w->waiters, 1, AOP_SEQ_CST);                 /* W1 */
     for (;;) {
-        s = aop_load_u32(&w->seq, AOP_SEQ_CST);                      /* W2 */
+        /* W2: seq_cst RMW: announce "I may sleep on this value" (SLEEPY) and learn it */
+        s = aop_fetch_or_u32_(&w->seq, AOP_QW_SLEEPY) | AOP_QW_SLEEPY;
         aop_thread_fence(AOP_SEQ_CST);                               /* W3 */
         r = try_fn(queue, arg);                                      /* W4 */
         if (!AOP_Q_AGAIN(r)) break;
@@ -196,8 +229,8 @@ AOP_INLINE void aop_q_close(uint64_t *tail, aop_qwait_t *not_empty, aop_qwait_t 
      * failed CAS reloads t and we retry (a producer moved tail meanwhile) */
     while (!(t & AOP_Q_MARK) &&
            !aop_cas_weak_u64p(tail, &t, t | AOP_Q_MARK, AOP_SEQ_CST, AOP_RELAXED)) {}
-    aop_qwait_wake_all(not_empty);
-    aop_qwait_wake_all(not_full);
+    aop_qwait_wake_all_force(not_empty);
+    aop_qwait_wake_all_force(not_full);
 }
 
 AOP_INLINE uint64_t aop_q_round_capacity(uint64_t n)
