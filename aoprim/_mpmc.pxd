@@ -54,6 +54,8 @@ cdef extern from "aop_queue.h" nogil:
     int aop_mpmc_pop_(aop_mpmc_t *q, uint64_t *out) noexcept
     int aop_mpmc_push_wait_(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns) noexcept
     int aop_mpmc_pop_wait_(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns) noexcept
+    int aop_mpmc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns) noexcept
+    int aop_mpmc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns) noexcept
     int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n,
                             uint64_t *pushed) noexcept
     int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n,

@@ -30,6 +30,7 @@ from aoprim.atomic_h cimport aop_load_u32, AOP_RELAXED
 from aoprim._qwait cimport (
     AOP_Q_OK, AOP_Q_RETRY, AOP_Q_BUSY, AOP_Q_CLOSED, AOP_Q_MODE_OBJ, aop_q_mode_ok,
     q_obj_mode, q_steal, q_word, q_capacity, q_timeout_ns, q_max_items, q_raise,
+    q_wait_interruptible,
 )
 
 cdef enum:
@@ -81,8 +82,11 @@ cdef class SPSCQueue:
         if r == AOP_Q_OK:
             return
         if (r == AOP_Q_RETRY or r == AOP_Q_BUSY) and ns != 0:
-            with nogil:
-                r = aop_spsc_push_wait_(self.q, v, ns)
+            try:
+                r = q_wait_interruptible(aop_spsc_push_wait_p, self.q, &v, ns)
+            except BaseException:
+                Py_DECREF(item)          # interrupted: not queued
+                raise
             if r == AOP_Q_OK:
                 return
         Py_DECREF(item)                  # not queued: the caller still holds item
@@ -111,8 +115,7 @@ cdef class SPSCQueue:
         if r == AOP_Q_OK:
             return q_steal(v)
         if (r == AOP_Q_RETRY or r == AOP_Q_BUSY) and ns != 0:
-            with nogil:
-                r = aop_spsc_pop_wait_(self.q, &v, ns)
+            r = q_wait_interruptible(aop_spsc_pop_wait_p, self.q, &v, ns)
             if r == AOP_Q_OK:
                 return q_steal(v)
         q_raise(r, False)
@@ -172,8 +175,11 @@ cdef class SPSCQueue:
             v = q_word(x)
             r = aop_spsc_push_(self.q, v)
             if r == AOP_Q_RETRY or r == AOP_Q_BUSY:
-                with nogil:
-                    r = aop_spsc_push_wait_(self.q, v, -1)
+                try:
+                    r = q_wait_interruptible(aop_spsc_push_wait_p, self.q, &v, -1)
+                except BaseException:
+                    Py_DECREF(x)
+                    raise
             if r != AOP_Q_OK:
                 Py_DECREF(x)
                 if total == 0:

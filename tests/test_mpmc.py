@@ -473,3 +473,40 @@ def test_mpmc_stress_4x4_every_item_once_in_order():
     del q
     gc.collect()
     assert [sys.getrefcount(x) for x in sample] == base
+
+
+# ---- signals -----------------------------------------------------------------------------
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("side", ["get", "put"])
+def test_blocked_wait_is_interruptible_by_signal(Q, side):
+    """A blocked put/get in the main thread runs signal handlers (Ctrl-C works), and an
+    interrupted put leaves no reference behind."""
+    import signal
+
+    def handler(signum, frame):
+        raise _Interrupted()
+
+    q = Q(1)
+    item = object()
+    base = sys.getrefcount(item)
+    if side == "put":
+        q.put("fill")
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        t0 = time.monotonic()
+        with pytest.raises(_Interrupted):
+            if side == "get":
+                q.get()
+            else:
+                q.put(item)
+        assert time.monotonic() - t0 < 5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert sys.getrefcount(item) == base
+    assert q.qsize() == (1 if side == "put" else 0)

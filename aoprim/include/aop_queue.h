@@ -165,6 +165,9 @@ AOP_INLINE int aop_q_mode_ok(aop_atomic_u32 *mode, uint32_t want)
     return m == want;
 }
 
+/* A blocking operation with a uniform signature (see the *_wait_p functions). */
+typedef int (*aop_q_wait_fn)(void *queue, uint64_t *word, int64_t timeout_ns);
+
 /* One attempt of an operation: returns AOP_Q_OK / AOP_Q_RETRY / AOP_Q_CLOSED / ... */
 typedef int (*aop_q_try_fn)(void *queue, void *arg);
 
@@ -495,6 +498,13 @@ static int aop_mpmc_pop_wait_(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns)
     return aop_q_wait(&q->not_empty, aop_mpmc_try_pop_cb, q, out, timeout_ns);
 }
 
+/* Uniform signatures (queue, word pointer, timeout) for the Python layer's interruptible
+ * wait loop, which calls these in slices so that signals (Ctrl-C) are seen. */
+static int aop_mpmc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns)
+{ return aop_mpmc_push_wait_((aop_mpmc_t *)q, *v, timeout_ns); }
+static int aop_mpmc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns)
+{ return aop_mpmc_pop_wait_((aop_mpmc_t *)q, out, timeout_ns); }
+
 /* ---- MPMC public C API (raw 64-bit words; claims RAW mode) ---------------------------- */
 AOP_INLINE int aop_mpmc_try_push_u64(aop_mpmc_t *q, uint64_t v)
 {
@@ -693,6 +703,11 @@ static int aop_spsc_pop_wait_(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns)
     if (r != AOP_Q_RETRY || timeout_ns == 0) return r;
     return aop_q_wait(&q->not_empty, aop_spsc_try_pop_cb, q, out, timeout_ns);
 }
+
+static int aop_spsc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns)
+{ return aop_spsc_push_wait_((aop_spsc_t *)q, *v, timeout_ns); }
+static int aop_spsc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns)
+{ return aop_spsc_pop_wait_((aop_spsc_t *)q, out, timeout_ns); }
 
 /* ---- SPSC public C API (raw words; claims RAW mode; one producer, one consumer) ------- */
 AOP_INLINE int aop_spsc_try_push_u64(aop_spsc_t *q, uint64_t v)
