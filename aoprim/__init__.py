@@ -10,6 +10,8 @@ from aoprim._atomic import AtomicInt, RefCount
 from aoprim._spinlock import SpinLock
 
 # queues (issue 3)
+from aoprim._mpmc import MPMCQueue
+from aoprim._spsc import SPSCQueue
 
 # buffers (issue 4)
 
@@ -20,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AtomicInt", "RefCount", "SpinLock",
+    "MPMCQueue", "SPSCQueue",
     "Full", "Empty", "PoolExhausted", "RefCountError", "Closed",
     "SendBatch",
     "get_include",
