@@ -312,6 +312,8 @@ cdef class Slot:
         Py_DECREF_p(self.pool)                       # `pool` holds it now
         self.pool = NULL
         aop_slab_push(pool.slab, self._index)        # not parked: this object is dying
+        if _warnings is None:                        # interpreter shutdown
+            return
         _warnings.warn(f"Slot {self._index} of {pool!r} was garbage-collected while still "
                        f"holding {w & REF_MASK} reference(s); returned to the pool",
                        ResourceWarning, stacklevel=1)

@@ -47,6 +47,12 @@ def test_append_across_boundaries(pool, first):
             t.release()
 
 
+def test_constructor_needs_a_pool():
+    for bad in (None, 4096, object()):
+        with pytest.raises(TypeError):
+            BlockTable(bad)
+
+
 def test_append_accepts_bytes_like_and_rejects_others(pool):
     t = BlockTable(pool)
     t.append(memoryview(b"abc"))
