@@ -366,7 +366,11 @@ cdef class Slot:
 
     @length.setter
     def length(self, value):
-        cdef Py_ssize_t n = _as_index(value, "length")
+        cdef Py_ssize_t n
+        try:
+            n = _as_index(value, "length")
+        except OverflowError:
+            raise ValueError(f"length must be in 0..{self._size}, got {value}") from None
         if n < 0 or n > self._size:
             raise ValueError(f"length must be in 0..{self._size}, got {n}")
         if (aop_load_i64(&self.state, AOP_RELAXED) & REF_MASK) == 0:   # relaxed: a check

@@ -100,8 +100,8 @@ def test_length_validation():
     for ok in (0, 16, 7, True):
         s.length = ok
         assert s.length == int(ok)
-    for bad in (-1, 17, 2**70):
-        with pytest.raises((ValueError, OverflowError)):
+    for bad in (-1, 17, 2**70, -2**70):
+        with pytest.raises(ValueError):
             s.length = bad
     for bad in (1.0, "3", None):
         with pytest.raises(TypeError):
