@@ -12,7 +12,7 @@
             aop_slab_release(pool.slab, i)       # 0, or -1 if i was not held
 
 How C-level indices coexist with Python Slot objects
-- Both draw from the same lock-free free stack; an index is held by exactly one owner at a
+- Both draw from the same lock-free free ring; an index is held by exactly one owner at a
   time: a Python ``Slot`` (returned by ``acquire()`` or ``c_adopt()``) or C code.
 - C code that acquired an index owns it outright (no reference count) and must release it
   exactly once; a second release returns -1 and changes nothing.  It must never release an
@@ -62,12 +62,12 @@ cdef extern from "aop_slab.h" nogil:
 
 
 cdef class SlabPool:
-    cdef aop_slab_t *slab       # the C pool: arena, free stack, statistics (owned)
+    cdef aop_slab_t *slab       # the C pool: arena, free ring, statistics (owned)
     cdef PyObject **cache       # cache[i]: the idle Slot object of index i, or NULL (owned
                                 # ref).  Touched only by the current owner of index i.
     cdef object __weakref__
 
-    # nogil C-level API (same free stack as acquire()/Slot.release()).
+    # nogil C-level API (same free ring as acquire()/Slot.release()).
     cdef int64_t c_acquire(self) noexcept nogil        # index, or -1 when exhausted
     cdef int c_release(self, int64_t index) noexcept nogil   # 0, or -1 if not held
     cdef char *c_ptr(self, int64_t index) noexcept nogil     # first byte of a slot

@@ -30,7 +30,7 @@ race): bits 0-30 references, bit 31 DEFER, bits 32-63 exported buffer views.
   pool when the last view is released.  Either way no view ever outlives its slot's tenure.
 Ordering: as Rust's Arc -- increments relaxed (a new reference is made from an existing one),
 decrements acq_rel (each holder's writes are released; the one reaching 0 acquires them all
-before the index is pushed back with the release CAS of the free stack).
+before the index goes back into the free ring, published by a release store).
 """
 cimport cython
 from cpython.ref cimport PyObject, Py_INCREF
