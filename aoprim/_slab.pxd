@@ -15,8 +15,9 @@ How C-level indices coexist with Python Slot objects
 - Both draw from the same lock-free free ring; an index is held by exactly one owner at a
   time: a Python ``Slot`` (returned by ``acquire()`` or ``c_adopt()``) or C code.
 - C code that acquired an index owns it outright (no reference count) and must release it
-  exactly once; a second release returns -1 and changes nothing.  It must never release an
-  index it did not acquire (that one belongs to a Slot; the C layer cannot tell them apart).
+  exactly once; a second release returns -1 and changes nothing, and so does releasing an
+  index a Slot holds (busy[i] marks C-held indices only).  What the C layer cannot detect is
+  one piece of C code releasing an index that another piece of C code holds: don't.
 - ``pool.c_adopt(i)`` (GIL held) turns an index that C code acquired into a Python ``Slot``
   that owns it (refcount 1); from then on only the Slot releases it.
 - C code holding indices must keep a reference to the SlabPool (the arena dies with it).
