@@ -14,6 +14,8 @@ from aoprim._mpmc import MPMCQueue
 from aoprim._spsc import SPSCQueue
 
 # buffers (issue 4)
+from aoprim._slab import SlabPool, Slot
+from aoprim._blocktable import BlockTable
 
 # send batching (issue 5)
 from aoprim._sendbatch import SendBatch
@@ -23,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AtomicInt", "RefCount", "SpinLock",
     "MPMCQueue", "SPSCQueue",
+    "SlabPool", "Slot", "BlockTable",
     "Full", "Empty", "PoolExhausted", "RefCountError", "Closed",
     "SendBatch",
     "get_include",

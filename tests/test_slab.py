@@ -1,0 +1,370 @@
+"""SlabPool and Slot: every semantic and error case of API.md "Buffers", threaded stress,
+and the no-allocation steady state."""
+import ctypes
+import gc
+import tracemalloc
+import warnings
+
+import pytest
+
+from aoprim import PoolExhausted, RefCountError
+from aoprim._slab import SlabPool, Slot
+from support import run_threads, scaled
+
+
+def addr(slot):
+    return ctypes.addressof(ctypes.c_char.from_buffer(slot))
+
+
+# ---- construction ----------------------------------------------------------------------
+
+def test_defaults_and_properties():
+    p = SlabPool()
+    assert (p.slot_size, p.slots) == (4096, 16)
+    assert (p.available, p.in_use, p.high_water, p.failed_acquires) == (16, 0, 0, 0)
+    p2 = SlabPool(slot_size=100, slots=3)
+    assert (p2.slot_size, p2.slots, p2.available) == (100, 3, 3)
+
+
+@pytest.mark.parametrize("bad", [1.0, "4", None, 2.5])
+def test_constructor_type_errors(bad):
+    with pytest.raises(TypeError):
+        SlabPool(bad, 4)
+    with pytest.raises(TypeError):
+        SlabPool(64, bad)
+
+
+@pytest.mark.parametrize("size,n", [(0, 4), (-1, 4), (64, 0), (64, -3), (64, 2**31)])
+def test_constructor_value_errors(size, n):
+    with pytest.raises(ValueError):
+        SlabPool(size, n)
+
+
+@pytest.mark.parametrize("size,align", [(1, 64), (100, 64), (4095, 64), (4096, 4096),
+                                        (5000, 4096), (65536, 4096)])
+def test_alignment(size, align):
+    p = SlabPool(size, 5)
+    assert p.alignment == align
+    slots = [p.acquire() for _ in range(5)]
+    addrs = sorted(addr(s) for s in slots)
+    assert all(a % align == 0 for a in addrs)
+    # slots do not overlap
+    assert all(b - a >= size for a, b in zip(addrs, addrs[1:]))
+    for s in slots:
+        s.release()
+
+
+# ---- acquire / release ------------------------------------------------------------------
+
+def test_acquire_release_stats_and_exhaustion():
+    p = SlabPool(64, 3)
+    a, b, c = p.acquire(), p.acquire(), p.acquire()
+    assert sorted([a.index, b.index, c.index]) == [0, 1, 2]
+    assert (p.available, p.in_use, p.high_water) == (0, 3, 3)
+    with pytest.raises(PoolExhausted):
+        p.acquire()
+    assert issubclass(PoolExhausted, RuntimeError)
+    assert p.try_acquire() is None
+    assert p.failed_acquires == 2
+    b.release()
+    assert (p.available, p.in_use, p.high_water) == (1, 2, 3)
+    d = p.try_acquire()
+    assert isinstance(d, Slot) and d.index == b.index
+    for s in (a, c, d):
+        s.release()
+    assert (p.available, p.in_use, p.high_water) == (3, 0, 3)
+    assert p.stats == {"slot_size": 64, "slots": 3, "available": 3, "in_use": 0,
+                       "high_water": 3, "failed_acquires": 2}
+
+
+def test_slot_attributes_and_buffer():
+    p = SlabPool(32, 2)
+    s = p.acquire()
+    assert s.size == 32 and s.index in (0, 1) and s.length == 0 and s.refs == 1
+    m = memoryview(s)
+    assert (m.readonly, m.ndim, m.format, m.itemsize, m.nbytes, m.shape) == \
+        (False, 1, "B", 1, 32, (32,))
+    assert s.views == 1
+    m[:5] = b"hello"
+    m.release()
+    assert s.views == 0
+    s.length = 5
+    assert s.data.tobytes() == b"hello"
+    assert bytes(s)[:5] == b"hello"
+    s.release()
+
+
+def test_length_validation():
+    p = SlabPool(16, 1)
+    s = p.acquire()
+    for ok in (0, 16, 7, True):
+        s.length = ok
+        assert s.length == int(ok)
+    for bad in (-1, 17, 2**70, -2**70):
+        with pytest.raises(ValueError):
+            s.length = bad
+    for bad in (1.0, "3", None):
+        with pytest.raises(TypeError):
+            s.length = bad
+    s.release()
+    with pytest.raises(ValueError):          # RefCountError is a ValueError
+        s.length = 1
+
+
+def test_double_release_raises_refcounterror():
+    p = SlabPool(16, 2)
+    s = p.acquire()
+    s.release()
+    with pytest.raises(RefCountError):
+        s.release()
+    with pytest.raises(RefCountError):
+        s.retain()
+    assert p.available == 2
+
+
+def test_release_with_live_view_raises_buffererror_and_keeps_reference():
+    p = SlabPool(16, 2)
+    s = p.acquire()
+    m = memoryview(s)
+    with pytest.raises(BufferError):
+        s.release()
+    assert s.refs == 1 and p.in_use == 1            # reference kept, nothing returned
+    with pytest.raises(BufferError):
+        s.release()
+    m.release()
+    s.release()
+    assert p.in_use == 0
+
+
+def test_release_with_live_data_view_and_slices():
+    p = SlabPool(16, 1)
+    s = p.acquire()
+    s.length = 4
+    d = s.data
+    sub = d[1:3]
+    del d
+    with pytest.raises(BufferError):
+        s.release()
+    sub.release()
+    s.release()
+    assert p.available == 1
+
+
+def test_views_refused_after_release():
+    p = SlabPool(16, 1)
+    s = p.acquire()
+    s.release()
+    with pytest.raises(BufferError):
+        memoryview(s)
+    with pytest.raises(BufferError):
+        s.data
+
+
+def test_fan_out_with_retain():
+    p = SlabPool(16, 1)
+    s = p.acquire()
+    assert s.retain() is s and s.retain() is s
+    assert s.refs == 3
+    m = memoryview(s)
+    s.release()                     # not the last: a live view does not matter
+    s.release()
+    assert p.in_use == 1 and s.refs == 1
+    with pytest.raises(BufferError):
+        s.release()
+    m.release()
+    s.release()
+    assert p.available == 1 and s.refs == 0
+
+
+def test_context_manager():
+    p = SlabPool(16, 1)
+    with p.acquire() as s:
+        assert isinstance(s, Slot) and p.in_use == 1
+    assert p.in_use == 0
+    with pytest.raises(KeyError):
+        with p.acquire():
+            raise KeyError
+    assert p.in_use == 0
+
+
+def test_slot_cannot_be_made_directly():
+    with pytest.raises(TypeError):
+        Slot()
+
+
+def test_gc_of_held_slot_returns_it_with_one_resourcewarning():
+    p = SlabPool(16, 2)
+    s = p.acquire()
+    s.retain()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        del s
+        gc.collect()
+    rw = [x for x in w if issubclass(x.category, ResourceWarning)]
+    assert len(rw) == 1
+    assert p.available == 2
+
+
+def test_gc_of_released_slot_is_silent():
+    p = SlabPool(16, 2)
+    s = p.acquire()
+    s.release()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        del s
+        gc.collect()
+    assert not [x for x in w if issubclass(x.category, ResourceWarning)]
+    assert p.available == 2
+
+
+def test_pool_outlives_its_slots():
+    p = SlabPool(16, 2)
+    s = p.acquire()
+    memoryview(s)[:3] = b"abc"
+    del p
+    gc.collect()
+    assert bytes(s)[:3] == b"abc"     # the arena is still there
+    s.release()
+
+
+def test_stale_reference_cannot_touch_the_next_holder():
+    p = SlabPool(16, 1)
+    old = p.acquire()
+    old.release()
+    new = p.acquire()                 # same index, but `old` is still referenced
+    assert new.index == old.index and new is not old
+    with pytest.raises(RefCountError):
+        old.release()
+    with pytest.raises(RefCountError):
+        old.retain()
+    with pytest.raises(BufferError):
+        memoryview(old)
+    assert new.refs == 1 and p.in_use == 1
+    new.release()
+    assert p.available == 1
+
+
+def test_unreferenced_slot_objects_are_reused():
+    p = SlabPool(16, 1)
+    p.acquire().release()
+    ids = set()
+    for _ in range(10):
+        s = p.acquire()
+        ids.add(id(s))
+        s.release()
+        del s
+    assert len(ids) == 1
+
+
+def test_length_resets_on_acquire():
+    p = SlabPool(16, 1)
+    s = p.acquire()
+    s.length = 9
+    s.release()
+    del s
+    assert p.acquire().length == 0
+
+
+# ---- memory ----------------------------------------------------------------------------
+
+def test_steady_state_allocates_nothing():
+    p = SlabPool(4096, 16)
+    acq = p.acquire
+    for _ in range(1000):
+        acq().release()
+    tracemalloc.start()
+    try:
+        snap0 = tracemalloc.take_snapshot()
+        for _ in range(100_000):
+            acq().release()
+        for _ in range(1000):
+            with acq() as s:
+                s.length = 3
+        del s
+        snap1 = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    growth = sum(st.size_diff for st in snap1.compare_to(snap0, "filename"))
+    assert growth < 2048, f"grew by {growth} bytes over 100k cycles"
+
+
+# ---- threads ---------------------------------------------------------------------------
+
+def test_threaded_stress_no_slot_shared():
+    n = scaled(100_000)
+    p = SlabPool(64, 16)
+    counts = [0] * 4
+
+    def worker(tid):
+        pat = bytes([tid + 1]) * 64
+
+        def run():
+            acq = p.acquire
+            for _ in range(n):
+                s = acq()
+                m = memoryview(s)
+                m[:] = pat
+                # nobody else may hold it: the pattern must stay ours
+                if m != pat:
+                    raise AssertionError("slot handed to two holders")
+                m.release()
+                s.release()
+                counts[tid] += 1
+        return run
+
+    run_threads([worker(t) for t in range(4)], timeout=120)
+    assert counts == [n] * 4
+    assert p.available == 16 and p.in_use == 0
+    assert 1 <= p.high_water <= 4
+    assert p.failed_acquires == 0
+
+
+def test_threaded_fan_out_with_retain():
+    """One producer fills a slot, retains it once per consumer thread and hands it over;
+    each consumer checks the bytes and releases once; the last release returns it."""
+    import queue
+    import threading
+    rounds = scaled(20_000)
+    p = SlabPool(64, 4)
+    qs = [queue.SimpleQueue() for _ in range(3)]
+    seen = [0, 0, 0]
+    # back-pressure: one token per slot; the consumer whose release was the last of a round
+    # (after the slot is back) returns the token, so acquire() can never fail
+    tokens = threading.Semaphore(4)
+    left = {}
+    lock = threading.Lock()
+
+    def producer():
+        for r in range(rounds):
+            assert tokens.acquire(timeout=60)
+            with lock:
+                left[r] = 3
+            s = p.acquire()
+            pat = bytes([r % 251]) * 64
+            memoryview(s)[:] = pat
+            s.length = 64
+            for q in qs:
+                q.put((s.retain(), pat, r))
+            s.release()
+        for q in qs:
+            q.put(None)
+
+    def consumer(k):
+        def run():
+            while (item := qs[k].get(timeout=60)) is not None:
+                s, pat, r = item
+                with s.data as d:
+                    if d != pat:
+                        raise AssertionError("fan-out slot changed under a reader")
+                s.release()
+                with lock:
+                    left[r] -= 1
+                    last = left[r] == 0
+                if last:
+                    tokens.release()
+                seen[k] += 1
+        return run
+
+    run_threads([producer] + [consumer(k) for k in range(3)], timeout=120)
+    assert seen == [rounds] * 3
+    assert p.available == 4 and p.in_use == 0
