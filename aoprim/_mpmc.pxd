@@ -24,41 +24,14 @@ Return codes (aoprim._qwait): AOP_Q_OK, AOP_Q_RETRY (full / empty / timed out),
 AOP_Q_CLOSED, AOP_Q_BADMODE.  Blocking forms take timeout_ns (< 0 forever, 0 one try) and
 park on a futex; call them inside ``with nogil``.
 """
-from libc.stdint cimport int64_t, uint64_t
-from aoprim.atomic_h cimport aop_atomic_u32
-from aoprim._qwait cimport aop_qwait_t
-
-cdef extern from "aop_queue.h" nogil:
-    ctypedef struct aop_mpmc_t:
-        uint64_t cap             # real capacity (a power of two); read-only
-        aop_atomic_u32 mode      # AOP_Q_MODE_NONE until the first operation fixes it
-        # (the rest -- cells, padded tail/head, wait sets -- is private to aop_queue.h)
-
-    # public C API: raw 64-bit words, RAW mode
-    int aop_mpmc_try_push_u64(aop_mpmc_t *q, uint64_t v) noexcept
-    int aop_mpmc_try_pop_u64(aop_mpmc_t *q, uint64_t *out) noexcept
-    int aop_mpmc_push_u64(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns) noexcept
-    int aop_mpmc_pop_u64(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns) noexcept
-    int aop_mpmc_push_many_u64(aop_mpmc_t *q, const uint64_t *v, uint64_t n,
-                               uint64_t *pushed) noexcept
-    int aop_mpmc_pop_many_u64(aop_mpmc_t *q, uint64_t *out, uint64_t n,
-                              uint64_t *popped) noexcept
-    uint64_t aop_mpmc_size(aop_mpmc_t *q) noexcept          # approximate item count
-    bint aop_mpmc_closed(aop_mpmc_t *q) noexcept
-    void aop_mpmc_close(aop_mpmc_t *q) noexcept             # wakes every waiter
-
-    # mode-less internals used by the Python methods (OBJ mode); not for C callers
-    aop_mpmc_t *aop_mpmc_new(uint64_t capacity) noexcept
-    void aop_mpmc_free(aop_mpmc_t *q) noexcept
-    int aop_mpmc_push_(aop_mpmc_t *q, uint64_t v) noexcept
-    int aop_mpmc_pop_(aop_mpmc_t *q, uint64_t *out) noexcept
-    int aop_mpmc_push_wait_(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns) noexcept
-    int aop_mpmc_pop_wait_(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns) noexcept
-    int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n,
-                            uint64_t *pushed) noexcept
-    int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n,
-                           uint64_t *popped) noexcept
-
+# The C declarations (struct and functions, each commented) live in aoprim/_qcore.pxd;
+# the public C API is re-exported here so that cimporters write `from aoprim._mpmc cimport ...`.
+from aoprim._qcore cimport (
+    aop_mpmc_t, aop_mpmc_try_push_u64, aop_mpmc_try_pop_u64,
+    aop_mpmc_push_u64, aop_mpmc_pop_u64, aop_mpmc_push_many_u64,
+    aop_mpmc_pop_many_u64, aop_mpmc_size, aop_mpmc_closed,
+    aop_mpmc_close,
+)
 
 cdef class MPMCQueue:
     cdef aop_mpmc_t *q           # the C queue (128-byte aligned, owned; freed at dealloc)

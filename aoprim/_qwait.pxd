@@ -17,14 +17,16 @@ from libc.math cimport isnan
 from cpython.ref cimport PyObject, Py_DECREF
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.number cimport PyNumber_Index
+from cpython.exc cimport PyErr_CheckSignals
 
-from aoprim.atomic_h cimport aop_atomic_u32
+from aoprim.atomic_h cimport aop_atomic_u32, aop_now_ns
 
 cdef extern from "aop_queue.h" nogil:
     int AOP_Q_OK
     int AOP_Q_RETRY
     int AOP_Q_CLOSED
     int AOP_Q_BADMODE
+    int AOP_Q_BUSY           # internal (MPMC): full/empty because the other side is mid-operation
     uint32_t AOP_Q_MODE_NONE
     uint32_t AOP_Q_MODE_OBJ
     uint32_t AOP_Q_MODE_RAW
@@ -35,6 +37,7 @@ cdef extern from "aop_queue.h" nogil:
         aop_atomic_u32 waiters   # threads in the park phase
 
     bint aop_q_mode_ok(aop_atomic_u32 *mode, uint32_t want) noexcept
+    ctypedef int (*aop_q_wait_fn)(void *q, uint64_t *v, int64_t timeout_ns) noexcept nogil
     uint64_t aop_q_round_capacity(uint64_t n) noexcept
 
 
@@ -113,3 +116,31 @@ cdef inline int q_obj_mode(aop_atomic_u32 *mode) except -1:
     if not aop_q_mode_ok(mode, AOP_Q_MODE_OBJ):
         q_raise(AOP_Q_BADMODE, True)
     return 0
+
+
+cdef enum:
+    Q_SLICE_NS = 50000000     # a Python-level wait re-checks signals every 50 ms
+
+
+cdef inline int q_wait_interruptible(aop_q_wait_fn fn, void *q, uint64_t *v,
+                                     int64_t timeout_ns) except -1:
+    """Wait (GIL released) in slices, running signal handlers between slices so that Ctrl-C
+    interrupts a blocked put/get as it does queue.Queue's.  Returns the status; raises
+    whatever a signal handler raises (the caller then undoes its own work)."""
+    cdef int64_t deadline = 0, step, left
+    cdef int r
+    if timeout_ns > 0:
+        deadline = aop_now_ns() + timeout_ns
+    while True:
+        step = Q_SLICE_NS
+        if timeout_ns > 0:
+            left = deadline - aop_now_ns()
+            if left <= 0:
+                return AOP_Q_RETRY
+            if left < step:
+                step = left
+        with nogil:
+            r = fn(q, v, step)
+        if r != AOP_Q_RETRY:
+            return r
+        PyErr_CheckSignals()      # raises (e.g. KeyboardInterrupt) -> except -1

@@ -12,11 +12,12 @@
             aop_slab_release(pool.slab, i)       # 0, or -1 if i was not held
 
 How C-level indices coexist with Python Slot objects
-- Both draw from the same lock-free free stack; an index is held by exactly one owner at a
+- Both draw from the same lock-free free ring; an index is held by exactly one owner at a
   time: a Python ``Slot`` (returned by ``acquire()`` or ``c_adopt()``) or C code.
 - C code that acquired an index owns it outright (no reference count) and must release it
-  exactly once; a second release returns -1 and changes nothing.  It must never release an
-  index it did not acquire (that one belongs to a Slot; the C layer cannot tell them apart).
+  exactly once; a second release returns -1 and changes nothing, and so does releasing an
+  index a Slot holds (busy[i] marks C-held indices only).  What the C layer cannot detect is
+  one piece of C code releasing an index that another piece of C code holds: don't.
 - ``pool.c_adopt(i)`` (GIL held) turns an index that C code acquired into a Python ``Slot``
   that owns it (refcount 1); from then on only the Slot releases it.
 - C code holding indices must keep a reference to the SlabPool (the arena dies with it).
@@ -62,12 +63,12 @@ cdef extern from "aop_slab.h" nogil:
 
 
 cdef class SlabPool:
-    cdef aop_slab_t *slab       # the C pool: arena, free stack, statistics (owned)
+    cdef aop_slab_t *slab       # the C pool: arena, free ring, statistics (owned)
     cdef PyObject **cache       # cache[i]: the idle Slot object of index i, or NULL (owned
                                 # ref).  Touched only by the current owner of index i.
     cdef object __weakref__
 
-    # nogil C-level API (same free stack as acquire()/Slot.release()).
+    # nogil C-level API (same free ring as acquire()/Slot.release()).
     cdef int64_t c_acquire(self) noexcept nogil        # index, or -1 when exhausted
     cdef int c_release(self, int64_t index) noexcept nogil   # 0, or -1 if not held
     cdef char *c_ptr(self, int64_t index) noexcept nogil     # first byte of a slot

@@ -30,7 +30,7 @@ race): bits 0-30 references, bit 31 DEFER, bits 32-63 exported buffer views.
   pool when the last view is released.  Either way no view ever outlives its slot's tenure.
 Ordering: as Rust's Arc -- increments relaxed (a new reference is made from an existing one),
 decrements acq_rel (each holder's writes are released; the one reaching 0 acquires them all
-before the index is pushed back with the release CAS of the free stack).
+before the index goes back into the free ring, published by a release store).
 """
 cimport cython
 from cpython.ref cimport PyObject, Py_INCREF
@@ -312,6 +312,8 @@ cdef class Slot:
         Py_DECREF_p(self.pool)                       # `pool` holds it now
         self.pool = NULL
         aop_slab_push(pool.slab, self._index)        # not parked: this object is dying
+        if _warnings is None:                        # interpreter shutdown
+            return
         _warnings.warn(f"Slot {self._index} of {pool!r} was garbage-collected while still "
                        f"holding {w & REF_MASK} reference(s); returned to the pool",
                        ResourceWarning, stacklevel=1)
@@ -364,7 +366,11 @@ cdef class Slot:
 
     @length.setter
     def length(self, value):
-        cdef Py_ssize_t n = _as_index(value, "length")
+        cdef Py_ssize_t n
+        try:
+            n = _as_index(value, "length")
+        except OverflowError:
+            raise ValueError(f"length must be in 0..{self._size}, got {value}") from None
         if n < 0 or n > self._size:
             raise ValueError(f"length must be in 0..{self._size}, got {n}")
         if (aop_load_i64(&self.state, AOP_RELAXED) & REF_MASK) == 0:   # relaxed: a check

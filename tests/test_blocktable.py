@@ -47,6 +47,12 @@ def test_append_across_boundaries(pool, first):
             t.release()
 
 
+def test_constructor_needs_a_pool():
+    for bad in (None, 4096, object()):
+        with pytest.raises(TypeError):
+            BlockTable(bad)
+
+
 def test_append_accepts_bytes_like_and_rejects_others(pool):
     t = BlockTable(pool)
     t.append(memoryview(b"abc"))
@@ -429,3 +435,55 @@ class TableModel(RuleBasedStateMachine):
 
 TestTableModel = TableModel.TestCase
 TestTableModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("header", [1, 2, 4])
+def test_frame_cuts_length_prefixed_frames_split_at_every_point(header):
+    p = SlabPool(B, 64)
+    payloads = [b"", b"a", data(B - 1, 1), data(B, 2), data(B + 3, 3), data(2, 4)]
+    stream = b"".join(len(x).to_bytes(header, "big") + x for x in payloads)
+    for cut in range(len(stream) + 1):
+        t = BlockTable(p)
+        got = []
+        for part in (stream[:cut], stream[cut:]):
+            t.append(part)
+            pos = 0
+            while (f := t.frame(pos, header)) is not None:
+                got.append(bytes(f))
+                pos += header + len(f)
+                if isinstance(f, memoryview):
+                    assert f.readonly
+                    f.release()
+            t.consume(pos)
+        assert got == payloads, cut
+        assert len(t) == 0
+        t.release()
+    assert p.in_use == 0
+
+
+def test_frame_argument_errors(pool):
+    t = BlockTable(pool)
+    t.append(b"\x00\x05ab")
+    assert t.frame(0, 2) is None          # payload incomplete
+    assert t.frame(3, 2) is None          # header incomplete
+    assert t.frame(4, 2) is None
+    for bad in ((0, 0), (0, 9), (-1, 2), (5, 2)):
+        with pytest.raises(ValueError):
+            t.frame(*bad)
+    with pytest.raises(TypeError):
+        t.frame(0, 2.0)
+    t.release()
+
+
+def test_frame_views_are_read_only_so_forks_stay_isolated(pool):
+    t = BlockTable(pool)
+    t.append(b"\x03abc")
+    f = t.fork()
+    v = t.frame(0, 1)
+    assert isinstance(v, memoryview) and v.readonly
+    with pytest.raises(TypeError):
+        v[0] = 0
+    v.release()
+    assert bytes(f) == b"\x03abc"
+    t.release()
+    f.release()

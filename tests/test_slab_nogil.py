@@ -141,3 +141,26 @@ def test_c_and_python_coexist(mod):
     assert p.try_acquire() is None
     assert all(mod.release_raw(p, x) == 0 for x in ks)
     assert p.available == 3
+
+
+CIMPORT_SOURCE = r'''
+from aoprim._blocktable cimport BlockTable
+from aoprim._slab cimport Slot
+def logical_length(BlockTable t):
+    return t.nbytes, t.start, t.bsize
+def first_byte(BlockTable t):
+    cdef Slot s = t._blocks[0]
+    return (<unsigned char *>s.ptr)[t.start]
+'''
+
+
+def test_blocktable_cimport(cybuild):
+    from aoprim import BlockTable
+    mod = cybuild("blocktable_cimport_mod", CIMPORT_SOURCE)
+    p = SlabPool(8, 4)
+    t = BlockTable(p)
+    t.append(b"hello world")
+    t.consume(3)
+    assert mod.logical_length(t) == (8, 3, 8)
+    assert mod.first_byte(t) == ord("l")
+    t.release()

@@ -41,19 +41,32 @@
  *   Each queue has two aop_qwait_t: not_empty (consumers wait there) and not_full
  *   (producers).  A blocked thread spins briefly, yields, then parks:
  *       W1 waiters += 1 (seq_cst RMW)
- *       loop: W2 s = seq (seq_cst);  W3 seq_cst fence;  W4 retry the operation;
- *             if it cannot proceed: W5 futex-wait while seq == s
+ *       loop: W2 s = fetch_or(seq, SLEEPY) | SLEEPY (seq_cst RMW);  W3 seq_cst fence;
+ *             W4 retry the operation;  if it cannot proceed: W5 futex-wait while seq == s
  *       waiters -= 1
  *   Every operation that can let a waiter proceed (publish an item, free a cell, close):
- *       N1 its publishing store / RMW (seq_cst, or release + a seq_cst fence for batches)
- *       N2 if (waiters != 0) (seq_cst load):  N3 seq += 1;  N4 futex-wake all
- *   All of W1, W2/W3 and N1, N2 are in the single total order S of seq_cst operations.  If N2
- *   reads waiters == 0 then N2 precedes W1 in S, so N1 precedes the fence W3 and the re-check
- *   W4 sees the publication: the waiter does not park.  Otherwise the notifier bumps seq (N3)
- *   after N1: either W2 already read the old seq, so the kernel's compare in W5 fails or the
- *   wake N4 finds the waiter parked; or W2 read the bumped seq, which synchronises with N3 and
- *   so W4 again sees N1.  Either way the waiter never sleeps past a publication.  We wake all
- *   (not one) so that a woken waiter that leaves on timeout can never swallow the only wake.
+ *       N1 a seq_cst RMW that announces it (SPSC: the CAS of tail / a seq_cst store of head,
+ *          which is itself the publication; MPMC: the CAS that claims the position, made
+ *          BEFORE the cell is filled / emptied; close: the CAS that marks tail)
+ *       N2 w = waiters (seq_cst load)
+ *       -- the publication itself (MPMC: release store of the cell's seq) --
+ *       if (w != 0):  N3 if seq has SLEEPY: CAS seq -> next epoch, SLEEPY clear (seq_cst);
+ *                     N4 and then futex-wake all
+ *   W1, W2, W3 and N1, N2 are all in the single total order S of seq_cst operations.
+ *   - If N2 reads waiters == 0, N2 precedes W1 in S, so N1 precedes the fence W3 and the
+ *     re-check W4 sees N1.  SPSC: N1 is the publication, so W4 succeeds.  MPMC: W4 sees the
+ *     claim (tail > pos for a consumer, head + cap > pos for a producer) while the cell is
+ *     not yet published: the try returns AOP_Q_BUSY, and a BUSY waiter never parks, it
+ *     yields and retries until the publication lands.
+ *   - Otherwise W1 < W2 < N1 < N2 in S, so the notifier's seq_cst load in N3 sees W2's SLEEPY
+ *     or a later value.  With SLEEPY it bumps the epoch: the kernel's compare in W5 fails or
+ *     the wake N4 finds the waiter parked.  Without it, another notifier already bumped
+ *     after W2 (only a bump clears SLEEPY), so the value differs from s: again W5 cannot
+ *     sleep, or that notifier's wake (after its bump) finds it.  (A 31-bit epoch would
+ *     have to wrap exactly between W2 and W5 to fool this.)
+ *   Either way no waiter sleeps past a publication.  We wake all (not one) so that a woken
+ *   waiter that leaves on timeout can never swallow the only wake.  The fast path pays no
+ *   fence for this: the seq_cst CAS it needs anyway is N1, and N2 is a plain load on x86.
  *
  * ---- Modes ------------------------------------------------------------------------------------
  *   mode is 0 until the first operation, which sets it (CAS, once, forever) to
@@ -72,6 +85,8 @@
 #define AOP_Q_RETRY 1       /* full (push) / empty (pop): try again later */
 #define AOP_Q_CLOSED 2      /* closed (push), or closed and drained (pop) */
 #define AOP_Q_BADMODE 3     /* the queue is used in the other mode (objects vs raw words) */
+#define AOP_Q_BUSY 4        /* internal: full/empty only because the other side is mid-operation;
+                               waiters retry without parking.  Public functions report RETRY */
 
 #define AOP_Q_MODE_NONE 0u
 #define AOP_Q_MODE_OBJ 1u
@@ -81,7 +96,13 @@
 #define AOP_Q_MAX_CAPACITY ((uint64_t)1 << 32)
 
 #define AOP_Q_SPIN 7       /* backoff doublings while spinning: 1 .. 64 pauses per retry */
-#define AOP_Q_YIELD 3      /* sched_yield()s before parking */
+#define AOP_Q_YIELD 20     /* sched_yield()s before parking (a Python-level waiter usually waits
+                              for a thread that needs the GIL; yielding beats a futex round trip) */
+
+/* aop_atomic.h has no fetch_or; this is the one extra RMW the wait protocol needs
+ * (always seq_cst: it is W2 of the protocol). */
+AOP_INLINE uint32_t aop_fetch_or_u32_(aop_atomic_u32 *a, uint32_t bits)
+{ return __atomic_fetch_or(&a->v, bits, __ATOMIC_SEQ_CST); }
 
 #define AOP_Q_LIKELY(x) __builtin_expect(!!(x), 1)
 #define AOP_Q_UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -89,20 +110,42 @@
 /* ---- wait sets ------------------------------------------------------------------------- */
 
 typedef struct {
-    aop_atomic_u32 seq;       /* futex word: bumped by a notifier that saw waiters != 0 */
+    aop_atomic_u32 seq;       /* futex word: bit 0 = SLEEPY (a waiter may be asleep on this
+                                 value), bits 1.. = epoch, bumped by a notifier that wakes */
     aop_atomic_u32 waiters;   /* threads inside the park phase of aop_q_wait */
     char _pad[AOP_CACHE_LINE - 8];
 } aop_qwait_t;
 
+#define AOP_QW_SLEEPY 1u
+
+/* N3/N4: if a waiter may be asleep on the current value (SLEEPY), move to the next epoch
+ * (clearing SLEEPY) and wake everybody; if not, every waiter will re-check before it sleeps
+ * (it must first set SLEEPY, and re-checks after that), so the syscall is skipped.  This is
+ * what keeps a producer from paying a futex syscall per item while woken consumers have not
+ * yet run. */
 AOP_INLINE void aop_qwait_wake_all(aop_qwait_t *w)
 {
-    /* N3: seq_cst RMW; a waiter whose W2 reads the new value synchronises with it */
-    aop_fetch_add_u32(&w->seq, 1, AOP_SEQ_CST);
-    aop_unpark(&w->seq, INT32_MAX);                             /* N4 */
+    /* seq_cst: in S after the caller's N1/N2, so that it sees a SLEEPY set before them */
+    uint32_t v = aop_load_u32(&w->seq, AOP_SEQ_CST);
+    while (v & AOP_QW_SLEEPY) {
+        /* seq_cst CAS: a waiter whose W2 reads the new value synchronises with it; on failure
+         * v is reloaded (another notifier bumped, or a waiter set SLEEPY) and re-tested */
+        if (aop_cas_u32(&w->seq, &v, (v & ~AOP_QW_SLEEPY) + 2, AOP_SEQ_CST, AOP_SEQ_CST)) {
+            aop_unpark(&w->seq, INT32_MAX);                         /* N4 */
+            return;
+        }
+    }
 }
 
-/* N2: call after the publishing store (seq_cst store or RMW, or release stores followed by
- * aop_thread_fence(AOP_SEQ_CST)).  The load is seq_cst so that it is ordered in S after N1. */
+/* Wake every waiter unconditionally (close()): bump the epoch whatever SLEEPY says. */
+AOP_INLINE void aop_qwait_wake_all_force(aop_qwait_t *w)
+{
+    /* seq_cst RMW; +2 keeps bit 0 as it was (harmless: at worst one needless later wake) */
+    aop_fetch_add_u32(&w->seq, 2, AOP_SEQ_CST);
+    aop_unpark(&w->seq, INT32_MAX);
+}
+
+/* N2: call after the publishing seq_cst store or RMW. */
 AOP_INLINE void aop_qwait_notify(aop_qwait_t *w)
 {
     if (AOP_Q_UNLIKELY(aop_load_u32(&w->waiters, AOP_SEQ_CST) != 0))
@@ -122,12 +165,18 @@ AOP_INLINE int aop_q_mode_ok(aop_atomic_u32 *mode, uint32_t want)
     return m == want;
 }
 
+/* A blocking operation with a uniform signature (see the *_wait_p functions). */
+typedef int (*aop_q_wait_fn)(void *queue, uint64_t *word, int64_t timeout_ns);
+
 /* One attempt of an operation: returns AOP_Q_OK / AOP_Q_RETRY / AOP_Q_CLOSED / ... */
 typedef int (*aop_q_try_fn)(void *queue, void *arg);
 
-/* Block until try_fn returns something other than AOP_Q_RETRY, or timeout_ns (< 0: never)
- * has passed (then AOP_Q_RETRY).  Spin, yield, park on w (protocol at the top).  Runs
- * without the GIL and touches no Python object. */
+#define AOP_Q_AGAIN(r) ((r) == AOP_Q_RETRY || (r) == AOP_Q_BUSY)
+
+/* Block until try_fn returns something other than RETRY / BUSY, or timeout_ns (< 0: never)
+ * has passed (then AOP_Q_RETRY).  Spin, yield, park on w (protocol at the top); BUSY (the
+ * other side is mid-operation and will not notify) never parks, it yields.  Runs without the
+ * GIL and touches no Python object. */
 static int aop_q_wait(aop_qwait_t *w, aop_q_try_fn try_fn, void *queue, void *arg,
                       int64_t timeout_ns)
 {
@@ -139,27 +188,32 @@ static int aop_q_wait(aop_qwait_t *w, aop_q_try_fn try_fn, void *queue, void *ar
     /* phase 1: spin with exponential backoff */
     for (step = 0; step < AOP_Q_SPIN; step++) {
         r = try_fn(queue, arg);
-        if (r != AOP_Q_RETRY) return r;
-        if (timeout_ns == 0) return r;
+        if (!AOP_Q_AGAIN(r)) return r;
+        if (timeout_ns == 0) return AOP_Q_RETRY;
         for (i = 0; i < (1 << step); i++) aop_cpu_relax();
     }
     /* phase 2: give our core to the other side if it is waiting for one */
     for (step = 0; step < AOP_Q_YIELD; step++) {
         aop_yield();
         r = try_fn(queue, arg);
-        if (r != AOP_Q_RETRY) return r;
-        if (timeout_ns > 0 && aop_now_ns() >= deadline) return r;
+        if (!AOP_Q_AGAIN(r)) return r;
+        if (timeout_ns > 0 && aop_now_ns() >= deadline) return AOP_Q_RETRY;
     }
     /* phase 3: park */
     aop_fetch_add_u32(&w->waiters, 1, AOP_SEQ_CST);                 /* W1 */
     for (;;) {
-        s = aop_load_u32(&w->seq, AOP_SEQ_CST);                      /* W2 */
+        /* W2: seq_cst RMW: announce "I may sleep on this value" (SLEEPY) and learn it */
+        s = aop_fetch_or_u32_(&w->seq, AOP_QW_SLEEPY) | AOP_QW_SLEEPY;
         aop_thread_fence(AOP_SEQ_CST);                               /* W3 */
         r = try_fn(queue, arg);                                      /* W4 */
-        if (r != AOP_Q_RETRY) break;
+        if (!AOP_Q_AGAIN(r)) break;
         if (timeout_ns > 0) {
             left = deadline - aop_now_ns();
-            if (left <= 0) break;
+            if (left <= 0) { r = AOP_Q_RETRY; break; }
+        }
+        if (r == AOP_Q_BUSY) {
+            aop_yield();          /* an in-flight operation completes without a wake */
+            continue;
         }
         aop_park(&w->seq, s, left);                                  /* W5 */
         /* woken, spurious, EINTR or timeout: the loop re-checks every one of them */
@@ -178,8 +232,8 @@ AOP_INLINE void aop_q_close(uint64_t *tail, aop_qwait_t *not_empty, aop_qwait_t 
      * failed CAS reloads t and we retry (a producer moved tail meanwhile) */
     while (!(t & AOP_Q_MARK) &&
            !aop_cas_weak_u64p(tail, &t, t | AOP_Q_MARK, AOP_SEQ_CST, AOP_RELAXED)) {}
-    aop_qwait_wake_all(not_empty);
-    aop_qwait_wake_all(not_full);
+    aop_qwait_wake_all_force(not_empty);
+    aop_qwait_wake_all_force(not_full);
 }
 
 AOP_INLINE uint64_t aop_q_round_capacity(uint64_t n)
@@ -239,76 +293,96 @@ static void aop_mpmc_free(aop_mpmc_t *q)
     if (q) { free(q->cells); free(q); }
 }
 
+/* After a claim that did not fill the cell of pos: why not?  (Only called on the slow path.)
+ * Producer side: the cell still holds position pos - cap.  If its consumer has already
+ * claimed it (head > pos - cap) it is mid-operation: BUSY, retry soon, do not park.
+ * acquire loads: pair with the seq_cst CASes of head / tail and of close(). */
+AOP_INLINE int aop_mpmc_push_fail_(aop_mpmc_t *q, uint64_t pos)
+{
+    if (aop_load_u64p(&q->tail, AOP_ACQUIRE) & AOP_Q_MARK) return AOP_Q_CLOSED;
+    if (aop_load_u64p(&q->head, AOP_ACQUIRE) + q->cap > pos) return AOP_Q_BUSY;
+    return AOP_Q_RETRY;
+}
+
+/* Consumer side: nothing is published at pos.  If a producer has claimed pos (tail > pos)
+ * it is mid-operation: BUSY.  If tail is marked and equals pos, nothing can ever come (I3). */
+AOP_INLINE int aop_mpmc_pop_fail_(aop_mpmc_t *q, uint64_t pos)
+{
+    uint64_t t = aop_load_u64p(&q->tail, AOP_ACQUIRE);
+    if ((t & ~AOP_Q_MARK) > pos) return AOP_Q_BUSY;
+    return (t & AOP_Q_MARK) ? AOP_Q_CLOSED : AOP_Q_RETRY;
+}
+
 AOP_INLINE int aop_mpmc_push_(aop_mpmc_t *q, uint64_t v)
 {
     aop_mpmc_cell_t *cell;
     uint64_t seq;
+    uint32_t w;
     int64_t dif;
     /* relaxed: only a hint of where to start; the cell's seq and the CAS decide */
     uint64_t pos = aop_load_u64p(&q->tail, AOP_RELAXED);
     for (;;) {
         if (AOP_Q_UNLIKELY(pos & AOP_Q_MARK)) return AOP_Q_CLOSED;
         cell = &q->cells[pos & q->mask];
-        /* acquire: pairs with the release (seq_cst) store of the consumer that emptied this
-         * cell for our lap: its read of val happened before we overwrite it */
+        /* acquire: pairs with the release store of the consumer that emptied this cell for
+         * our lap: its read of val happened before we overwrite it */
         seq = aop_load_u64p(&cell->seq, AOP_ACQUIRE);
         dif = (int64_t)(seq - 2 * pos);
-        if (dif == 0) {
-            /* relaxed CAS: the claim only needs atomicity; the data is ordered by seq */
-            if (aop_cas_weak_u64p(&q->tail, &pos, pos + 1, AOP_RELAXED, AOP_RELAXED)) break;
+        if (AOP_Q_LIKELY(dif == 0)) {
+            /* seq_cst CAS: the claim (N1 of the wake-up protocol); the data itself is
+             * ordered by the cell's seq.  On failure pos receives the current tail. */
+            if (aop_cas_weak_u64p(&q->tail, &pos, pos + 1, AOP_SEQ_CST, AOP_RELAXED)) break;
         } else if (dif < 0) {
-            /* the cell still holds the item of position pos - cap: full.  Re-read tail so
-             * that a full queue that was closed reports CLOSED (relaxed: only the mark) */
-            if (aop_load_u64p(&q->tail, AOP_RELAXED) & AOP_Q_MARK) return AOP_Q_CLOSED;
-            return AOP_Q_RETRY;
+            return aop_mpmc_push_fail_(q, pos);
         } else {
             pos = aop_load_u64p(&q->tail, AOP_RELAXED);  /* we are behind: reload (relaxed) */
         }
     }
+    /* N2: seq_cst load, after the claim in S */
+    w = aop_load_u32(&q->not_empty.waiters, AOP_SEQ_CST);
     cell->val = v;
-    /* seq_cst store (N1): release makes val visible to the consumer that acquires seq;
-     * seq_cst orders it before the waiters load of aop_qwait_notify */
-    aop_store_u64p(&cell->seq, 2 * pos + 1, AOP_SEQ_CST);
-    aop_qwait_notify(&q->not_empty);
+    /* release: makes val visible to the consumer that acquires seq */
+    aop_store_u64p(&cell->seq, 2 * pos + 1, AOP_RELEASE);
+    if (AOP_Q_UNLIKELY(w != 0)) aop_qwait_wake_all(&q->not_empty);    /* N3, N4 */
     return AOP_Q_OK;
 }
 
 AOP_INLINE int aop_mpmc_pop_(aop_mpmc_t *q, uint64_t *out)
 {
     aop_mpmc_cell_t *cell;
-    uint64_t seq, t;
+    uint64_t seq;
+    uint32_t w;
     int64_t dif;
     uint64_t pos = aop_load_u64p(&q->head, AOP_RELAXED);     /* relaxed: a hint, as above */
     for (;;) {
         cell = &q->cells[pos & q->mask];
-        /* acquire: pairs with the producer's seq_cst (release) store that published val */
+        /* acquire: pairs with the producer's release store that published val */
         seq = aop_load_u64p(&cell->seq, AOP_ACQUIRE);
         dif = (int64_t)(seq - (2 * pos + 1));
-        if (dif == 0) {
-            if (aop_cas_weak_u64p(&q->head, &pos, pos + 1, AOP_RELAXED, AOP_RELAXED)) break;
+        if (AOP_Q_LIKELY(dif == 0)) {
+            /* seq_cst CAS: the claim (N1 for waiting producers) */
+            if (aop_cas_weak_u64p(&q->head, &pos, pos + 1, AOP_SEQ_CST, AOP_RELAXED)) break;
         } else if (dif < 0) {
-            /* nothing published at pos.  acquire: if tail is marked and equals pos, no
-             * producer can ever fill pos (I3); otherwise an item may still come. */
-            t = aop_load_u64p(&q->tail, AOP_ACQUIRE);
-            if ((t & AOP_Q_MARK) && (t & ~AOP_Q_MARK) == pos) return AOP_Q_CLOSED;
-            return AOP_Q_RETRY;
+            return aop_mpmc_pop_fail_(q, pos);
         } else {
             pos = aop_load_u64p(&q->head, AOP_RELAXED);
         }
     }
+    w = aop_load_u32(&q->not_full.waiters, AOP_SEQ_CST);              /* N2 */
     *out = cell->val;
-    /* seq_cst store (N1 for producers): release orders our read of val before the next
-     * lap's producer (which acquires seq) overwrites it */
-    aop_store_u64p(&cell->seq, 2 * (pos + q->cap), AOP_SEQ_CST);
-    aop_qwait_notify(&q->not_full);
+    /* release: orders our read of val before the next lap's producer (which acquires seq)
+     * overwrites it */
+    aop_store_u64p(&cell->seq, 2 * (pos + q->cap), AOP_RELEASE);
+    if (AOP_Q_UNLIKELY(w != 0)) aop_qwait_wake_all(&q->not_full);     /* N3, N4 */
     return AOP_Q_OK;
 }
 
 /* Push up to n words with one claim.  *pushed receives how many (0 .. n); returns OK if any
- * were pushed, else RETRY (full) or CLOSED. */
+ * were pushed (or n == 0), else RETRY / BUSY (full) or CLOSED. */
 static int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n, uint64_t *pushed)
 {
     uint64_t pos = aop_load_u64p(&q->tail, AOP_RELAXED), k, seq, i;
+    uint32_t w;
     int64_t dif;
     *pushed = 0;
     if (n == 0) return (pos & AOP_Q_MARK) ? AOP_Q_CLOSED : AOP_Q_OK;
@@ -322,33 +396,32 @@ static int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n, uin
         if (k == 0) {
             seq = aop_load_u64p(&q->cells[pos & q->mask].seq, AOP_ACQUIRE);
             dif = (int64_t)(seq - 2 * pos);
-            if (dif < 0) {
-                if (aop_load_u64p(&q->tail, AOP_RELAXED) & AOP_Q_MARK) return AOP_Q_CLOSED;
-                return AOP_Q_RETRY;
-            }
+            if (dif < 0) return aop_mpmc_push_fail_(q, pos);
             pos = aop_load_u64p(&q->tail, AOP_RELAXED);
             continue;
         }
-        /* relaxed CAS: claims positions pos .. pos+k-1 (see "Batches" at the top) */
-        if (aop_cas_weak_u64p(&q->tail, &pos, pos + k, AOP_RELAXED, AOP_RELAXED)) break;
+        /* seq_cst CAS: claims positions pos .. pos+k-1 (see "Batches"); N1 */
+        if (aop_cas_weak_u64p(&q->tail, &pos, pos + k, AOP_SEQ_CST, AOP_RELAXED)) break;
     }
+    w = aop_load_u32(&q->not_empty.waiters, AOP_SEQ_CST);             /* N2 */
     for (i = 0; i < k; i++) {
         aop_mpmc_cell_t *cell = &q->cells[(pos + i) & q->mask];
         cell->val = v[i];
         /* release: publishes val to the consumer of pos + i */
         aop_store_u64p(&cell->seq, 2 * (pos + i) + 1, AOP_RELEASE);
     }
-    aop_thread_fence(AOP_SEQ_CST);   /* N1 for the whole batch: before the waiters load */
-    aop_qwait_notify(&q->not_empty);
+    if (AOP_Q_UNLIKELY(w != 0)) aop_qwait_wake_all(&q->not_empty);
     *pushed = k;
     return AOP_Q_OK;
 }
 
-/* Pop up to n words with one claim into out.  *popped receives how many; returns OK if any,
- * else RETRY (empty) or CLOSED (closed and drained). */
+/* Pop up to n words with one claim into out.  *popped receives how many; returns OK if any
+ * (or n == 0 and not drained-and-closed), else RETRY / BUSY (empty) or CLOSED. */
 static int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n, uint64_t *popped)
 {
-    uint64_t pos = aop_load_u64p(&q->head, AOP_RELAXED), k, seq, i, t;
+    uint64_t pos = aop_load_u64p(&q->head, AOP_RELAXED), k, seq, i;
+    uint32_t w;
+    int r;
     int64_t dif;
     *popped = 0;
     for (;;) {
@@ -361,24 +434,27 @@ static int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n, uint64_t
             seq = aop_load_u64p(&q->cells[pos & q->mask].seq, AOP_ACQUIRE);
             dif = (int64_t)(seq - (2 * pos + 1));
             if (dif < 0 || n == 0) {
-                t = aop_load_u64p(&q->tail, AOP_ACQUIRE);   /* as in aop_mpmc_pop_ */
-                if ((t & AOP_Q_MARK) && (t & ~AOP_Q_MARK) == pos) return AOP_Q_CLOSED;
-                return n == 0 ? AOP_Q_OK : AOP_Q_RETRY;
+                if (n == 0) {
+                    r = aop_mpmc_pop_fail_(q, aop_load_u64p(&q->head, AOP_RELAXED));
+                    return r == AOP_Q_CLOSED ? r : AOP_Q_OK;
+                }
+                return aop_mpmc_pop_fail_(q, pos);
             }
             if (dif == 0) continue;        /* became ready meanwhile: rescan */
             pos = aop_load_u64p(&q->head, AOP_RELAXED);
             continue;
         }
-        if (aop_cas_weak_u64p(&q->head, &pos, pos + k, AOP_RELAXED, AOP_RELAXED)) break;
+        /* seq_cst CAS: claims pos .. pos+k-1; N1 for waiting producers */
+        if (aop_cas_weak_u64p(&q->head, &pos, pos + k, AOP_SEQ_CST, AOP_RELAXED)) break;
     }
+    w = aop_load_u32(&q->not_full.waiters, AOP_SEQ_CST);              /* N2 */
     for (i = 0; i < k; i++) {
         aop_mpmc_cell_t *cell = &q->cells[(pos + i) & q->mask];
         out[i] = cell->val;
         /* release: our read of val happens before the next lap's producer reuses the cell */
         aop_store_u64p(&cell->seq, 2 * (pos + i + q->cap), AOP_RELEASE);
     }
-    aop_thread_fence(AOP_SEQ_CST);   /* N1 for the whole batch */
-    aop_qwait_notify(&q->not_full);
+    if (AOP_Q_UNLIKELY(w != 0)) aop_qwait_wake_all(&q->not_full);
     *popped = k;
     return AOP_Q_OK;
 }
@@ -410,26 +486,39 @@ static int aop_mpmc_try_pop_cb(void *q, void *arg)
 static int aop_mpmc_push_wait_(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns)
 {
     int r = aop_mpmc_push_(q, v);
-    if (r != AOP_Q_RETRY || timeout_ns == 0) return r;
+    if (!AOP_Q_AGAIN(r)) return r;
+    if (timeout_ns == 0) return AOP_Q_RETRY;
     return aop_q_wait(&q->not_full, aop_mpmc_try_push_cb, q, &v, timeout_ns);
 }
 static int aop_mpmc_pop_wait_(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns)
 {
     int r = aop_mpmc_pop_(q, out);
-    if (r != AOP_Q_RETRY || timeout_ns == 0) return r;
+    if (!AOP_Q_AGAIN(r)) return r;
+    if (timeout_ns == 0) return AOP_Q_RETRY;
     return aop_q_wait(&q->not_empty, aop_mpmc_try_pop_cb, q, out, timeout_ns);
 }
+
+/* Uniform signatures (queue, word pointer, timeout) for the Python layer's interruptible
+ * wait loop, which calls these in slices so that signals (Ctrl-C) are seen. */
+static int aop_mpmc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns)
+{ return aop_mpmc_push_wait_((aop_mpmc_t *)q, *v, timeout_ns); }
+static int aop_mpmc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns)
+{ return aop_mpmc_pop_wait_((aop_mpmc_t *)q, out, timeout_ns); }
 
 /* ---- MPMC public C API (raw 64-bit words; claims RAW mode) ---------------------------- */
 AOP_INLINE int aop_mpmc_try_push_u64(aop_mpmc_t *q, uint64_t v)
 {
+    int r;
     if (AOP_Q_UNLIKELY(!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW))) return AOP_Q_BADMODE;
-    return aop_mpmc_push_(q, v);
+    r = aop_mpmc_push_(q, v);
+    return r == AOP_Q_BUSY ? AOP_Q_RETRY : r;
 }
 AOP_INLINE int aop_mpmc_try_pop_u64(aop_mpmc_t *q, uint64_t *out)
 {
+    int r;
     if (AOP_Q_UNLIKELY(!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW))) return AOP_Q_BADMODE;
-    return aop_mpmc_pop_(q, out);
+    r = aop_mpmc_pop_(q, out);
+    return r == AOP_Q_BUSY ? AOP_Q_RETRY : r;
 }
 static int aop_mpmc_push_u64(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns)
 {
@@ -443,15 +532,19 @@ static int aop_mpmc_pop_u64(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns)
 }
 static int aop_mpmc_push_many_u64(aop_mpmc_t *q, const uint64_t *v, uint64_t n, uint64_t *pushed)
 {
+    int r;
     *pushed = 0;
     if (!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW)) return AOP_Q_BADMODE;
-    return aop_mpmc_push_many_(q, v, n, pushed);
+    r = aop_mpmc_push_many_(q, v, n, pushed);
+    return r == AOP_Q_BUSY ? AOP_Q_RETRY : r;
 }
 static int aop_mpmc_pop_many_u64(aop_mpmc_t *q, uint64_t *out, uint64_t n, uint64_t *popped)
 {
+    int r;
     *popped = 0;
     if (!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW)) return AOP_Q_BADMODE;
-    return aop_mpmc_pop_many_(q, out, n, popped);
+    r = aop_mpmc_pop_many_(q, out, n, popped);
+    return r == AOP_Q_BUSY ? AOP_Q_RETRY : r;
 }
 
 /* ======================================================================= SPSC ========== */
@@ -558,7 +651,7 @@ AOP_INLINE int aop_spsc_pop_many_(aop_spsc_t *q, uint64_t *out, uint64_t n, uint
     int closed;
     *popped = 0;
     avail = aop_spsc_avail_(q, h, n ? n : 1, &closed);
-    if (avail == 0) return closed ? AOP_Q_CLOSED : AOP_Q_RETRY;
+    if (avail == 0) return closed ? AOP_Q_CLOSED : (n == 0 ? AOP_Q_OK : AOP_Q_RETRY);
     if (n == 0) return AOP_Q_OK;
     if (avail < n) n = avail;
     for (i = 0; i < n; i++) out[i] = q->buf[(h + i) & q->mask];
@@ -601,7 +694,7 @@ static int aop_spsc_try_pop_cb(void *q, void *arg)
 static int aop_spsc_push_wait_(aop_spsc_t *q, uint64_t v, int64_t timeout_ns)
 {
     int r = aop_spsc_push_(q, v);
-    if (r != AOP_Q_RETRY || timeout_ns == 0) return r;
+    if (r != AOP_Q_RETRY || timeout_ns == 0) return r;   /* SPSC never reports BUSY */
     return aop_q_wait(&q->not_full, aop_spsc_try_push_cb, q, &v, timeout_ns);
 }
 static int aop_spsc_pop_wait_(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns)
@@ -610,6 +703,11 @@ static int aop_spsc_pop_wait_(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns)
     if (r != AOP_Q_RETRY || timeout_ns == 0) return r;
     return aop_q_wait(&q->not_empty, aop_spsc_try_pop_cb, q, out, timeout_ns);
 }
+
+static int aop_spsc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns)
+{ return aop_spsc_push_wait_((aop_spsc_t *)q, *v, timeout_ns); }
+static int aop_spsc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns)
+{ return aop_spsc_pop_wait_((aop_spsc_t *)q, out, timeout_ns); }
 
 /* ---- SPSC public C API (raw words; claims RAW mode; one producer, one consumer) ------- */
 AOP_INLINE int aop_spsc_try_push_u64(aop_spsc_t *q, uint64_t v)

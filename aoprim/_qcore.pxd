@@ -1,0 +1,349 @@
+# cython: language_level=3
+"""The one implementation of MPMCQueue's and SPSCQueue's Python surface.
+
+Both classes are thin: each method calls the generic function of the same name here with
+its own C queue pointer.  The functions are ``cdef inline`` over the fused type ``qptr``, so
+Cython emits one specialisation per queue type and every ``aop_mpmc_*`` / ``aop_spsc_*``
+call stays a direct (inlinable) C call: sharing the code costs the fast path nothing.
+
+This file also holds the C declarations of both queues (aoprim/include/aop_queue.h); the
+public ones are re-exported by aoprim/_mpmc.pxd and aoprim/_spsc.pxd for cimporters.
+
+Reference rules (the invariants of the Python surface):
+- each cell's 64-bit word carries a PyObject* with its strong reference: put takes a new
+  reference (before publishing), get hands it to the caller, dealloc releases what is left;
+- a reference is only ever dropped with nothing held and nothing spun on: a failed push
+  drops the reference it took (the caller still holds its own, so no __del__ can run), and
+  a waiting put/get releases the GIL and waits in C without touching any object;
+- the fast path (put(x) / get() / *_nowait) has no clock read, no lock, no GIL release;
+- a queue used from Python is in OBJ mode: C code using the *_u64 API on the same
+  instance gets AOP_Q_BADMODE, and Python callers get TypeError on a RAW-mode queue.
+"""
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
+from cpython.list cimport PyList_New
+
+from aoprim.atomic_h cimport aop_atomic_u32, aop_load_u32, AOP_RELAXED
+from aoprim._qwait cimport (
+    AOP_Q_OK, AOP_Q_RETRY, AOP_Q_BUSY, AOP_Q_CLOSED, AOP_Q_MODE_OBJ,
+    q_obj_mode, q_steal, q_word, q_timeout_ns, q_max_items, q_raise, q_wait_interruptible,
+)
+
+cdef extern from "Python.h":
+    void _list_set_item "PyList_SET_ITEM" (object lst, Py_ssize_t i, PyObject *o)
+
+cdef extern from "aop_queue.h" nogil:
+    ctypedef struct aop_mpmc_t:
+        uint64_t cap             # real capacity (a power of two); read-only
+        aop_atomic_u32 mode      # AOP_Q_MODE_NONE until the first operation fixes it
+        # (the rest -- cells, padded tail/head, wait sets -- is private to aop_queue.h)
+
+    # public C API: raw 64-bit words, RAW mode
+    int aop_mpmc_try_push_u64(aop_mpmc_t *q, uint64_t v) noexcept
+    int aop_mpmc_try_pop_u64(aop_mpmc_t *q, uint64_t *out) noexcept
+    int aop_mpmc_push_u64(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns) noexcept
+    int aop_mpmc_pop_u64(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns) noexcept
+    int aop_mpmc_push_many_u64(aop_mpmc_t *q, const uint64_t *v, uint64_t n,
+                               uint64_t *pushed) noexcept
+    int aop_mpmc_pop_many_u64(aop_mpmc_t *q, uint64_t *out, uint64_t n,
+                              uint64_t *popped) noexcept
+    uint64_t aop_mpmc_size(aop_mpmc_t *q) noexcept          # approximate item count
+    bint aop_mpmc_closed(aop_mpmc_t *q) noexcept
+    void aop_mpmc_close(aop_mpmc_t *q) noexcept             # wakes every waiter
+
+    # mode-less internals used by the Python methods (OBJ mode); not for C callers
+    aop_mpmc_t *aop_mpmc_new(uint64_t capacity) noexcept
+    void aop_mpmc_free(aop_mpmc_t *q) noexcept
+    int aop_mpmc_push_(aop_mpmc_t *q, uint64_t v) noexcept
+    int aop_mpmc_pop_(aop_mpmc_t *q, uint64_t *out) noexcept
+    int aop_mpmc_push_wait_(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns) noexcept
+    int aop_mpmc_pop_wait_(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns) noexcept
+    int aop_mpmc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns) noexcept
+    int aop_mpmc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns) noexcept
+    int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n,
+                            uint64_t *pushed) noexcept
+    int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n,
+                           uint64_t *popped) noexcept
+
+cdef extern from "aop_queue.h" nogil:
+    ctypedef struct aop_spsc_t:
+        uint64_t cap             # real capacity (a power of two); read-only
+        aop_atomic_u32 mode      # AOP_Q_MODE_NONE until the first operation fixes it
+        # (the rest -- ring, padded tail/head with cached copies, wait sets -- is private)
+
+    # public C API: raw 64-bit words, RAW mode
+    int aop_spsc_try_push_u64(aop_spsc_t *q, uint64_t v) noexcept
+    int aop_spsc_try_pop_u64(aop_spsc_t *q, uint64_t *out) noexcept
+    int aop_spsc_push_u64(aop_spsc_t *q, uint64_t v, int64_t timeout_ns) noexcept
+    int aop_spsc_pop_u64(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns) noexcept
+    int aop_spsc_push_many_u64(aop_spsc_t *q, const uint64_t *v, uint64_t n,
+                               uint64_t *pushed) noexcept
+    int aop_spsc_pop_many_u64(aop_spsc_t *q, uint64_t *out, uint64_t n,
+                              uint64_t *popped) noexcept
+    uint64_t aop_spsc_size(aop_spsc_t *q) noexcept          # approximate item count
+    bint aop_spsc_closed(aop_spsc_t *q) noexcept
+    void aop_spsc_close(aop_spsc_t *q) noexcept             # wakes every waiter
+
+    # mode-less internals used by the Python methods (OBJ mode); not for C callers
+    aop_spsc_t *aop_spsc_new(uint64_t capacity) noexcept
+    void aop_spsc_free(aop_spsc_t *q) noexcept
+    int aop_spsc_push_(aop_spsc_t *q, uint64_t v) noexcept
+    int aop_spsc_pop_(aop_spsc_t *q, uint64_t *out) noexcept
+    int aop_spsc_push_wait_(aop_spsc_t *q, uint64_t v, int64_t timeout_ns) noexcept
+    int aop_spsc_pop_wait_(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns) noexcept
+    int aop_spsc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns) noexcept
+    int aop_spsc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns) noexcept
+    int aop_spsc_push_many_(aop_spsc_t *q, const uint64_t *v, uint64_t n,
+                            uint64_t *pushed) noexcept
+    int aop_spsc_pop_many_(aop_spsc_t *q, uint64_t *out, uint64_t n,
+                           uint64_t *popped) noexcept
+
+
+ctypedef aop_mpmc_t *mpmc_ptr
+ctypedef aop_spsc_t *spsc_ptr
+ctypedef fused qptr:
+    mpmc_ptr
+    spsc_ptr
+
+cdef enum:
+    CHUNK = 64      # words moved per C call by put_many / get_many
+
+
+# ---- compile-time dispatch: one direct C call per queue type ------------------------------
+
+cdef inline void q_free(qptr q) noexcept nogil:
+    if qptr is mpmc_ptr:
+        aop_mpmc_free(q)
+    else:
+        aop_spsc_free(q)
+
+cdef inline int q_push(qptr q, uint64_t v) noexcept nogil:
+    if qptr is mpmc_ptr:
+        return aop_mpmc_push_(q, v)
+    else:
+        return aop_spsc_push_(q, v)
+
+cdef inline int q_pop(qptr q, uint64_t *v) noexcept nogil:
+    if qptr is mpmc_ptr:
+        return aop_mpmc_pop_(q, v)
+    else:
+        return aop_spsc_pop_(q, v)
+
+cdef inline int q_push_many(qptr q, const uint64_t *v, uint64_t n, uint64_t *done) noexcept nogil:
+    if qptr is mpmc_ptr:
+        return aop_mpmc_push_many_(q, v, n, done)
+    else:
+        return aop_spsc_push_many_(q, v, n, done)
+
+cdef inline int q_pop_many(qptr q, uint64_t *v, uint64_t n, uint64_t *done) noexcept nogil:
+    if qptr is mpmc_ptr:
+        return aop_mpmc_pop_many_(q, v, n, done)
+    else:
+        return aop_spsc_pop_many_(q, v, n, done)
+
+cdef inline int q_wait_push(qptr q, uint64_t *v, int64_t ns) except -1:
+    if qptr is mpmc_ptr:
+        return q_wait_interruptible(aop_mpmc_push_wait_p, q, v, ns)
+    else:
+        return q_wait_interruptible(aop_spsc_push_wait_p, q, v, ns)
+
+cdef inline int q_wait_pop(qptr q, uint64_t *v, int64_t ns) except -1:
+    if qptr is mpmc_ptr:
+        return q_wait_interruptible(aop_mpmc_pop_wait_p, q, v, ns)
+    else:
+        return q_wait_interruptible(aop_spsc_pop_wait_p, q, v, ns)
+
+cdef inline uint64_t q_size(qptr q) noexcept nogil:
+    if qptr is mpmc_ptr:
+        return aop_mpmc_size(q)
+    else:
+        return aop_spsc_size(q)
+
+cdef inline bint q_closed(qptr q) noexcept nogil:
+    if qptr is mpmc_ptr:
+        return aop_mpmc_closed(q)
+    else:
+        return aop_spsc_closed(q)
+
+cdef inline void q_close(qptr q) noexcept nogil:
+    if qptr is mpmc_ptr:
+        aop_mpmc_close(q)
+    else:
+        aop_spsc_close(q)
+
+
+# ---- the Python surface, written once ----------------------------------------------------
+
+cdef inline int q_drain_dealloc(qptr q) noexcept:
+    """Release every object still queued (dealloc: nobody else can reach the queue)."""
+    cdef uint64_t buf[CHUNK]
+    cdef uint64_t n, i
+    # relaxed: nobody else can reach a queue being deallocated
+    if aop_load_u32(&q.mode, AOP_RELAXED) == AOP_Q_MODE_OBJ:
+        while True:
+            q_pop_many(q, buf, CHUNK, &n)
+            if n == 0:
+                break
+            for i in range(n):
+                q_steal(buf[i])      # the queue's reference, dropped: no lock is held
+    q_free(q)
+    return 0
+
+
+cdef inline object q_put(qptr q, object item, object block, object timeout):
+    cdef int64_t ns = -1
+    cdef uint64_t v = q_word(item)
+    cdef int r
+    if not (block is True and timeout is None):
+        ns = q_timeout_ns(block, timeout)
+    q_obj_mode(&q.mode)
+    Py_INCREF(item)                  # the queue's reference, taken before publication
+    r = q_push(q, v)
+    if r == AOP_Q_OK:
+        return None
+    if (r == AOP_Q_RETRY or r == AOP_Q_BUSY) and ns != 0:
+        try:
+            r = q_wait_push(q, &v, ns)
+        except BaseException:
+            Py_DECREF(item)          # interrupted: not queued
+            raise
+        if r == AOP_Q_OK:
+            return None
+    Py_DECREF(item)                  # not queued: the caller still holds item
+    q_raise(r, True)
+
+
+cdef inline object q_put_nowait(qptr q, object item):
+    cdef int r
+    q_obj_mode(&q.mode)
+    Py_INCREF(item)                  # the queue's reference, taken before publication
+    r = q_push(q, q_word(item))
+    if r != AOP_Q_OK:
+        Py_DECREF(item)              # not queued: the caller still holds item
+        q_raise(r, True)
+    return None
+
+
+cdef inline object q_get(qptr q, object block, object timeout):
+    cdef int64_t ns = -1
+    cdef uint64_t v
+    cdef int r
+    if not (block is True and timeout is None):
+        ns = q_timeout_ns(block, timeout)
+    q_obj_mode(&q.mode)
+    r = q_pop(q, &v)
+    if r == AOP_Q_OK:
+        return q_steal(v)
+    if (r == AOP_Q_RETRY or r == AOP_Q_BUSY) and ns != 0:
+        r = q_wait_pop(q, &v, ns)
+        if r == AOP_Q_OK:
+            return q_steal(v)
+    q_raise(r, False)
+
+
+cdef inline object q_get_nowait(qptr q):
+    cdef uint64_t v
+    cdef int r
+    q_obj_mode(&q.mode)
+    r = q_pop(q, &v)
+    if r == AOP_Q_OK:
+        return q_steal(v)
+    q_raise(r, False)
+
+
+cdef inline object q_put_many(qptr q, object iterable):
+    cdef uint64_t buf[CHUNK]
+    cdef uint64_t n, i, pushed, v, total = 0
+    cdef Py_ssize_t pos = 0, size
+    cdef int r
+    cdef object seq, it, x
+    q_obj_mode(&q.mode)
+    if q_closed(q):
+        q_raise(AOP_Q_CLOSED, True)
+    if type(iterable) is list or type(iterable) is tuple:
+        seq = iterable
+        while True:
+            size = len(seq)
+            n = 0
+            while n < CHUNK and pos + <Py_ssize_t>n < size:
+                x = seq[pos + n]
+                Py_INCREF(x)              # the queue's reference
+                buf[n] = q_word(x)
+                n += 1
+            if n == 0:
+                break
+            r = q_push_many(q, buf, n, &pushed)
+            for i in range(pushed, n):
+                q_steal(buf[i])           # not queued: give back (seq still holds them)
+            total += pushed
+            pos += <Py_ssize_t>pushed
+            if r == AOP_Q_CLOSED and total == 0:
+                q_raise(r, True)
+            if pushed < n:
+                break
+        return total
+    it = iter(iterable)
+    while q_size(q) < q.cap:
+        try:
+            x = next(it)
+        except StopIteration:
+            break
+        Py_INCREF(x)
+        v = q_word(x)
+        r = q_push(q, v)
+        if r == AOP_Q_RETRY or r == AOP_Q_BUSY:
+            # (MPMC) a racing producer took the room we saw: wait for room rather than
+            # lose an item already pulled from the iterator
+            try:
+                r = q_wait_push(q, &v, -1)
+            except BaseException:
+                Py_DECREF(x)
+                raise
+        if r != AOP_Q_OK:
+            Py_DECREF(x)
+            if total == 0:
+                q_raise(r, True)
+            break
+        total += 1
+    return total
+
+
+cdef inline list q_get_many(qptr q, object max_items):
+    cdef uint64_t want = q_max_items(max_items)
+    cdef uint64_t buf[CHUNK]
+    cdef uint64_t n, i, got = 0
+    cdef int r
+    cdef list out
+    q_obj_mode(&q.mode)
+    if want == 0:
+        r = q_pop_many(q, buf, 0, &n)
+        if r != AOP_Q_OK:
+            q_raise(r, False)
+        return []
+    r = q_pop_many(q, buf, want if want < CHUNK else CHUNK, &n)
+    if r != AOP_Q_OK:
+        if r == AOP_Q_RETRY or r == AOP_Q_BUSY:
+            return []
+        q_raise(r, False)
+    if n == want or n < CHUNK:
+        # the common case: one claim, build the list directly (references are stolen)
+        out = PyList_New(<Py_ssize_t>n)
+        for i in range(n):
+            # the queue's reference moves into the list (SET_ITEM steals it)
+            _list_set_item(out, <Py_ssize_t>i, <PyObject *><uintptr_t>buf[i])
+        return out
+    out = []
+    while True:
+        for i in range(n):
+            out.append(q_steal(buf[i]))
+        got += n
+        if got == want or n < CHUNK:
+            return out
+        r = q_pop_many(q, buf, min(want - got, <uint64_t>CHUNK), &n)
+        if r != AOP_Q_OK:
+            return out
+
+
+cdef inline str q_repr(qptr q, str name, object ident):
+    return (f"<aoprim.{name} capacity={q.cap} size={q_size(q)}"
+            f"{' closed' if q_closed(q) else ''} at {ident:#x}>")
