@@ -265,3 +265,20 @@ def test_emfile_pauses_accepting_instead_of_dying(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_receive_pool_exhaustion_degrades_to_heap_buffers(make_server, connect, logs, workers):
+    srv = make_server(Echo(), framing="u16", rx_slots=3, rx_slot_size=256, workers=workers)
+    socks = [connect(srv) for _ in range(8)]
+    msgs = [bytes([i]) * 200 for i in range(8)]
+    for s, m in zip(socks, msgs):        # every session holds an unfinished frame at once
+        s.sendall(frame(m)[:100])
+    wait_for(lambda: srv.stats()["bytes_in"] == 8 * 100, what="the halves to arrive")
+    for s, m in zip(socks, msgs):
+        s.sendall(frame(m)[100:])
+    for s, m in zip(socks, msgs):
+        assert read_frame(s) == m
+    assert srv.stats()["rx_pool_fallbacks"] > 0
+    assert "receive pool exhausted" in logs.text
+    assert srv.stats()["connections"] == 8

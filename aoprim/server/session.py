@@ -504,9 +504,6 @@ class Session:
         if own is None or need > size - pos:     # move the unfinished frame to a fresh slot
             k = end - pos
             new = srv._acquire_rx()
-            if new is None:
-                self._abort("receive pool exhausted", level=logging.WARNING)
-                return
             newmv = memoryview(new)
             newmv[:k] = mv[pos:end]
             if own is not None:
@@ -521,9 +518,6 @@ class Session:
 
     def _take_rx_slot(self):
         slot = self.server._acquire_rx()
-        if slot is None:
-            self._abort("receive pool exhausted", level=logging.WARNING)
-            return None
         self._rx = slot
         self._rxmv = memoryview(slot)
         self._pos = self._end = 0
@@ -536,7 +530,8 @@ class Session:
         self._rx = self._rxmv = None
         self._pos = self._end = 0
         mv.release()
-        self.server._release_slot(slot)
+        if type(slot) is not bytearray:
+            self.server._release_slot(slot)
 
     def _read_big(self):
         srv = self.server
@@ -579,6 +574,8 @@ class Session:
                     return
             return
         # workers: each frame holds a session reference and (when pooled) a slot reference
+        if type(slot) is bytearray:
+            slot = None                 # an unpooled fallback buffer: copy the frames
         for a, b in spans:
             if slot is not None:
                 slot.retain()
@@ -772,6 +769,7 @@ class Server:
         self._st_bytes_in = 0
         self._st_recv = 0
         self._st_handler_errors = AtomicInt(0)
+        self._st_rx_fallbacks = 0
         self._hdr = None if framing == "raw" else self._framing.header
         self._copy_max = 0          # messages up to this size SendBatch copies (set below)
         try:
@@ -1023,9 +1021,16 @@ class Server:
 
     # -- buffers -------------------------------------------------------------------------
     def _acquire_rx(self):
+        """A receive slot from the pool -- or, when the pool is exhausted, a private
+        bytearray of the same size (counted in stats as ``rx_pool_fallbacks``): a burst of
+        sessions with unfinished frames degrades to heap buffers instead of failing."""
         slot = self._rx_pool.try_acquire()
         if slot is None:
-            log.warning("receive pool exhausted (%d slots in use)", self._rx_pool.in_use)
+            self._st_rx_fallbacks += 1
+            if self._st_rx_fallbacks == 1 or self._st_rx_fallbacks % 1000 == 0:
+                log.warning("receive pool exhausted (%d slots in use): using heap buffers "
+                            "(%d so far)", self._rx_pool.in_use, self._st_rx_fallbacks)
+            return bytearray(self._rx_slot_size)
         return slot
 
     def _release_slot(self, slot):
@@ -1214,5 +1219,6 @@ class Server:
             "send_syscalls": sends,
             "messages_per_send": (frames_out / sends) if sends else 0.0,
             "handler_errors": self._st_handler_errors.load(),
+            "rx_pool_fallbacks": self._st_rx_fallbacks,
             "loop_iterations": self._loop.iterations,
         }
