@@ -10,7 +10,8 @@ While a session has no unfinished frame it reads into the server's *scratch* slo
 shared by all sessions: with ``workers=0`` a frame view is valid only during ``on_read``, so
 nothing outlives the call); the frames are cut out of it as memoryviews.  When a read ends in
 the middle of a frame, the unfinished bytes move into a slot of the session's own, and the
-session keeps reading into that slot until the frame completes.  A frame larger than a slot
+session keeps reading into that slot until the frame completes.  (Should the pool run dry,
+a session gets a heap buffer of the slot size instead, counted in the stats.)  A frame larger than a slot
 gets a buffer of exactly its size -- reserved only after its header passed ``max_frame``.  With
 workers, every read goes into a session-owned slot and every frame posted to a worker retains
 that slot (``Slot.retain``), so the memory is reused only after the last worker is done.
