@@ -93,7 +93,8 @@ class Session:
                  "_state", "_reason", "_exc", "_rx", "_rxmv", "_pos", "_end", "_big", "_bigmv",
                  "_bigfill", "_reading", "_writing", "_bp_paused", "_user_paused", "_dirty",
                  "_xq", "_xsched", "_last", "_frame_t0", "_wlock", "_wsched", "_backlog",
-                 "_wm", "_wm_paused", "_linger", "_sockname", "_tid", "__weakref__")
+                 "_wm", "_wm_paused", "_linger", "_sockname", "_tid", "_scr", "_onr", "_cm",
+                 "_hdr", "_hw", "_dl", "_nraw", "_nbin", "_nout", "__weakref__")
 
     def __init__(self, server, sock, sid, peer):
         self.id = sid
@@ -105,6 +106,16 @@ class Session:
         self._loop = server._loop
         self._tid = server._loop.thread_id   # sessions are created on the running loop
         self._batch = server._make_batch(sock)
+        # hot-path copies of server constants (loop thread): one attribute load each
+        self._scr = server._scratch_mv
+        self._onr = server._on_read
+        self._cm = server._copy_max
+        self._hdr = server._hdr
+        self._hw = server._high_water
+        self._dl = server._dirty        # the server's dirty list (one list, never replaced)
+        self._nraw = 0                  # raw reads that delivered a frame (recv == frame)
+        self._nbin = 0                  # bytes received on the raw fast path
+        self._nout = 0                  # frames sent from the loop thread
         self._rc = RefCount(1, self._on_zero)
         self._state = _OPEN
         self._reason = None
@@ -177,11 +188,10 @@ class Session:
             self._send_foreign(data)
             return
         # loop thread, the hot path: straight into the batch
-        srv = self.server
         t = type(data)
         if t is memoryview:
             n = data.nbytes
-            if n > srv._copy_max:       # the batch would keep a view: copy it instead
+            if n > self._cm:            # the batch would keep a view: copy it instead
                 data = bytes(data)
         elif t is bytes:
             n = len(data)
@@ -189,17 +199,17 @@ class Session:
             self._send_other(data)
             return
         b = self._batch
-        hdr = srv._hdr
+        hdr = self._hdr
         if hdr is not None:
             b.add(hdr(n))
         elif not n:
             return
         b.add(data)
-        srv._st_frames_out += 1
+        self._nout += 1
         if not self._dirty:
             self._dirty = True
-            srv._dirty.append(self)
-        if b.pending_bytes > srv._high_water:
+            self._dl.append(self)
+        if b.pending_bytes > self._hw:
             self._over_high()
         elif self._wm is not None:
             self._check_wm()
@@ -408,8 +418,7 @@ class Session:
         chunk to on_read as a view of it."""
         if self._state:
             return
-        srv = self.server
-        mv = srv._scratch_mv
+        mv = self._scr
         try:
             n = self._sock.recv_into(mv)
         except (BlockingIOError, InterruptedError):
@@ -418,14 +427,14 @@ class Session:
             self._abort(f"recv failed: {e}", e)
             return
         if not n:
-            srv._st_recv += 1
+            self.server._st_recv += 1
             self._close("peer closed the connection", level=logging.DEBUG)
             return
-        srv._st_raw_frames += 1         # one recv, one frame (counted once for both)
-        srv._st_bytes_in += n
-        self._last = srv._loop.now
+        self._nraw += 1                 # one recv, one frame (counted once for both)
+        self._nbin += n
+        self._last = self._loop.now
         try:
-            srv._on_read(self, mv[:n])
+            self._onr(self, mv[:n])
         except Exception as e:
             self._handler_failed("on_read", e)
 
@@ -675,6 +684,10 @@ class Session:
         except OSError:
             pass
         srv._retire_batch(self._batch)
+        srv._st_raw_frames += self._nraw
+        srv._st_bytes_in += self._nbin
+        srv._st_frames_out += self._nout
+        self._nraw = self._nbin = self._nout = 0
         while self._xq:
             item = self._xq.popleft()
             if isinstance(item, Slot):
@@ -1053,17 +1066,18 @@ class Server:
     def _flush_dirty(self):
         """End of every loop iteration: one flush per dirty session (usually ONE sendmsg for
         everything its read burst produced), starting from a rotating position."""
-        dirty = self._dirty
-        if not dirty:
+        dl = self._dirty
+        if not dl:
             return
-        self._dirty = []
-        n = len(dirty)
+        n = len(dl)
         if n > 1:
             k = self._rot % n
             self._rot += 1
-            if k:
-                dirty = dirty[k:] + dirty[:k]
-        again = self._dirty
+            dirty = dl[k:] + dl[:k]
+        else:
+            dirty = dl[:]
+        dl.clear()                      # sessions kept dirty below are appended again
+        again = dl
         for s in dirty:
             s._dirty = False
             if s._state or s._writing:
@@ -1202,21 +1216,27 @@ class Server:
     def stats(self):
         """Counters: connections current/total, frames and bytes in/out, syscalls."""
         agg = dict(self._closed_batches)
+        raw = self._st_raw_frames
+        bin_ = self._st_bytes_in
+        fout = self._st_frames_out
         for s in list(self._sessions.values()):
             st = s._batch.stats
             for k in agg:
                 agg[k] += st.get(k, 0)
+            raw += s._nraw
+            bin_ += s._nbin
+            fout += s._nout
         sends = agg["syscalls"]
-        frames_out = self._st_frames_out + self._st_frames_out_x.load()
+        frames_out = fout + self._st_frames_out_x.load()
         return {
             "connections": len(self._sessions),
             "connections_total": self._st_conn_total,
             "connections_refused": self._st_refused,
-            "frames_in": self._st_frames_in + self._st_raw_frames,
+            "frames_in": self._st_frames_in + raw,
             "frames_out": frames_out,
-            "bytes_in": self._st_bytes_in,
+            "bytes_in": bin_,
             "bytes_out": agg["bytes"],
-            "recv_syscalls": self._st_recv + self._st_raw_frames,
+            "recv_syscalls": self._st_recv + raw,
             "send_syscalls": sends,
             "messages_per_send": (frames_out / sends) if sends else 0.0,
             "handler_errors": self._st_handler_errors.load(),
