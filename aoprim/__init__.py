@@ -4,6 +4,30 @@ Public names are listed in API.md; everything here is importable as ``from aopri
 (the server lives in ``aoprim.server``).
 """
 import os as _os
+import sys as _sys
+from importlib.machinery import EXTENSION_SUFFIXES as _EXT
+
+
+def _defer_to_installed_build():
+    """A source checkout has no compiled extensions.  When it is imported anyway -- e.g.
+    ``python -m aoprim serve`` run from the repository root, which puts the checkout first on
+    sys.path -- serve the package's modules from the installed build instead, so the README's
+    command works from any directory.  An installed (or in-place built) package is untouched."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+
+    def built(folder):
+        return any(_os.path.exists(_os.path.join(folder, "_atomic" + s)) for s in _EXT)
+
+    if built(here):
+        return
+    for entry in _sys.path:
+        cand = _os.path.join(_os.path.abspath(entry or _os.curdir), "aoprim")
+        if cand != here and built(cand):
+            __path__[:] = [cand]     # submodules (and __main__) now load from the build
+            return
+
+
+_defer_to_installed_build()
 
 from aoprim.errors import Closed, Empty, Full, PoolExhausted, RefCountError
 from aoprim._atomic import AtomicInt, RefCount
@@ -38,4 +62,4 @@ def get_include() -> str:
     Add it to ``include_dirs`` of an Extension that cimports aoprim; the ``.pxd`` files are
     found on the normal package path (``from aoprim._atomic cimport AtomicInt``).
     """
-    return _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "include")
+    return _os.path.join(__path__[0], "include")
