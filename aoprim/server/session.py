@@ -232,13 +232,7 @@ class Session:
             else:
                 return
         srv._st_frames_out += 1
-        if not self._dirty:
-            self._dirty = True
-            srv._dirty.append(self)
-        if b.pending_bytes > srv._high_water:
-            self._over_high()
-        elif self._wm is not None:
-            self._check_wm()
+        self._queued()
 
     def _send_foreign(self, data):
         """send() from a thread other than the loop's: frame/copy here, hand over, wake."""
@@ -305,6 +299,11 @@ class Session:
     def _add_ready(self, item):
         """Add an already framed item (bytes or Slot) -- broadcast and the _xq drain."""
         self._batch.add(item)
+        self._queued()
+
+    def _queued(self):
+        """After adding to the batch: join the dirty list (flushed at the end of this loop
+        iteration) and apply back-pressure.  send()'s hot path inlines the same steps."""
         if not self._dirty:
             self._dirty = True
             self.server._dirty.append(self)
