@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from aoprim import AtomicInt, RefCount
+from floors import FLOORS
 
 N = 1000        # operations per benchmark call (reported per operation)
 
@@ -153,25 +154,9 @@ def test_refcount_incref_decref(benchmark):
 
 # ---- C level ------------------------------------------------------------------------------
 
-C_SOURCE = r"""
-from libc.stdint cimport int64_t
+C_SOURCE = FLOORS + r"""
 from aoprim._atomic cimport AtomicInt
 from aoprim.atomic_h cimport aop_fetch_add_i64, AOP_SEQ_CST
-
-cdef extern from *:
-    '''
-    static int64_t aop_bench_word;
-    /* the floor: a bare __atomic_fetch_add on a static word */
-    static void aop_bench_bare(int64_t n) {
-        for (int64_t i = 0; i < n; i++)
-            __atomic_fetch_add(&aop_bench_word, 1, __ATOMIC_SEQ_CST);
-    }
-    '''
-    void aop_bench_bare(int64_t n) nogil
-
-def bare(int64_t n):
-    with nogil:
-        aop_bench_bare(n)
 
 def aoprim_add(AtomicInt a, int64_t n):
     cdef int64_t i
@@ -190,7 +175,7 @@ def cmod(cybuild):
 @pytest.mark.benchmark(group="c-atomic-add")
 def test_c_bare_atomic_fetch_add(benchmark, cmod):
     benchmark.extra_info.update(per_call=CN, baseline=True)
-    benchmark(cmod.bare, CN)
+    benchmark(cmod.bare_fetch_add, CN)
 
 
 @pytest.mark.benchmark(group="c-atomic-add")

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from aoprim import SpinLock
+from floors import FLOORS
 
 N = 1000
 
@@ -122,38 +123,9 @@ def test_contended_spinlock(benchmark):
 
 # ---- C level ----------------------------------------------------------------------------
 
-C_SOURCE = r"""
-from libc.stdint cimport int64_t, uint32_t
+C_SOURCE = FLOORS + r"""
 from aoprim._spinlock cimport SpinLock
 from aoprim.atomic_h cimport aop_spin_lock, aop_spin_unlock
-
-cdef extern from *:
-    '''
-    static int64_t aop_bench_word;
-    static uint32_t aop_bench_lockword;
-    static void aop_bench_fetch_add(int64_t n) {
-        for (int64_t i = 0; i < n; i++)
-            __atomic_fetch_add(&aop_bench_word, 1, __ATOMIC_SEQ_CST);
-    }
-    static void aop_bench_cas_xchg(int64_t n) {
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t e = 0;
-            __atomic_compare_exchange_n(&aop_bench_lockword, &e, 1, 0,
-                                        __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
-            __atomic_exchange_n(&aop_bench_lockword, 0, __ATOMIC_RELEASE);
-        }
-    }
-    '''
-    void aop_bench_fetch_add(int64_t n) nogil
-    void aop_bench_cas_xchg(int64_t n) nogil
-
-def bare_fetch_add(int64_t n):
-    with nogil:
-        aop_bench_fetch_add(n)
-
-def bare_cas_xchg(int64_t n):
-    with nogil:
-        aop_bench_cas_xchg(n)
 
 def spin_pairs(SpinLock lk, int64_t n):
     cdef int64_t i
