@@ -36,6 +36,7 @@ cdef extern from "aop_atomic.h" nogil:
     uint32_t aop_exchange_u32(aop_atomic_u32 *a, uint32_t v, int order) noexcept
     uint32_t aop_fetch_add_u32(aop_atomic_u32 *a, uint32_t d, int order) noexcept
     uint32_t aop_fetch_sub_u32(aop_atomic_u32 *a, uint32_t d, int order) noexcept
+    uint32_t aop_fetch_or_u32(aop_atomic_u32 *a, uint32_t bits, int order) noexcept
     bint aop_cas_u32(aop_atomic_u32 *a, uint32_t *expected, uint32_t desired,
                      int success_order, int failure_order) noexcept
 

@@ -78,6 +78,8 @@ AOP_INLINE uint32_t aop_fetch_add_u32(aop_atomic_u32 *a, uint32_t d, int order)
 { return __atomic_fetch_add(&a->v, d, order); }
 AOP_INLINE uint32_t aop_fetch_sub_u32(aop_atomic_u32 *a, uint32_t d, int order)
 { return __atomic_fetch_sub(&a->v, d, order); }
+AOP_INLINE uint32_t aop_fetch_or_u32(aop_atomic_u32 *a, uint32_t bits, int order)
+{ return __atomic_fetch_or(&a->v, bits, order); }
 AOP_INLINE int aop_cas_u32(aop_atomic_u32 *a, uint32_t *expected, uint32_t desired,
                            int success_order, int failure_order)
 { return __atomic_compare_exchange_n(&a->v, expected, desired, 0, success_order, failure_order); }

@@ -99,10 +99,6 @@
 #define AOP_Q_YIELD 20     /* sched_yield()s before parking (a Python-level waiter usually waits
                               for a thread that needs the GIL; yielding beats a futex round trip) */
 
-/* aop_atomic.h has no fetch_or; this is the one extra RMW the wait protocol needs
- * (always seq_cst: it is W2 of the protocol). */
-AOP_INLINE uint32_t aop_fetch_or_u32_(aop_atomic_u32 *a, uint32_t bits)
-{ return __atomic_fetch_or(&a->v, bits, __ATOMIC_SEQ_CST); }
 
 #define AOP_Q_LIKELY(x) __builtin_expect(!!(x), 1)
 #define AOP_Q_UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -203,7 +199,7 @@ static int aop_q_wait(aop_qwait_t *w, aop_q_try_fn try_fn, void *queue, void *ar
     aop_fetch_add_u32(&w->waiters, 1, AOP_SEQ_CST);                 /* W1 */
     for (;;) {
         /* W2: seq_cst RMW: announce "I may sleep on this value" (SLEEPY) and learn it */
-        s = aop_fetch_or_u32_(&w->seq, AOP_QW_SLEEPY) | AOP_QW_SLEEPY;
+        s = aop_fetch_or_u32(&w->seq, AOP_QW_SLEEPY, AOP_SEQ_CST) | AOP_QW_SLEEPY;
         aop_thread_fence(AOP_SEQ_CST);                               /* W3 */
         r = try_fn(queue, arg);                                      /* W4 */
         if (!AOP_Q_AGAIN(r)) break;
