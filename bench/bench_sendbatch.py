@@ -1,13 +1,13 @@
 """SendBatch vs the ways Python code sends 16 small messages, over a socketpair whose peer is
 drained by a reader thread (every call really reaches the kernel).
 
-Scenario "16 x 64 B" (per_call = 16, so the table reports ns per message):
-  - 16 x socket.send                       (group sendbatch-vs-send: the baseline)
+Scenario "16 x 64 B" (group sendbatch-16x64B; per_call = 16, so the table reports ns per
+message and a ratio against each of the two baselines):
+  - 16 x socket.send                       (baseline)
+  - b"".join(list) + socket.send           (baseline: the floor "one copy, one syscall")
   - socket.sendmsg(list) built in Python
-  - b"".join(list) + socket.send           (group sendbatch-vs-join: the baseline, the floor
-                                            "one copy, one syscall")
-  - SendBatch: add() x 16 + flush()
-  - SendBatch: add_many(list) + flush()
+  - SendBatch: add() x 16 + flush(), add_many(list) + flush(), and add() x 16 with the
+    default auto_flush
 Each SendBatch benchmark also checks syscalls per message from ``stats`` (target <= 1/16).
 
 Copy cut-off (groups sendbatch-cutoff-<size>): 16 messages of 256 B .. 8 KiB sent through
@@ -97,86 +97,48 @@ def _check_batch(benchmark, sb, a_total, nbytes):
     assert per_msg <= 1 / 16, per_msg
 
 
-# ---- group: vs 16 x send (baseline) ---------------------------------------------------
+# ---- one group, two baselines: 16 x send, and b"".join + one send (one copy, one syscall) ----
 
-@pytest.mark.benchmark(group="sendbatch-16x64B-vs-send")
+@pytest.mark.benchmark(group="sendbatch-16x64B")
 def test_send_x16_baseline(benchmark, pair):
     a, _ = pair
     benchmark.extra_info.update(baseline=True, per_call=16)
     benchmark(_per_message_send, a, MSGS_64)
 
 
-@pytest.mark.benchmark(group="sendbatch-16x64B-vs-send")
-def test_py_sendmsg(benchmark, pair):
-    a, _ = pair
-    benchmark.extra_info["per_call"] = 16
-    benchmark(_py_sendmsg, a, MSGS_64)
-
-
-@pytest.mark.benchmark(group="sendbatch-16x64B-vs-send")
-def test_join_send(benchmark, pair):
-    a, _ = pair
-    benchmark.extra_info["per_call"] = 16
-    benchmark(_join_send, a, MSGS_64)
-
-
-@pytest.mark.benchmark(group="sendbatch-16x64B-vs-send")
-def test_sendbatch_add16_flush(benchmark, pair):
-    a, total = pair
-    sb = SendBatch(a, auto_flush=False)
-    benchmark.extra_info["per_call"] = 16
-    benchmark(_make_add16(sb), MSGS_64)
-    _check_batch(benchmark, sb, total, 1024)
-
-
-@pytest.mark.benchmark(group="sendbatch-16x64B-vs-send")
-def test_sendbatch_add_many_flush(benchmark, pair):
-    a, total = pair
-    sb = SendBatch(a, auto_flush=False)
-    benchmark.extra_info["per_call"] = 16
-    benchmark(_make_add_many(sb), MSGS_64)
-    _check_batch(benchmark, sb, total, 1024)
-
-
-@pytest.mark.benchmark(group="sendbatch-16x64B-vs-send")
-def test_sendbatch_add16_autoflush(benchmark, pair):
-    """The default configuration: the 16th add() flushes by itself."""
-    a, total = pair
-    sb = SendBatch(a)
-    add = sb.add
-
-    def run(msgs):
-        for m in msgs:
-            add(m)
-    benchmark.extra_info["per_call"] = 16
-    benchmark(run, MSGS_64)
-    _check_batch(benchmark, sb, total, 1024)
-
-
-# ---- group: vs b"".join + send (baseline: one copy, one syscall) ---------------------------
-
-@pytest.mark.benchmark(group="sendbatch-16x64B-vs-join")
+@pytest.mark.benchmark(group="sendbatch-16x64B")
 def test_join_send_baseline(benchmark, pair):
     a, _ = pair
     benchmark.extra_info.update(baseline=True, per_call=16)
     benchmark(_join_send, a, MSGS_64)
 
 
-@pytest.mark.benchmark(group="sendbatch-16x64B-vs-join")
-def test_vsjoin_sendbatch_add16_flush(benchmark, pair):
-    a, total = pair
-    sb = SendBatch(a, auto_flush=False)
+@pytest.mark.benchmark(group="sendbatch-16x64B")
+def test_py_sendmsg(benchmark, pair):
+    a, _ = pair
     benchmark.extra_info["per_call"] = 16
-    benchmark(_make_add16(sb), MSGS_64)
-    _check_batch(benchmark, sb, total, 1024)
+    benchmark(_py_sendmsg, a, MSGS_64)
 
 
-@pytest.mark.benchmark(group="sendbatch-16x64B-vs-join")
-def test_vsjoin_sendbatch_add_many_flush(benchmark, pair):
+@pytest.mark.parametrize("way", ["add16_flush", "add_many_flush", "add16_autoflush"])
+@pytest.mark.benchmark(group="sendbatch-16x64B")
+def test_sendbatch(benchmark, pair, way):
+    """add() x16 + flush(), add_many() + flush(), and the default auto_flush configuration
+    (the 16th add() flushes by itself)."""
     a, total = pair
-    sb = SendBatch(a, auto_flush=False)
+    sb = SendBatch(a, auto_flush=(way == "add16_autoflush"))
+    if way == "add_many_flush":
+        run = _make_add_many(sb)
+    elif way == "add16_flush":
+        run = _make_add16(sb)
+    else:
+        add = sb.add
+
+        def run(msgs):
+            for m in msgs:
+                add(m)
     benchmark.extra_info["per_call"] = 16
-    benchmark(_make_add_many(sb), MSGS_64)
+    benchmark(run, MSGS_64)
     _check_batch(benchmark, sb, total, 1024)
 
 

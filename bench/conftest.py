@@ -5,7 +5,8 @@ Run:  pytest bench --benchmark-enable            (all groups)
 
 Every benchmark belongs to a pytest-benchmark *group* that also holds its baseline (the
 stdlib or peer equivalent), so the two always run side by side in one process.  Mark the
-baseline with ``benchmark.extra_info["baseline"] = True``; at the end of the run this file
+baseline with ``benchmark.extra_info["baseline"] = True`` (several entries may be marked:
+each gets its own ratio column); at the end of the run this file
 prints, per group, each entry's speed as a ratio against the baseline (``x2.5`` = 2.5 times
 faster than the baseline) -- the figure the issues and the README report.  Benchmarks that
 move N items per call set ``benchmark.extra_info["per_call"] = N`` and are also reported
@@ -61,8 +62,7 @@ def pytest_terminal_summary(terminalreporter, config):
             per = b.extra_info.get("per_call", 1)
             ns = b.stats.median * 1e9 / per
             line = f"  {b.name:<58} {ns:10.1f} ns/{'item' if per > 1 else 'call'}"
-            if base:
-                ref = base[0]
+            for ref in base:        # a group may name several baselines (each is reported)
                 ref_ns = ref.stats.median * 1e9 / ref.extra_info.get("per_call", 1)
                 line += f"   x{ref_ns / ns:6.2f} vs {ref.name}"
             extra = {k: v for k, v in b.extra_info.items()
