@@ -77,6 +77,7 @@ cdef class AtomicInt:
         """The current value (read-only; same as load())."""
         return aop_load_i64(&self.cell, AOP_SEQ_CST)
 
+    # int(), index(), repr() and pickling read with the same seq_cst load as load() (API.md)
     def __int__(self):
         return aop_load_i64(&self.cell, AOP_SEQ_CST)
 

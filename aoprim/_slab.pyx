@@ -380,6 +380,8 @@ cdef class Slot:
     @property
     def data(self):
         """memoryview of the first ``length`` bytes (counts as a view of the slot)."""
+        # relaxed: length is a plain value, published to other threads (if at all) by
+        # whatever hands them the slot; it guards no other memory
         return memoryview(self)[:aop_load_i64(&self._length, AOP_RELAXED)]
 
     @property

@@ -361,6 +361,8 @@ AOP_INLINE int aop_mpmc_pop_(aop_mpmc_t *q, uint64_t *out)
         } else if (dif < 0) {
             return aop_mpmc_pop_fail_(q, pos);
         } else {
+            /* relaxed: another consumer took pos; a fresh guess, re-validated by the
+             * acquire load of the cell and the CAS above */
             pos = aop_load_u64p(&q->head, AOP_RELAXED);
         }
     }
