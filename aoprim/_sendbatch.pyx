@@ -52,7 +52,8 @@ from libc.string cimport memcpy, memmove, strerror
 from libc.errno cimport EINTR, ENOTSOCK, ENOMEM, EBUSY, EBADF
 from posix.uio cimport iovec
 from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_GET_SIZE,
+                            PyBytes_FromStringAndSize)
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.number cimport PyNumber_Index
@@ -578,6 +579,35 @@ cdef class SendBatch:
             raise MemoryError()
         return 0
 
+    cdef int _add_buffer_copy(self, object data) except -1:
+        """Copy any buffer now (add_copy): up to copy_max bytes into cbuf, beyond that into
+        one new bytes object referenced by its segment."""
+        cdef Py_buffer view
+        cdef int rc
+        cdef object copy
+        try:
+            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        except BufferError:
+            if isinstance(data, memoryview):
+                # not C-contiguous: tobytes() gathers it (a fresh, unshared object)
+                return self._add_obj(data.tobytes())
+            raise
+        except TypeError:
+            raise TypeError(f"SendBatch.add_copy() takes bytes, bytearray, memoryview or a "
+                            f"Slot, not {type(data).__name__}") from None
+        try:
+            if view.len == 0:
+                return 0
+            if <size_t>view.len <= self.copy_max:
+                rc = self._add_raw(<char *>view.buf, view.len, SB_COPY, NULL, NULL)
+                if rc < 0:
+                    raise MemoryError()
+                return 0
+            copy = PyBytes_FromStringAndSize(<char *>view.buf, view.len)
+        finally:
+            PyBuffer_Release(&view)
+        return self._add_obj(copy)
+
     cdef int _add_slot(self, object s) except -1:
         cdef Py_buffer view
         cdef object lo = s.length
@@ -621,6 +651,33 @@ cdef class SendBatch:
                 self._flush_locked()
         finally:
             _unclaim(self)
+
+    def add_copy(self, data):
+        """add() for a caller that reuses its buffer at once (aoprim extension): a mutable
+        buffer (bytearray, memoryview, any other buffer) is copied whatever its size -- into
+        the coalescing buffer up to copy_max bytes, into a new bytes object beyond -- so the
+        batch never references it; bytes (immutable) and a Slot are taken as add() takes
+        them.  Returns pending_bytes after the add, so a caller can apply its high-water
+        mark without a second call.  Empty messages are ignored."""
+        cdef int64_t p
+        cdef type t
+        if not _claim(self):
+            _raise_busy()
+        try:
+            if not _fast_add_small_bytes(self, data):
+                t = type(data)
+                if t is memoryview or t is bytearray:
+                    self._add_buffer_copy(data)
+                elif t is bytes or _is_slot_like(data):
+                    self._add_obj(data)
+                else:
+                    self._add_buffer_copy(data)
+            if self.auto_flush and self._over():
+                self._flush_locked()
+            p = _get(&self.pend_bytes)
+        finally:
+            _unclaim(self)
+        return p
 
     def add_many(self, iterable):
         """add() each item of ``iterable`` in order (one call: low per-message overhead).

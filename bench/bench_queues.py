@@ -19,7 +19,7 @@ import pytest
 from aoprim import MPMCQueue, SPSCQueue
 
 PAIRS = 2000            # put+get pairs per timed call (per_call)
-THREAD_ITEMS = 100_000  # items per timed call in the threaded scenarios
+THREAD_ITEMS = 1_000_000  # items per timed call in the threaded scenarios (steady state, not thread start-up)
 
 
 def _pairs(put, get):

@@ -357,6 +357,69 @@ def test_non_contiguous_memoryview_is_copied(pair):
     assert n == len(raw) // 2 and recv_exact(b, n) == raw[::2]
 
 
+# ---- add_copy (aoprim extension): the caller may reuse its buffer at once ----------------
+
+@pytest.mark.parametrize("extra", [0, 1000])
+def test_add_copy_copies_writable_buffers_of_any_size(pair, extra):
+    a, b = pair
+    sb = SendBatch(a, auto_flush=False)
+    n = sb.copy_max + extra
+    ba = bytearray(b"a" * n)
+    assert sb.add_copy(ba) == n                # returns pending_bytes
+    ba[0:1] = b"Z"                             # not seen: copied at add time
+    ba += b"x"                                 # resizing allowed: no export held
+    buf = bytearray(b"m" * n)
+    mv = memoryview(buf)
+    assert sb.add_copy(mv) == 2 * n
+    mv.release()                               # releasable: not exported
+    buf[:] = b"q" * n
+    assert sb.pending_msgs == 2
+    assert sb.flush() == 2 * n
+    assert recv_exact(b, 2 * n) == b"a" * n + b"m" * n
+
+
+def test_add_copy_keeps_bytes_by_reference_and_retains_a_slot(pair):
+    import sys
+    a, b = pair
+    sb = SendBatch(a, auto_flush=False)
+    big = os.urandom(sb.copy_max + 1)
+    base = sys.getrefcount(big)
+    sb.add_copy(big)
+    assert sys.getrefcount(big) == base + 1    # immutable: referenced, not copied
+    slot = FakeSlot(b"slot-data-" * 10, length=50)
+    assert sb.add_copy(slot) == len(big) + 50
+    assert slot.log == ["retain"]
+    assert sb.flush() == len(big) + 50
+    assert recv_exact(b, len(big) + 50) == big + bytes(slot[:50])
+    assert slot.log == ["retain", "release"]
+    assert sys.getrefcount(big) == base
+
+
+def test_add_copy_odd_inputs(pair):
+    a, b = pair
+    sb = SendBatch(a, auto_flush=False)
+    assert sb.add_copy(b"") == 0 and sb.add_copy(memoryview(b"")) == 0
+    assert sb.pending_msgs == 0                # empty messages are ignored
+    raw = bytes(range(256)) * 40
+    assert sb.add_copy(memoryview(raw)[::2]) == len(raw) // 2     # non-contiguous: gathered
+    arr = array.array("i", range(1000))        # any buffer: copied as bytes
+    assert sb.add_copy(arr) == len(raw) // 2 + arr.itemsize * 1000
+    for bad in ("text", 5, None, [b"x"]):
+        with pytest.raises(TypeError):
+            sb.add_copy(bad)
+    n = sb.flush()
+    assert recv_exact(b, n) == raw[::2] + arr.tobytes()
+
+
+def test_add_copy_auto_flushes_like_add(pair):
+    a, b = pair
+    sb = SendBatch(a, max_msgs=4, auto_flush=True)
+    for i in range(3):
+        assert sb.add_copy(memoryview(b"%d" % i)) == i + 1
+    assert sb.add_copy(bytearray(b"3")) == 0   # the 4th message reached max_msgs: flushed
+    assert sb.stats["syscalls"] == 1 and recv_exact(b, 4) == b"0123"
+
+
 # ---- partial writes, would-block, EINTR -------------------------------------------------
 
 def test_partial_writes_slow_reader_random_sizes():

@@ -41,11 +41,18 @@ __all__ = ["EventLoop", "Timer", "BackendUnavailable", "BACKENDS", "EVENT_READ",
 
 BACKENDS = ("selectors", "uring", "auto")
 _epoll_type = getattr(select, "epoll", ())
-_NOT_EPOLLIN = ~getattr(select, "EPOLLIN", 0)
-_NOT_EPOLLOUT = ~getattr(select, "EPOLLOUT", 0)
-_NONE2 = (None, None)
+_EPOLLIN = getattr(select, "EPOLLIN", 1)     # the poll() result's event bits (epoll's)
+_EPOLLOUT = getattr(select, "EPOLLOUT", 4)
+_NOT_EPOLLIN = ~_EPOLLIN
+_NOT_EPOLLOUT = ~_EPOLLOUT
+_FAR = 1e6              # seconds: the sentinel timer's distance (see run())
+_MAX_EVENTS = 64        # ready fds taken per wait (more wait for the next one: epoll rotates)
 EVENT_READ = selectors.EVENT_READ
 EVENT_WRITE = selectors.EVENT_WRITE
+
+
+def _no_hook():
+    pass
 
 
 class BackendUnavailable(RuntimeError):
@@ -100,6 +107,7 @@ class EventLoop:
         self._seq = 0
         self._ready = collections.deque()  # (callback, args); appended from any thread
         self._hooks = []                  # end-of-iteration callbacks (loop thread)
+        self._hook = _no_hook             # ... as one callable (the hook, or a runner)
         self._wake_pending = False
         self._running = False
         self._stopping = False
@@ -164,8 +172,17 @@ class EventLoop:
             pass
 
     def add_iteration_hook(self, hook):
-        """``hook()`` runs at the end of every iteration (loop thread)."""
+        """``hook()`` runs at the end of every iteration (loop thread); several hooks run in
+        the order they were added."""
         self._hooks.append(hook)
+        hooks = tuple(self._hooks)
+        if len(hooks) == 1:
+            self._hook = hook
+        else:
+            def run_hooks():
+                for h in hooks:
+                    h()
+            self._hook = run_hooks
 
     # -- file descriptors (loop thread) -------------------------------------------------
     def add_reader(self, fd, callback):
@@ -228,67 +245,89 @@ class EventLoop:
         self._running = True
         self._stopping = False
         self.thread_id = threading.get_ident()
+        self.now = time.monotonic()
+        # A far-away timer that re-arms itself keeps the heap non-empty, so the wait below
+        # needs no "any timers?" test; 10**6 s keeps epoll's millisecond timeout in an int.
+        sentinel = self.call_at(self.now + _FAR, self._rearm_sentinel)
+        try:
+            self._run()
+        finally:
+            sentinel.cancel()
+            self._running = False
+
+    def _rearm_sentinel(self):
+        self.call_at(self.now + _FAR, self._rearm_sentinel)
+
+    def _run(self):
         cbs = self._cbs
-        sel = self._sel
-        # Fast path: on Linux DefaultSelector is an EpollSelector whose select() builds a
-        # (key, events) tuple per ready fd in Python -- about 0.35 us per event, measured.
-        # The registrations stay the selector's (public register/modify/unregister); only
-        # the wait goes straight to its epoll object, with the same event mapping.
-        ep = getattr(sel, "_selector", None)
-        ep_poll = ep.poll if isinstance(ep, _epoll_type) else None
-        sel_select = sel.select
+        poll = self._poller()
         ready = self._ready
         timers = self._timers
-        hooks = self._hooks
         monotonic = time.monotonic
         heappop = heapq.heappop
-        R, W = EVENT_READ, EVENT_WRITE
-        NOT_IN, NOT_OUT = _NOT_EPOLLIN, _NOT_EPOLLOUT
-        try:
-            while not self._stopping:
-                if ready:
+        NOT_OUT = _NOT_EPOLLOUT
+        NOT_IN = _NOT_EPOLLIN
+        it = self.iterations
+        now = self.now
+        while not self._stopping:
+            # The wait ends at the earliest timer.  It is measured from `now` (taken after
+            # the previous wait), so a timer may fire late by one iteration's callback time.
+            # A timer added during this iteration is seen by the next one.
+            due = timers[0].when
+            if ready:
+                timeout = 0
+            else:
+                timeout = due - now
+                if timeout < 0:
                     timeout = 0
-                elif timers:
-                    timeout = max(0.0, timers[0].when - monotonic())
-                else:
-                    timeout = None
-                if ep_poll is not None:
-                    events = ep_poll(-1 if timeout is None else timeout, len(cbs))
-                    self.now = now = monotonic()
-                    self.iterations += 1
-                    for fd, ev in events:
-                        try:
-                            rcb, wcb = cbs[fd]
-                        except KeyError:    # removed by an earlier callback of this batch
-                            continue
-                        if ev & NOT_OUT and rcb is not None:
-                            rcb()
-                        if ev & NOT_IN and wcb is not None:
-                            wcb()
-                else:   # pragma: no cover - other platforms
-                    events = sel_select(timeout)
-                    self.now = now = monotonic()
-                    self.iterations += 1
-                    for key, mask in events:
-                        rcb, wcb = cbs.get(key.fd, _NONE2)
-                        if mask & R and rcb is not None:
-                            rcb()
-                        if mask & W and wcb is not None:
-                            wcb()
-                while timers and timers[0].when <= now:
+            events = poll(timeout, _MAX_EVENTS)
+            self.now = now = monotonic()
+            it += 1
+            self.iterations = it
+            for fd, ev in events:
+                try:
+                    rcb, wcb = cbs[fd]
+                except KeyError:    # removed by an earlier callback of this batch
+                    continue
+                if wcb is None:
+                    # registered for reading only: epoll reports IN, HUP or ERR -- all of
+                    # which the read callback handles (it sees EOF or the error)
+                    rcb()
+                    continue
+                if ev & NOT_OUT and rcb is not None:
+                    rcb()
+                if ev & NOT_IN:
+                    wcb()
+            if due <= now:
+                while timers[0].when <= now:
                     t = heappop(timers)
                     if not t.cancelled:
                         t.callback(*t.args)
-                if ready:
-                    # cleared before draining: a later call_soon_threadsafe writes again
-                    self._wake_pending = False
-                    for _ in range(len(ready)):
-                        cb, args = ready.popleft()
-                        cb(*args)
-                for h in hooks:
-                    h()
-        finally:
-            self._running = False
+            if ready:
+                # cleared before draining: a later call_soon_threadsafe writes again
+                self._wake_pending = False
+                for _ in range(len(ready)):
+                    cb, args = ready.popleft()
+                    cb(*args)
+            self._hook()
+
+    def _poller(self):
+        """``poll(timeout_seconds, maxevents) -> [(fd, epoll_event_mask)]``.  On Linux the
+        selector's own epoll object: DefaultSelector.select() builds a (key, events) tuple
+        per ready fd in Python -- about 0.35 us per event, measured.  The registrations stay
+        the selector's (public register/modify/unregister); only the wait goes straight to
+        its epoll object.  Elsewhere an adapter over select() with the same result shape."""
+        sel = self._sel
+        ep = getattr(sel, "_selector", None)
+        if isinstance(ep, _epoll_type):
+            return ep.poll
+        sel_select = sel.select
+
+        def poll(timeout, maxevents):   # pragma: no cover - other platforms
+            return [(key.fd, (_EPOLLIN if mask & EVENT_READ else 0) |
+                     (_EPOLLOUT if mask & EVENT_WRITE else 0))
+                    for key, mask in sel_select(timeout)]
+        return poll
 
     def run_ready(self):
         """Run the queued callbacks now (after run() returned; used for clean-up)."""
@@ -313,3 +352,4 @@ class EventLoop:
         self._ready.clear()
         self._timers.clear()
         self._hooks.clear()
+        self._hook = _no_hook

@@ -62,6 +62,12 @@ _CLOSE_MARK = object()          # posted to a worker: run on_close
 _get_ident = threading.get_ident
 IOV_MAX = 1024
 _ACCEPT_PAUSE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+# A session counts its reads and received bytes in ONE int, _nin = reads << 48 | bytes (one
+# attribute update per read on the hot path); a session would need 256 TiB before the bytes
+# spilled into the read count.  The idle sweep also reads it: a changed _nin means traffic.
+_READ_SHIFT = 48
+_READ = 1 << _READ_SHIFT
+_BYTES_MASK = _READ - 1
 
 
 def _check_int(name, v, lo, allow_none=False):
@@ -93,8 +99,8 @@ class Session:
                  "_state", "_reason", "_exc", "_rx", "_rxmv", "_pos", "_end", "_big", "_bigmv",
                  "_bigfill", "_reading", "_writing", "_bp_paused", "_user_paused", "_dirty",
                  "_xq", "_xsched", "_last", "_frame_t0", "_wlock", "_wsched", "_backlog",
-                 "_wm", "_wm_paused", "_linger", "_sockname", "_tid", "_scr", "_onr", "_cm",
-                 "_hdr", "_hw", "_dl", "_nraw", "_nbin", "_nout", "__weakref__")
+                 "_wm", "_wm_paused", "_slow", "_linger", "_sockname", "_tid", "_scr", "_onr",
+                 "_hdr", "_hw", "_dl", "_nin", "_seen", "_nout", "__weakref__")
 
     def __init__(self, server, sock, sid, peer):
         self.id = sid
@@ -109,12 +115,11 @@ class Session:
         # hot-path copies of server constants (loop thread): one attribute load each
         self._scr = server._scratch_mv
         self._onr = server._on_read
-        self._cm = server._copy_max
         self._hdr = server._hdr
-        self._hw = server._high_water
+        self._hw = server._high_water   # -1 while write limits are set: see _over_high
         self._dl = server._dirty        # the server's dirty list (one list, never replaced)
-        self._nraw = 0                  # raw reads that delivered a frame (recv == frame)
-        self._nbin = 0                  # bytes received on the raw fast path
+        self._nin = 0                   # reads << 48 | bytes read (see _READ)
+        self._seen = 0                  # _nin when the idle sweep last looked
         self._nout = 0                  # frames sent from the loop thread
         self._rc = RefCount(1, self._on_zero)
         self._state = _OPEN
@@ -140,6 +145,7 @@ class Session:
         self._wsched = False
         self._backlog = collections.deque()
         self._wm = None          # (high, low, on_high, on_low) set by set_write_limits
+        self._slow = False       # see _update_interest: the flush takes the general path
         self._wm_paused = False
         self._linger = None
         self._sockname = None
@@ -182,37 +188,48 @@ class Session:
         (a ``Slot`` is retained instead), so the caller may reuse its buffer at once.  A
         payload too long for the header raises ``ValueError``; after close, sends are
         dropped."""
-        if self._state:
+        if self._state or _get_ident() != self._tid:
+            self._send_slow(data)
             return
-        if _get_ident() != self._tid:
-            self._send_foreign(data)
-            return
-        # loop thread, the hot path: straight into the batch
+        # the loop thread, the hot path: straight into the batch
         t = type(data)
         if t is memoryview:
             n = data.nbytes
-            if n > self._cm:            # the batch would keep a view: copy it instead
-                data = bytes(data)
         elif t is bytes:
             n = len(data)
         else:
             self._send_other(data)
             return
         b = self._batch
-        hdr = self._hdr
-        if hdr is not None:
-            b.add(hdr(n))
-        elif not n:
-            return
-        b.add(data)
+        b.add(self._hdr(n))             # ValueError when n does not fit the header
+        p = b.add_copy(data)            # a view is copied: its memory is reused after on_read
         self._nout += 1
         if not self._dirty:
             self._dirty = True
             self._dl.append(self)
-        if b.pending_bytes > self._hw:
+        if p > self._hw:
             self._over_high()
-        elif self._wm is not None:
-            self._check_wm()
+
+    def _send_raw(self, data):
+        """send() with raw framing (installed as ``send`` by :class:`_RawSession`)."""
+        if self._state or _get_ident() != self._tid:
+            self._send_slow(data)
+            return
+        # add_copy copies a view or bytearray (the scratch slot under a frame view is reused
+        # by the next read), keeps bytes by reference, retains a Slot
+        p = self._batch.add_copy(data)
+        self._nout += 1
+        if not self._dirty:
+            self._dirty = True
+            self._dl.append(self)
+        if p > self._hw:
+            self._over_high()
+
+    def _send_slow(self, data):
+        """send() when closed (dropped) or from a thread other than the loop's."""
+        if self._state:
+            return
+        self._send_foreign(data)
 
     def _send_other(self, data):
         """send() of a Slot, bytearray or other bytes-like object (loop thread)."""
@@ -293,6 +310,8 @@ class Session:
         """Call ``on_high()`` once unsent bytes exceed ``high``, then ``on_low()`` once they
         drop to ``low`` or below (loop thread; used by the asyncio transport adapter)."""
         self._wm = (high, low, on_high, on_low)
+        self._hw = -1           # every send now takes _over_high, which checks the limits
+        self._update_interest()  # recomputes _slow
         self._check_wm()
 
     # -- sending (loop thread) -----------------------------------------------------------
@@ -307,10 +326,8 @@ class Session:
         if not self._dirty:
             self._dirty = True
             self.server._dirty.append(self)
-        if self._batch.pending_bytes > self.server._high_water:
+        if self._batch.pending_bytes > self._hw:
             self._over_high()
-        elif self._wm is not None:
-            self._check_wm()
 
     def _drain_xq(self):
         self._xsched = False        # before draining: a later send() schedules again
@@ -327,15 +344,18 @@ class Session:
             del item
 
     def _over_high(self):
+        """A send left more than ``_hw`` bytes pending: the server's high-water mark, or -1
+        while write limits are set (so that every send checks them)."""
         p = self._batch.pending_bytes
         srv = self.server
-        if p > srv._max_pending:
-            self._abort(f"max_pending exceeded ({p} unsent bytes > {srv._max_pending}): "
-                        "the peer does not read", level=logging.WARNING)
-            return
-        if not self._bp_paused:
-            self._bp_paused = True
-            self._update_interest()
+        if p > srv._high_water:
+            if p > srv._max_pending:
+                self._abort(f"max_pending exceeded ({p} unsent bytes > {srv._max_pending}): "
+                            "the peer does not read", level=logging.WARNING)
+                return
+            if not self._bp_paused:
+                self._bp_paused = True
+                self._update_interest()
         if self._wm is not None:
             self._check_wm()
 
@@ -409,14 +429,17 @@ class Session:
              and not self._user_paused and not srv._reads_stopped else None)
         w = self._on_writable if self._writing else None
         self._reading = r is not None
+        # anything but "open, not waiting for writability, no back-pressure, no write limits"
+        # sends the end-of-iteration flush down the general path
+        self._slow = bool(self._state or self._writing or self._bp_paused or
+                          self._wm is not None)
         self._loop.set_callbacks(self._fd, r, w)
 
     # -- receiving (loop thread) ---------------------------------------------------------
     def _read_raw(self):
         """The raw framing fast path without workers: read into the scratch slot, hand the
-        chunk to on_read as a view of it."""
-        if self._state:
-            return
+        chunk to on_read as a view of it.  Registered only while the session is open and
+        reading (_update_interest), so it needs no state check."""
         mv = self._scr
         try:
             n = self._sock.recv_into(mv)
@@ -429,9 +452,7 @@ class Session:
             self.server._st_recv += 1
             self._close("peer closed the connection", level=logging.DEBUG)
             return
-        self._nraw += 1                 # one recv, one frame (counted once for both)
-        self._nbin += n
-        self._last = self._loop.now
+        self._nin += n + _READ          # one read of n bytes (also the idle sweep's clock)
         try:
             self._onr(self, mv[:n])
         except Exception as e:
@@ -465,12 +486,11 @@ class Session:
         except OSError as e:
             self._abort(f"recv failed: {e}", e)
             return
-        srv._st_recv += 1
         if not n:
+            srv._st_recv += 1
             self._close("peer closed the connection", level=logging.DEBUG)
             return
-        srv._st_bytes_in += n
-        self._last = self._loop.now
+        self._nin += n + _READ
         end += n
         fr = srv._framing
         if not fr.header_size:                  # raw: the chunk is the frame
@@ -553,12 +573,11 @@ class Session:
         except OSError as e:
             self._abort(f"recv failed: {e}", e)
             return
-        srv._st_recv += 1
         if not n:
+            srv._st_recv += 1
             self._close("peer closed the connection", level=logging.DEBUG)
             return
-        srv._st_bytes_in += n
-        self._last = self._loop.now
+        self._nin += n + _READ
         self._bigfill += n
         if self._bigfill < need:
             return
@@ -672,6 +691,7 @@ class Session:
         if self._state == _CLOSED:
             return
         self._state = _CLOSED
+        self._slow = True
         srv = self.server
         if self._linger is not None:
             self._linger.cancel()
@@ -683,10 +703,10 @@ class Session:
         except OSError:
             pass
         srv._retire_batch(self._batch)
-        srv._st_raw_frames += self._nraw
-        srv._st_bytes_in += self._nbin
+        srv._st_reads += self._nin >> _READ_SHIFT
+        srv._st_bytes_in += self._nin & _BYTES_MASK
         srv._st_frames_out += self._nout
-        self._nraw = self._nbin = self._nout = 0
+        self._nin = self._nout = 0
         while self._xq:
             item = self._xq.popleft()
             if isinstance(item, Slot):
@@ -711,6 +731,12 @@ class Session:
             self._bigmv.release()
             self._bigmv = None
         self.server._live.discard(self)
+
+
+class _RawSession(Session):
+    """A session of a raw-framing server: ``send`` needs no header."""
+    __slots__ = ()
+    send = Session._send_raw
 
 
 class Server:
@@ -776,15 +802,16 @@ class Server:
         self._st_conn_total = 0
         self._st_refused = 0
         self._st_frames_in = 0
-        self._st_raw_frames = 0
+        self._st_reads = 0                      # reads that returned data (closed sessions)
         self._st_frames_out = 0                 # loop thread only
         self._st_frames_out_x = AtomicInt(0)    # sends from other threads
         self._st_bytes_in = 0
-        self._st_recv = 0
+        self._st_recv = 0                       # reads that returned EOF
         self._st_handler_errors = AtomicInt(0)
         self._st_rx_fallbacks = 0
         self._hdr = None if framing == "raw" else self._framing.header
-        self._copy_max = 0          # messages up to this size SendBatch copies (set below)
+        self._raw_fast = False      # raw framing without workers: Session._read_raw
+        self._session_cls = _RawSession if framing == "raw" else Session
         try:
             self._lsock = self._make_listener(host, port, backlog, reuse_port, sock)
         except BaseException:
@@ -815,23 +842,14 @@ class Server:
         return s
 
     def _reader(self, s):
-        return s._read_raw if self._scratch is not None and self._hdr is None \
-            else s._on_readable
+        return s._read_raw if self._raw_fast else s._on_readable
 
     def _make_batch(self, sock):
-        """A SendBatch with auto_flush off.  Messages up to ``copy_max`` bytes are copied into
-        the batch's own buffer (aoprim's SendBatch extension argument), so a view of the
-        scratch slot may be added directly when it is that small; anything else is copied
-        to bytes first (or, for a Slot, retained)."""
-        try:
-            b = SendBatch(sock, max_msgs=IOV_MAX, max_bytes=self._batch_bytes,
-                          auto_flush=False, copy_max=2048)
-            self._copy_max = 2048
-        except TypeError:       # a SendBatch without copy_max: always hand it bytes
-            b = SendBatch(sock, max_msgs=IOV_MAX, max_bytes=self._batch_bytes,
-                          auto_flush=False)
-            self._copy_max = -1
-        return b
+        """A SendBatch with auto_flush off, on the socket's file descriptor (an int target
+        saves a fileno() call per flush; the session never flushes after closing its
+        socket -- every flush path checks the state first)."""
+        return SendBatch(sock.fileno(), max_msgs=IOV_MAX, max_bytes=self._batch_bytes,
+                         auto_flush=False)
 
     def _prepare(self):
         if self._started:
@@ -849,6 +867,7 @@ class Server:
         else:
             self._scratch = self._rx_pool.acquire()
             self._scratch_mv = memoryview(self._scratch)
+            self._raw_fast = self._hdr is None
         loop.add_reader(self._lsock.fileno(), self._on_accept)
         loop.add_iteration_hook(self._flush_dirty)
         ticks = [t for t in (self._idle_timeout, self._frame_timeout) if t]
@@ -1017,7 +1036,7 @@ class Server:
                 continue
             self._next_id += 1
             self._st_conn_total += 1
-            s = Session(self, sock, self._next_id, addr)
+            s = self._session_cls(self, sock, self._next_id, addr)
             self._sessions[s.id] = s
             self._live.add(s)
             log.debug("session %d %s connected", s.id, addr)
@@ -1064,7 +1083,13 @@ class Server:
     # -- flushing (loop thread, end of every iteration) ------------------------------------
     def _flush_dirty(self):
         """End of every loop iteration: one flush per dirty session (usually ONE sendmsg for
-        everything its read burst produced), starting from a rotating position."""
+        everything its read burst produced), starting from a rotating position.
+
+        The dirty list is walked in place: a session dirtied while the walk runs (a close
+        callback sending, say) is appended and visited in this same walk, so once it ends
+        every entry has been visited and the list is cleared.  A session whose budget ran
+        out stays dirty: it is collected in ``again`` (flag set at once, so it is never
+        appended twice) and becomes the next iteration's list."""
         dl = self._dirty
         if not dl:
             return
@@ -1072,18 +1097,19 @@ class Server:
         if n > 1:
             k = self._rot % n
             self._rot += 1
-            dirty = dl[k:] + dl[:k]
-        else:
-            dirty = dl[:]
-        dl.clear()                      # sessions kept dirty below are appended again
-        again = dl
-        for s in dirty:
+            if k:
+                dl[:] = dl[k:] + dl[:k]
+        again = None
+        for s in dl:
             s._dirty = False
-            if s._state or s._writing:
-                # closing/closed sessions and sockets waiting for writability take the
-                # general path (a writable socket is flushed by its write callback)
+            if s._slow:
+                # closing/closed, waiting for writability, back-pressured or with write
+                # limits: the general path (a writable socket is flushed by its write
+                # callback)
                 if s._state != _CLOSED and not s._writing and s._flush():
                     s._dirty = True
+                    if again is None:
+                        again = []
                     again.append(s)
                 continue
             b = s._batch
@@ -1094,10 +1120,15 @@ class Server:
             except OSError as e:
                 s._abort(f"send failed: {e}", e)
                 continue
-            if b.pending_msgs or s._bp_paused or s._wm is not None:
+            if b:                       # messages still pending: a short write
                 if s._flush():          # the general path: budget, interest, watermarks
                     s._dirty = True
+                    if again is None:
+                        again = []
                     again.append(s)
+        dl.clear()
+        if again is not None:
+            dl.extend(again)
 
     # -- timeouts (loop thread) ------------------------------------------------------------
     def _sweep(self):
@@ -1107,6 +1138,12 @@ class Server:
         for s in list(self._sessions.values()):
             if s._state != _OPEN:
                 continue
+            # a session's last traffic is known to within one sweep period: the read paths
+            # only bump _nin; the sweep notices a change and stamps the time
+            nin = s._nin
+            if nin != s._seen:
+                s._seen = nin
+                s._last = now
             if idle is not None and now - s._last > idle:
                 s._abort(f"idle timeout ({idle:g} s without a byte)", level=logging.WARNING)
             elif ft is not None and s._frame_t0 is not None and now - s._frame_t0 > ft:
@@ -1215,15 +1252,16 @@ class Server:
     def stats(self):
         """Counters: connections current/total, frames and bytes in/out, syscalls."""
         agg = dict(self._closed_batches)
-        raw = self._st_raw_frames
+        reads = self._st_reads
         bin_ = self._st_bytes_in
         fout = self._st_frames_out
         for s in list(self._sessions.values()):
             st = s._batch.stats
             for k in agg:
                 agg[k] += st.get(k, 0)
-            raw += s._nraw
-            bin_ += s._nbin
+            nin = s._nin
+            reads += nin >> _READ_SHIFT
+            bin_ += nin & _BYTES_MASK
             fout += s._nout
         sends = agg["syscalls"]
         frames_out = fout + self._st_frames_out_x.load()
@@ -1231,11 +1269,12 @@ class Server:
             "connections": len(self._sessions),
             "connections_total": self._st_conn_total,
             "connections_refused": self._st_refused,
-            "frames_in": self._st_frames_in + raw,
+            # the raw fast path delivers each read as one frame without counting frames
+            "frames_in": self._st_frames_in + (reads if self._raw_fast else 0),
             "frames_out": frames_out,
             "bytes_in": bin_,
             "bytes_out": agg["bytes"],
-            "recv_syscalls": self._st_recv + raw,
+            "recv_syscalls": self._st_recv + reads,
             "send_syscalls": sends,
             "messages_per_send": (frames_out / sends) if sends else 0.0,
             "handler_errors": self._st_handler_errors.load(),
