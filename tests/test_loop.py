@@ -68,6 +68,38 @@ def test_timers_run_in_order_and_cancel(loop):
     assert time.monotonic() - t0 >= 0.045
 
 
+@pytest.mark.timeout(10)
+def test_timers_in_the_past_run_at_once_and_never_block_the_wait(loop):
+    # a negative epoll timeout would mean "wait forever": timers already due -- set before
+    # run(), or from a callback -- must run in the next iteration without any fd activity
+    order = []
+
+    def from_callback():
+        order.append("cb")
+        loop.call_at(time.monotonic() - 5, order.append, "past-from-callback")
+        loop.call_at(time.monotonic() - 5, loop.stop)
+
+    loop.call_at(time.monotonic() - 10, order.append, "past")
+    loop.call_later(0.01, from_callback)
+    t0 = time.monotonic()
+    loop.run()
+    assert order == ["past", "cb", "past-from-callback"]
+    assert time.monotonic() - t0 < 2
+    # a second run() of the same loop works too (the sentinel timer is re-armed)
+    loop.call_later(0.01, loop.stop)
+    loop.run()
+    assert loop.iterations >= 2
+
+
+def test_several_iteration_hooks_run_in_order(loop):
+    seen = []
+    loop.add_iteration_hook(lambda: seen.append(1))
+    loop.add_iteration_hook(lambda: seen.append(2))
+    loop.call_soon(loop.stop)
+    loop.run()
+    assert seen[:2] == [1, 2]
+
+
 def test_reader_and_writer_callbacks(loop):
     a, b = socket.socketpair()
     a.setblocking(False)
