@@ -52,6 +52,7 @@ cdef enum:
 
 cdef class SendBatch:
     cdef object sock                 # the target socket (kept alive), or None for an int fd
+    cdef object sock_fileno          # sock.fileno, bound once (None for an int fd)
     cdef bint has_sock               # target is a socket object (sock is not None)
     cdef int fd                      # int-fd target (sockets re-read fileno() at each flush)
     cdef bint is_sock                # send/sendmsg; False after ENOTSOCK -> write/writev

@@ -201,6 +201,7 @@ cdef class SendBatch:
             if target.fileno() < 0:
                 raise OSError(EBADF, "the socket is closed")
             self.sock = target
+            self.sock_fileno = target.fileno    # bound once: one C call per flush
             self.has_sock = True
             self.fd = -1
         elif isinstance(target, int) and not isinstance(target, bool):
@@ -209,6 +210,7 @@ cdef class SendBatch:
             if target > 0x7fffffff:
                 raise OverflowError("file descriptor out of range")
             self.sock = None
+            self.sock_fileno = None
             self.fd = <int>target
         else:
             raise TypeError(f"target must be a socket or an int file descriptor, "
@@ -482,7 +484,9 @@ cdef class SendBatch:
             if self.fd < 0:
                 raise OSError(EBADF, "Bad file descriptor (SendBatch.__init__ was not run)")
             return self.fd
-        fd = self.sock.fileno()
+        # read every flush, never cached: a socket closed by its owner reads -1 (EBADF here)
+        # instead of letting the batch write to whatever file reuses the number
+        fd = self.sock_fileno()
         if fd < 0:
             raise OSError(EBADF, "Bad file descriptor (the socket is closed)")
         return fd
@@ -842,7 +846,7 @@ cdef class SendBatch:
         if self.has_sock:
             with gil:
                 try:
-                    fd = self.sock.fileno()
+                    fd = self.sock_fileno()
                 except BaseException:
                     fd = -1
             if fd < 0:

@@ -171,6 +171,8 @@ class Session:
 
     @property
     def socket(self):
+        """The connection's socket, for inspection and socket options.  Close the session
+        with close()/abort(), never the socket itself: the loop still owns its fd."""
         return self._sock
 
     @property
@@ -845,10 +847,11 @@ class Server:
         return s._read_raw if self._raw_fast else s._on_readable
 
     def _make_batch(self, sock):
-        """A SendBatch with auto_flush off, on the socket's file descriptor (an int target
-        saves a fileno() call per flush; the session never flushes after closing its
-        socket -- every flush path checks the state first)."""
-        return SendBatch(sock.fileno(), max_msgs=IOV_MAX, max_bytes=self._batch_bytes,
+        """A SendBatch with auto_flush off.  Its target is the socket, not the int fd: the
+        batch reads ``fileno()`` at every flush, so a socket closed behind the session's back
+        (``Session.socket`` is public) fails with EBADF instead of writing to whatever
+        connection reuses the number."""
+        return SendBatch(sock, max_msgs=IOV_MAX, max_bytes=self._batch_bytes,
                          auto_flush=False)
 
     def _prepare(self):
