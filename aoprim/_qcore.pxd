@@ -69,6 +69,8 @@ cdef extern from "aop_queue.h" nogil:
     ctypedef struct aop_spsc_t:
         uint64_t cap             # real capacity (a power of two); read-only
         aop_atomic_u32 mode      # AOP_Q_MODE_NONE until the first operation fixes it
+        aop_atomic_u32 pclaim    # misuse detection: see "Misuse detection" in aop_queue.h
+        aop_atomic_u32 cclaim
         # (the rest -- ring, padded tail/head with cached copies, wait sets -- is private)
 
     # public C API: raw 64-bit words, RAW mode
@@ -97,6 +99,19 @@ cdef extern from "aop_queue.h" nogil:
                             uint64_t *pushed) noexcept
     int aop_spsc_pop_many_(aop_spsc_t *q, uint64_t *out, uint64_t n,
                            uint64_t *popped) noexcept
+    bint aop_spsc_side_claim(aop_atomic_u32 *c) noexcept
+    void aop_spsc_side_release(aop_atomic_u32 *c) noexcept
+    bint aop_spsc_side_busy(const aop_atomic_u32 *c) noexcept
+
+cdef extern from *:
+    """
+    #ifdef Py_GIL_DISABLED
+    #define AOP_Q_FREE_THREADED 1
+    #else
+    #define AOP_Q_FREE_THREADED 0
+    #endif
+    """
+    bint AOP_Q_FREE_THREADED     # a compile-time constant: the C compiler drops dead branches
 
 
 ctypedef aop_mpmc_t *mpmc_ptr
@@ -145,13 +160,51 @@ cdef inline int q_wait_push(qptr q, uint64_t *v, int64_t ns) except -1:
     if qptr is mpmc_ptr:
         return q_wait_interruptible(aop_mpmc_push_wait_p, q, v, ns)
     else:
-        return q_wait_interruptible(aop_spsc_push_wait_p, q, v, ns)
+        if AOP_Q_FREE_THREADED:      # the whole operation already holds the claim
+            return q_wait_interruptible(aop_spsc_push_wait_p, q, v, ns)
+        # GIL build: the wait retries the push without the GIL, so it claims the side
+        if not aop_spsc_side_claim(&q.pclaim):
+            spsc_misuse(True)
+        try:
+            return q_wait_interruptible(aop_spsc_push_wait_p, q, v, ns)
+        finally:
+            aop_spsc_side_release(&q.pclaim)
 
 cdef inline int q_wait_pop(qptr q, uint64_t *v, int64_t ns) except -1:
     if qptr is mpmc_ptr:
         return q_wait_interruptible(aop_mpmc_pop_wait_p, q, v, ns)
     else:
-        return q_wait_interruptible(aop_spsc_pop_wait_p, q, v, ns)
+        if AOP_Q_FREE_THREADED:
+            return q_wait_interruptible(aop_spsc_pop_wait_p, q, v, ns)
+        if not aop_spsc_side_claim(&q.cclaim):
+            spsc_misuse(False)
+        try:
+            return q_wait_interruptible(aop_spsc_pop_wait_p, q, v, ns)
+        finally:
+            aop_spsc_side_release(&q.cclaim)
+
+
+# ---- SPSC misuse detection (see "Misuse detection" in aop_queue.h) ------------------------
+
+cdef inline int spsc_misuse(bint producer) except -1:
+    side = "put" if producer else "get"
+    raise RuntimeError(
+        f"SPSCQueue: two threads {side} at the same time; an SPSCQueue has one producer "
+        f"thread and one consumer thread (use MPMCQueue for more)")
+
+cdef inline int spsc_enter(aop_atomic_u32 *c, bint producer) except -1:
+    """Start an operation of one side.  Free-threaded: claim the side for the operation.
+    GIL build: only check that no blocking wait of another thread holds it."""
+    if AOP_Q_FREE_THREADED:
+        if not aop_spsc_side_claim(c):
+            spsc_misuse(producer)
+    elif aop_spsc_side_busy(c):
+        spsc_misuse(producer)
+    return 0
+
+cdef inline void spsc_leave(aop_atomic_u32 *c) noexcept:
+    if AOP_Q_FREE_THREADED:
+        aop_spsc_side_release(c)
 
 cdef inline uint64_t q_size(qptr q) noexcept nogil:
     if qptr is mpmc_ptr:
@@ -190,7 +243,7 @@ cdef inline int q_drain_dealloc(qptr q) noexcept:
     return 0
 
 
-cdef inline object q_put(qptr q, object item, object block, object timeout):
+cdef inline object _q_put(qptr q, object item, object block, object timeout):
     cdef int64_t ns = -1
     cdef uint64_t v = q_word(item)
     cdef int r
@@ -213,7 +266,7 @@ cdef inline object q_put(qptr q, object item, object block, object timeout):
     q_raise(r, True)
 
 
-cdef inline object q_put_nowait(qptr q, object item):
+cdef inline object _q_put_nowait(qptr q, object item):
     cdef int r
     q_obj_mode(&q.mode)
     Py_INCREF(item)                  # the queue's reference, taken before publication
@@ -224,7 +277,7 @@ cdef inline object q_put_nowait(qptr q, object item):
     return None
 
 
-cdef inline object q_get(qptr q, object block, object timeout):
+cdef inline object _q_get(qptr q, object block, object timeout):
     cdef int64_t ns = -1
     cdef uint64_t v
     cdef int r
@@ -241,7 +294,7 @@ cdef inline object q_get(qptr q, object block, object timeout):
     q_raise(r, False)
 
 
-cdef inline object q_get_nowait(qptr q):
+cdef inline object _q_get_nowait(qptr q):
     cdef uint64_t v
     cdef int r
     q_obj_mode(&q.mode)
@@ -251,7 +304,7 @@ cdef inline object q_get_nowait(qptr q):
     q_raise(r, False)
 
 
-cdef inline object q_put_many(qptr q, object iterable):
+cdef inline object _q_put_many(qptr q, object iterable):
     cdef uint64_t buf[CHUNK]
     cdef uint64_t n, i, pushed, v, total = 0
     cdef Py_ssize_t pos = 0, size
@@ -308,7 +361,7 @@ cdef inline object q_put_many(qptr q, object iterable):
     return total
 
 
-cdef inline list q_get_many(qptr q, object max_items):
+cdef inline list _q_get_many(qptr q, object max_items):
     cdef uint64_t want = q_max_items(max_items)
     cdef uint64_t buf[CHUNK]
     cdef uint64_t n, i, got = 0
@@ -342,6 +395,70 @@ cdef inline list q_get_many(qptr q, object max_items):
         r = q_pop_many(q, buf, min(want - got, <uint64_t>CHUNK), &n)
         if r != AOP_Q_OK:
             return out
+
+
+# The entry points: MPMC goes straight to the bodies above; SPSC brackets them with its side's
+# misuse check (a relaxed load in GIL builds; a claim in free-threaded ones).
+
+cdef inline object q_put(qptr q, object item, object block, object timeout):
+    if qptr is spsc_ptr:
+        spsc_enter(&q.pclaim, True)
+        try:
+            return _q_put(q, item, block, timeout)
+        finally:
+            spsc_leave(&q.pclaim)
+    else:
+        return _q_put(q, item, block, timeout)
+
+cdef inline object q_put_nowait(qptr q, object item):
+    if qptr is spsc_ptr:
+        spsc_enter(&q.pclaim, True)
+        try:
+            return _q_put_nowait(q, item)
+        finally:
+            spsc_leave(&q.pclaim)
+    else:
+        return _q_put_nowait(q, item)
+
+cdef inline object q_put_many(qptr q, object iterable):
+    if qptr is spsc_ptr:
+        spsc_enter(&q.pclaim, True)
+        try:
+            return _q_put_many(q, iterable)
+        finally:
+            spsc_leave(&q.pclaim)
+    else:
+        return _q_put_many(q, iterable)
+
+cdef inline object q_get(qptr q, object block, object timeout):
+    if qptr is spsc_ptr:
+        spsc_enter(&q.cclaim, False)
+        try:
+            return _q_get(q, block, timeout)
+        finally:
+            spsc_leave(&q.cclaim)
+    else:
+        return _q_get(q, block, timeout)
+
+cdef inline object q_get_nowait(qptr q):
+    if qptr is spsc_ptr:
+        spsc_enter(&q.cclaim, False)
+        try:
+            return _q_get_nowait(q)
+        finally:
+            spsc_leave(&q.cclaim)
+    else:
+        return _q_get_nowait(q)
+
+cdef inline list q_get_many(qptr q, object max_items):
+    if qptr is spsc_ptr:
+        spsc_enter(&q.cclaim, False)
+        try:
+            return _q_get_many(q, max_items)
+        finally:
+            spsc_leave(&q.cclaim)
+    else:
+        return _q_get_many(q, max_items)
 
 
 cdef inline str q_repr(qptr q, str name, object ident):

@@ -4,6 +4,9 @@ checked, the blocking paths with a tiny ring, close() from the producer side, re
 import gc
 import sys
 import threading
+import time
+
+import pytest
 
 from aoprim import Closed, Full, SPSCQueue
 from support import run_threads, scaled
@@ -121,3 +124,119 @@ def test_spsc_wraps_indices_many_times():
             assert x == expect
             expect += 1
     assert q.get_many(10) == list(range(expect, nxt))
+
+
+# ---- misuse: two threads on one side are detected, never corrupting ----------------------
+
+def _until(cond, what, timeout=10.0):
+    """Poll cond() (which performs the operation under test) until it holds or time runs
+    out: the state we wait for -- another thread parked in a blocking call -- has no event
+    to wait on."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def _raises(fn, exc):
+    try:
+        fn()
+    except exc:
+        return True
+    return False
+
+
+@pytest.mark.timeout(30)
+def test_second_producer_during_a_blocking_put_gets_runtimeerror():
+    q = SPSCQueue(1)
+    q.put("first")                              # full
+    done = threading.Event()
+
+    def producer():
+        q.put("second", timeout=20)             # waits without the GIL, side claimed
+        done.set()
+
+    t = threading.Thread(target=producer, daemon=True)
+    t.start()
+    # while the first producer waits, a second one is refused (not Full, not a corrupt ring)
+    _until(lambda: _raises(lambda: q.put_nowait("intruder"), RuntimeError),
+           "the producer to park")
+    with pytest.raises(RuntimeError, match="one producer"):
+        q.put("intruder", timeout=0.01)
+    with pytest.raises(RuntimeError):
+        q.put_many(["intruder"])
+    assert q.get() == "first"                   # room: the waiting put completes
+    assert done.wait(10)
+    t.join(10)
+    assert q.get_nowait() == "second" and q.qsize() == 0
+    q.put_nowait("third")                       # the side is free again
+    assert q.get_nowait() == "third"
+
+
+@pytest.mark.timeout(30)
+def test_second_consumer_during_a_blocking_get_gets_runtimeerror():
+    q = SPSCQueue(4)
+    got = []
+
+    def consumer():
+        got.append(q.get(timeout=20))
+
+    t = threading.Thread(target=consumer, daemon=True)
+    t.start()
+    _until(lambda: _raises(q.get_nowait, RuntimeError), "the consumer to park")
+    with pytest.raises(RuntimeError, match="one consumer"):
+        q.get(timeout=0.01)
+    with pytest.raises(RuntimeError):
+        q.get_many(4)
+    q.put("x")
+    t.join(10)
+    assert got == ["x"]
+    q.put("y")
+    assert q.get_many(4) == ["y"]
+
+
+@pytest.mark.timeout(60)
+def test_two_producers_misusing_it_lose_nothing_and_leak_nothing():
+    # A misuse stress: two producers push through a tiny ring with blocking puts.  Each put
+    # either lands or raises RuntimeError; the consumer must receive exactly the items whose
+    # put returned, each once, and every reference must come back.
+    q = SPSCQueue(2)
+    N = scaled(20_000)
+    items = [[object() for _ in range(N)] for _ in range(2)]
+    sample = [x for lst in items for x in lst[:: max(1, N // 20)]]
+    base = [sys.getrefcount(x) for x in sample]
+    landed = [[], []]
+    refused = [0, 0]
+    received = []
+
+    def producer(k):
+        for x in items[k]:
+            try:
+                q.put(x, timeout=20)
+            except RuntimeError:
+                refused[k] += 1
+                continue
+            landed[k].append(x)
+
+    def consumer():
+        while True:
+            x = q.get(timeout=20)
+            if x is None:
+                return
+            received.append(x)
+
+    c = threading.Thread(target=consumer, daemon=True)
+    c.start()
+    run_threads([lambda: producer(0), lambda: producer(1)], timeout=50)
+    q.put(None, timeout=20)
+    c.join(20)
+    assert not c.is_alive()
+    assert len(received) == len(landed[0]) + len(landed[1])
+    assert len({id(x) for x in received}) == len(received)          # nothing twice
+    assert {id(x) for x in received} == {id(x) for x in landed[0] + landed[1]}
+    assert len(received) + sum(refused) == 2 * N
+    received.clear()
+    landed[0].clear()
+    landed[1].clear()
+    gc.collect()
+    assert [sys.getrefcount(x) for x in sample] == base              # no leak, no double free

@@ -558,11 +558,13 @@ typedef struct {
     uint64_t tail;           /* next slot to fill; written only by the producer (CAS) and by
                                 close() (sets bit 63); read by the consumer */
     uint64_t cached_head;    /* producer-private: last head it read */
-    char _pad1[AOP_CACHE_LINE - 16];
+    aop_atomic_u32 pclaim;   /* 1 while a Python-level put holds the producer side (below) */
+    char _pad1[AOP_CACHE_LINE - 16 - 4];
     /* the consumer's line */
     uint64_t head;           /* next slot to empty; written only by the consumer */
     uint64_t cached_tail;    /* consumer-private: last tail position it read (no mark) */
-    char _pad2[AOP_CACHE_LINE - 16];
+    aop_atomic_u32 cclaim;   /* 1 while a Python-level get holds the consumer side */
+    char _pad2[AOP_CACHE_LINE - 16 - 4];
     aop_qwait_t not_empty;   /* the consumer parks here */
     aop_qwait_t not_full;    /* the producer parks here */
 } aop_spsc_t;
@@ -582,6 +584,33 @@ static aop_spsc_t *aop_spsc_new(uint64_t capacity)
 static void aop_spsc_free(aop_spsc_t *q)
 {
     if (q) { free(q->buf); free(q); }
+}
+
+/* ---- Misuse detection for the Python surface --------------------------------------------
+ * One producer and one consumer is SPSC's contract.  Two threads on one side would both
+ * write the same slot (an item reference lost, another released twice: a crash), so the
+ * Python methods detect it and raise instead.  A side is "claimed" (pclaim / cclaim = 1)
+ * while an operation of that side runs without the GIL: always in a free-threaded build,
+ * and in a GIL build only around a blocking wait -- everything else already runs under the
+ * GIL, serialised, so there a side's fast path just checks that nobody holds the claim.
+ * Each flag lives on its own side's cache line: no traffic between producer and consumer.
+ * The nogil C API (*_u64) is not checked: C callers keep the contract themselves. */
+AOP_INLINE int aop_spsc_side_claim(aop_atomic_u32 *c)
+{
+    /* acquire: pairs with the previous holder's release in aop_spsc_side_release, so its
+     * writes of the side's private fields (cached index) happen before ours.  Returns 1 when
+     * the side was free and is now ours. */
+    return aop_exchange_u32(c, 1, AOP_ACQUIRE) == 0;
+}
+AOP_INLINE void aop_spsc_side_release(aop_atomic_u32 *c)
+{
+    aop_store_u32(c, 0, AOP_RELEASE);   /* release: publishes our side's writes (above) */
+}
+AOP_INLINE int aop_spsc_side_busy(const aop_atomic_u32 *c)
+{
+    /* relaxed: used in GIL builds only, by a thread holding the GIL; a claimer set the flag
+     * before it released the GIL, and the GIL hand-over orders that store before this load */
+    return aop_load_u32(c, AOP_RELAXED) != 0;
 }
 
 /* Free slots as the producer sees them (refreshing its copy of head if needed). */
