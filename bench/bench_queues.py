@@ -168,6 +168,47 @@ def test_spsc_1p1c_items_per_second(benchmark, name):
     benchmark.pedantic(lambda: _threaded(make(), 1, 1, THREAD_ITEMS), rounds=5, iterations=1)
 
 
+def _threaded_batch_consumer(q, n):
+    """1 producer (single put) + 1 consumer that drains what is ready: a blocking get() for
+    the first item, then get_many(63) -- the IOCP worker's loop.  Returns items received."""
+    got = [0]
+
+    def produce():
+        put = q.put
+        for _ in range(n):
+            put(1)
+        put(None)
+
+    def consume():
+        get, get_many = q.get, q.get_many
+        c = 0
+        while True:
+            if get() is None:
+                break
+            c += 1
+            batch = get_many(63)
+            if batch and batch[-1] is None:
+                c += len(batch) - 1
+                break
+            c += len(batch)
+        got[0] = c
+
+    ts = [threading.Thread(target=consume), threading.Thread(target=produce)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert got[0] == n
+    return n
+
+
+def test_spsc_1p1c_batch_consumer_items_per_second(benchmark):
+    benchmark.group = "queue-spsc-1p1c"
+    benchmark.extra_info["per_call"] = THREAD_ITEMS
+    benchmark.pedantic(lambda: _threaded_batch_consumer(SPSCQueue(65536), THREAD_ITEMS),
+                       rounds=5, iterations=1)
+
+
 # ---- C level -------------------------------------------------------------------------------
 
 C_SOURCE = r'''
