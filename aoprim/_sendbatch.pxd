@@ -112,6 +112,5 @@ cdef class SendBatch:
     cdef int _target_fd(self) except -2
     cdef Py_ssize_t _flush_locked(self) except -1
     cdef int _add_obj(self, object data) except -1
-    cdef int _add_buffer(self, object data) except -1
-    cdef int _add_buffer_copy(self, object data) except -1
+    cdef int _add_buffer(self, object data, bint copy_all=*) except -1
     cdef int _add_slot(self, object s) except -1

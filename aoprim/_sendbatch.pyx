@@ -556,16 +556,26 @@ cdef class SendBatch:
         raise TypeError(f"SendBatch.add() takes bytes, bytearray, memoryview or a Slot, "
                         f"not {t.__name__}")
 
-    cdef int _add_buffer(self, object data) except -1:
+    cdef int _add_buffer(self, object data, bint copy_all=False) except -1:
+        """A bytes-like object other than bytes.  Up to copy_max bytes: copied into cbuf.
+        Larger: by reference (the export is held until sent), or -- copy_all, for add_copy
+        -- copied into one new bytes object that its segment references."""
         cdef Py_buffer view
         cdef int rc
+        cdef object copy
         try:
             PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
         except BufferError:
             if isinstance(data, memoryview):
-                # not C-contiguous: there is no single span to reference; send a copy
+                # not C-contiguous: no single span to reference; tobytes() gathers it into
+                # a fresh, unshared object
                 return self._add_obj(data.tobytes())
             raise
+        except TypeError:
+            if not copy_all:
+                raise
+            raise TypeError(f"SendBatch.add_copy() takes bytes, bytearray, memoryview or a "
+                            f"Slot, not {type(data).__name__}") from None
         if view.len == 0:
             PyBuffer_Release(&view)
             return 0
@@ -573,6 +583,12 @@ cdef class SendBatch:
             # small: copied now, so later changes by the caller are never seen
             rc = self._add_raw(<char *>view.buf, view.len, SB_COPY, NULL, NULL)
             PyBuffer_Release(&view)
+        elif copy_all:
+            try:
+                copy = PyBytes_FromStringAndSize(<char *>view.buf, view.len)
+            finally:
+                PyBuffer_Release(&view)
+            return self._add_obj(copy)
         else:
             # large: by reference; the export is held until sent (a bytearray cannot be
             # resized meanwhile: BufferError), in-place writes before the send are sent
@@ -582,35 +598,6 @@ cdef class SendBatch:
         if rc < 0:
             raise MemoryError()
         return 0
-
-    cdef int _add_buffer_copy(self, object data) except -1:
-        """Copy any buffer now (add_copy): up to copy_max bytes into cbuf, beyond that into
-        one new bytes object referenced by its segment."""
-        cdef Py_buffer view
-        cdef int rc
-        cdef object copy
-        try:
-            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
-        except BufferError:
-            if isinstance(data, memoryview):
-                # not C-contiguous: tobytes() gathers it (a fresh, unshared object)
-                return self._add_obj(data.tobytes())
-            raise
-        except TypeError:
-            raise TypeError(f"SendBatch.add_copy() takes bytes, bytearray, memoryview or a "
-                            f"Slot, not {type(data).__name__}") from None
-        try:
-            if view.len == 0:
-                return 0
-            if <size_t>view.len <= self.copy_max:
-                rc = self._add_raw(<char *>view.buf, view.len, SB_COPY, NULL, NULL)
-                if rc < 0:
-                    raise MemoryError()
-                return 0
-            copy = PyBytes_FromStringAndSize(<char *>view.buf, view.len)
-        finally:
-            PyBuffer_Release(&view)
-        return self._add_obj(copy)
 
     cdef int _add_slot(self, object s) except -1:
         cdef Py_buffer view
@@ -671,11 +658,11 @@ cdef class SendBatch:
             if not _fast_add_small_bytes(self, data):
                 t = type(data)
                 if t is memoryview or t is bytearray:
-                    self._add_buffer_copy(data)
+                    self._add_buffer(data, True)
                 elif t is bytes or _is_slot_like(data):
                     self._add_obj(data)
                 else:
-                    self._add_buffer_copy(data)
+                    self._add_buffer(data, True)
             if self.auto_flush and self._over():
                 self._flush_locked()
             p = _get(&self.pend_bytes)
