@@ -291,7 +291,9 @@ class EventLoop:
                     continue
                 if wcb is None:
                     # registered for reading only: epoll reports IN, HUP or ERR -- all of
-                    # which the read callback handles (it sees EOF or the error)
+                    # which the read callback handles (it sees EOF or the error).  (An OUT
+                    # left over from a writer that an earlier callback of this batch removed
+                    # costs one read that finds nothing.)
                     rcb()
                     continue
                 if ev & NOT_OUT and rcb is not None:
