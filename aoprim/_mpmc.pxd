@@ -36,3 +36,4 @@ from aoprim._qcore cimport (
 cdef class MPMCQueue:
     cdef aop_mpmc_t *q           # the C queue (128-byte aligned, owned; freed at dealloc)
     cdef object __weakref__      # weak references work
+    cdef object _gc              # makes the class GC-tracked: its queued objects are traversed

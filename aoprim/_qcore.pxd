@@ -15,6 +15,10 @@ Reference rules (the invariants of the Python surface):
 - a reference is only ever dropped with nothing held and nothing spun on: a failed push
   drops the reference it took (the caller still holds its own, so no __del__ can run), and
   a waiting put/get releases the GIL and waits in C without touching any object;
+- the ring of a queue used from Python changes only while the GIL is held (GIL builds): a
+  blocked put/get waits without the GIL for a *probe* to say the operation could proceed,
+  then performs it with the GIL.  So the cyclic GC, which runs with the GIL, always sees a
+  consistent ring and can traverse the queued objects (q_traverse / q_clear below);
 - the fast path (put(x) / get() / *_nowait) has no clock read, no lock, no GIL release;
 - a queue used from Python is in OBJ mode: C code using the *_u64 API on the same
   instance gets AOP_Q_BADMODE, and Python callers get TypeError on a RAW-mode queue.
@@ -23,7 +27,7 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
 from cpython.list cimport PyList_New
 
-from aoprim.atomic_h cimport aop_atomic_u32, aop_load_u32, AOP_RELAXED
+from aoprim.atomic_h cimport aop_atomic_u32, aop_load_u32, aop_now_ns, AOP_RELAXED
 from aoprim._qwait cimport (
     AOP_Q_OK, AOP_Q_RETRY, AOP_Q_BUSY, AOP_Q_CLOSED, AOP_Q_MODE_OBJ,
     q_obj_mode, q_steal, q_word, q_timeout_ns, q_max_items, q_raise, q_wait_interruptible,
@@ -64,6 +68,12 @@ cdef extern from "aop_queue.h" nogil:
                             uint64_t *pushed) noexcept
     int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n,
                            uint64_t *popped) noexcept
+    int aop_mpmc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns) noexcept
+    int aop_mpmc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns) noexcept
+
+cdef extern from "aop_queue.h":
+    # with the GIL: called by the cyclic GC's traverse (fn visits one object)
+    int aop_mpmc_each_(aop_mpmc_t *q, int (*fn)(uint64_t, void *) noexcept, void *arg) noexcept
 
 cdef extern from "aop_queue.h" nogil:
     ctypedef struct aop_spsc_t:
@@ -99,9 +109,14 @@ cdef extern from "aop_queue.h" nogil:
                             uint64_t *pushed) noexcept
     int aop_spsc_pop_many_(aop_spsc_t *q, uint64_t *out, uint64_t n,
                            uint64_t *popped) noexcept
+    int aop_spsc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns) noexcept
+    int aop_spsc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns) noexcept
     bint aop_spsc_side_claim(aop_atomic_u32 *c) noexcept
     void aop_spsc_side_release(aop_atomic_u32 *c) noexcept
     bint aop_spsc_side_busy(const aop_atomic_u32 *c) noexcept
+
+cdef extern from "aop_queue.h":
+    int aop_spsc_each_(aop_spsc_t *q, int (*fn)(uint64_t, void *) noexcept, void *arg) noexcept
 
 cdef extern from *:
     """
@@ -156,32 +171,113 @@ cdef inline int q_pop_many(qptr q, uint64_t *v, uint64_t n, uint64_t *done) noex
     else:
         return aop_spsc_pop_many_(q, v, n, done)
 
-cdef inline int q_wait_push(qptr q, uint64_t *v, int64_t ns) except -1:
+cdef inline int q_wait_room(qptr q, int64_t ns) except -1:
+    """Wait (without the GIL) until a push could proceed: OK, CLOSED, or RETRY on timeout."""
     if qptr is mpmc_ptr:
-        return q_wait_interruptible(aop_mpmc_push_wait_p, q, v, ns)
+        return q_wait_interruptible(aop_mpmc_room_wait_p, q, NULL, ns)
     else:
-        if AOP_Q_FREE_THREADED:      # the whole operation already holds the claim
-            return q_wait_interruptible(aop_spsc_push_wait_p, q, v, ns)
-        # GIL build: the wait retries the push without the GIL, so it claims the side
-        if not aop_spsc_side_claim(&q.pclaim):
-            spsc_misuse(True)
-        try:
-            return q_wait_interruptible(aop_spsc_push_wait_p, q, v, ns)
-        finally:
-            aop_spsc_side_release(&q.pclaim)
+        return q_wait_interruptible(aop_spsc_room_wait_p, q, NULL, ns)
+
+cdef inline int q_wait_item(qptr q, int64_t ns) except -1:
+    """Wait (without the GIL) until a pop could proceed: OK, CLOSED, or RETRY on timeout."""
+    if qptr is mpmc_ptr:
+        return q_wait_interruptible(aop_mpmc_item_wait_p, q, NULL, ns)
+    else:
+        return q_wait_interruptible(aop_spsc_item_wait_p, q, NULL, ns)
+
+cdef inline int q_wait_op(qptr q, bint push, uint64_t *v, int64_t ns) except -1:
+    """A blocked put (push) or get: wait for the probe, then operate with the GIL held, until
+    it succeeds, is closed, or ns (< 0: never) runs out (RETRY).  The operation may lose a
+    race after a positive probe (MPMC): then it waits again for what is left of ns."""
+    cdef int64_t deadline = 0, left = ns
+    cdef int r
+    if ns > 0:
+        deadline = aop_now_ns() + ns
+    while True:
+        r = q_wait_room(q, left) if push else q_wait_item(q, left)
+        if r != AOP_Q_OK:
+            return r
+        r = q_push(q, v[0]) if push else q_pop(q, v)
+        if not (r == AOP_Q_RETRY or r == AOP_Q_BUSY):
+            return r
+        if ns > 0:
+            left = deadline - aop_now_ns()
+            if left <= 0:
+                return AOP_Q_RETRY
+
+cdef inline int q_wait_push(qptr q, uint64_t *v, int64_t ns) except -1:
+    if qptr is spsc_ptr:
+        if not AOP_Q_FREE_THREADED:
+            # GIL build: the wait probes the ring without the GIL, so it claims the side
+            if not aop_spsc_side_claim(&q.pclaim):
+                spsc_misuse(True)
+            try:
+                return q_wait_op(q, True, v, ns)
+            finally:
+                aop_spsc_side_release(&q.pclaim)
+    return q_wait_op(q, True, v, ns)     # MPMC; SPSC free-threaded: the caller holds the claim
 
 cdef inline int q_wait_pop(qptr q, uint64_t *v, int64_t ns) except -1:
+    if qptr is spsc_ptr:
+        if not AOP_Q_FREE_THREADED:
+            if not aop_spsc_side_claim(&q.cclaim):
+                spsc_misuse(False)
+            try:
+                return q_wait_op(q, False, v, ns)
+            finally:
+                aop_spsc_side_release(&q.cclaim)
+    return q_wait_op(q, False, v, ns)
+
+
+# ---- the cyclic GC ------------------------------------------------------------------------
+
+ctypedef int (*visitproc)(PyObject *, void *) noexcept
+ctypedef int (*traverseproc)(PyObject *, visitproc, void *) noexcept
+ctypedef int (*inquiry)(PyObject *) noexcept
+
+cdef extern from "Python.h":
+    # the two slots a queue class wraps (see q_traverse / q_clear and each class's module)
+    ctypedef struct QTypeSlots "PyTypeObject":
+        traverseproc tp_traverse
+        inquiry tp_clear
+
+cdef struct _visit_ctx:
+    visitproc visit
+    void *arg
+
+cdef inline int _visit_word(uint64_t v, void *ctx) noexcept:
+    cdef _visit_ctx *c = <_visit_ctx *>ctx
+    return c.visit(<PyObject *><uintptr_t>v, c.arg)
+
+cdef inline int q_traverse(qptr q, visitproc visit, void *arg) noexcept:
+    """tp_traverse's part for the queued objects (GIL held: every operation on an OBJ-mode
+    queue changes the ring under the GIL, so it is consistent here).  A RAW-mode queue
+    carries no objects."""
+    cdef _visit_ctx c
+    # relaxed: the mode was fixed under the GIL we hold, or never
+    if q is NULL or aop_load_u32(&q.mode, AOP_RELAXED) != AOP_Q_MODE_OBJ:
+        return 0
+    c.visit = visit
+    c.arg = arg
     if qptr is mpmc_ptr:
-        return q_wait_interruptible(aop_mpmc_pop_wait_p, q, v, ns)
+        return aop_mpmc_each_(q, _visit_word, &c)
     else:
-        if AOP_Q_FREE_THREADED:
-            return q_wait_interruptible(aop_spsc_pop_wait_p, q, v, ns)
-        if not aop_spsc_side_claim(&q.cclaim):
-            spsc_misuse(False)
-        try:
-            return q_wait_interruptible(aop_spsc_pop_wait_p, q, v, ns)
-        finally:
-            aop_spsc_side_release(&q.cclaim)
+        return aop_spsc_each_(q, _visit_word, &c)
+
+cdef inline int q_clear(qptr q) noexcept:
+    """tp_clear's part: drop every queued object (the queue is cyclic garbage: nobody else
+    can reach it).  The queue stays usable, empty."""
+    cdef uint64_t buf[CHUNK]
+    cdef uint64_t n, i
+    # relaxed: nobody else can reach the queue
+    if q is NULL or aop_load_u32(&q.mode, AOP_RELAXED) != AOP_Q_MODE_OBJ:
+        return 0
+    while True:
+        q_pop_many(q, buf, CHUNK, &n)
+        if n == 0:
+            return 0
+        for i in range(n):
+            q_steal(buf[i])      # the queue's reference, dropped: no lock is held
 
 
 # ---- SPSC misuse detection (see "Misuse detection" in aop_queue.h) ------------------------
@@ -228,17 +324,9 @@ cdef inline void q_close(qptr q) noexcept nogil:
 # ---- the Python surface, written once ----------------------------------------------------
 
 cdef inline int q_drain_dealloc(qptr q) noexcept:
-    """Release every object still queued (dealloc: nobody else can reach the queue)."""
-    cdef uint64_t buf[CHUNK]
-    cdef uint64_t n, i
-    # relaxed: nobody else can reach a queue being deallocated
-    if aop_load_u32(&q.mode, AOP_RELAXED) == AOP_Q_MODE_OBJ:
-        while True:
-            q_pop_many(q, buf, CHUNK, &n)
-            if n == 0:
-                break
-            for i in range(n):
-                q_steal(buf[i])      # the queue's reference, dropped: no lock is held
+    """Release every object still queued, then the queue (dealloc: nobody else can reach
+    it)."""
+    q_clear(q)
     q_free(q)
     return 0
 

@@ -11,8 +11,10 @@ are written down.  This module is the Python surface over it; the method bodies 
 queue in aoprim/_qcore.pxd (compiled per queue type, no indirection), where the
 reference rules are stated.
 """
+from cpython.ref cimport PyObject
 from aoprim._qwait cimport q_capacity
 from aoprim._qcore cimport (
+    QTypeSlots, traverseproc, inquiry, visitproc, q_traverse, q_clear,
     aop_spsc_new, q_drain_dealloc, q_put, q_put_nowait, q_get, q_get_nowait, q_put_many,
     q_get_many, q_size, q_close, q_repr,
 )
@@ -89,3 +91,28 @@ cdef class SPSCQueue:
 
     def __repr__(self):
         return q_repr(self.q, "SPSCQueue", id(self))
+
+
+# ---- the cyclic GC ------------------------------------------------------------------------
+# Cython generates tp_traverse / tp_clear for the class's object fields; these wrap them to
+# cover the objects in the ring too (aoprim/_qcore.pxd, "the cyclic GC"), so a cycle through
+# a queued item is collected like one through a list.
+
+cdef traverseproc _base_traverse = (<QTypeSlots *>SPSCQueue).tp_traverse
+cdef inquiry _base_clear = (<QTypeSlots *>SPSCQueue).tp_clear
+
+
+cdef int _traverse(PyObject *o, visitproc visit, void *arg) noexcept:
+    cdef int r = _base_traverse(o, visit, arg)
+    if r:
+        return r
+    return q_traverse((<SPSCQueue>o).q, visit, arg)
+
+
+cdef int _clear(PyObject *o) noexcept:
+    q_clear((<SPSCQueue>o).q)
+    return _base_clear(o)
+
+
+(<QTypeSlots *>SPSCQueue).tp_traverse = _traverse
+(<QTypeSlots *>SPSCQueue).tp_clear = _clear

@@ -503,6 +503,58 @@ static int aop_mpmc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns)
 static int aop_mpmc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns)
 { return aop_mpmc_pop_wait_((aop_mpmc_t *)q, out, timeout_ns); }
 
+/* ---- Probes: "could a push / pop proceed now?" without changing anything ---------------
+ * The Python layer waits with these (no GIL) and then performs the operation itself with
+ * the GIL held, so in a GIL build the ring of an OBJ-mode queue only ever changes under the
+ * GIL -- which is what lets the cyclic GC traverse the queued objects (see _qcore.pxd).  A
+ * probe reads exactly what the operation would read first, with the same orders, so the
+ * wake-up argument at the top holds for it unchanged (W4 sees N1 or the notifier sees the
+ * waiter).  OK means "try the operation" (it may still lose a race: the caller waits again);
+ * BUSY and RETRY mean what they mean for the operation; CLOSED is final. */
+static int aop_mpmc_can_push_(void *queue, void *unused)
+{
+    aop_mpmc_t *q = (aop_mpmc_t *)queue;
+    /* relaxed, as in aop_mpmc_push_: the cell's seq (acquire) decides */
+    uint64_t pos = aop_load_u64p(&q->tail, AOP_RELAXED), seq;
+    (void)unused;
+    if (pos & AOP_Q_MARK) return AOP_Q_CLOSED;
+    /* acquire: as in aop_mpmc_push_ (pairs with the release of the consumer that freed it) */
+    seq = aop_load_u64p(&q->cells[pos & q->mask].seq, AOP_ACQUIRE);
+    if ((int64_t)(seq - 2 * pos) < 0) return aop_mpmc_push_fail_(q, pos);
+    return AOP_Q_OK;                    /* free for pos, or tail moved on: try */
+}
+static int aop_mpmc_can_pop_(void *queue, void *unused)
+{
+    aop_mpmc_t *q = (aop_mpmc_t *)queue;
+    uint64_t pos = aop_load_u64p(&q->head, AOP_RELAXED), seq;    /* relaxed: as in pop_ */
+    (void)unused;
+    /* acquire: as in aop_mpmc_pop_ (pairs with the producer's release of the cell) */
+    seq = aop_load_u64p(&q->cells[pos & q->mask].seq, AOP_ACQUIRE);
+    if ((int64_t)(seq - (2 * pos + 1)) < 0) return aop_mpmc_pop_fail_(q, pos);
+    return AOP_Q_OK;
+}
+static int aop_mpmc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
+{ (void)unused; return aop_q_wait(&((aop_mpmc_t *)q)->not_full, aop_mpmc_can_push_, q, NULL, timeout_ns); }
+static int aop_mpmc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
+{ (void)unused; return aop_q_wait(&((aop_mpmc_t *)q)->not_empty, aop_mpmc_can_pop_, q, NULL, timeout_ns); }
+
+/* Call fn(word, arg) for every published item, oldest first; stops at the first non-zero
+ * return, which it returns.  Only meaningful while nothing pushes or pops concurrently (the
+ * cyclic GC: GIL held, every OBJ-mode operation runs under it).  relaxed loads: that caller
+ * already synchronises with every operation through the GIL. */
+static int aop_mpmc_each_(aop_mpmc_t *q, int (*fn)(uint64_t, void *), void *arg)
+{
+    uint64_t h = aop_load_u64p(&q->head, AOP_RELAXED);
+    uint64_t t = aop_load_u64p(&q->tail, AOP_RELAXED) & ~AOP_Q_MARK, pos;
+    int r;
+    for (pos = h; pos < t; pos++) {
+        aop_mpmc_cell_t *cell = &q->cells[pos & q->mask];
+        if (aop_load_u64p(&cell->seq, AOP_RELAXED) != 2 * pos + 1) continue;
+        if ((r = fn(cell->val, arg)) != 0) return r;
+    }
+    return 0;
+}
+
 /* ---- MPMC public C API (raw 64-bit words; claims RAW mode) ---------------------------- */
 AOP_INLINE int aop_mpmc_try_push_u64(aop_mpmc_t *q, uint64_t v)
 {
@@ -735,6 +787,42 @@ static int aop_spsc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns)
 { return aop_spsc_push_wait_((aop_spsc_t *)q, *v, timeout_ns); }
 static int aop_spsc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns)
 { return aop_spsc_pop_wait_((aop_spsc_t *)q, out, timeout_ns); }
+
+/* Probes (see the MPMC ones).  Each runs on its own side's thread only, so updating that
+ * side's private cached index is allowed, as the operations do. */
+static int aop_spsc_can_push_(void *queue, void *unused)
+{
+    aop_spsc_t *q = (aop_spsc_t *)queue;
+    /* relaxed: we are the only writer of tail besides close(); as in push_many_ */
+    uint64_t t = aop_load_u64p(&q->tail, AOP_RELAXED);
+    (void)unused;
+    if (t & AOP_Q_MARK) return AOP_Q_CLOSED;
+    return aop_spsc_room_(q, t, 1) ? AOP_Q_OK : AOP_Q_RETRY;
+}
+static int aop_spsc_can_pop_(void *queue, void *unused)
+{
+    aop_spsc_t *q = (aop_spsc_t *)queue;
+    uint64_t h = aop_load_u64p(&q->head, AOP_RELAXED);   /* relaxed: only we write head */
+    int closed;
+    (void)unused;
+    if (aop_spsc_avail_(q, h, 1, &closed)) return AOP_Q_OK;
+    return closed ? AOP_Q_CLOSED : AOP_Q_RETRY;
+}
+static int aop_spsc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
+{ (void)unused; return aop_q_wait(&((aop_spsc_t *)q)->not_full, aop_spsc_can_push_, q, NULL, timeout_ns); }
+static int aop_spsc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
+{ (void)unused; return aop_q_wait(&((aop_spsc_t *)q)->not_empty, aop_spsc_can_pop_, q, NULL, timeout_ns); }
+
+/* Every published item, oldest first (see aop_mpmc_each_; same conditions). */
+static int aop_spsc_each_(aop_spsc_t *q, int (*fn)(uint64_t, void *), void *arg)
+{
+    uint64_t h = aop_load_u64p(&q->head, AOP_RELAXED);   /* relaxed: see aop_mpmc_each_ */
+    uint64_t t = aop_load_u64p(&q->tail, AOP_RELAXED) & ~AOP_Q_MARK, i;
+    int r;
+    for (i = h; i < t; i++)
+        if ((r = fn(q->buf[i & q->mask], arg)) != 0) return r;
+    return 0;
+}
 
 /* ---- SPSC public C API (raw words; claims RAW mode; one producer, one consumer) ------- */
 AOP_INLINE int aop_spsc_try_push_u64(aop_spsc_t *q, uint64_t v)
