@@ -62,8 +62,6 @@ cdef extern from "aop_queue.h" nogil:
     int aop_mpmc_pop_(aop_mpmc_t *q, uint64_t *out) noexcept
     int aop_mpmc_push_wait_(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns) noexcept
     int aop_mpmc_pop_wait_(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns) noexcept
-    int aop_mpmc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns) noexcept
-    int aop_mpmc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns) noexcept
     int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n,
                             uint64_t *pushed) noexcept
     int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n,
@@ -103,8 +101,6 @@ cdef extern from "aop_queue.h" nogil:
     int aop_spsc_pop_(aop_spsc_t *q, uint64_t *out) noexcept
     int aop_spsc_push_wait_(aop_spsc_t *q, uint64_t v, int64_t timeout_ns) noexcept
     int aop_spsc_pop_wait_(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns) noexcept
-    int aop_spsc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns) noexcept
-    int aop_spsc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns) noexcept
     int aop_spsc_push_many_(aop_spsc_t *q, const uint64_t *v, uint64_t n,
                             uint64_t *pushed) noexcept
     int aop_spsc_pop_many_(aop_spsc_t *q, uint64_t *out, uint64_t n,

@@ -496,13 +496,6 @@ static int aop_mpmc_pop_wait_(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns)
     return aop_q_wait(&q->not_empty, aop_mpmc_try_pop_cb, q, out, timeout_ns);
 }
 
-/* Uniform signatures (queue, word pointer, timeout) for the Python layer's interruptible
- * wait loop, which calls these in slices so that signals (Ctrl-C) are seen. */
-static int aop_mpmc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns)
-{ return aop_mpmc_push_wait_((aop_mpmc_t *)q, *v, timeout_ns); }
-static int aop_mpmc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns)
-{ return aop_mpmc_pop_wait_((aop_mpmc_t *)q, out, timeout_ns); }
-
 /* ---- Probes: "could a push / pop proceed now?" without changing anything ---------------
  * The Python layer waits with these (no GIL) and then performs the operation itself with
  * the GIL held, so in a GIL build the ring of an OBJ-mode queue only ever changes under the
@@ -533,6 +526,8 @@ static int aop_mpmc_can_pop_(void *queue, void *unused)
     if ((int64_t)(seq - (2 * pos + 1)) < 0) return aop_mpmc_pop_fail_(q, pos);
     return AOP_Q_OK;
 }
+/* Uniform signatures (queue, word pointer, timeout) for the Python layer's interruptible
+ * wait loop, which calls these in slices so that signals (Ctrl-C) are seen. */
 static int aop_mpmc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
 { (void)unused; return aop_q_wait(&((aop_mpmc_t *)q)->not_full, aop_mpmc_can_push_, q, NULL, timeout_ns); }
 static int aop_mpmc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
@@ -782,11 +777,6 @@ static int aop_spsc_pop_wait_(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns)
     if (r != AOP_Q_RETRY || timeout_ns == 0) return r;
     return aop_q_wait(&q->not_empty, aop_spsc_try_pop_cb, q, out, timeout_ns);
 }
-
-static int aop_spsc_push_wait_p(void *q, uint64_t *v, int64_t timeout_ns)
-{ return aop_spsc_push_wait_((aop_spsc_t *)q, *v, timeout_ns); }
-static int aop_spsc_pop_wait_p(void *q, uint64_t *out, int64_t timeout_ns)
-{ return aop_spsc_pop_wait_((aop_spsc_t *)q, out, timeout_ns); }
 
 /* Probes (see the MPMC ones).  Each runs on its own side's thread only, so updating that
  * side's private cached index is allowed, as the operations do. */
