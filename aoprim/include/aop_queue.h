@@ -44,6 +44,8 @@
  *       loop: W2 s = fetch_or(seq, SLEEPY) | SLEEPY (seq_cst RMW);  W3 seq_cst fence;
  *             W4 retry the operation;  if it cannot proceed: W5 futex-wait while seq == s
  *       waiters -= 1
+ *   (The Python layer's W4 is a probe that reads what the operation would read and changes
+ *   nothing; it then operates with the GIL held -- see "Probes" below.)
  *   Every operation that can let a waiter proceed (publish an item, free a cell, close):
  *       N1 a seq_cst RMW that announces it (SPSC: the CAS of tail / a seq_cst store of head,
  *          which is itself the publication; MPMC: the CAS that claims the position, made
