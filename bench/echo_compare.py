@@ -1,7 +1,7 @@
 """Echo benchmark: the same load generator against the aoprim server and asyncio echo servers
 (default loop and uvloop), in one session, on loopback.
 
-    python bench/echo_compare.py [--duration 3] [--rounds 1] [--procs 1] [--json out.json]
+    python bench/echo_compare.py [--duration 3] [--rounds 1] [--procs 1] [--floor] [--json out.json]
     pytest bench/bench_echo.py --benchmark-enable -s      (the same, as a pytest run)
 
 Scenarios (issue 6):
@@ -9,6 +9,9 @@ Scenarios (issue 6):
   raw-1k-100    raw echo, 1 KiB ping-pong, 100 connections
   u16-64x16-10  u16-framed 64 B messages pipelined 16 deep on 10 connections; every frame
                 gets its own reply (asyncio: one transport.write per frame)
+
+``--floor`` adds bench/echo_floor.py to the raw scenarios: the smallest Python epoll echo
+loop, a same-run measure of what CPython itself costs per message.
 
 Each server runs in its own process; ``python -m aoprim loadgen`` drives it and reads the
 server's CPU time (user+sys from /proc/PID/stat) over the measured window.  Reported per
@@ -47,6 +50,9 @@ def have_uvloop():
 
 
 def server_cmd(server, framing):
+    if server == "floor":
+        return [sys.executable, os.path.join(HERE, "echo_floor.py"), "--host", HOST,
+                "--port", "0", "--framing", framing]
     if server == "aoprim":
         return [sys.executable, "-m", "aoprim", "serve", "--app", "echo", "--host", HOST,
                 "--port", "0", "--framing", framing, "--log-level", "WARNING"]
@@ -133,7 +139,7 @@ def report(scenario, res, log=print):
             f"{r['user_us_per_msg']:>7.2f} {r['sys_us_per_msg']:>7.2f} {r['p50_us']:>7} "
             f"{r['p99_us']:>7} {'' if spm is None else f'{spm:.4f}':>10}")
     a = res["aoprim"]
-    for base in ("asyncio", "uvloop"):
+    for base in ("asyncio", "uvloop", "floor"):
         if base in res:
             b = res[base]
             log(f"  aoprim vs {base}: CPU/msg x{a['cpu_us_per_msg'] / b['cpu_us_per_msg']:.2f}"
@@ -173,13 +179,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--procs", type=int, default=1, help="load generator processes")
     ap.add_argument("--scenario", action="append", choices=sorted(SCENARIOS))
+    ap.add_argument("--floor", action="store_true",
+                    help="also run the minimal Python epoll loop (raw scenarios)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, Python "
           f"{platform.python_version()}, uvloop {'yes' if have_uvloop() else 'NO'}")
     results = {}
     for sc in a.scenario or list(SCENARIOS):
-        results[sc] = compare(sc, a.duration, a.rounds, a.procs)
+        servers = SERVERS + (("floor",) if a.floor and SCENARIOS[sc]["framing"] == "raw"
+                             else ())
+        results[sc] = compare(sc, a.duration, a.rounds, a.procs, servers)
         report(sc, results[sc])
     print("\ntargets:")
     for name, ok, detail in check_targets(results):
