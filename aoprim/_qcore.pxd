@@ -246,9 +246,10 @@ cdef inline int _visit_word(uint64_t v, void *ctx) noexcept:
     return c.visit(<PyObject *><uintptr_t>v, c.arg)
 
 cdef inline int q_traverse(qptr q, visitproc visit, void *arg) noexcept:
-    """tp_traverse's part for the queued objects (GIL held: every operation on an OBJ-mode
-    queue changes the ring under the GIL, so it is consistent here).  A RAW-mode queue
-    carries no objects."""
+    """tp_traverse's part for the queued objects.  GIL build: the GC holds the GIL and every
+    operation on an OBJ-mode queue changes the ring under it, so the ring is consistent here.
+    Free-threaded build: the GC stops the world, and threads waiting without it only probe.
+    A RAW-mode queue carries no objects."""
     cdef _visit_ctx c
     # relaxed: the mode was fixed under the GIL we hold, or never
     if q is NULL or aop_load_u32(&q.mode, AOP_RELAXED) != AOP_Q_MODE_OBJ:
