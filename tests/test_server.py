@@ -210,6 +210,34 @@ def test_on_close_runs_once_after_the_last_frame_with_workers(make_server, conne
     assert h.closed[0][1] is None
 
 
+@pytest.mark.parametrize("framing", ["raw", "u16"])
+def test_half_closing_client_gets_the_replies_workers_still_owe(make_server, connect,
+                                                                framing):
+    # The client sends its requests and shuts down its write side; the server reads the EOF
+    # while a worker is still busy with the requests.  Their replies must still be sent
+    # before the session closes (they used to be dropped: the EOF closed the session at once).
+    gate = threading.Event()
+
+    class Slow(Handler):
+        def on_read(self, session, data):
+            assert gate.wait(10)
+            session.send(b"re:" + bytes(data))
+
+    srv = make_server(Slow(), framing=framing, workers=2)
+    s = connect(srv)
+    reqs = [b"a", b"bb", b"ccc"] if framing == "u16" else [b"abc"]
+    s.sendall(b"".join(frame(r) for r in reqs) if framing == "u16" else reqs[0])
+    s.shutdown(socket.SHUT_WR)
+    # the EOF has been read (a data read and the EOF read) while the worker is held
+    wait_for(lambda: srv.stats()["recv_syscalls"] >= 2, what="the EOF to be read")
+    gate.set()
+    data, how = recv_until_closed(s)
+    assert how == "eof"
+    want = b"".join(frame(b"re:" + r) for r in reqs) if framing == "u16" else b"re:abc"
+    assert data == want
+    wait_for(lambda: srv.stats()["connections"] == 0, what="the session to close")
+
+
 def test_shutdown_flushes_pending_data_within_5s(make_server, connect):
     big = bytes(range(256)) * 8192          # 2 MiB per client, more than the socket buffers
 

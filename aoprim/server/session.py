@@ -59,6 +59,7 @@ log = logging.getLogger("aoprim.server")
 
 _OPEN, _CLOSING, _CLOSED = 0, 1, 2
 _CLOSE_MARK = object()          # posted to a worker: run on_close
+_EOF_MARK = object()            # posted to a worker: the peer's EOF, behind its last frames
 _get_ident = threading.get_ident
 IOV_MAX = 1024
 _ACCEPT_PAUSE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -99,7 +100,7 @@ class Session:
                  "_state", "_reason", "_exc", "_rx", "_rxmv", "_pos", "_end", "_big", "_bigmv",
                  "_bigfill", "_reading", "_writing", "_bp_paused", "_user_paused", "_dirty",
                  "_xq", "_xsched", "_last", "_frame_t0", "_wlock", "_wsched", "_backlog",
-                 "_wm", "_wm_paused", "_slow", "_linger", "_sockname", "_tid", "_scr", "_onr",
+                 "_wm", "_wm_paused", "_slow", "_eof", "_linger", "_sockname", "_tid", "_scr", "_onr",
                  "_hdr", "_hw", "_dl", "_nin", "_seen", "_nout", "__weakref__")
 
     def __init__(self, server, sock, sid, peer):
@@ -146,6 +147,7 @@ class Session:
         self._backlog = collections.deque()
         self._wm = None          # (high, low, on_high, on_low) set by set_write_limits
         self._slow = False       # see _update_interest: the flush takes the general path
+        self._eof = False        # the peer's EOF was read; the close waits for the workers
         self._wm_paused = False
         self._linger = None
         self._sockname = None
@@ -428,7 +430,8 @@ class Session:
             return
         srv = self.server
         r = (srv._reader(self) if self._state == _OPEN and not self._bp_paused
-             and not self._user_paused and not srv._reads_stopped else None)
+             and not self._user_paused and not srv._reads_stopped and not self._eof
+             else None)
         w = self._on_writable if self._writing else None
         self._reading = r is not None
         # anything but "open, not waiting for writability, no back-pressure, no write limits"
@@ -489,8 +492,7 @@ class Session:
             self._abort(f"recv failed: {e}", e)
             return
         if not n:
-            srv._st_recv += 1
-            self._close("peer closed the connection", level=logging.DEBUG)
+            self._peer_closed()
             return
         self._nin += n + _READ
         end += n
@@ -547,6 +549,21 @@ class Session:
             self._pos = pos
             self._end = end
 
+    def _peer_closed(self):
+        """The peer's EOF (general read paths).  With workers, frames the peer sent before it
+        may still be waiting or running: the close waits for them -- an EOF mark travels the
+        session's worker order and closes the session from there -- so their replies still
+        go out (a client that half-closes after its request gets its answer)."""
+        srv = self.server
+        srv._st_recv += 1
+        if srv._workers is None or srv._workers_done:
+            self._close("peer closed the connection", level=logging.DEBUG)
+            return
+        self._eof = True
+        self._update_interest()         # nothing more to read
+        self._rc.incref()               # the mark holds the session like a frame
+        self._post((_EOF_MARK, None))
+
     def _take_rx_slot(self):
         slot = self.server._acquire_rx()
         self._rx = slot
@@ -576,8 +593,7 @@ class Session:
             self._abort(f"recv failed: {e}", e)
             return
         if not n:
-            srv._st_recv += 1
-            self._close("peer closed the connection", level=logging.DEBUG)
+            self._peer_closed()
             return
         self._nin += n + _READ
         self._bigfill += n
@@ -1165,6 +1181,9 @@ class Server:
             item = None
             if view is _CLOSE_MARK:
                 self._call_on_close(s)
+            elif view is _EOF_MARK:         # every earlier frame has been handled
+                self._loop.call_soon_threadsafe(s._close, "peer closed the connection", None,
+                                                logging.DEBUG)
             else:
                 try:
                     if s._state != _CLOSED:
