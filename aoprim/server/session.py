@@ -454,8 +454,7 @@ class Session:
             self._abort(f"recv failed: {e}", e)
             return
         if not n:
-            self.server._st_recv += 1
-            self._close("peer closed the connection", level=logging.DEBUG)
+            self._peer_closed()
             return
         self._nin += n + _READ          # one read of n bytes (also the idle sweep's clock)
         try:
@@ -484,17 +483,9 @@ class Session:
             mv = self._rxmv
             pos = self._pos
             end = self._end
-        try:
-            n = self._sock.recv_into(mv[end:] if end else mv)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self._abort(f"recv failed: {e}", e)
-            return
+        n = self._recv(mv[end:] if end else mv)
         if not n:
-            self._peer_closed()
             return
-        self._nin += n + _READ
         end += n
         fr = srv._framing
         if not fr.header_size:                  # raw: the chunk is the frame
@@ -549,8 +540,25 @@ class Session:
             self._pos = pos
             self._end = end
 
+    def _recv(self, buf):
+        """One recv_into for the general read paths (_read_raw inlines it): the bytes read,
+        counted; or 0 when there is nothing to do -- would block, or an error or the peer's
+        EOF, both handled here."""
+        try:
+            n = self._sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as e:
+            self._abort(f"recv failed: {e}", e)
+            return 0
+        if not n:
+            self._peer_closed()
+            return 0
+        self._nin += n + _READ
+        return n
+
     def _peer_closed(self):
-        """The peer's EOF (general read paths).  With workers, frames the peer sent before it
+        """The peer's EOF.  With workers, frames the peer sent before it
         may still be waiting or running: the close waits for them -- an EOF mark travels the
         session's worker order and closes the session from there -- so their replies still
         go out (a client that half-closes after its request gets its answer)."""
@@ -585,17 +593,9 @@ class Session:
         srv = self.server
         big = self._big
         need = len(big)
-        try:
-            n = self._sock.recv_into(self._bigmv[self._bigfill:])
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self._abort(f"recv failed: {e}", e)
-            return
+        n = self._recv(self._bigmv[self._bigfill:])
         if not n:
-            self._peer_closed()
             return
-        self._nin += n + _READ
         self._bigfill += n
         if self._bigfill < need:
             return
