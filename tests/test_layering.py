@@ -1,4 +1,5 @@
-"""The three layers are visible in the file tree and each knows only the one below it."""
+"""The layers are visible in the file tree, each knows only the ones below it, and no module
+reads or writes another module's private attributes."""
 import ast
 import pathlib
 
@@ -6,28 +7,48 @@ import aoprim.server
 
 PKG = pathlib.Path(aoprim.server.__file__).resolve().parent
 
-# module -> server modules it may import (relative names); None = anything
+# module (path relative to the server package, no .py) -> server modules it may import
 ALLOWED = {
-    "loop": set(),                                   # Layer 1: nothing of the server
-    "framing": set(),                                # pure
-    "workers": set(),                                # generic completion-queue threads
-    "session": {"loop", "framing", "workers"},       # Layer 2: Layer 1 (+ framing)
-    "handler": set(),                                # Layer 3: nothing below by import
+    "loop": {"loop_selectors"},                       # Layer 1 interface (+ its backend)
+    "loop_selectors": {"loop"},                       # Layer 1 backend
+    "framing": set(),                                 # pure
+    "config": {"framing"},
+    "workers": set(),                                 # generic completion-queue threads
+    "stats": set(),
+    "listener": set(),
+    "rx": set(),
+    "tx": set(),
+    "dispatch": {"workers"},
+    "session": {"dispatch", "rx", "tx"},
+    "server": {"config", "dispatch", "framing", "listener", "loop", "session", "stats", "tx"},
+    "handler": set(),                                 # Layer 3: nothing below by import
     "apps": {"handler"},
-    "protocol": {"handler"},
+    "adapters/asyncio_protocol": {"handler"},
 }
 FORBIDDEN_STDLIB = {
     "handler": {"socket", "selectors", "select"},
     "apps": {"socket", "selectors", "select"},
-    "protocol": {"socket", "selectors", "select"},
+    "adapters/asyncio_protocol": {"socket", "selectors", "select"},
     "framing": {"socket", "selectors", "select"},
-    "loop": {"socket"},
+    "config": {"socket", "selectors", "select"},
+    "loop": {"socket", "selectors", "select"},
+    "loop_selectors": {"socket"},
+    # Layer 2 parts above Layer 1 reach the OS only through the loop and the primitives
+    "session": {"selectors", "select"},
+    "rx": {"socket", "selectors", "select"},
+    "tx": {"socket", "selectors", "select"},
+    "dispatch": {"socket", "selectors", "select"},
 }
+
+
+def _module_path(name):
+    return PKG / f"{name}.py"
 
 
 def imports_of(path):
     tree = ast.parse(path.read_text())
     server_mods, top = set(), set()
+    here = path.parent
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
@@ -37,10 +58,15 @@ def imports_of(path):
         elif isinstance(node, ast.ImportFrom):
             mod = node.module or ""
             if node.level >= 1:
+                base = here
+                for _ in range(node.level - 1):
+                    base = base.parent
+                rel = base.relative_to(PKG) if base != PKG else None
+                prefix = f"{rel.as_posix()}/" if rel else ""
                 if mod:
-                    server_mods.add(mod.split(".")[0])
+                    server_mods.add(prefix + mod.replace(".", "/"))
                 else:
-                    server_mods.update(a.name for a in node.names)
+                    server_mods.update(prefix + a.name for a in node.names)
             else:
                 top.add(mod.split(".")[0])
                 if mod.startswith("aoprim.server"):
@@ -49,22 +75,62 @@ def imports_of(path):
     return server_mods, top
 
 
+def private_access(path):
+    """``x._name`` where ``x`` is not ``self``/``cls`` and ``_name`` is not an attribute this
+    module defines itself (in ``__slots__``, by ``self._name = ...`` or as a method): a read
+    or write of another module's private state.  Returns [(line, text)]."""
+    src = path.read_text()
+    tree = ast.parse(src)
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.value.id in ("self", "cls") and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name) and t.id == "__slots__" and \
+                        isinstance(node.value, (ast.Tuple, ast.List)):
+                    own.update(e.value for e in node.value.elts
+                               if isinstance(e, ast.Constant))
+    bad = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        a = node.attr
+        if not a.startswith("_") or (a.startswith("__") and a.endswith("__")):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        if a in own:
+            continue
+        bad.append((node.lineno, ast.get_source_segment(src, node)))
+    return bad
+
+
 def test_every_layer_module_exists():
     for name in ALLOWED:
-        assert (PKG / f"{name}.py").exists(), name
+        assert _module_path(name).exists(), name
 
 
-def test_each_layer_imports_only_the_one_below():
+def test_each_layer_imports_only_the_ones_below():
     for name, allowed in ALLOWED.items():
-        server_mods, top = imports_of(PKG / f"{name}.py")
+        server_mods, top = imports_of(_module_path(name))
         extra = server_mods - allowed
         assert not extra, f"{name}.py imports {sorted(extra)} (allowed: {sorted(allowed)})"
         bad = top & FORBIDDEN_STDLIB.get(name, set())
         assert not bad, f"{name}.py imports {sorted(bad)}"
 
 
+def test_no_module_touches_another_modules_private_attributes():
+    for path in sorted(PKG.rglob("*.py")):
+        bad = private_access(path)
+        assert not bad, f"{path.relative_to(PKG)} reaches into private state: {bad}"
+
+
 def test_primitives_come_from_public_names():
-    for path in PKG.glob("*.py"):
+    for path in PKG.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -72,8 +138,22 @@ def test_primitives_come_from_public_names():
                     f"{path.name} imports private module {node.module}"
 
 
-def test_the_checker_catches_a_violation(tmp_path):
-    p = tmp_path / "bad.py"
-    p.write_text("import socket\nfrom .session import Session\nfrom aoprim.server import loop\n")
+def test_the_import_checker_catches_a_violation(tmp_path):
+    p = PKG / "handler.py"      # resolve relative imports as if it lived in the package
     mods, top = imports_of(p)
-    assert mods == {"session", "loop"} and "socket" in top
+    assert not mods
+    q = tmp_path / "bad.py"
+    q.write_text("import socket\nfrom aoprim.server import loop\n")
+    mods, top = imports_of(q)
+    assert mods == {"loop"} and "socket" in top
+
+
+def test_the_private_checker_catches_a_violation(tmp_path):
+    p = tmp_path / "bad.py"
+    p.write_text("class A:\n"
+                 "    __slots__ = ('_mine',)\n"
+                 "    def f(self, other):\n"
+                 "        self._mine = other._mine\n"      # same module's attribute: fine
+                 "        return other._theirs + self._x\n")
+    bad = private_access(p)
+    assert [t for _, t in bad] == ["other._theirs"]

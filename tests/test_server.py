@@ -337,10 +337,14 @@ def test_session_slot_send_and_pool_return(make_server, connect):
     assert pool.in_use == 0
 
 
-def test_uring_backend_error_and_auto_fallback():
+def test_backend_accepts_only_what_works():
+    from aoprim.server import BACKENDS
+    assert BACKENDS == ("selectors",)
     with pytest.raises(BackendUnavailable, match="io_uring"):
         Server(Echo(), HOST, 0, backend="uring")
-    srv = Server(Echo(), HOST, 0, backend="auto")
+    with pytest.raises(ValueError, match="selectors"):
+        Server(Echo(), HOST, 0, backend="auto")
+    srv = Server(Echo(), HOST, 0, backend="selectors")
     assert srv.backend == "selectors"
     srv.shutdown()
 

@@ -2,6 +2,8 @@
 
 Import as ``from test_server_support import ...`` (conftest puts tests/ on sys.path).
 """
+import gc
+import os
 import socket
 import struct
 import time
@@ -62,18 +64,29 @@ def read_frame(sock, kind="u16", timeout=10.0):
     return recv_exact(sock, n, timeout)
 
 
-def assert_no_leaks(srv):
-    """Leak checks after shutdown: pools empty, no live sessions, loop thread joined."""
+def open_fds():
+    """How many file descriptors this process has open."""
+    gc.collect()                    # sockets a test dropped without closing
+    return len(os.listdir("/proc/self/fd"))
+
+
+def assert_no_leaks(srv, fds_before=None):
+    """Leak checks after shutdown: pools empty, no live sessions, loop thread joined, and
+    (given the count before the server existed) every fd closed."""
     assert srv._thread is None or not srv._thread.is_alive(), "loop thread still running"
     wait_for(lambda: srv.live_sessions == 0, 5, "live sessions to drop to 0")
-    assert srv.rx_pool.in_use == 0, f"receive slots leaked: {srv.rx_pool.in_use}"
-    assert srv.tx_pool.in_use == 0, f"send slots leaked: {srv.tx_pool.in_use}"
-    assert not srv._stuck, "slots held back by escaped views"
+    st = srv.stats()
+    assert st["rx_slots_in_use"] == 0, f"receive slots leaked: {st['rx_slots_in_use']}"
+    assert st["tx_slots_in_use"] == 0, f"send slots leaked: {st['tx_slots_in_use']}"
+    assert st["connections"] == 0
+    if fds_before is not None:
+        assert open_fds() == fds_before, "file descriptors leaked"
 
 
 @pytest.fixture
 def make_server():
     servers = []
+    fds = open_fds()
 
     def make(handler=None, **kw):
         srv = Server(handler if handler is not None else Echo(), kw.pop("host", HOST),
@@ -86,6 +99,7 @@ def make_server():
         srv.shutdown(timeout=15)
     for srv in servers:
         assert_no_leaks(srv)
+    assert open_fds() == fds, "file descriptors leaked"
 
 
 @pytest.fixture

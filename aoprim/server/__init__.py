@@ -2,24 +2,30 @@
 
 ::
 
-    +------------------------------------------------------------------+
-    | Layer 3  your code          handler.py  (Handler.on_read)        |
-    |          apps.py (echo, chat)   protocol.py (asyncio adapter)    |
-    +------------------------------------------------------------------+
-    | Layer 2  sessions           session.py  (Server, Session)        |
-    |          SlabPool slots, framing.py (raw/u16/u32, pure),         |
-    |          SendBatch + dirty list, RefCount lifetimes, limits,     |
-    |          workers.py (MPMCQueue completions, IOCP shape)          |
-    +------------------------------------------------------------------+
-    | Layer 1  event loop         loop.py  (selectors, eventfd wake-up,|
-    |                                       timer heap)                |
-    +------------------------------------------------------------------+
-    | OS       epoll, sockets                                          |
-    +------------------------------------------------------------------+
+    +----------------------------------------------------------------------------+
+    | Layer 3  your code      handler.py (Handler.on_read)   apps.py (echo, chat) |
+    |          adapters/asyncio_protocol.py: asyncio protocols as a Handler      |
+    +----------------------------------------------------------------------------+
+    | Layer 2  server.py      lifecycle, shutdown; composes the parts below      |
+    |          session.py     one connection: state machine, API, lifetime       |
+    |          rx.py          receive side: compiled Receiver, pauses, timeouts  |
+    |          tx.py          send side: SendBatch per session, FlushGroup flush |
+    |          dispatch.py    inline or worker threads (workers.py), backlog     |
+    |          listener.py    accept policy and limits                           |
+    |          config.py      settings, validated once   stats.py  counters      |
+    |          framing.py     pure framing (clients, tools)                      |
+    +----------------------------------------------------------------------------+
+    | Layer 1  loop.py        the event-loop interface every backend implements  |
+    |          loop_selectors.py  the selectors (epoll) backend                  |
+    +----------------------------------------------------------------------------+
+    | compiled  aoprim.Receiver / RxArena (read, cut frames, call on_read),       |
+    |           aoprim.SendBatch / FlushGroup (batch, flush all at once),         |
+    |           SlabPool, RefCount, MPMCQueue, SpinLock                           |
+    +----------------------------------------------------------------------------+
 
-Each layer imports only the one below it (tests/test_layering.py checks): handler.py imports
-nothing of the server and no socket/selectors; session.py imports loop.py and framing.py;
-loop.py imports nothing of the server.  This package module composes them.
+Each layer imports only the one below it and no module touches another module's private
+attributes (tests/test_layering.py checks both).  ``supervisor.py`` runs ``--procs`` server
+processes; ``cli.py`` is the command line.
 
 Example::
 
@@ -33,14 +39,17 @@ Example::
     ...
     srv.shutdown()
 """
+from .adapters.asyncio_protocol import ProtocolHandler, SessionTransport
+from .config import Settings
 from .framing import FRAMINGS, FrameDecoder, FrameTooLarge, Framing
 from .handler import Handler
 from .loop import BACKENDS, BackendUnavailable
-from .protocol import ProtocolHandler, SessionTransport
-from .session import Server, Session
+from .server import Server
+from .session import Session
 
-__all__ = ["Server", "Session", "Handler", "serve_protocol", "Framing", "FrameDecoder",
-           "FrameTooLarge", "FRAMINGS", "BACKENDS", "BackendUnavailable", "SessionTransport"]
+__all__ = ["Server", "Session", "Handler", "Settings", "serve_protocol", "Framing",
+           "FrameDecoder", "FrameTooLarge", "FRAMINGS", "BACKENDS", "BackendUnavailable",
+           "SessionTransport", "ProtocolHandler"]
 
 
 def serve_protocol(protocol_factory, host="127.0.0.1", port=0, *, forever=False, **kwargs):

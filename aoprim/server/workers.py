@@ -33,10 +33,6 @@ class WorkerPool:
         for t in self.threads:
             t.start()
 
-    def post(self, item):
-        """Enqueue one completion (blocks while the queue is full: back-pressure on the loop)."""
-        self.queue.put(item)
-
     def close(self):
         self.queue.close()
 

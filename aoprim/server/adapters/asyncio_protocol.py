@@ -1,4 +1,4 @@
-"""Layer 3 adapter: run an unchanged ``asyncio.Protocol`` / ``asyncio.BufferedProtocol`` on the
+"""An adapter (not Layer 3 itself): run an unchanged ``asyncio.Protocol`` / ``asyncio.BufferedProtocol`` on the
 aoprim server (see ``serve_protocol`` in :mod:`aoprim.server`).
 
 Each session gets one protocol instance (from the factory) and one :class:`SessionTransport`.
@@ -15,7 +15,7 @@ is not called; ``connection_lost(None)`` is), and ``write_eof`` is not supported
 import asyncio
 import logging
 
-from .handler import Handler
+from ..handler import Handler
 
 __all__ = ["ProtocolHandler", "SessionTransport"]
 

@@ -1,0 +1,1 @@
+"""Adapters that run other programming models on the server (today: asyncio protocols)."""

@@ -1,0 +1,111 @@
+"""Settings: every server argument validated once, into one frozen object the parts share.
+
+Nothing else in the server validates arguments; nothing changes a ``Settings`` after it is
+built (``dataclasses.replace`` makes a new one).
+"""
+import dataclasses
+
+from .framing import DEFAULT_MAX_FRAME, FRAMINGS
+
+__all__ = ["Settings"]
+
+_HEADER_SIZE = {"raw": 0, "u16": 2, "u32": 4}
+
+
+def _int(name, v, lo, allow_none=False):
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+    if v < lo:
+        raise ValueError(f"{name} must be >= {lo}, not {v}")
+    return v
+
+
+def _seconds(name, v, allow_none=True):
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds" + (" or None" if allow_none
+                                                                   else ""))
+    if not v > 0:
+        raise ValueError(f"{name} must be > 0" + (" (or None for no limit)" if allow_none
+                                                   else "") + f", not {v}")
+    return float(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The server's settings (see :class:`aoprim.server.Server` for their meaning)."""
+
+    framing: str = "raw"
+    max_frame: int = DEFAULT_MAX_FRAME
+    max_connections: int = 10000
+    max_pending: int = 4 << 20
+    idle_timeout: float = None
+    frame_timeout: float = 30.0
+    workers: int = 0
+    backend: str = "selectors"
+    high_water: int = None          # None: min(256 KiB, max_pending // 2)
+    low_water: int = None           # None: high_water // 4
+    flush_budget: int = 256 << 10
+    backlog: int = 1024
+    reuse_port: bool = False
+    rx_slot_size: int = 16384
+    rx_slots: int = 1024
+    tx_slot_size: int = 16384
+    tx_slots: int = 256
+    close_linger: float = 5.0       # a closing session's unsent data / unread input
+    shutdown_timeout: float = 5.0
+    worker_backlog: int = 256       # frames queued per session before its reading pauses
+    worker_queue: int = 4096        # completion-queue capacity (sessions ready for a worker)
+    accept_batch: int = 64          # connections accepted per readiness event
+
+    def __post_init__(self):
+        if self.framing not in FRAMINGS:
+            raise ValueError(f"framing must be one of {FRAMINGS}, not {self.framing!r}")
+        _int("max_frame", self.max_frame, 1)
+        _int("max_connections", self.max_connections, 1)
+        _int("max_pending", self.max_pending, 1)
+        _seconds("idle_timeout", self.idle_timeout)
+        _seconds("frame_timeout", self.frame_timeout)
+        _int("workers", self.workers, 0)
+        if not isinstance(self.backend, str):
+            raise TypeError("backend must be a str")
+        _int("flush_budget", self.flush_budget, 1)
+        _int("backlog", self.backlog, 0)
+        _int("rx_slot_size", self.rx_slot_size, 64)
+        _int("rx_slots", self.rx_slots, 2)
+        _int("tx_slot_size", self.tx_slot_size, 64)
+        _int("tx_slots", self.tx_slots, 1)
+        _seconds("close_linger", self.close_linger, allow_none=False)
+        _seconds("shutdown_timeout", self.shutdown_timeout, allow_none=False)
+        _int("worker_backlog", self.worker_backlog, 1)
+        _int("worker_queue", self.worker_queue, 1)
+        _int("accept_batch", self.accept_batch, 1)
+        hw = _int("high_water", self.high_water, 1, True)
+        if hw is None:
+            hw = min(256 << 10, max(1, self.max_pending // 2))
+        lw = _int("low_water", self.low_water, 0, True)
+        if lw is None:
+            lw = hw // 4
+        if lw > hw:
+            raise ValueError("low_water must be <= high_water")
+        set_ = object.__setattr__        # the frozen object's derived fields, set once here
+        set_(self, "high_water", hw)
+        set_(self, "low_water", lw)
+        set_(self, "idle_timeout", _seconds("idle_timeout", self.idle_timeout))
+        set_(self, "frame_timeout", _seconds("frame_timeout", self.frame_timeout))
+        set_(self, "reuse_port", bool(self.reuse_port))
+
+    @property
+    def header_size(self):
+        """Bytes of the length header: 0 (raw), 2 (u16) or 4 (u32)."""
+        return _HEADER_SIZE[self.framing]
+
+    @property
+    def sweep_every(self):
+        """How often the timeout sweep runs (None: no timeouts set): a tenth of the shortest
+        timeout, between 10 ms and 1 s."""
+        ticks = [t for t in (self.idle_timeout, self.frame_timeout) if t]
+        return min(1.0, max(0.01, min(ticks) / 10)) if ticks else None

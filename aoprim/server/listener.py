@@ -1,0 +1,134 @@
+"""Layer 2 -- the listener and its accept policy.
+
+- Each readiness event accepts at most ``accept_batch`` connections (the loop stays fair to
+  the sessions it already serves during a connection storm; level-triggered readiness calls
+  again for the rest).
+- At ``max_connections`` it stops accepting: new connections wait in the kernel's backlog
+  (bounded by ``backlog``) until a session ends, instead of being accepted and closed.
+- ``EMFILE``/``ENFILE``/``ENOBUFS``/``ENOMEM`` (out of descriptors or memory) pause accepting
+  for 0.1 s; any other unexpected error pauses it with an exponential back-off (10 ms to 1 s)
+  -- with level-triggered readiness, returning without pausing would spin.  Errors that
+  concern only the one connection being accepted (``ECONNABORTED``, ``EPROTO``, ``EPERM``
+  from a firewall) are skipped.
+"""
+import errno
+import logging
+import socket
+
+__all__ = ["Listener"]
+
+log = logging.getLogger("aoprim.server")
+
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_ONE_CONNECTION = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
+
+
+def make_listening_socket(host, port, backlog, reuse_port):
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, stype, proto, _, addr = infos[0]
+    s = socket.socket(family, stype, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(addr)
+        s.listen(backlog)
+        s.setblocking(False)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+class Listener:
+    """Accepts connections for ``on_accept(sock, addr)`` while ``has_room()`` says so."""
+
+    def __init__(self, loop, sock, settings, on_accept, has_room):
+        self.sock = sock
+        self._loop = loop
+        self._fd = sock.fileno()
+        self._batch = settings.accept_batch
+        self._on_accept = on_accept
+        self._has_room = has_room
+        self._active = False        # registered with the loop
+        self._full = False          # paused at max_connections
+        self._timer = None          # pending resume after an error
+        self._backoff = 0.01
+        self.closed = False
+        self.pauses_full = 0        # statistics
+        self.accept_errors = 0
+
+    @property
+    def address(self):
+        return self.sock.getsockname()[:2]
+
+    def start(self):
+        self._arm()
+
+    def _arm(self):
+        if not self._active and not self.closed:
+            self._active = True
+            self._loop.add_reader(self._fd, self._on_ready)
+
+    def _disarm(self):
+        if self._active:
+            self._active = False
+            self._loop.remove_reader(self._fd)
+
+    def _on_ready(self):
+        accept = self.sock.accept
+        for _ in range(self._batch):
+            if not self._has_room():
+                self._full = True
+                self.pauses_full += 1
+                log.warning("max_connections reached: new connections wait in the backlog")
+                self._disarm()
+                return
+            try:
+                sock, addr = accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.accept_errors += 1
+                if e.errno in _ONE_CONNECTION:
+                    continue
+                if e.errno in _OUT_OF_RESOURCES:
+                    delay = 0.1
+                else:
+                    delay = self._backoff
+                    self._backoff = min(1.0, self._backoff * 2)
+                log.warning("accept failed (%s): pausing accepts for %.2f s", e, delay)
+                self._pause(delay)
+                return
+            self._backoff = 0.01
+            self._on_accept(sock, addr)
+
+    def _pause(self, delay):
+        self._disarm()
+        if self._timer is None:
+            self._timer = self._loop.call_later(delay, self._resume_after_error)
+
+    def _resume_after_error(self):
+        self._timer = None
+        if not self._full:
+            self._arm()
+
+    def room_freed(self):
+        """A session ended: resume accepting if the limit had paused it (loop thread)."""
+        if self._full:
+            self._full = False
+            if self._timer is None:
+                self._arm()
+
+    def close(self):
+        if self.closed:
+            return
+        self._disarm()
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            self.sock.close()
+        except OSError:
+            pass

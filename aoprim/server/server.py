@@ -1,0 +1,369 @@
+"""Layer 2 -- the server: composes the parts and owns the lifecycle.
+
+Parts (each in its own module): :class:`~.config.Settings` (validated once),
+a Layer 1 loop (:func:`~.loop.create_loop`), the :class:`~.listener.Listener`, the receive
+pool and its ``RxArena`` (the scratch slot every session reads into), the
+:class:`~.tx.Flusher` (one ``FlushGroup``: every dirty batch flushed once per iteration), the
+dispatch (inline or workers), :class:`~.stats.Stats`, and the sessions.
+
+Lifecycle: ``start()``/``serve_forever()`` -> serving -> ``shutdown()``: stop accepting, stop
+reading, let workers finish what is queued, close every session gracefully (flush, then
+close), stop the loop; sessions still open after ``shutdown_timeout`` are aborted.  After
+the loop stops, every pool slot is back (``stats()["rx_slots_in_use"] == 0``), every fd is
+closed and every worker thread joined -- or, for a worker stuck in a handler, an error is
+logged and its session's buffers go back when the handler returns.
+"""
+import logging
+import socket
+import threading
+
+from aoprim import SlabPool, Slot, RxArena
+
+from .config import Settings
+from .dispatch import InlineDispatch, WorkerDispatch
+from .framing import Framing
+from .listener import Listener, make_listening_socket
+from .loop import create_loop
+from .session import RawSession, Session, SessionContext
+from .stats import Stats
+from .tx import Flusher
+
+__all__ = ["Server"]
+
+log = logging.getLogger("aoprim.server")
+
+
+class Server:
+    """A three-layer server: ``Server(handler, host, port, framing, **settings)``.
+
+    ``handler`` has ``on_connect``, ``on_read``, ``on_close`` (subclass
+    :class:`~aoprim.server.Handler`).  ``framing`` is ``"raw"``, ``"u16"`` or ``"u32"``.
+    Keyword settings (see :class:`~aoprim.server.config.Settings` for all and their
+    defaults): ``max_frame``, ``max_connections``, ``max_pending``, ``idle_timeout``,
+    ``frame_timeout``, ``workers``, ``backend``, ``high_water``, ``low_water``,
+    ``flush_budget``, ``backlog``, ``reuse_port``, ``rx_slot_size``, ``rx_slots``,
+    ``tx_slot_size``, ``tx_slots``, ``close_linger``, ``shutdown_timeout``,
+    ``worker_backlog``, ``worker_queue``, ``accept_batch``.  ``sock``: serve on an already
+    bound and listening socket instead of ``host``/``port``.
+    """
+
+    def __init__(self, handler, host="127.0.0.1", port=0, framing="raw", *, sock=None,
+                 **settings):
+        for hook in ("on_connect", "on_read", "on_close"):
+            if not callable(getattr(handler, hook, None)):
+                raise TypeError(f"handler must have a callable {hook}() (subclass Handler)")
+        st = Settings(framing=framing, **settings)
+        self.settings = st
+        self.handler = handler
+        self.framing = st.framing
+        self.max_frame = st.max_frame
+        self._framing = Framing(st.framing, st.max_frame)
+        self._loop = create_loop(st.backend)
+        self.backend = self._loop.backend
+        self._rx_pool = SlabPool(st.rx_slot_size, st.rx_slots)
+        self._tx_pool = SlabPool(st.tx_slot_size, st.tx_slots)
+        self._arena = None
+        self._stats = Stats()
+        self._sessions = {}             # id -> Session (open or closing)
+        self._live = set()              # sessions whose RefCount is above zero
+        self._next_id = 0
+        self._stopping = False
+        self._workers_left = 0
+        self._dispatch = None
+        self._listener = None
+        self._flusher = None
+        self._ctx = None
+        self._thread = None
+        self._done = threading.Event()
+        self._started = False
+        try:
+            if sock is not None:
+                sock.setblocking(False)
+                self._lsock = sock
+            else:
+                self._lsock = make_listening_socket(host, port, st.backlog, st.reuse_port)
+        except BaseException:
+            self._loop.close()
+            raise
+        self.address = self._lsock.getsockname()[:2]
+
+    # -- set-up --------------------------------------------------------------------------
+    def _prepare(self):
+        if self._started:
+            raise RuntimeError("a Server can be started once")
+        self._started = True
+        st = self.settings
+        loop = self._loop
+        if st.workers:
+            self._workers_left = st.workers
+            self._dispatch = WorkerDispatch(self.handler, st, on_exit=self._worker_exited)
+        else:
+            self._dispatch = InlineDispatch(self.handler)
+        self._arena = RxArena(self._rx_pool)
+        self._flusher = Flusher(st)
+        ctx = SessionContext()
+        ctx.server = self
+        ctx.loop = loop
+        ctx.settings = st
+        ctx.flusher = self._flusher
+        ctx.arena = self._arena
+        ctx.dispatch = self._dispatch
+        ctx.stats = self._stats
+        ctx.header = None if st.framing == "raw" else self._framing.header
+        ctx.encode = self._framing.encode
+        ctx.session_closed = self._session_closed
+        ctx.session_gone = self._live.discard
+        self._ctx = ctx
+        self._session_cls = RawSession if st.framing == "raw" else Session
+        self._listener = Listener(loop, self._lsock, st, self._accept, self._has_room)
+        self._dispatch.start(loop)
+        loop.add_iteration_hook(self._flusher.flush)
+        if st.sweep_every is not None:
+            loop.call_later(st.sweep_every, self._sweep)
+        log.info("aoprim server listening on %s:%s (framing=%s, workers=%d, backend=%s)",
+                 self.address[0], self.address[1], st.framing, st.workers, self.backend)
+
+    def start(self):
+        """Serve in a background thread; returns once the server accepts connections."""
+        self._prepare()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="aoprim-loop",
+                                        daemon=True)
+        self._thread.start()
+        ready.wait()
+        return self
+
+    def serve_forever(self):
+        """Serve in the calling thread until shutdown() or SIGINT/SIGTERM (main thread)."""
+        import signal
+        self._prepare()
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            def on_signal(signum, frame):
+                log.info("received %s: shutting down", signal.Signals(signum).name)
+                self._loop.call_soon_threadsafe(self._begin_shutdown)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, on_signal)
+        try:
+            self._run(None)
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+    def _run(self, ready):
+        try:
+            self._loop.call_soon(self._listener.start)
+            if ready is not None:
+                self._loop.call_soon(ready.set)
+            self._loop.run()
+        except BaseException:
+            log.exception("event loop crashed")
+            raise
+        finally:
+            if ready is not None:
+                ready.set()
+            self._cleanup()
+            self._done.set()
+
+    def shutdown(self, timeout=None):
+        """Stop accepting, let workers finish, flush what is pending, close every session,
+        stop the loop and join it.  Thread-safe; idempotent."""
+        if not self._started:
+            self._started = True
+            self._lsock.close()
+            self._loop.close()
+            self._done.set()
+            return
+        if self._done.is_set():
+            return
+        self._loop.call_soon_threadsafe(self._begin_shutdown)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            st = self.settings
+            self._thread.join(2 * st.shutdown_timeout + 5 if timeout is None else timeout)
+            if self._thread.is_alive():
+                raise TimeoutError("the server loop did not stop in time")
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # -- accepting (loop thread) -----------------------------------------------------------
+    def _has_room(self):
+        return len(self._sessions) < self.settings.max_connections
+
+    def _accept(self, sock, addr):
+        try:
+            sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            sock.close()
+            return
+        self._next_id += 1
+        self._stats.connections_total += 1
+        s = self._session_cls(self._ctx, sock, self._next_id, addr)
+        self._sessions[s.id] = s
+        self._live.add(s)
+        log.debug("session %d %s connected", s.id, addr)
+        s.start()
+        try:
+            self.handler.on_connect(s)
+        except Exception as e:
+            s.handler_failed("on_connect", e)
+
+    def _session_closed(self, s):
+        self._sessions.pop(s.id, None)
+        if self._listener is not None:
+            self._listener.room_freed()
+        self._check_done()
+
+    # -- timeouts (loop thread) ------------------------------------------------------------
+    def _sweep(self):
+        st = self.settings
+        now = self._loop.time()
+        for s in list(self._sessions.values()):
+            s.check_timeouts(now, st.idle_timeout, st.frame_timeout)
+        if not self._stopping:
+            self._loop.call_later(st.sweep_every, self._sweep)
+
+    # -- shutdown (loop thread) ------------------------------------------------------------
+    def _begin_shutdown(self):
+        if self._stopping:
+            return
+        self._stopping = True
+        log.info("aoprim server shutting down (%d sessions)", len(self._sessions))
+        self._listener.close()
+        for s in list(self._sessions.values()):
+            s.stop_reading()
+        self._loop.call_later(self.settings.shutdown_timeout, self._force_stop)
+        if self._workers_left:
+            self._dispatch.stop()       # workers drain what is queued, then exit
+        else:
+            self._close_all()
+
+    def _worker_exited(self):
+        if not self._loop.call_soon_threadsafe(self._one_worker_gone):
+            self._workers_left -= 1     # the loop is gone: nothing waits for this any more
+
+    def _one_worker_gone(self):
+        self._workers_left -= 1
+        if self._workers_left == 0 and self._stopping:
+            self._close_all()
+
+    def _close_all(self):
+        for s in list(self._sessions.values()):
+            s.close_for_shutdown()
+        self._check_done()
+
+    def _force_stop(self):
+        for s in list(self._sessions.values()):
+            s.abort_for_shutdown("shutdown timeout: unsent data dropped")
+        self._loop.stop()
+
+    def _check_done(self):
+        if self._stopping and not self._workers_left and not self._sessions:
+            self._loop.stop()
+
+    def _cleanup(self):
+        for s in list(self._sessions.values()):
+            s.abort_for_shutdown("server stopped")
+        if self._dispatch is not None:
+            self._dispatch.stop()
+            if not self._dispatch.join(self.settings.shutdown_timeout):
+                log.error("worker threads did not exit within %.1f s: their sessions' "
+                          "buffers go back when their handlers return",
+                          self.settings.shutdown_timeout)
+        self._loop.run_ready()      # worker notices, late closes
+        if self._listener is not None:
+            self._listener.close()
+        else:
+            self._lsock.close()
+        if self._arena is not None:
+            self._arena.close()
+        self._loop.close()
+        log.info("aoprim server stopped: %s", self.stats())
+
+    # -- public ----------------------------------------------------------------------------
+    def broadcast(self, data, sessions=None, exclude=None):
+        """Send one buffer to many sessions (all open ones by default) without copying it per
+        session: the framed payload is written once into a pool ``Slot`` that every session's
+        batch retains.  ``exclude``: one session to leave out.  Thread-safe."""
+        fr = self._framing
+        if isinstance(data, Slot):
+            payload = data.data
+        else:
+            payload = memoryview(data).cast("B")
+        n = payload.nbytes
+        hdr = fr.header(n)
+        total = len(hdr) + n
+        slot = self._tx_pool.try_acquire() if total <= self._tx_pool.slot_size else None
+        if slot is not None:
+            mv = memoryview(slot)
+            mv[:len(hdr)] = hdr
+            mv[len(hdr):total] = payload
+            mv.release()
+            slot.length = total
+            item = slot
+        else:
+            item = hdr + payload if hdr else bytes(payload)
+        payload.release()
+        if self._loop.in_loop_thread():
+            self._broadcast_now(item, sessions, exclude)
+        elif not self._loop.call_soon_threadsafe(self._broadcast_now, item, sessions, exclude):
+            if slot is not None:        # the loop is gone: nobody will send it
+                slot.release()
+
+    def _broadcast_now(self, item, sessions, exclude):
+        try:
+            targets = list(self._sessions.values()) if sessions is None else list(sessions)
+            k = 0
+            for s in targets:
+                if s is not exclude and s.server is self and s.send_framed(item):
+                    k += 1
+            self._stats.frames_out += k
+        finally:
+            if isinstance(item, Slot):
+                item.release()
+
+    @property
+    def sessions(self):
+        """The open sessions (a snapshot list)."""
+        return list(self._sessions.values())
+
+    @property
+    def live_sessions(self):
+        """How many sessions still hold references (0 after shutdown when nothing leaked)."""
+        return len(self._live)
+
+    @property
+    def rx_pool(self):
+        return self._rx_pool
+
+    @property
+    def tx_pool(self):
+        return self._tx_pool
+
+    @property
+    def loop(self):
+        """The Layer 1 loop (for timers and call_soon_threadsafe from handlers)."""
+        return self._loop
+
+    def stats(self):
+        """Counters (JSON-serialisable): connections, frames and bytes in/out, syscalls,
+        pool slots in use, close causes."""
+        lst = self._listener
+        arena = self._arena
+        extra = {
+            "rx_slots_in_use": self._rx_pool.in_use,
+            "tx_slots_in_use": self._tx_pool.in_use,
+            "rx_pool_fallbacks": arena.fallbacks if arena is not None else 0,
+            "rx_scratch_swaps": arena.scratch_swaps if arena is not None else 0,
+            "live_sessions": len(self._live),
+            "accept_paused_full": lst.pauses_full if lst is not None else 0,
+            "accept_errors": lst.accept_errors if lst is not None else 0,
+            "loop_iterations": self._loop.iterations,
+            "loop_errors": getattr(self._loop, "errors", 0),
+        }
+        return self._stats.snapshot(list(self._sessions.values()), extra)

@@ -1,0 +1,72 @@
+"""Layer 2 -- statistics: the server's counters and the JSON-serialisable ``stats()`` dict.
+
+Hot counters live where they are bumped for free (the compiled receiver counts reads, bytes
+and frames; each send batch counts syscalls, messages and bytes; a session counts the frames
+it sent on the loop thread); a closing session folds its figures into :class:`Stats`, and a
+snapshot adds the open sessions' figures to the folded ones.
+"""
+from aoprim import AtomicInt
+
+__all__ = ["Stats"]
+
+
+class Stats:
+    """Counters of one server.  Loop-thread counters are plain ints; counters bumped by other
+    threads are ``AtomicInt``."""
+
+    def __init__(self):
+        self.connections_total = 0
+        self.reads = 0                  # recv calls that returned data (closed sessions)
+        self.bytes_in = 0
+        self.frames_in = 0
+        self.frames_out = 0             # loop-thread sends (closed sessions)
+        self.frames_out_x = AtomicInt(0)    # sends from other threads
+        self.eofs = 0                   # recv calls that returned EOF
+        self.handler_errors = AtomicInt(0)
+        self.closes = {}                # close cause -> count (reset, protocol, ...)
+        self.batches = {"syscalls": 0, "messages": 0, "bytes": 0}
+
+    def count_close(self, cause):
+        self.closes[cause] = self.closes.get(cause, 0) + 1
+
+    def fold_session(self, receiver, batch, frames_out):
+        """A session ended: keep its figures."""
+        self.reads += receiver.reads
+        self.bytes_in += receiver.bytes_in
+        self.frames_in += receiver.frames_in
+        self.frames_out += frames_out
+        st = batch.stats
+        for k in self.batches:
+            self.batches[k] += st.get(k, 0)
+
+    def snapshot(self, sessions, extra):
+        """The ``stats()`` dict: folded figures plus the open ``sessions``' own; ``extra``
+        adds the parts' gauges (pool slots, listener, loop)."""
+        agg = dict(self.batches)
+        reads, bin_, fin, fout = self.reads, self.bytes_in, self.frames_in, self.frames_out
+        for s in sessions:
+            r, b, n = s.counters()
+            reads += r.reads
+            bin_ += r.bytes_in
+            fin += r.frames_in
+            fout += n
+            st = b.stats
+            for k in agg:
+                agg[k] += st.get(k, 0)
+        frames_out = fout + self.frames_out_x.load()
+        sends = agg["syscalls"]
+        d = {
+            "connections": len(sessions),
+            "connections_total": self.connections_total,
+            "frames_in": fin,
+            "frames_out": frames_out,
+            "bytes_in": bin_,
+            "bytes_out": agg["bytes"],
+            "recv_syscalls": reads + self.eofs,
+            "send_syscalls": sends,
+            "messages_per_send": (frames_out / sends) if sends else 0.0,
+            "handler_errors": self.handler_errors.load(),
+            "closes": dict(self.closes),
+        }
+        d.update(extra)
+        return d
