@@ -27,7 +27,7 @@ __all__ = ["InlineDispatch", "WorkerDispatch", "WorkState", "EOF_MARK", "CLOSE_M
 
 log = logging.getLogger("aoprim.server")
 
-EOF_MARK = object()     # the peer's EOF, behind the session's last frames
+EOF_MARK = object()     # (EOF_MARK, reason, ...): close once the frames before it ran
 CLOSE_MARK = object()   # run on_close, after every on_read
 
 
@@ -160,8 +160,8 @@ class WorkerDispatch:
                 session.pause_for_backlog(False)
             if item is CLOSE_MARK:
                 session.run_on_close()
-            elif item is EOF_MARK:
-                session.peer_eof_handled()
+            elif type(item) is tuple:           # (EOF_MARK, reason, level, cause)
+                session.frames_done(*item[1:])
             elif not session.closed:
                 try:
                     handler.on_read(session, item)

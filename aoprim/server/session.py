@@ -64,7 +64,8 @@ class Session:
     __slots__ = ("id", "peer", "proxy_peer", "server", "user", "work", "_ctx", "_sock", "_fd",
                  "_loop", "_tid", "_state", "_reason", "_exc", "_rc", "_batch", "_hdr",
                  "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
-                 "_wm_paused", "_timer", "_lingering", "_sockname", "__weakref__")
+                 "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
+                 "__weakref__")
 
     def __init__(self, ctx, sock, sid, peer):
         self.id = sid
@@ -98,6 +99,7 @@ class Session:
         self._timer = None                  # close linger / lingering-close timer
         self._lingering = False             # draining unread input after SHUT_WR
         self._sockname = None
+        self._close_requested = False       # close() from another thread, not yet run
 
     def __repr__(self):
         st = ("open", "closing", "closed")[self._state]
@@ -107,7 +109,7 @@ class Session:
     @property
     def closed(self):
         """True once the session is closing or closed (sends are then dropped)."""
-        return self._state != OPEN
+        return self._state != OPEN or self._close_requested
 
     @property
     def close_reason(self):
@@ -177,6 +179,9 @@ class Session:
         if _get_ident() == self._loop.thread_id:
             self._close("closed by the application")
         else:
+            # from now on this session is closed for its worker: later frames are not
+            # delivered and later sends are dropped, as on the loop thread
+            self._close_requested = True
             self._loop.call_soon_threadsafe(self._close, "closed by the application")
 
     def abort(self):
@@ -207,7 +212,7 @@ class Session:
         """send() when closed (dropped) or from a thread other than the loop's: frame or
         copy here, hand over as ONE item (a header can never be separated from its
         payload), wake the loop."""
-        if self._state:
+        if self._state or self._close_requested:
             return
         hdr = self._hdr
         if isinstance(data, Slot):
@@ -400,10 +405,10 @@ class Session:
         except Exception as e:
             log.error("session %d: handler on_close raised", self.id, exc_info=e)
 
-    def peer_eof_handled(self):
-        """Worker thread: every frame before the peer's EOF has been handled."""
-        self._loop.call_soon_threadsafe(self._close, "peer closed the connection", None,
-                                        logging.DEBUG, "eof")
+    def frames_done(self, reason, level, cause):
+        """Worker thread: every frame before a close the input asked for has been
+        handled (see _close_after_frames)."""
+        self._loop.call_soon_threadsafe(self._close, reason, None, level, cause)
 
     def handler_failed(self, hook, exc):
         """A handler hook raised: log it, close this session only (any thread)."""
@@ -431,24 +436,28 @@ class Session:
             self._abort(f"recv failed: {os.strerror(arg)}",
                         cause="reset" if reset else "recv error")
         elif code == RX_TOO_LARGE:
-            self._close(f"frame too large: header announces {arg} bytes, above "
-                        f"max_frame={self._ctx.settings.max_frame}", None, logging.WARNING,
-                        "protocol")
+            self._close_after_frames(f"frame too large: header announces {arg} bytes, above "
+                                     f"max_frame={self._ctx.settings.max_frame}",
+                                     logging.WARNING, "protocol")
         elif code == RX_HANDLER:
             self.handler_failed("on_read", arg)
 
     def _peer_closed(self):
-        """The peer's EOF.  With workers, frames the peer sent before it may still be queued
-        or running: an EOF mark travels behind them and the close happens from there, so
-        their replies still go out (a client that half-closes after its request gets its
-        answer)."""
         self._ctx.stats.eofs += 1
+        self._close_after_frames("peer closed the connection", logging.DEBUG, "eof")
+
+    def _close_after_frames(self, reason, level, cause):
+        """A graceful close the input asked for (the peer's EOF, a protocol violation).
+        With workers, frames read before it may still be queued or running: a mark travels
+        behind them and the close happens from there, so their replies still go out (a
+        client that half-closes after its request gets its answer)."""
         if self.work is None or self._ctx.dispatch.closed:
-            self._close("peer closed the connection", None, logging.DEBUG, "eof")
+            self._close(reason, None, level, cause)
             return
+        self._rx.close()                # nothing more is read or delivered
         if self._rx.pause(PAUSE_EOF):
             self._update_interest()
-        self._ctx.dispatch.post(self, EOF_MARK)
+        self._ctx.dispatch.post(self, (EOF_MARK, reason, level, cause))
 
     # -- closing (loop thread) ----------------------------------------------------------
     def _close(self, reason, exc=None, level=logging.INFO, cause="closed"):

@@ -1,0 +1,185 @@
+"""Every way a session can end returns every resource: receive slots, send slots, fds, the
+session itself -- and runs on_close exactly once.  Counted from outside (Server.stats()),
+after each way of closing, with and without workers."""
+import logging
+import socket
+import struct
+import threading
+
+import pytest
+
+from aoprim.server import Handler
+
+from test_server_support import (HOST, connect, frame, make_server, open_fds, read_frame,  # noqa: F401
+                                 recv_exact,
+                                 recv_until_closed, wait_for)
+
+IDLE_RX = 1     # the scratch slot every session reads into (held while the server runs)
+
+
+class Recorder(Handler):
+    """Echo; b"boom" raises, b"bye" closes from the handler; counts on_close per session."""
+
+    def __init__(self):
+        self.closed = {}
+        self.lock = threading.Lock()
+
+    def on_read(self, session, data):
+        b = bytes(data)
+        if b == b"boom":
+            raise RuntimeError("handler bug")
+        if b == b"bye":
+            session.send(b"bye-ack")
+            session.close()
+            return
+        session.send(data)
+
+    def on_close(self, session, exc):
+        with self.lock:
+            self.closed[session.id] = self.closed.get(session.id, 0) + 1
+
+
+@pytest.fixture
+def logs(caplog):
+    caplog.set_level(logging.DEBUG, logger="aoprim.server")
+    return caplog
+
+
+def reset(sock):
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def errors(caplog, allow=()):
+    return [r for r in caplog.records if r.levelno >= logging.ERROR
+            and not any(a in r.getMessage() for a in allow)]
+
+
+def _normal(s):
+    s.sendall(frame(b"hello"))
+    assert read_frame(s) == b"hello"
+    s.close()
+
+
+def _reset_mid_frame(s):
+    s.sendall(struct.pack(">H", 3000) + b"x" * 1000)    # a frame begun, never finished
+    reset(s)
+
+
+def _reset_mid_big_frame(s):
+    s.sendall(struct.pack(">H", 60000) + b"y" * 20000)  # larger than a slot: heap buffer
+    reset(s)
+
+
+def _protocol_error(s):
+    s.sendall(frame(b"ok") + struct.pack(">H", 65000))     # above max_frame
+    assert read_frame(s) == b"ok"
+    assert recv_until_closed(s)[0] == b""
+    s.close()
+
+
+def _handler_exception(s):
+    s.sendall(frame(b"x" * 10) + frame(b"boom") + struct.pack(">H", 500) + b"z" * 10)
+    assert read_frame(s) == b"x" * 10
+    assert recv_until_closed(s)[0] == b""
+    s.close()
+
+
+def _application_close(s):
+    s.sendall(frame(b"bye") + frame(b"never answered") + struct.pack(">H", 900) + b"q")
+    assert read_frame(s) == b"bye-ack"
+    data, how = recv_until_closed(s)
+    assert (data, how) == (b"", "eof")
+    s.close()
+
+
+def _eof_mid_frame(s):
+    s.sendall(struct.pack(">H", 3000) + b"x" * 1000)
+    s.shutdown(socket.SHUT_WR)
+    assert recv_until_closed(s)[0] == b""
+    s.close()
+
+
+WAYS = {
+    "normal": _normal,
+    "reset mid-frame": _reset_mid_frame,
+    "reset mid big frame": _reset_mid_big_frame,
+    "protocol error": _protocol_error,
+    "handler exception": _handler_exception,
+    "application close": _application_close,
+    "eof mid-frame": _eof_mid_frame,
+}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("way", list(WAYS))
+def test_every_close_path_returns_every_resource(make_server, connect, logs, way, workers):
+    h = Recorder()
+    srv = make_server(h, framing="u16", max_frame=60000, rx_slot_size=4096, workers=workers)
+    fds = open_fds()
+    n = 20
+    socks = [connect(srv) for _ in range(n)]
+    wait_for(lambda: srv.stats()["connections"] == n)
+    for s in socks:
+        WAYS[way](s)
+    wait_for(lambda: srv.stats()["connections"] == 0, what="every session to close")
+    wait_for(lambda: len(h.closed) == n, what="every on_close")
+    assert set(h.closed.values()) == {1}, "on_close must run exactly once per session"
+    wait_for(lambda: srv.live_sessions == 0, what="every session's last reference")
+    st = srv.stats()
+    assert st["rx_slots_in_use"] == IDLE_RX, st
+    assert st["tx_slots_in_use"] == 0
+    assert open_fds() == fds            # every server-side socket closed (clients too)
+    allow = ("handler on_read raised",) if way == "handler exception" else ()
+    assert not errors(logs, allow), [r.getMessage() for r in errors(logs, allow)]
+    assert "outlived" not in logs.text
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_shutdown_with_frames_in_flight_returns_everything(make_server, connect, workers):
+    h = Recorder()
+    srv = make_server(h, framing="u16", rx_slot_size=4096, workers=workers)
+    socks = [connect(srv) for _ in range(30)]
+    for i, s in enumerate(socks):
+        s.sendall(frame(b"a" * 100) + struct.pack(">H", 2000 + i) + b"b" * (i * 10))
+    for s in socks:
+        assert read_frame(s) == b"a" * 100
+    srv.shutdown()
+    assert len(h.closed) == 30 and set(h.closed.values()) == {1}
+    # make_server's teardown asserts rx/tx slots 0, no live sessions, fds back
+
+
+def test_issue_scenario_50_resets_mid_frame_hold_nothing_back(make_server, connect, logs):
+    """The report: 50 clients send a header for 3000 bytes plus 1000, then reset; the
+    receive pool used to show 51 slots in use and log 'a frame view outlived' 50 times."""
+    srv = make_server(Recorder(), framing="u16")
+    assert srv.stats()["rx_slots_in_use"] == IDLE_RX
+    socks = [connect(srv) for _ in range(50)]
+    for s in socks:
+        s.sendall(struct.pack(">H", 3000) + b"x" * 1000)
+    wait_for(lambda: srv.stats()["bytes_in"] == 50 * 1002, what="the partial frames")
+    for s in socks:
+        reset(s)
+    wait_for(lambda: srv.stats()["connections"] == 0)
+    assert srv.stats()["rx_slots_in_use"] == IDLE_RX
+    assert srv.stats()["rx_pool_fallbacks"] == 0
+    assert not errors(logs)
+
+
+def test_reply_survives_a_close_with_unread_input(make_server, connect):
+    """Lingering close: the handler replies and closes while the client's next request is
+    still unread; closing a socket with unread input sends an RST that destroys the reply in
+    flight -- the server drains the input first."""
+    class ReplyAndClose(Handler):
+        def on_read(self, session, data):
+            session.send(b"R" * 200000)
+            session.close()
+
+    srv = make_server(ReplyAndClose(), framing="raw", rx_slot_size=4096)
+    for _ in range(5):
+        s = connect(srv, rcvbuf=65536)
+        s.sendall(b"req" + b"unread" * 20000)     # read: the first 4 KiB; the rest waits
+        data, how = recv_until_closed(s)
+        assert how == "eof" and len(data) == 200000
+        s.close()
+    wait_for(lambda: srv.stats()["connections"] == 0)
