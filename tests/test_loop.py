@@ -156,3 +156,72 @@ def test_close_rules(loop):
         loop.run()
     # after close: refused (the caller keeps what it meant to hand over)
     assert loop.call_soon_threadsafe(print) is False
+
+
+def test_an_exception_in_a_callback_is_logged_and_the_loop_goes_on(loop, caplog):
+    """One failing callback (fd, timer, call_soon, hook) must not end run(): asyncio
+    isolates callbacks the same way.  (The old loop let it escape and abort every session.)"""
+    seen = []
+    r, w = socket.socketpair()
+    try:
+        def bad():
+            raise RuntimeError("callback bug")
+
+        def bad_reader():
+            r.recv(10)
+            raise ValueError("reader bug")
+
+        loop.add_reader(r.fileno(), bad_reader)
+        w.send(b"x")
+        loop.call_soon(bad)
+        loop.call_later(0, bad)
+        hook_calls = []
+
+        def hook():
+            hook_calls.append(1)
+            if len(hook_calls) == 1:
+                raise KeyError("hook bug")
+        loop.add_iteration_hook(hook)
+        loop.call_later(0.05, seen.append, "timer after the errors")
+        loop.call_later(0.06, loop.stop)
+        loop.run()
+        assert seen == ["timer after the errors"]
+        assert len(hook_calls) >= 2
+        assert loop.errors == 4
+        for msg in ("callback bug", "reader bug", "hook bug"):
+            assert msg in caplog.text
+    finally:
+        loop.remove(r.fileno())
+        r.close()
+        w.close()
+
+
+def test_a_timer_that_schedules_now_runs_it_next_iteration(loop):
+    """call_at(now) from a timer used to run in the same pass: a timer re-arming itself for
+    'now' livelocked the loop (no I/O, no hooks, no stop)."""
+    hooks = []
+    fired = []
+
+    def again():
+        fired.append(loop.iterations)
+        if len(fired) < 50:
+            loop.call_at(loop.time(), again)
+        else:
+            loop.stop()
+    loop.add_iteration_hook(lambda: hooks.append(loop.iterations))
+    loop.call_soon(again)
+    loop.run()
+    assert len(fired) == 50
+    assert len(set(fired)) == 50            # one per iteration, never two in one pass
+    assert len(hooks) >= 50
+
+
+def test_cancelled_timers_are_compacted(loop):
+    ts = [loop.call_later(1000 + i, print) for i in range(5000)]
+    assert loop.pending_timers == 5000
+    for t in ts:
+        t.cancel()
+    assert loop.pending_timers < 600        # rebuilt once cancelled timers are the majority
+    keep = loop.call_later(0.01, loop.stop)
+    loop.run()
+    assert not keep.cancelled

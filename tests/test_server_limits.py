@@ -6,6 +6,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -286,3 +287,37 @@ def test_receive_pool_exhaustion_degrades_to_heap_buffers(make_server, connect, 
     assert srv.stats()["rx_pool_fallbacks"] > 0
     assert "receive pool exhausted" in logs.text
     assert srv.stats()["connections"] == 8
+
+
+def test_reading_resumes_at_low_water_not_at_zero(make_server, connect):
+    """Back-pressure pauses reading above high_water and resumes it once unsent bytes drop
+    to low_water -- the old code ignored low_water and resumed only at 0."""
+    seen = {}
+    handled = threading.Event()
+
+    class Bulk(Handler):
+        def on_connect(self, session):
+            session.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+        def on_read(self, session, data):
+            if bytes(data) == b"go":
+                for _ in range(50):
+                    session.send(b"B" * 4000)
+            else:
+                seen["pending"] = session.pending_bytes
+                handled.set()
+
+    srv = make_server(Bulk(), framing="u16", high_water=64 << 10, low_water=32 << 10)
+    s = connect(srv, rcvbuf=4096)
+    s.sendall(frame(b"go"))
+    wait_for(lambda: srv.sessions and srv.sessions[0].pending_bytes > 64 << 10,
+             what="back-pressure")
+    s.sendall(frame(b"ping"))                # waits in the server's receive buffer
+    got = 0
+    total = 50 * 4002
+    while not handled.is_set():
+        got += len(s.recv(1024))             # drain slowly: 1 KiB at a time
+        assert got < total, "the ping was read only once everything was sent"
+    assert 0 < seen["pending"] <= 32 << 10
+    while got < total:
+        got += len(s.recv(65536))

@@ -1,0 +1,201 @@
+"""Sessions used from threads other than the loop's: framing stays intact, nothing retained
+is lost after shutdown, worker back-pressure never blocks the loop, a stuck worker does not
+keep buffers forever."""
+import socket
+import struct
+import sys
+import threading
+import time
+
+import pytest
+
+from aoprim import SlabPool
+from aoprim.server import Handler, Server
+
+from test_server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
+                                 read_frame, recv_exact, wait_for)
+
+
+@pytest.fixture
+def fast_switching():
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)         # make every bytecode boundary a chance to interleave
+    yield
+    sys.setswitchinterval(old)
+
+
+def run_threads(fns, timeout=60):
+    ts = [threading.Thread(target=f) for f in fns]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in ts)
+
+
+@pytest.mark.timeout(120)
+def test_slots_sent_from_two_threads_keep_u16_framing(make_server, connect, fast_switching):
+    """A Slot sent off the loop thread with u16/u32 framing used to be queued as two items,
+    header then payload: two threads could interleave them and corrupt the stream."""
+    pool = SlabPool(64, 512)
+    srv = make_server(Handler(), framing="u16")
+    s = connect(srv)
+    wait_for(lambda: srv.sessions)
+    sess = srv.sessions[0]
+    n, k = 3000, 2
+
+    def sender(t):
+        def run():
+            for i in range(n):
+                while True:
+                    slot = pool.try_acquire()
+                    if slot is not None:
+                        break
+                    time.sleep(0)       # the pool is the back-pressure here
+                body = struct.pack(">II", t, i) * (1 + (i + t) % 5)
+                mv = memoryview(slot)
+                mv[:len(body)] = body
+                mv.release()
+                slot.length = len(body)
+                sess.send(slot)
+                slot.release()
+        return run
+
+    got = {t: [] for t in range(k)}
+    errs = []
+
+    def reader():
+        try:
+            for _ in range(n * k):
+                body = read_frame(s, "u16")
+                t, i = struct.unpack_from(">II", body)
+                assert body == struct.pack(">II", t, i) * (len(body) // 8)
+                got[t].append(i)
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+
+    rt = threading.Thread(target=reader)
+    rt.start()
+    run_threads([sender(t) for t in range(k)])
+    rt.join(60)
+    assert not rt.is_alive() and not errs, errs
+    assert all(got[t] == list(range(n)) for t in range(k))
+    wait_for(lambda: pool.in_use == 0, what="every sent slot released")
+
+
+def test_send_and_broadcast_after_shutdown_release_what_they_retained():
+    pool = SlabPool(64, 8)
+    srv = Server(Handler(), HOST, 0, framing="u16").start()
+    c = socket.create_connection(srv.address, timeout=5)
+    wait_for(lambda: srv.sessions)
+    sess = srv.sessions[0]
+    srv.shutdown()
+    c.close()
+    slot = pool.acquire()
+    slot.length = 4
+    sess.send(slot)             # dropped: the session is closed
+    slot.release()
+    assert pool.in_use == 0
+    srv.broadcast(b"late")      # off the loop thread, the loop is gone
+    assert srv.stats()["tx_slots_in_use"] == 0
+    assert_no_leaks(srv)
+
+
+def test_foreign_send_racing_teardown_never_strands_a_slot(fast_switching):
+    """Sends from another thread while the session closes: every retained slot is released
+    exactly once, whether it made it into the batch or not."""
+    pool = SlabPool(64, 64)
+    srv = Server(Handler(), HOST, 0, framing="u16").start()
+    try:
+        for _ in range(20):
+            c = socket.create_connection(srv.address, timeout=5)
+            wait_for(lambda: srv.sessions)
+            sess = srv.sessions[0]
+            stop = threading.Event()
+
+            def spam():
+                while not stop.is_set():
+                    slot = pool.try_acquire()
+                    if slot is None:
+                        time.sleep(0)
+                        continue
+                    slot.length = 8
+                    sess.send(slot)
+                    slot.release()
+
+            t = threading.Thread(target=spam)
+            t.start()
+            time.sleep(0.002)
+            sess.abort()
+            wait_for(lambda: not srv.sessions, what="the session to go")
+            stop.set()
+            t.join(10)
+            c.close()
+            wait_for(lambda: pool.in_use == 0, what="every slot back")
+    finally:
+        srv.shutdown()
+    assert_no_leaks(srv)
+
+
+def test_worker_backlog_pauses_reading_and_never_blocks_the_loop(make_server, connect):
+    """workers=N: a session's queued frames are bounded (its reading pauses), and a full
+    completion queue does not block the loop thread in put() -- other sessions (and the loop's
+    timers) keep running while every worker is stuck."""
+    gate = threading.Event()
+    seen = []
+
+    class Slow(Handler):
+        def on_read(self, session, data):
+            if bytes(data) == b"block":
+                gate.wait(30)
+            seen.append(bytes(data))
+            session.send(data)
+
+    srv = make_server(Slow(), framing="u16", workers=1, worker_backlog=8, worker_queue=1,
+                      rx_slot_size=4096)
+    a = connect(srv)
+    a.sendall(frame(b"block"))
+    wait_for(lambda: seen == [] and srv.stats()["frames_in"] >= 1)
+    n = 2000
+    msgs = [b"a%05d" % i + b"." * 194 for i in range(n)]     # 400 KB: many reads' worth
+    sender = threading.Thread(target=a.sendall, args=(b"".join(frame(m) for m in msgs),))
+    sender.start()                      # blocks once the server stops reading
+    others = [connect(srv) for _ in range(5)]
+    for o in others:
+        o.sendall(frame(b"hi"))
+    # the loop is alive: it accepts, reads, and answers stats while the worker is stuck
+    wait_for(lambda: srv.stats()["connections"] == 6, what="accepts while workers stuck")
+    time.sleep(0.2)     # give the loop time to read more if it (wrongly) kept reading
+    fin = srv.stats()["frames_in"]
+    # bounded by the backlog limit plus one read's worth of frames (4096 / 202)
+    assert fin <= 1 + 8 + 4096 // 202 + 5, f"reading did not pause: {fin} frames read"
+    gate.set()
+    assert read_frame(a) == b"block"
+    for m in msgs:
+        assert read_frame(a) == m
+    sender.join(30)
+    for o in others:
+        assert read_frame(o) == b"hi"
+
+
+def test_a_worker_stuck_past_shutdown_gives_buffers_back_when_it_returns(caplog):
+    gate = threading.Event()
+    entered = threading.Event()
+
+    class Stuck(Handler):
+        def on_read(self, session, data):
+            entered.set()
+            gate.wait(30)
+
+    srv = Server(Stuck(), HOST, 0, framing="u16", workers=1, shutdown_timeout=0.3).start()
+    c = socket.create_connection(srv.address, timeout=5)
+    c.sendall(frame(b"x") + struct.pack(">H", 100) + b"partial")
+    assert entered.wait(10)
+    srv.shutdown(timeout=20)
+    assert "worker threads did not exit" in caplog.text
+    gate.set()
+    for t in list(threading.enumerate()):
+        if t.name.startswith("aoprim-worker"):
+            t.join(10)
+    c.close()
+    assert_no_leaks(srv)
