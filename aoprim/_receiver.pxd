@@ -57,6 +57,8 @@ cdef class RxArena:
     cdef int64_t swaps           # scratch replaced because views of it escaped
     cdef int64_t fallbacks       # heap buffers used because the pool was exhausted
     cdef bint closed             # close() ran: the scratch is given back
+    cdef bint busy               # a burst is parsing the scratch in place (a nested burst
+                                 #   of another receiver must swap before reading)
 
     # Replace the scratch (the old one goes back when its last view dies).
     cdef int _swap(self) except -1

@@ -21,9 +21,10 @@ Who owns which buffer
 - Frame views pin their buffer: each view of a Slot counts as a view on the Slot
   (c_view_acquired, as BlockTable's _FrameExporter does) and holds a strong reference to it;
   a heap buffer counts its views the same way and is freed only when the last view is gone.
-  The burst itself holds one such pin on the buffer it parses, from before the first frame
-  until its bytes are settled, so no handler (close(), arena.close(), a nested read) can
-  return that buffer under it.
+  The burst itself holds one more *reference* (Slot.c_retain) on the buffer it parses,
+  from before the first frame until its bytes are settled, so no handler (close(),
+  arena.close()) can return that buffer under it; and while it parses the scratch the arena
+  is marked busy, so a nested read of another receiver swaps in a fresh scratch first.
 
 When a slot returns
 - Our own reference is dropped with Slot.c_release_deferred: at once if no view of the slot
@@ -35,7 +36,7 @@ Why no view ever sees rewritten memory
 - Memory is written only by recv and by the memmove/memcpy that keeps an unfinished tail.
 - recv writes into the scratch only after checking that no view of it is alive (a view left
   by the previous burst made the arena swap in a fresh scratch at the end of that burst; a
-  burst still running up the stack is caught by the same check at the start), and into
+  burst still running up the stack is caught by the busy mark at the start), and into
   ``own`` only at [end, capacity): bytes after every frame delivered from it.
 - The tail is slid down inside ``own`` (memmove) only when no view of it is alive; otherwise
   it is copied into a fresh buffer and the old one is released deferred.
@@ -155,6 +156,15 @@ cdef inline int64_t _bviews(object b) noexcept:
     return aop_load_i64(&(<_HeapBuf>b).views, AOP_ACQUIRE)
 
 
+cdef inline int _bhold(object b) except -1:
+    """One more reference of a Slot (a burst holds one while it parses the slot, so that no
+    close() inside a handler returns it under the burst).  A heap buffer needs none: the
+    burst's local Python reference keeps it."""
+    if type(b) is Slot:
+        (<Slot>b).c_retain()
+    return 0
+
+
 cdef inline int _bgive(object b) except -1:
     """Drop our one reference to b: a Slot goes back to the pool (deferred while views
     live); a heap buffer is freed with its last Python reference (views hold one)."""
@@ -235,6 +245,7 @@ cdef class RxArena:
         self.swaps = 0
         self.fallbacks = 0
         self.closed = False
+        self.busy = False
 
     def __dealloc__(self):
         cdef object s = self.scratch
@@ -259,6 +270,7 @@ cdef class RxArena:
         self.scratch = new
         self.sptr = _bptr(new)
         self.swaps += 1
+        self.busy = False   # the flag describes the scratch in place
         _bgive(old)         # goes back when its last view dies
         return 0
 
@@ -417,7 +429,8 @@ cdef class Receiver:
         cdef Py_ssize_t pos, end, room
         cdef ssize_t n
         cdef int err = 0, why, fail
-        if self.own != NULL:
+        cdef bint in_own = self.own != NULL
+        if in_own:
             buf = <object>self.own
             p = self.optr
             pos = self.pos
@@ -428,9 +441,9 @@ cdef class Receiver:
                 self.pending = False
                 return 0
             buf = arena.scratch
-            if _bviews(buf) != 0:
+            if arena.busy or _bviews(buf) != 0:
                 # a burst further up the stack (a handler reading another receiver) is
-                # still parsing it: never read over it
+                # still parsing it, or a view of it lives: never read over it
                 arena._swap()
                 buf = arena.scratch
             p = arena.sptr
@@ -451,7 +464,9 @@ cdef class Receiver:
             self.bytes_in += n
             end += n
         self.pending = False
-        _bpin(buf)                  # the burst's own pin: nobody returns buf under us
+        _bhold(buf)                 # the burst's own reference: nobody returns buf under us
+        if not in_own:
+            arena.busy = True       # (one flag per scratch: _swap clears it)
         why = CUT_STOP              # what a BaseException leaves: the rest is kept pending
         fail = 0
         try:
@@ -466,7 +481,9 @@ cdef class Receiver:
             try:
                 fail = self._settle(buf, p, pos, end, why)
             finally:
-                _bunpin(buf)
+                if not in_own and arena.scratch is buf:
+                    arena.busy = False
+                _bgive(buf)
         if why == CUT_TOO_LARGE:
             self._event(AOP_RX_TOO_LARGE, self.announced)
         elif fail:
@@ -549,7 +566,7 @@ cdef class Receiver:
     cdef int _settle(self, object buf, char *p, Py_ssize_t pos, Py_ssize_t end,
                      int why) except -1:
         """Keep what is left of buf[pos:end) and retire what is not; 1 if memory ran out.
-        Runs with the burst's pin still on buf (so views counts include it)."""
+        Runs while the burst still holds its reference to buf."""
         cdef RxArena arena = self.arena
         cdef bint in_own = self.own != NULL and self.own == <PyObject *>buf
         cdef Py_ssize_t rest = end - pos
@@ -574,8 +591,8 @@ cdef class Receiver:
                 self.end = end
                 if self.want:
                     self.want = pos + need
-            elif in_own and not self.want and need <= arena.size and _bviews(buf) <= 1:
-                # slot-size buffer, no view of it alive but ours: slide the tail down
+            elif in_own and not self.want and need <= arena.size and _bviews(buf) == 0:
+                # slot-size buffer, no view of it alive: slide the tail down
                 memmove(p, p + pos, rest)
                 self.pos = 0
                 self.end = rest
@@ -604,7 +621,7 @@ cdef class Receiver:
                     self.want = need if need > arena.size else 0
             if why == CUT_STOP and not fail:
                 self.pending = True
-        if not in_own and arena.scratch is buf and _bviews(buf) > 1:
+        if not in_own and arena.scratch is buf and _bviews(buf) != 0:
             arena._swap()       # a view escaped: never read over it again
         return fail
 
