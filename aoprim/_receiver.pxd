@@ -99,7 +99,10 @@ cdef class Receiver:
     cdef int c_on_readable(self) except -1
     cdef int _burst(self, bint do_read) except -1
     cdef int _cut(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end) except -1
-    cdef int _deliver(self, object buf, char *p, Py_ssize_t n) except -1
+    cdef int _cut_frames(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end,
+                         PyObject **pbase) except -1
+    cdef object _view(self, object buf, char *p, Py_ssize_t n)
+    cdef int _deliver(self, object buf, object base, char *p, Py_ssize_t n) except -1
     cdef int _event(self, int code, object arg) except -1
     cdef int _settle(self, object buf, char *p, Py_ssize_t pos, Py_ssize_t end,
                      int why) except -1

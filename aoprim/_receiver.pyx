@@ -18,9 +18,12 @@ Who owns which buffer
   than a slot, a heap buffer of exactly that frame (reserved only after its header passed
   max_frame; reads into it ask only for the bytes still missing).  When the kept bytes are
   delivered, the buffer goes back at once.
-- Frame views pin their buffer: each view of a Slot counts as a view on the Slot
+- Frame views pin their buffer: an export of a Slot counts as a view on the Slot
   (c_view_acquired, as BlockTable's _FrameExporter does) and holds a strong reference to it;
   a heap buffer counts its views the same way and is freed only when the last view is gone.
+  A burst makes one such export of its whole window at its first frame and hands out each
+  frame as a memoryview registered on that export's managed buffer (narrowed to the frame),
+  so the export -- and the pin -- lasts exactly as long as any frame view or sub-view of it.
   The burst itself holds one more *reference* (Slot.c_retain) on the buffer it parses,
   from before the first frame until its bytes are settled, so no handler (close(),
   arena.close()) can return that buffer under it; and while it parses the scratch the arena
@@ -87,6 +90,7 @@ from aoprim._slab cimport SlabPool, Slot, aop_slab_take
 
 cdef extern from "Python.h":
     int PyBUF_WRITABLE
+    Py_buffer *PyMemoryView_GET_BUFFER(object mview)
     Py_ssize_t Py_REFCNT(PyObject *o)
     void Py_DECREF_p "Py_DECREF"(PyObject *o)
 
@@ -473,7 +477,7 @@ cdef class Receiver:
             if self.hs == 0:        # raw: the chunk is the frame
                 pos = end
                 self.frames_in += 1
-                self._deliver(buf, p, end)
+                self._deliver(buf, None, p, end)
                 why = CUT_MORE
             else:
                 why = self._cut(buf, p, &pos, end)
@@ -491,11 +495,26 @@ cdef class Receiver:
         return 0
 
     cdef int _cut(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end) except -1:
+        # One pinned view of the whole window (`base`, made at the first frame) per burst;
+        # each frame is a memoryview registered on base's managed buffer and re-pointed at
+        # the frame: one object per frame, no getbuffer.  The pin lasts while base or any
+        # frame view (or a sub-view a handler kept) lives: dropping base at the end leaves
+        # exactly the escaped views holding it, which is what _settle checks.
+        cdef PyObject *base = NULL
+        try:
+            return self._cut_frames(buf, p, ppos, end, &base)
+        finally:
+            if base != NULL:
+                Py_DECREF_p(base)        # the pin goes with the last view on base's buffer
+
+    cdef int _cut_frames(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end,
+                         PyObject **pbase) except -1:
         cdef Py_ssize_t pos = ppos[0]
         cdef Py_ssize_t hs = self.hs
         cdef Py_ssize_t avail
         cdef uint64_t n
         cdef const unsigned char *q
+        cdef object base
         while True:
             avail = end - pos
             if avail < hs:
@@ -516,25 +535,44 @@ cdef class Receiver:
             pos += hs + <Py_ssize_t>n
             ppos[0] = pos                  # consumed before the call (see BaseException)
             self.frames_in += 1
-            if self._deliver(buf, p + pos - <Py_ssize_t>n, <Py_ssize_t>n) or self.closed:
+            if not self.copy_frames and pbase[0] == NULL:
+                base = self._view(buf, p, end)
+                Py_INCREF(base)              # owned by _cut's `base` from here
+                pbase[0] = <PyObject *>base
+            if (self._deliver(buf, <object>pbase[0] if pbase[0] != NULL else None,
+                              p + pos - <Py_ssize_t>n, <Py_ssize_t>n) or self.closed):
                 return CUT_STOP
 
-    cdef int _deliver(self, object buf, char *p, Py_ssize_t n) except -1:
-        """on_frame(owner, data): 0, or 1 after a handler exception (reported)."""
+    cdef object _view(self, object buf, char *p, Py_ssize_t n):
+        """A new read-only memoryview of p[0:n] that pins buf (see _RxExporter)."""
+        cdef _RxExporter fx = self.fx
+        fx.pin = <PyObject *>buf
+        fx.ptr = p
+        fx.len = n
+        try:
+            return PyMemoryView_FromObject(fx)
+        finally:
+            fx.pin = NULL
+
+    cdef int _deliver(self, object buf, object base, char *p, Py_ssize_t n) except -1:
+        """on_frame(owner, data): 0, or 1 after a handler exception (reported).  data is a
+        bytes copy (copy_frames), a view registered on `base` re-pointed at p[0:n], or (no
+        base) a view of its own."""
         cdef object data
         cdef object exc = None
-        cdef _RxExporter fx
+        cdef Py_buffer *v
         if self.copy_frames:
             data = PyBytes_FromStringAndSize(p, n)
+        elif base is not None:
+            # a fresh memoryview on base's managed buffer (no getbuffer), nobody has seen
+            # it yet: narrow it to the frame (1-D, 'B', itemsize 1: buf, len, shape[0])
+            data = PyMemoryView_FromObject(base)
+            v = PyMemoryView_GET_BUFFER(data)
+            v.buf = <void *>p
+            v.len = n
+            v.shape[0] = n
         else:
-            fx = self.fx
-            fx.pin = <PyObject *>buf
-            fx.ptr = p
-            fx.len = n
-            try:
-                data = PyMemoryView_FromObject(fx)
-            finally:
-                fx.pin = NULL
+            data = self._view(buf, p, n)
         try:
             self.on_frame(self.owner, data)
         except Exception as e:

@@ -3,6 +3,7 @@ on_readable() directly (no event loop).  Every test counts pool slots at the end
 value is 1 (the arena's scratch) and 0 once the arena is closed."""
 import errno
 import gc
+import pickle
 import select
 import socket
 import struct
@@ -437,19 +438,27 @@ def test_frame_views_are_not_writable(rigs):
     g.close()
 
 
-@pytest.mark.parametrize("how", ["slice", "export"])
+@pytest.mark.parametrize("how", ["slice", "memoryview", "export"])
 def test_kept_subview_pins_the_scratch(rigs, how):
     kept = []
 
     def on_frame(owner, data):
         if not kept:
-            kept.append(data[1:] if how == "slice" else memoryview(data))
+            if how == "slice":
+                kept.append(data[1:])
+            elif how == "memoryview":
+                kept.append(memoryview(data))
+            else:       # a buffer export of data itself: data cannot be released, stays valid
+                kept.append(pickle.PickleBuffer(data))
+                kept.append(data)
 
     g = rigs(hs=2, slot_size=64, on_frame=on_frame)
     g.send(enc(2, b"Xkeep-me-intact"))
     g.rx.on_readable()
     want = b"keep-me-intact" if how == "slice" else b"Xkeep-me-intact"
     assert bytes(kept[0]) == want
+    if how == "export":
+        assert bytes(kept[1]) == want   # not released: an export of it is alive
     assert g.arena.scratch_swaps == 1
     assert g.pool.in_use == 2            # the old scratch is pinned, a fresh one in place
     for i in range(50):
