@@ -830,3 +830,27 @@ def test_gc_cycle_through_a_container():
     a.close()
     b.close()
     assert pool.in_use == 0
+
+
+# ---- cimport ------------------------------------------------------------------------------
+
+CIMPORT_SOURCE = r"""
+from aoprim._receiver cimport Receiver, RxArena, AOP_RX_EOF
+
+def drive(Receiver rx, int times):
+    cdef int i
+    for i in range(times):
+        rx.c_on_readable()
+    return rx.frames_in, rx.reads, rx.hs, rx.arena.size, AOP_RX_EOF
+"""
+
+
+def test_cimport_c_on_readable(cybuild):
+    mod = cybuild("aop_rx_cimport", CIMPORT_SOURCE)
+    g = Rig(hs=2, slot_size=64)
+    try:
+        g.send(enc(2, b"one") + enc(2, b"two") + enc(2, b"x" * 100))
+        assert mod.drive(g.rx, 3) == (3, 2, 2, 64, RX_EOF)   # 112 bytes: 2 reads
+        assert g.frames == [b"one", b"two", b"x" * 100]
+    finally:
+        g.close()
