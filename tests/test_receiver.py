@@ -590,6 +590,33 @@ def test_close_inside_on_frame_stops_delivery(rigs):
     g.close()
 
 
+def test_close_inside_on_event(rigs):
+    """What a session does: a handler error or the peer's EOF closes it from on_event."""
+    def on_frame(owner, data):
+        if bytes(data) == b"bad":
+            raise RuntimeError("handler bug")
+        owner.frames.append(bytes(data))
+
+    g = rigs(hs=2, slot_size=64, on_frame=on_frame)
+    g.rx.close()
+    closed = []
+
+    def on_event(owner, code, arg):
+        closed.append(code)
+        owner.rx.close()
+
+    g.rx = Receiver(g.arena, g.r.fileno(), 2, 100, on_frame, on_event, g)
+    g.send(enc(2, b"ok")[:3])
+    g.rx.on_readable()
+    assert g.rx.holds_slot
+    g.send(enc(2, b"ok")[3:] + enc(2, b"bad") + enc(2, b"never") + enc(2, b"y" * 9)[:4])
+    g.rx.on_readable()
+    assert g.frames == [b"ok"] and closed == [RX_HANDLER]
+    assert g.rx.closed and g.rx.buffered == 0 and not g.rx.holds_slot
+    assert g.pool.in_use == 1
+    g.close()
+
+
 def test_arena_close_inside_on_frame(rigs):
     def on_frame(owner, data):
         owner.frames.append(bytes(data))
@@ -693,6 +720,43 @@ def test_on_event_failure_is_unraisable(rigs, monkeypatch):
     g.r.close()
     g.arena.close()
     assert g.pool.in_use == 0
+
+
+# ---- no leaks, no per-read garbage --------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["views", "copy", "handler-error", "unfinished"])
+def test_no_memory_growth(rigs, mode):
+    def on_frame(owner, data):
+        if mode == "handler-error":
+            raise ValueError("x")
+
+    g = rigs(hs=2, slot_size=256, copy=(mode == "copy"), on_frame=on_frame)
+    burst = enc(2, b"p" * 10) * 16
+    if mode == "unfinished":
+        burst = enc(2, b"q" * 100) + enc(2, b"q" * 100)[:50]
+        tail = enc(2, b"q" * 100)[50:]
+
+    def run(n):
+        for _ in range(n):
+            g.send(burst)
+            g.rx.on_readable()
+            if mode == "handler-error":
+                g.rx.on_readable()      # the pending frames (one more error each)
+                while g.rx.pending:
+                    g.rx.on_readable()
+            if mode == "unfinished":
+                g.send(tail)
+                g.rx.on_readable()
+        g.events.clear()
+
+    run(200)
+    gc.collect()
+    before = sys.getallocatedblocks()
+    run(2000)
+    gc.collect()
+    assert sys.getallocatedblocks() - before < 50
+    assert g.pool.in_use == 1
+    g.close()
 
 
 # ---- lifetime -----------------------------------------------------------------------------
