@@ -440,6 +440,9 @@ cdef class Receiver:
             pos = self.pos
             end = self.end
             room = (self.want if self.want else self.ocap) - end
+            if room <= 0:
+                do_read = False     # never: kept bytes always leave room (see _settle);
+                                    # a 0-byte recv would read as EOF
         else:
             if not do_read:
                 self.pending = False
