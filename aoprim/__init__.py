@@ -44,6 +44,10 @@ from aoprim._blocktable import BlockTable
 # send batching (issue 5)
 from aoprim._sendbatch import SendBatch
 
+# receive path
+from aoprim._receiver import (Receiver, RxArena, RX_EOF, RX_ERROR, RX_TOO_LARGE,
+                              RX_HANDLER)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -52,6 +56,7 @@ __all__ = [
     "SlabPool", "Slot", "BlockTable",
     "Full", "Empty", "PoolExhausted", "RefCountError", "Closed",
     "SendBatch",
+    "Receiver", "RxArena", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
     "get_include",
 ]
 

@@ -1,0 +1,110 @@
+# cython: language_level=3
+"""Receiver and RxArena, for ``cimport``: the compiled per-read, per-frame receive path.
+
+    from aoprim._receiver cimport RxArena, Receiver
+
+    cdef Receiver rx = Receiver(arena, fd, 2, 65536, on_frame, on_event, session)
+    rx.c_on_readable()           # == rx.on_readable(), without the Python method call
+
+Buffers (who owns what; the invariants are argued at the top of _receiver.pyx)
+- An RxArena owns one *scratch* buffer (a pool Slot, or a heap buffer of slot size when the
+  pool was exhausted); every Receiver of the arena reads into it while it holds no
+  unfinished frame.  Exported frame views pin it; the arena swaps in a fresh scratch after
+  a burst that left views behind, and the old one goes back when its last view dies.
+- A Receiver owns at most one buffer, ``own``, while a frame is unfinished: a pool Slot, a
+  heap buffer of slot size (pool exhausted) or a heap buffer of exactly one frame (a frame
+  larger than a slot).  It holds one reference; close()/dealloc give it back (deferred
+  while views of it live).
+
+One thread: a Receiver, and the RxArena it reads into, are used by one event-loop thread.
+Frame views may travel to other threads: their pins are atomic counts.
+"""
+from libc.stdint cimport int64_t, uint64_t
+from cpython.ref cimport PyObject
+from aoprim.atomic_h cimport aop_atomic_i64
+from aoprim._slab cimport SlabPool, Slot
+
+# on_event codes (the Python constants RX_EOF ... have the same values)
+cdef enum:
+    AOP_RX_EOF = 1          # the peer closed its side (recv returned 0); arg 0
+    AOP_RX_ERROR = 2        # recv failed; arg errno
+    AOP_RX_TOO_LARGE = 3    # a header announced more than max_frame; arg the announced length
+    AOP_RX_HANDLER = 4      # on_frame raised an Exception; arg the exception
+
+
+cdef class _HeapBuf:
+    # Memory from malloc for when a pool slot will not do.  Frame views hold a strong
+    # reference to it, so the memory is freed (in __dealloc__) only after the last view.
+    cdef char *ptr               # owned (malloc); freed by __dealloc__
+    cdef Py_ssize_t size         # bytes at ptr
+    cdef aop_atomic_i64 views    # live frame views (atomic: a view may die in another thread)
+
+
+cdef class _RxExporter:
+    # One per Receiver.  Set right before PyMemoryView_FromObject(self) and read only inside
+    # that call's getbuffer; each exported view then pins `pin` by itself (a view count on
+    # it plus a strong reference in Py_buffer.internal), so the exporter holds nothing.
+    cdef PyObject *pin           # borrowed for the one getbuffer: the Slot or _HeapBuf
+    cdef char *ptr               # first byte of the frame
+    cdef Py_ssize_t len          # frame length
+
+
+cdef class RxArena:
+    cdef SlabPool pool           # where scratch and receivers' slots come from
+    cdef object scratch          # Slot or _HeapBuf, one reference of ours; None once closed
+    cdef char *sptr              # first byte of the scratch (NULL once closed)
+    cdef Py_ssize_t size         # scratch size == pool.slot_size
+    cdef int64_t swaps           # scratch replaced because views of it escaped
+    cdef int64_t fallbacks       # heap buffers used because the pool was exhausted
+    cdef bint closed             # close() ran: the scratch is given back
+    cdef bint busy               # a burst is parsing the scratch in place (a nested burst
+                                 #   of another receiver must swap before reading)
+
+    # Replace the scratch (the old one goes back when its last view dies).
+    cdef int _swap(self) except -1
+    # A buffer of slot size: a pool slot, else a heap buffer (counted in fallbacks).
+    cdef object _slot_or_heap(self)
+
+
+cdef class Receiver:
+    cdef RxArena arena           # the scratch to read into (None once closed)
+    cdef object on_frame         # on_frame(owner, data); None once closed
+    cdef object on_event         # on_event(owner, code, arg); None once closed
+    cdef object owner            # first argument of both callbacks; None once closed
+    cdef _RxExporter fx          # turns (buffer, offset, length) into one pinned view
+    cdef PyObject *own           # Slot or _HeapBuf holding an unfinished frame (one ref,
+                                 # a C pointer so that a GC clear never drops it), or NULL
+    cdef char *optr              # first byte of own
+    cdef Py_ssize_t ocap         # bytes at optr
+    cdef Py_ssize_t pos          # own[pos:end) are the bytes kept (unfinished frame, or
+    cdef Py_ssize_t end          #   undelivered frames when `pending`)
+    cdef Py_ssize_t want         # > 0: own is one frame's exact buffer, read only up to
+                                 #   want; 0: read up to ocap
+    cdef Py_ssize_t need         # set by _cut: bytes (header included) of the unfinished
+                                 #   frame at the stop position (hs while its header is short)
+    cdef uint64_t announced      # set by _cut: the too-large length
+    cdef uint64_t max_frame      # largest payload accepted
+    cdef int fd                  # the socket (the caller owns it)
+    cdef int hs                  # header size: 0 (raw), 2 or 4
+    cdef bint copy_frames        # deliver bytes copies instead of pinned views
+    cdef bint closed             # close() ran
+    cdef bint busy               # inside on_readable (a nested call does nothing)
+    cdef bint failed             # RX_TOO_LARGE seen: the stream lost its framing
+    cdef bint pending            # own[pos:end) may hold complete, undelivered frames
+    cdef int64_t reads           # recv calls that returned data
+    cdef int64_t bytes_in        # bytes received
+    cdef int64_t frames_in       # frames delivered (handed to on_frame)
+
+    # on_readable() for Cython callers: 0, or -1 with a BaseException set.
+    cdef int c_on_readable(self) except -1
+    cdef int _burst(self, bint do_read) except -1
+    cdef int _cut(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end) except -1
+    cdef int _cut_frames(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end,
+                         PyObject **pbase) except -1
+    cdef object _view(self, object buf, char *p, Py_ssize_t n)
+    cdef int _deliver(self, object buf, object base, char *p, Py_ssize_t n) except -1
+    cdef int _event(self, int code, object arg) except -1
+    cdef int _settle(self, object buf, char *p, Py_ssize_t pos, Py_ssize_t end,
+                     int why) except -1
+    cdef int _adopt(self, object b, char *p, Py_ssize_t cap) except -1
+    cdef int _drop_own(self) except -1

@@ -1,0 +1,747 @@
+# cython: language_level=3, freethreading_compatible=True
+# cython: boundscheck=False, wraparound=False, initializedcheck=False
+"""Receiver and RxArena: a session's per-read, per-frame work, compiled.
+
+    arena = RxArena(pool)        # one per event-loop thread
+    rx = Receiver(arena, fd, header_size, max_frame, on_frame, on_event, owner)
+    rx.on_readable()             # one recv (GIL released) + cut + deliver
+    rx.close()                   # every buffer back, exactly once
+
+Who owns which buffer
+- The arena owns one *scratch* buffer of slot size (a pool Slot; a heap buffer when the pool
+  was exhausted).  A receiver with no unfinished frame reads into it, cuts every complete
+  frame out of it, and moves an unfinished tail into a buffer of its own.  So between calls
+  the scratch holds nothing anybody needs: the next read of any receiver may overwrite it.
+- A receiver owns at most one buffer (``own``), and only while bytes are kept in it (an
+  unfinished frame, or frames a handler exception left undelivered): a pool Slot, a heap
+  buffer of slot size (pool exhausted; counted in arena.fallbacks) or, for a frame larger
+  than a slot, a heap buffer of exactly that frame (reserved only after its header passed
+  max_frame; reads into it ask only for the bytes still missing).  When the kept bytes are
+  delivered, the buffer goes back at once.
+- Frame views pin their buffer: an export of a Slot counts as a view on the Slot
+  (c_view_acquired, as BlockTable's _FrameExporter does) and holds a strong reference to it;
+  a heap buffer counts its views the same way and is freed only when the last view is gone.
+  A burst makes one such export of its whole window at its first frame and hands out each
+  frame as a memoryview registered on that export's managed buffer (narrowed to the frame),
+  so the export -- and the pin -- lasts exactly as long as any frame view or sub-view of it.
+  The burst itself holds one more *reference* (Slot.c_retain) on the buffer it parses,
+  from before the first frame until its bytes are settled, so no handler (close(),
+  arena.close()) can return that buffer under it; and while it parses the scratch the arena
+  is marked busy, so a nested read of another receiver swaps in a fresh scratch first.
+
+When a slot returns
+- Our own reference is dropped with Slot.c_release_deferred: at once if no view of the slot
+  is alive, otherwise when the last view is released (Slot's DEFER bit).  That happens on
+  close(), on deallocation, when the kept bytes are all delivered, and when they move to
+  another buffer.  The arena's scratch likewise, on close() and on a swap.
+
+Why no view ever sees rewritten memory
+- Memory is written only by recv and by the memmove/memcpy that keeps an unfinished tail.
+- recv writes into the scratch only after checking that no view of it is alive (a view left
+  by the previous burst made the arena swap in a fresh scratch at the end of that burst; a
+  burst still running up the stack is caught by the busy mark at the start), and into
+  ``own`` only at [end, capacity): bytes after every frame delivered from it.
+- The tail is slid down inside ``own`` (memmove) only when no view of it is alive; otherwise
+  it is copied into a fresh buffer and the old one is released deferred.
+- A view we hand out is released right after on_frame returns (a kept ``data`` raises
+  ValueError afterwards, as a released memoryview does).  A sub-view or an export the
+  handler keeps shares the export, so the pin lives exactly as long as the memory is visible.
+- With copy_frames=True the handler gets bytes copies and nothing is pinned.
+
+Frames are delivered in stream order; a receiver stops delivering at once when close() was
+called (even from inside on_frame) and after a handler exception (RX_HANDLER); the frames
+of that read that were not delivered stay buffered (``pending``) and are delivered first by
+the next on_readable().  A too-large header (RX_TOO_LARGE) ends the stream's framing:
+the receiver drops what it kept and reads nothing more.  A BaseException from on_frame
+(KeyboardInterrupt) propagates; the frame it interrupted counts as delivered and the rest
+stays pending, as after RX_HANDLER.
+
+Closed arena: on_readable() of a receiver whose arena was closed returns without reading.
+
+GC.  RxArena is not tracked by the cyclic GC (@no_gc): it references only its pool and its
+scratch, neither of which can reference back, so it can never be part of a cycle.  A
+Receiver is tracked (it holds the owner and the callbacks, which usually hold it: a cycle);
+the GC may clear it, which drops only arena, callbacks, owner and exporter -- what close()
+drops too.  Its buffer is held through a C pointer the clear never sees, and __dealloc__
+returns it properly (c_release_deferred), so a collected cycle returns every slot without
+the Slot's ResourceWarning path.  A cleared receiver reads nothing more.
+
+Threads: one event-loop thread uses a receiver and its arena (no locking, like a socket).
+Views handed out may be released in any thread: pins are atomic counts.
+"""
+cimport cython
+from cpython.ref cimport PyObject, Py_INCREF
+from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.memoryview cimport PyMemoryView_FromObject
+from cpython.number cimport PyNumber_Index
+from cpython.long cimport PyLong_CheckExact, PyLong_AsSsize_t
+from libc.stdint cimport int64_t, uint64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy, memmove
+from libc.errno cimport errno, EAGAIN, EINTR, ENOMEM
+from libc.limits cimport INT_MAX
+
+from aoprim.atomic_h cimport (
+    AOP_RELAXED, AOP_ACQUIRE, AOP_RELEASE, aop_load_i64, aop_store_i64, aop_fetch_add_i64,
+    aop_fetch_sub_i64,
+)
+from aoprim._slab cimport SlabPool, Slot, aop_slab_take
+
+cdef extern from "Python.h":
+    int PyBUF_WRITABLE
+    Py_buffer *PyMemoryView_GET_BUFFER(object mview)
+    Py_ssize_t Py_REFCNT(PyObject *o)
+    void Py_DECREF_p "Py_DECREF"(PyObject *o)
+
+cdef extern from "<errno.h>":
+    int EWOULDBLOCK
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t recv(int fd, void *buf, size_t n, int flags)
+
+RX_EOF = AOP_RX_EOF
+RX_ERROR = AOP_RX_ERROR
+RX_TOO_LARGE = AOP_RX_TOO_LARGE
+RX_HANDLER = AOP_RX_HANDLER
+
+# _cut's verdict on the bytes left at its stop position
+cdef enum:
+    CUT_MORE = 0        # the rest is one unfinished frame (Receiver.need bytes once complete)
+    CUT_STOP = 1        # delivery stopped early (close(), handler exception, BaseException)
+    CUT_TOO_LARGE = 2   # a header above max_frame starts at the stop position
+
+# max_frame is clamped here: a frame buffer's size must fit Py_ssize_t with room to spare
+cdef uint64_t MAX_FRAME_CAP = (<uint64_t>1) << 62
+
+
+cdef inline Py_ssize_t _as_index(object v, str what) except? -1:
+    """operator.index(v): TypeError for non-integers (a float is never truncated)."""
+    if not PyLong_CheckExact(v):
+        if isinstance(v, float) or not hasattr(type(v), "__index__"):
+            raise TypeError(f"{what} must be an integer, not {type(v).__name__}")
+        v = PyNumber_Index(v)
+    return PyLong_AsSsize_t(v)
+
+
+# ---- buffers: a pool Slot or a _HeapBuf, behind four helpers ------------------------------
+
+cdef inline char *_bptr(object b) noexcept:
+    if type(b) is Slot:
+        return (<Slot>b).ptr
+    return (<_HeapBuf>b).ptr
+
+
+cdef inline int _bpin(object b) except -1:
+    """One more view of b (its memory must stay and stay unchanged)."""
+    if type(b) is Slot:
+        (<Slot>b).c_view_acquired()
+    else:
+        # relaxed: a count; the memory itself is kept alive by the view's strong reference
+        aop_fetch_add_i64(&(<_HeapBuf>b).views, 1, AOP_RELAXED)
+    return 0
+
+
+cdef inline int _bunpin(object b) except -1:
+    """One view fewer (a Slot released deferred goes back with its last view)."""
+    if type(b) is Slot:
+        (<Slot>b).c_view_released()
+    else:
+        # release: the view's reads happen before a writer that sees the count drop
+        aop_fetch_sub_i64(&(<_HeapBuf>b).views, 1, AOP_RELEASE)
+    return 0
+
+
+cdef inline int64_t _bviews(object b) noexcept:
+    """Views of b alive now.  acquire: pairs with the release of _bunpin / c_view_released,
+    so once we see 0 every reader is done before we write."""
+    if type(b) is Slot:
+        return aop_load_i64(&(<Slot>b).state, AOP_ACQUIRE) >> 32
+    return aop_load_i64(&(<_HeapBuf>b).views, AOP_ACQUIRE)
+
+
+cdef inline int _bhold(object b) except -1:
+    """One more reference of a Slot (a burst holds one while it parses the slot, so that no
+    close() inside a handler returns it under the burst).  A heap buffer needs none: the
+    burst's local Python reference keeps it."""
+    if type(b) is Slot:
+        (<Slot>b).c_retain()
+    return 0
+
+
+cdef inline int _bgive(object b) except -1:
+    """Drop our one reference to b: a Slot goes back to the pool (deferred while views
+    live); a heap buffer is freed with its last Python reference (views hold one)."""
+    if type(b) is Slot:
+        (<Slot>b).c_release_deferred()
+    return 0
+
+
+cdef _HeapBuf _heap(Py_ssize_t n):
+    cdef _HeapBuf h = _HeapBuf.__new__(_HeapBuf)
+    h.ptr = <char *>malloc(n if n > 0 else 1)
+    if h.ptr == NULL:
+        raise MemoryError(f"cannot allocate a receive buffer of {n} bytes")
+    h.size = n
+    return h
+
+
+cdef void _report(object exc) noexcept:
+    # a `noexcept` function that raises hands the exception to sys.unraisablehook
+    raise exc
+
+
+@cython.final
+@cython.no_gc
+cdef class _HeapBuf:
+    """Receive memory from malloc (see _receiver.pxd)."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("internal to Receiver")
+
+    def __dealloc__(self):
+        free(self.ptr)
+        self.ptr = NULL
+
+
+@cython.final
+@cython.no_gc
+cdef class _RxExporter:
+    """Exports the frame that Receiver._deliver set just before (see _receiver.pxd)."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("internal to Receiver")
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        cdef PyObject *pin = self.pin
+        if pin == NULL:
+            raise BufferError("frame views come from Receiver.on_readable()")
+        if flags & PyBUF_WRITABLE:
+            raise BufferError("frame views are read-only")
+        _bpin(<object>pin)                  # pins the buffer: a view count on it ...
+        PyBuffer_FillInfo(view, self, self.ptr, self.len, 1, flags)
+        Py_INCREF(<object>pin)              # ... and a strong reference
+        view.internal = <void *>pin
+
+    def __releasebuffer__(self, Py_buffer *view):
+        cdef object b = <object>view.internal     # +1 (local)
+        Py_DECREF_p(<PyObject *>view.internal)    # the reference taken in getbuffer
+        _bunpin(b)                                 # may give a released Slot back
+
+
+# ---- the arena ----------------------------------------------------------------------------
+
+@cython.final
+@cython.no_gc
+cdef class RxArena:
+    """RxArena(pool): the scratch buffer every Receiver of one event-loop thread reads into.
+
+    Acquires one slot of ``pool`` at construction (an idle server shows 1 slot in use).
+    ``close()`` gives it back (deferred while views of it live); idempotent.  Receivers of a
+    closed arena return from on_readable() without reading.  One thread.
+    """
+
+    def __cinit__(self, SlabPool pool not None):
+        self.pool = pool
+        self.scratch = pool.acquire()            # PoolExhausted: no arena without one
+        self.sptr = (<Slot>self.scratch).ptr
+        self.size = pool.slab.slot_size
+        self.swaps = 0
+        self.fallbacks = 0
+        self.closed = False
+        self.busy = False
+
+    def __dealloc__(self):
+        cdef object s = self.scratch
+        self.scratch = None
+        self.sptr = NULL
+        if s is not None:
+            try:
+                _bgive(s)
+            except Exception:
+                pass
+
+    cdef object _slot_or_heap(self):
+        cdef int64_t i = aop_slab_take(self.pool.slab)
+        if i >= 0:
+            return self.pool._bind(i)
+        self.fallbacks += 1
+        return _heap(self.size)
+
+    cdef int _swap(self) except -1:
+        cdef object old = self.scratch
+        cdef object new = self._slot_or_heap()
+        self.scratch = new
+        self.sptr = _bptr(new)
+        self.swaps += 1
+        self.busy = False   # the flag describes the scratch in place
+        _bgive(old)         # goes back when its last view dies
+        return 0
+
+    def close(self):
+        """Give the scratch back (when its last view dies, if views are alive).  Idempotent."""
+        cdef object s
+        if self.closed:
+            return
+        self.closed = True
+        s = self.scratch
+        self.scratch = None
+        self.sptr = NULL
+        _bgive(s)
+
+    @property
+    def pool(self):
+        """The SlabPool scratch and receive slots come from."""
+        return self.pool
+
+    @property
+    def slot_size(self):
+        """Bytes per read into the scratch (== pool.slot_size)."""
+        return self.size
+
+    @property
+    def scratch_swaps(self):
+        """Times the scratch was replaced because a frame view of it escaped."""
+        return self.swaps
+
+    @property
+    def fallbacks(self):
+        """Times a heap buffer of slot size was used because the pool was exhausted."""
+        return self.fallbacks
+
+    @property
+    def closed(self):
+        """True once close() ran."""
+        return self.closed
+
+    def __repr__(self):
+        return (f"<RxArena slot_size={self.size} closed={self.closed} "
+                f"scratch_swaps={self.swaps} fallbacks={self.fallbacks}>")
+
+    def __reduce__(self):
+        raise TypeError("RxArena objects cannot be pickled")
+
+
+# ---- the receiver -------------------------------------------------------------------------
+
+@cython.final
+cdef class Receiver:
+    """Receiver(arena, fd, header_size, max_frame, on_frame, on_event, owner,
+    copy_frames=False): one connection's receive path.
+
+    ``on_readable()`` does one recv and delivers every complete frame with
+    ``on_frame(owner, data)``; events go to ``on_event(owner, code, arg)`` (RX_EOF,
+    RX_ERROR, RX_TOO_LARGE, RX_HANDLER).  ``close()`` gives every buffer back.  See the module
+    docstring for the buffer rules.  One thread.
+    """
+
+    def __cinit__(self, RxArena arena not None, fd, header_size, max_frame, on_frame,
+                  on_event, owner, copy_frames=False):
+        cdef Py_ssize_t f = _as_index(fd, "fd")
+        cdef Py_ssize_t h = _as_index(header_size, "header_size")
+        cdef object mf
+        if f < 0 or f > INT_MAX:
+            raise ValueError(f"fd must be a file descriptor >= 0, got {f}")
+        if h != 0 and h != 2 and h != 4:
+            raise ValueError(f"header_size must be 0 (raw), 2 (u16) or 4 (u32), got {h}")
+        if not PyLong_CheckExact(max_frame):
+            _as_index(max_frame, "max_frame")
+            max_frame = PyNumber_Index(max_frame)
+        if max_frame < 1:
+            raise ValueError(f"max_frame must be >= 1, got {max_frame}")
+        if not callable(on_frame):
+            raise TypeError("on_frame must be callable")
+        if not callable(on_event):
+            raise TypeError("on_event must be callable")
+        mf = min(max_frame, MAX_FRAME_CAP)
+        self.arena = arena
+        self.fd = <int>f
+        self.hs = <int>h
+        self.max_frame = mf
+        self.on_frame = on_frame
+        self.on_event = on_event
+        self.owner = owner
+        self.copy_frames = bool(copy_frames)
+        self.fx = _RxExporter.__new__(_RxExporter)
+        self.own = NULL
+        self.optr = NULL
+        self.ocap = self.pos = self.end = self.want = self.need = 0
+
+    def __dealloc__(self):
+        # GC clear (if any) already dropped arena/callbacks/owner; `own` it never sees
+        cdef PyObject *o = self.own
+        self.own = NULL
+        if o != NULL:
+            try:
+                _bgive(<object>o)
+            except Exception:
+                pass
+            Py_DECREF_p(o)
+
+    # ---- buffer bookkeeping ------------------------------------------------------------------
+
+    cdef int _adopt(self, object b, char *p, Py_ssize_t cap) except -1:
+        Py_INCREF(b)
+        self.own = <PyObject *>b
+        self.optr = p
+        self.ocap = cap
+        return 0
+
+    cdef int _drop_own(self) except -1:
+        cdef PyObject *o = self.own
+        cdef object b
+        self.optr = NULL
+        self.ocap = self.pos = self.end = self.want = 0
+        self.pending = False
+        if o == NULL:
+            return 0
+        self.own = NULL
+        b = <object>o            # +1 (local)
+        Py_DECREF_p(o)           # our stored reference
+        _bgive(b)
+        return 0
+
+    # ---- the read path -----------------------------------------------------------------------
+
+    cdef int c_on_readable(self) except -1:
+        cdef RxArena arena = self.arena
+        if self.closed or self.busy or self.failed or arena is None or arena.closed:
+            return 0
+        if self.on_frame is None:          # cleared by the GC
+            return 0
+        self.busy = True
+        try:
+            if self.pending:
+                self._burst(False)
+                if self.pending or self.closed or self.failed:
+                    return 0
+            self._burst(True)
+        finally:
+            self.busy = False
+        return 0
+
+    def on_readable(self):
+        """One recv (GIL released) into the scratch or the unfinished frame's buffer, then
+        every complete frame to on_frame in stream order.  Would-block is quiet; EOF, errors,
+        a too-large header and handler exceptions go to on_event.  Does nothing once closed."""
+        self.c_on_readable()
+
+    cdef int _burst(self, bint do_read) except -1:
+        cdef RxArena arena = self.arena
+        cdef object buf
+        cdef char *p
+        cdef Py_ssize_t pos, end, room
+        cdef ssize_t n
+        cdef int err = 0, why, fail
+        cdef bint in_own = self.own != NULL
+        if in_own:
+            buf = <object>self.own
+            p = self.optr
+            pos = self.pos
+            end = self.end
+            room = (self.want if self.want else self.ocap) - end
+            if room <= 0:
+                do_read = False     # never: kept bytes always leave room (see _settle);
+                                    # a 0-byte recv would read as EOF
+        else:
+            if not do_read:
+                self.pending = False
+                return 0
+            buf = arena.scratch
+            if arena.busy or _bviews(buf) != 0:
+                # a burst further up the stack (a handler reading another receiver) is
+                # still parsing it, or a view of it lives: never read over it
+                arena._swap()
+                buf = arena.scratch
+            p = arena.sptr
+            pos = end = 0
+            room = arena.size
+        if do_read:
+            with nogil:
+                n = recv(self.fd, p + end, <size_t>room, 0)
+                if n < 0:
+                    err = errno
+            if n <= 0:
+                if n == 0:
+                    self._event(AOP_RX_EOF, 0)
+                elif err != EAGAIN and err != EWOULDBLOCK and err != EINTR:
+                    self._event(AOP_RX_ERROR, err)
+                return 0
+            self.reads += 1
+            self.bytes_in += n
+            end += n
+        self.pending = False
+        _bhold(buf)                 # the burst's own reference: nobody returns buf under us
+        if not in_own:
+            arena.busy = True       # (one flag per scratch: _swap clears it)
+        why = CUT_STOP              # what a BaseException leaves: the rest is kept pending
+        fail = 0
+        try:
+            if self.hs == 0:        # raw: the chunk is the frame
+                pos = end
+                self.frames_in += 1
+                self._deliver(buf, None, p, end)
+                why = CUT_MORE
+            else:
+                why = self._cut(buf, p, &pos, end)
+        finally:
+            try:
+                fail = self._settle(buf, p, pos, end, why)
+            finally:
+                if not in_own and arena.scratch is buf:
+                    arena.busy = False
+                _bgive(buf)
+        if why == CUT_TOO_LARGE:
+            self._event(AOP_RX_TOO_LARGE, self.announced)
+        elif fail:
+            self._event(AOP_RX_ERROR, ENOMEM)
+        return 0
+
+    cdef int _cut(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end) except -1:
+        # One pinned view of the whole window (`base`, made at the first frame) per burst;
+        # each frame is a memoryview registered on base's managed buffer and re-pointed at
+        # the frame: one object per frame, no getbuffer.  The pin lasts while base or any
+        # frame view (or a sub-view a handler kept) lives: dropping base at the end leaves
+        # exactly the escaped views holding it, which is what _settle checks.
+        cdef PyObject *base = NULL
+        try:
+            return self._cut_frames(buf, p, ppos, end, &base)
+        finally:
+            if base != NULL:
+                Py_DECREF_p(base)        # the pin goes with the last view on base's buffer
+
+    cdef int _cut_frames(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end,
+                         PyObject **pbase) except -1:
+        cdef Py_ssize_t pos = ppos[0]
+        cdef Py_ssize_t hs = self.hs
+        cdef Py_ssize_t avail
+        cdef uint64_t n
+        cdef const unsigned char *q
+        cdef object base
+        while True:
+            avail = end - pos
+            if avail < hs:
+                self.need = hs
+                return CUT_MORE
+            q = <const unsigned char *>p + pos
+            if hs == 2:
+                n = (<uint64_t>q[0] << 8) | q[1]
+            else:
+                n = ((<uint64_t>q[0] << 24) | (<uint64_t>q[1] << 16) |
+                     (<uint64_t>q[2] << 8) | q[3])
+            if n > self.max_frame:         # before any memory is reserved for it
+                self.announced = n
+                return CUT_TOO_LARGE
+            if <uint64_t>(avail - hs) < n:
+                self.need = hs + <Py_ssize_t>n
+                return CUT_MORE
+            pos += hs + <Py_ssize_t>n
+            ppos[0] = pos                  # consumed before the call (see BaseException)
+            self.frames_in += 1
+            if not self.copy_frames and pbase[0] == NULL:
+                base = self._view(buf, p, end)
+                Py_INCREF(base)              # owned by _cut's `base` from here
+                pbase[0] = <PyObject *>base
+            if (self._deliver(buf, <object>pbase[0] if pbase[0] != NULL else None,
+                              p + pos - <Py_ssize_t>n, <Py_ssize_t>n) or self.closed):
+                return CUT_STOP
+
+    cdef object _view(self, object buf, char *p, Py_ssize_t n):
+        """A new read-only memoryview of p[0:n] that pins buf (see _RxExporter)."""
+        cdef _RxExporter fx = self.fx
+        fx.pin = <PyObject *>buf
+        fx.ptr = p
+        fx.len = n
+        try:
+            return PyMemoryView_FromObject(fx)
+        finally:
+            fx.pin = NULL
+
+    cdef int _deliver(self, object buf, object base, char *p, Py_ssize_t n) except -1:
+        """on_frame(owner, data): 0, or 1 after a handler exception (reported).  data is a
+        bytes copy (copy_frames), a view registered on `base` re-pointed at p[0:n], or (no
+        base) a view of its own."""
+        cdef object data
+        cdef object exc = None
+        cdef Py_buffer *v
+        if self.copy_frames:
+            data = PyBytes_FromStringAndSize(p, n)
+        elif base is not None:
+            # a fresh memoryview on base's managed buffer (no getbuffer), nobody has seen
+            # it yet: narrow it to the frame (1-D, 'B', itemsize 1: buf, len, shape[0])
+            data = PyMemoryView_FromObject(base)
+            v = PyMemoryView_GET_BUFFER(data)
+            v.buf = <void *>p
+            v.len = n
+            v.shape[0] = n
+        else:
+            data = self._view(buf, p, n)
+        try:
+            self.on_frame(self.owner, data)
+        except Exception as e:
+            exc = e
+        finally:
+            if not self.copy_frames and Py_REFCNT(<PyObject *>data) > 1:
+                # the handler kept it: release it now, so using it later raises ValueError
+                # (sub-views and exports it made keep the pin, and the memory, alive)
+                try:
+                    data.release()
+                except BufferError:
+                    pass        # an export of it is alive: it stays valid (and pinned)
+        if exc is not None:
+            data = None
+            self._event(AOP_RX_HANDLER, exc)
+            return 1
+        return 0
+
+    cdef int _event(self, int code, object arg) except -1:
+        cdef object cb = self.on_event
+        if cb is None:
+            return 0
+        try:
+            cb(self.owner, code, arg)
+        except Exception as e:
+            _report(e)          # on_event must not fail; never raise into the loop
+        return 0
+
+    cdef int _settle(self, object buf, char *p, Py_ssize_t pos, Py_ssize_t end,
+                     int why) except -1:
+        """Keep what is left of buf[pos:end) and retire what is not; 1 if memory ran out.
+        Runs while the burst still holds its reference to buf."""
+        cdef RxArena arena = self.arena
+        cdef bint in_own = self.own != NULL and self.own == <PyObject *>buf
+        cdef Py_ssize_t rest = end - pos
+        cdef Py_ssize_t need
+        cdef int fail = 0
+        cdef object nb
+        cdef char *np
+        if self.closed:
+            return 0            # close() already gave own back; nothing is kept
+        if why == CUT_TOO_LARGE:
+            self.failed = True
+            if in_own:
+                self._drop_own()
+        elif rest == 0:
+            if in_own:
+                self._drop_own()
+        else:
+            need = rest if why == CUT_STOP else self.need
+            if in_own and pos + need <= self.ocap:
+                # it fits where it is: keep reading after it (an exact buffer: up to its end)
+                self.pos = pos
+                self.end = end
+                if self.want:
+                    self.want = pos + need
+            elif in_own and not self.want and need <= arena.size and _bviews(buf) == 0:
+                # slot-size buffer, no view of it alive: slide the tail down
+                memmove(p, p + pos, rest)
+                self.pos = 0
+                self.end = rest
+            else:
+                try:
+                    if need > arena.size:
+                        nb = _heap(need)       # one frame's exact buffer (passed max_frame)
+                    else:
+                        nb = arena._slot_or_heap()
+                except MemoryError:
+                    nb = None
+                if nb is None:
+                    self.failed = True
+                    fail = 1
+                    if in_own:
+                        self._drop_own()
+                else:
+                    np = _bptr(nb)
+                    memcpy(np, p + pos, rest)
+                    if in_own:
+                        self._drop_own()       # deferred while views of it live
+                    self._adopt(nb, np, (<_HeapBuf>nb).size if type(nb) is _HeapBuf
+                                else arena.size)
+                    self.pos = 0
+                    self.end = rest
+                    self.want = need if need > arena.size else 0
+            if why == CUT_STOP and not fail:
+                self.pending = True
+        if not in_own and arena.scratch is buf and _bviews(buf) != 0:
+            arena._swap()       # a view escaped: never read over it again
+        return fail
+
+    # ---- API -----------------------------------------------------------------------------------
+
+    def close(self):
+        """Give every buffer back (a slot with live views goes back with its last view), stop
+        delivering, drop the callbacks and the owner.  Exactly once; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._drop_own()
+        finally:
+            self.on_frame = None
+            self.on_event = None
+            self.owner = None
+            self.arena = None
+
+    @property
+    def fd(self):
+        """The socket's file descriptor (the caller owns the socket)."""
+        return self.fd
+
+    @property
+    def closed(self):
+        """True once close() ran."""
+        return self.closed
+
+    @property
+    def reads(self):
+        """recv calls that returned data."""
+        return self.reads
+
+    @property
+    def bytes_in(self):
+        """Bytes received."""
+        return self.bytes_in
+
+    @property
+    def frames_in(self):
+        """Frames handed to on_frame."""
+        return self.frames_in
+
+    @property
+    def buffered(self):
+        """Bytes kept for an unfinished frame (or undelivered frames); 0 when none."""
+        return self.end - self.pos if self.own != NULL else 0
+
+    @property
+    def holds_slot(self):
+        """True while this receiver owns a pool slot."""
+        return self.own != NULL and type(<object>self.own) is Slot
+
+    @property
+    def pending(self):
+        """True while complete frames wait (left by a handler exception) for the next
+        on_readable(), which delivers them before reading."""
+        return self.pending
+
+    @property
+    def header_size(self):
+        """0 (raw), 2 (u16) or 4 (u32)."""
+        return self.hs
+
+    @property
+    def max_frame(self):
+        """Largest payload accepted (a larger header gives RX_TOO_LARGE)."""
+        return self.max_frame
+
+    @property
+    def copy_frames(self):
+        """True: frames are bytes copies; False: pinned, read-only memoryviews."""
+        return self.copy_frames
+
+    def __repr__(self):
+        return (f"<Receiver fd={self.fd} header_size={self.hs} closed={self.closed} "
+                f"reads={self.reads} frames_in={self.frames_in} "
+                f"buffered={self.end - self.pos if self.own != NULL else 0}>")
+
+    def __reduce__(self):
+        raise TypeError("Receiver objects cannot be pickled")
