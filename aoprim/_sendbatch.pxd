@@ -52,7 +52,7 @@ cdef enum:
 
 cdef class SendBatch:
     cdef object sock                 # the target socket (kept alive), or None for an int fd
-    cdef object sock_fileno          # sock.fileno, bound once (None for an int fd)
+    cdef object sock_fileno          # socket.socket.fileno (C), called as sock_fileno(sock)
     cdef bint has_sock               # target is a socket object (sock is not None)
     cdef int fd                      # int-fd target (sockets re-read fileno() at each flush)
     cdef bint is_sock                # send/sendmsg; False after ENOTSOCK -> write/writev
@@ -109,6 +109,7 @@ cdef class SendBatch:
     cdef bint _range_owned(self, Py_ssize_t a, Py_ssize_t b) noexcept nogil
     cdef void _release_range(self, Py_ssize_t a, Py_ssize_t b) noexcept
     cdef void _commit_head(self, Py_ssize_t h) noexcept nogil
+    cdef int _sock_fd(self) except -2
     cdef int _target_fd(self) except -2
     cdef Py_ssize_t _flush_locked(self) except -1
     cdef int _add_obj(self, object data) except -1

@@ -201,7 +201,9 @@ cdef class SendBatch:
             if target.fileno() < 0:
                 raise OSError(EBADF, "the socket is closed")
             self.sock = target
-            self.sock_fileno = target.fileno    # bound once: one C call per flush
+            # socket.socket's own C method, called as sock_fileno(sock): reading the fd
+            # runs no Python code even for a subclass that overrides fileno()
+            self.sock_fileno = _socket.socket.fileno
             self.has_sock = True
             self.fd = -1
         elif isinstance(target, int) and not isinstance(target, bool):
@@ -478,6 +480,14 @@ cdef class SendBatch:
                     self.cbuf = nb
                     self.ccap = CBUF_INIT
 
+    cdef int _sock_fd(self) except -2:
+        """The socket's current fd, -1 when it is closed (or the batch was cleared by the
+        cyclic GC).  Read through socket.socket's own C fileno(), never an override, so no
+        Python code runs (and the GIL is never released) while it is read."""
+        if self.sock is None:
+            return -1
+        return self.sock_fileno(self.sock)
+
     cdef int _target_fd(self) except -2:
         cdef int fd
         if not self.has_sock:
@@ -486,7 +496,7 @@ cdef class SendBatch:
             return self.fd
         # read every flush, never cached: a socket closed by its owner reads -1 (EBADF here)
         # instead of letting the batch write to whatever file reuses the number
-        fd = self.sock_fileno()
+        fd = self._sock_fd()
         if fd < 0:
             raise OSError(EBADF, "Bad file descriptor (the socket is closed)")
         return fd
@@ -499,10 +509,20 @@ cdef class SendBatch:
         cdef size_t offered = 0
         cdef int err
         cdef int fd
+        cdef bint again = False        # a syscall was issued (the GIL re-taken since)
         if self.head == self.nseg:
             return 0
         fd = self._target_fd()
         while self.head < self.nseg:
+            if again:
+                # issue 11: the GIL was re-taken since fd was read (after the last syscall),
+                # and what ran meanwhile -- releases of sent objects, signal handlers, other
+                # threads -- may have closed the socket and reused its number.  Never write
+                # to a number read before that: re-read it, stop with EBADF if it moved.
+                if self.has_sock and self._sock_fd() != fd:
+                    raise OSError(EBADF, "Bad file descriptor (the socket was closed during "
+                                         "the flush)")
+            again = True
             with nogil:
                 r = self._write_once(fd, &offered)
             _add(&self.st_syscalls, 1)
@@ -825,6 +845,8 @@ cdef class SendBatch:
         cdef ssize_t r
         cdef size_t offered = 0
         cdef int fd
+        cdef int fd2
+        cdef bint regil = False
         if not _claim(self):
             return -EBUSY
         if self.head == self.nseg:
@@ -833,7 +855,7 @@ cdef class SendBatch:
         if self.has_sock:
             with gil:
                 try:
-                    fd = self.sock_fileno()
+                    fd = self._sock_fd()
                 except BaseException:
                     fd = -1
             if fd < 0:
@@ -842,6 +864,18 @@ cdef class SendBatch:
         else:
             fd = self.fd
         while self.head < self.nseg:
+            if regil:
+                # issue 11: the GIL was taken to release sent objects, and their release may
+                # have closed the socket and reused its number: re-read it before writing
+                regil = False
+                with gil:
+                    try:
+                        fd2 = self._sock_fd()
+                    except BaseException:
+                        fd2 = -1
+                if fd2 != fd:
+                    _unclaim(self)
+                    return -EBADF
             r = self._write_once(fd, &offered)
             _add(&self.st_syscalls, 1)
             if r < 0:
@@ -860,6 +894,7 @@ cdef class SendBatch:
             if self._range_owned(old, h):
                 with gil:
                     self._release_range(old, h)
+                regil = self.has_sock      # an int fd is the caller's: nothing to re-read
             self._commit_head(h)
             total += r
             if <size_t>r < offered:
