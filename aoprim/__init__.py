@@ -41,8 +41,8 @@ from aoprim._spsc import SPSCQueue
 from aoprim._slab import SlabPool, Slot
 from aoprim._blocktable import BlockTable
 
-# send batching (issue 5)
-from aoprim._sendbatch import SendBatch
+# send batching (issue 5); FlushGroup: every dirty batch flushed at once
+from aoprim._sendbatch import FlushGroup, SendBatch
 
 __version__ = "0.1.0"
 
@@ -51,7 +51,7 @@ __all__ = [
     "MPMCQueue", "SPSCQueue",
     "SlabPool", "Slot", "BlockTable",
     "Full", "Empty", "PoolExhausted", "RefCountError", "Closed",
-    "SendBatch",
+    "SendBatch", "FlushGroup",
     "get_include",
 ]
 
