@@ -41,8 +41,8 @@ from aoprim._spsc import SPSCQueue
 from aoprim._slab import SlabPool, Slot
 from aoprim._blocktable import BlockTable
 
-# send batching (issue 5)
-from aoprim._sendbatch import SendBatch
+# send batching (issue 5); FlushGroup: every dirty batch flushed at once
+from aoprim._sendbatch import FlushGroup, SendBatch
 
 # receive path
 from aoprim._receiver import (Receiver, RxArena, RX_EOF, RX_ERROR, RX_TOO_LARGE,
@@ -55,7 +55,7 @@ __all__ = [
     "MPMCQueue", "SPSCQueue",
     "SlabPool", "Slot", "BlockTable",
     "Full", "Empty", "PoolExhausted", "RefCountError", "Closed",
-    "SendBatch",
+    "SendBatch", "FlushGroup",
     "Receiver", "RxArena", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
     "get_include",
 ]

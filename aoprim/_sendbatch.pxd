@@ -26,11 +26,18 @@ takes the GIL briefly to release them.
 
 One thread at a time: every entry point (Python or C) claims the batch with one atomic
 exchange; a concurrent entry gets RuntimeError (Python) or -EBUSY (C), never corruption.
+
+FlushGroup, for ``cimport`` too: a batch attached to a group queues itself there (one C
+field says whether it is queued) when an add leaves it with pending data -- the C adds
+included: c_add_* take the GIL briefly for that, only on the add that queues the batch.
+``c_flush_all()`` is ``flush()`` without the Python call; it needs the GIL (it takes and
+drops references and reads fileno() from socket objects) and releases it once for all the
+system calls.
 """
 from libc.stdint cimport uint32_t, uint64_t
 from posix.uio cimport iovec
 from cpython.ref cimport PyObject
-from aoprim.atomic_h cimport aop_atomic_i64, aop_atomic_u32
+from aoprim.atomic_h cimport aop_atomic_i64, aop_atomic_u32, aop_spinlock_t
 
 cdef extern from "aop_sendbatch.h" nogil:
     enum: AOP_SB_IOV_MAX
@@ -50,9 +57,12 @@ cdef enum:
     SB_VIEW = 3              # a bytearray/memoryview export, held until sent
     SB_SLOT = 4              # a slot-like object: export + retain(), release() when sent
 
+cdef class FlushGroup          # defined below: a batch points to its group
+
+
 cdef class SendBatch:
     cdef object sock                 # the target socket (kept alive), or None for an int fd
-    cdef object sock_fileno          # sock.fileno, bound once (None for an int fd)
+    cdef object sock_fileno          # socket.socket.fileno (C), called as sock_fileno(sock)
     cdef bint has_sock               # target is a socket object (sock is not None)
     cdef int fd                      # int-fd target (sockets re-read fileno() at each flush)
     cdef bint is_sock                # send/sendmsg; False after ENOTSOCK -> write/writev
@@ -92,6 +102,14 @@ cdef class SendBatch:
     cdef aop_atomic_i64 st_wouldblock  # syscalls that got EAGAIN/EWOULDBLOCK
     cdef aop_atomic_u32 busy         # 1 while a thread is inside (add/flush/clear/C API)
 
+    # FlushGroup membership: every field below is read and written only by the thread that
+    # holds `busy` (group ones included: attach/detach/requeue/flush claim the batch first)
+    cdef readonly FlushGroup group   # the group this batch is attached to, or None
+    cdef object owner                # what the group reports with this batch (strong ref)
+    cdef readonly bint queued        # the group holds exactly one queue entry for it
+    cdef bint watched                # `watch`: reported after every group flush
+    cdef uint64_t flush_mark         # serial of the last group flush that claimed it
+
     # C-level API (see the module docstring for return codes and lifetime rules)
     cdef int c_add_ptr(self, const void *p, size_t n) noexcept nogil
     cdef int c_add_copy(self, const void *p, size_t n) noexcept nogil
@@ -109,8 +127,69 @@ cdef class SendBatch:
     cdef bint _range_owned(self, Py_ssize_t a, Py_ssize_t b) noexcept nogil
     cdef void _release_range(self, Py_ssize_t a, Py_ssize_t b) noexcept
     cdef void _commit_head(self, Py_ssize_t h) noexcept nogil
+    cdef int _sock_fd(self) except -2
     cdef int _target_fd(self) except -2
     cdef Py_ssize_t _flush_locked(self) except -1
     cdef int _add_obj(self, object data) except -1
     cdef int _add_buffer(self, object data, bint copy_all=*) except -1
     cdef int _add_slot(self, object s) except -1
+    cdef int _maybe_queue(self) except -1
+
+
+# One queue entry of a FlushGroup.  Outside a flush only `batch` means anything; the other
+# fields are the flush's scratch for that entry.
+ctypedef struct aop_fg_item:
+    PyObject *batch          # a SendBatch (strong reference, owned by the array holding it)
+    PyObject *owner          # flush: the batch's owner, taken under its claim (strong ref)
+    int kind                 # flush: FG_DROP, FG_MOVED, FG_HELD or FG_WRITE (_sendbatch.pyx)
+    int fd                   # flush: the fd read before the GIL was released (-1: none)
+    int status               # flush: what flush() reports: 0, 1 or -errno
+    bint watch               # flush: the batch's `watch`, taken under its claim
+    Py_ssize_t rel_a         # flush, out of memory only: fully written owned segments
+    Py_ssize_t rel_b         #   [rel_a, rel_b) neither handed over nor committed yet
+
+
+cdef class FlushGroup:
+    cdef object _gc_anchor           # always None: an object field gives the type GC support
+    cdef readonly Py_ssize_t budget  # bytes one batch may write per flush (>= 1)
+
+    # the live queue: q[0:qlen], one strong reference per entry (batches mark themselves
+    # `queued`).  Guarded by qlock, which is never held across a Python call or a DECREF.
+    cdef aop_spinlock_t qlock
+    cdef aop_fg_item *q              # grows by doubling; shrinks back when large and empty
+    cdef Py_ssize_t qlen             # entries in q
+    cdef Py_ssize_t qcap             # allocated length of q
+
+    # the flush's own arrays (touched only by the thread inside flush(); `flushing` guards)
+    cdef aop_fg_item *w              # the queue taken by this flush (swapped with q)
+    cdef Py_ssize_t wcap             # allocated length of w
+    cdef aop_sb_owner *rel           # owners of sent segments, released once the GIL is back
+    cdef Py_ssize_t nrel             # entries in rel
+    cdef Py_ssize_t relcap           # allocated length of rel
+    cdef aop_atomic_u32 flushing     # 1 while a flush() runs: a second one is refused
+    cdef uint64_t serial             # flushes started (marks the batches each one claims)
+    cdef size_t rot                  # fairness: flush k starts at entry k mod n
+
+    # counters: written by the flushing thread (and st_high under qlock), read relaxed
+    cdef aop_atomic_i64 st_flushes   # flush() calls
+    cdef aop_atomic_i64 st_batches   # batches written to (one count per batch per flush)
+    cdef aop_atomic_i64 st_syscalls  # write system calls issued
+    cdef aop_atomic_i64 st_bytes     # bytes written
+    cdef aop_atomic_i64 st_gil       # GIL releases (at most one per flush)
+    cdef aop_atomic_i64 st_pending   # batches reported with status 1
+    cdef aop_atomic_i64 st_budget    # of those, stopped by the budget
+    cdef aop_atomic_i64 st_errors    # batches reported with -errno
+    cdef aop_atomic_i64 st_busy      # entries put back because another thread held the batch
+    cdef aop_atomic_i64 st_high      # most entries ever queued at once
+
+    # C-level API (GIL held; see the module docstring)
+    cdef object c_flush_all(self)
+    cdef int c_requeue(self, SendBatch b) except -1
+
+    # internals
+    cdef int _push(self, PyObject *b) noexcept
+    cdef int _queue(self, SendBatch b) noexcept
+    cdef PyObject *_unqueue(self, SendBatch b) noexcept
+    cdef int _take_owners(self, SendBatch b, Py_ssize_t a, Py_ssize_t e) noexcept nogil
+    cdef void _release_taken(self) noexcept
+    cdef object _flush_all(self)

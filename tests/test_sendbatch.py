@@ -939,3 +939,53 @@ def test_uninitialised_and_reinitialised(pair):
     sb = SendBatch(a)
     with pytest.raises(RuntimeError):
         sb.__init__(a)
+
+
+# ---- issue 11: a flush never writes to an fd number read before the GIL was re-taken -------
+
+class _SwapOnRelease(FakeSlot):
+    """A slot whose release (run by the batch, GIL held, between two system calls of one
+    flush) closes the batch's socket and puts another socket on the same fd number."""
+
+    def __init__(self, data, victim, intruder):
+        super().__init__(data)
+        self.victim, self.intruder = victim, intruder
+
+    def release(self):
+        super().release()
+        if self.refs == 1:                       # the batch's reference: the bytes are sent
+            fd = self.victim.fileno()
+            self.victim.close()
+            os.dup2(self.intruder.fileno(), fd)  # the number now names another socket
+            self.reused = fd
+
+
+def _stale_fd_setup():
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()                   # c's fd is duplicated onto a's number
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    slot = _SwapOnRelease(b"S", a, c)
+    sb = SendBatch(a, auto_flush=False, copy_max=0)      # every message its own segment
+    sb.add(slot)
+    n = aoprim._sendbatch.IOV_MAX + 100                  # two system calls' worth
+    sb.add_many([bytes([65 + i % 26]) for i in range(n - 1)])
+    return a, b, c, d, slot, sb, n
+
+
+def test_flush_rereads_the_fd_after_releasing_sent_objects():
+    a, b, c, d, slot, sb, n = _stale_fd_setup()
+    try:
+        with pytest.raises(OSError) as ei:
+            sb.flush()          # syscall 1 sends 1024 segments; their release swaps the fd
+        assert ei.value.errno == errno.EBADF
+        assert slot.refs == 1 and slot.log == ["retain", "release"]
+        assert recv_nowait(d) == b""                      # nothing reached the intruder
+        assert len(recv_exact(b, aoprim._sendbatch.IOV_MAX)) == aoprim._sendbatch.IOV_MAX
+        assert sb.pending_bytes == n - aoprim._sendbatch.IOV_MAX   # the rest kept, intact
+        assert sb.stats["syscalls"] == 1
+        sb.clear()
+    finally:
+        if slot.__dict__.get("reused") is not None:
+            os.close(slot.reused)
+        for s in (a, b, c, d):
+            s.close()

@@ -236,3 +236,24 @@ def test_python_entry_refused_while_c_thread_inside(mod):
     finally:
         a.close()
         b.close()
+
+
+def test_c_flush_rereads_the_fd_after_taking_the_gil(mod):
+    """issue 11: c_flush takes the GIL to release sent objects; a release that closes the
+    socket and reuses its number must end the flush with -EBADF, not write to the newcomer."""
+    import errno
+    import aoprim
+    from test_sendbatch import _stale_fd_setup, recv_exact, recv_nowait
+    a, b, c, d, slot, sb, n = _stale_fd_setup()
+    iov_max = aoprim._sendbatch.IOV_MAX
+    try:
+        assert mod.flush(sb) == -errno.EBADF
+        assert slot.refs == 1 and recv_nowait(d) == b""
+        assert len(recv_exact(b, iov_max)) == iov_max
+        assert sb.pending_bytes == n - iov_max and sb.stats["syscalls"] == 1
+        sb.clear()
+    finally:
+        if slot.__dict__.get("reused") is not None:
+            os.close(slot.reused)
+        for s in (a, b, c, d):
+            s.close()
