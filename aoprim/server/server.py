@@ -118,8 +118,8 @@ class Server:
         self._listener = Listener(loop, self._lsock, st, self._accept, self._has_room)
         self._dispatch.start(loop)
         loop.add_iteration_hook(self._flusher.flush)
-        if st.sweep_every is not None:
-            loop.call_later(st.sweep_every, self._sweep)
+        self._fallbacks_seen = 0
+        loop.call_later(st.sweep_every or 1.0, self._sweep)
         log.info("aoprim server listening on %s:%s (framing=%s, workers=%d, backend=%s)",
                  self.address[0], self.address[1], st.framing, st.workers, self.backend)
 
@@ -221,12 +221,21 @@ class Server:
 
     # -- timeouts (loop thread) ------------------------------------------------------------
     def _sweep(self):
+        """Timeouts (every sweep_every seconds, or 1 s without timeouts) and the receive
+        pool's health."""
         st = self.settings
         now = self._loop.time()
-        for s in list(self._sessions.values()):
-            s.check_timeouts(now, st.idle_timeout, st.frame_timeout)
+        if st.sweep_every is not None:
+            for s in list(self._sessions.values()):
+                s.check_timeouts(now, st.idle_timeout, st.frame_timeout)
+        fb = self._arena.fallbacks
+        if fb != self._fallbacks_seen:
+            log.warning("receive pool exhausted (%d of %d slots in use): %d reads went to heap "
+                        "buffers since the last check", self._rx_pool.in_use,
+                        self._rx_pool.slots, fb - self._fallbacks_seen)
+            self._fallbacks_seen = fb
         if not self._stopping:
-            self._loop.call_later(st.sweep_every, self._sweep)
+            self._loop.call_later(st.sweep_every or 1.0, self._sweep)
 
     # -- shutdown (loop thread) ------------------------------------------------------------
     def _begin_shutdown(self):
