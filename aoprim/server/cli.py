@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from . import loadgen
+from aoprim.tools import loadgen
 from .apps import APPS
 from .framing import FRAMINGS
 from .loop import BACKENDS, BackendUnavailable

@@ -1,4 +1,4 @@
-"""A lean echo load generator: ``python -m aoprim loadgen``.
+"""A lean echo load generator (a client of the server): ``python -m aoprim loadgen``.
 
 Every connection keeps ``pipeline`` messages in flight; each echoed message is answered by a
 new one.  Every echoed byte is checked against what was sent on that connection (the
@@ -24,7 +24,7 @@ import sys
 import time
 from collections import deque
 
-from .framing import Framing
+from aoprim.server.framing import Framing
 
 __all__ = ["run", "main", "proc_cpu"]
 
