@@ -83,14 +83,16 @@ def reserve_port(host, port):
 
 class _Child:
     """One of the N places: the process filling it now, and its history."""
-    __slots__ = ("index", "proc", "buf", "started", "ready", "crashes", "respawn_at", "done")
+    __slots__ = ("index", "proc", "buf", "started", "ready", "listened", "crashes",
+                 "respawn_at", "done")
 
     def __init__(self, index):
         self.index = index
         self.proc = None          # the running subprocess.Popen, or None
         self.buf = b""            # the start of a stdout line not yet complete
         self.started = 0.0        # time.monotonic() at spawn
-        self.ready = False        # printed "listening on"
+        self.ready = False        # the current process printed "listening on"
+        self.listened = False     # some process in this place did
         self.crashes = 0          # crashes in a row, each soon after its start
         self.respawn_at = None    # monotonic time of the pending restart, or None
         self.done = False         # exited 0: stays stopped
@@ -121,6 +123,7 @@ class Supervisor:
         self._children = [_Child(i) for i in range(procs)]
         self._sel = None
         self._signals = []                # stop signals received, not yet handled
+        self._announced = False           # "listening on" was printed
         self.address = None               # (host, port) once the port is reserved
         self.spawned = []                 # (monotonic time, index, pid) of every spawn
 
@@ -154,6 +157,15 @@ class Supervisor:
         self.spawned.append((c.started, c.index, c.proc.pid))
         log.debug("started server process %d (place %d)", c.proc.pid, c.index)
 
+    def _start(self, c):
+        try:
+            self._spawn(c)
+        except (OSError, subprocess.SubprocessError) as e:
+            log.error("cannot start %s: %s", self._child_argv(self.address[1])[:4], e)
+            c.respawn_at = None
+            return False
+        return True
+
     def _read(self, c, final=False):
         """Pass on what child ``c`` printed (the ``listening on`` line marks it ready).
         ``final``: it has exited; read to the end of its output, for a bounded time."""
@@ -165,15 +177,17 @@ class Supervisor:
             try:
                 chunk = os.read(fd, 65536)
             except BlockingIOError:
-                if not final or time.monotonic() > deadline:
+                if not final:
                     return
-                _wait_readable(fd, deadline - time.monotonic())
-                continue
+                if time.monotonic() < deadline:
+                    _wait_readable(fd, deadline - time.monotonic())
+                    continue
+                chunk = b""              # something it started holds the pipe: let go
             if not chunk:
                 self._sel.unregister(fd)
                 c.proc.stdout.close()
                 if c.buf:
-                    self._line(c, c.buf)
+                    self._line(c, c.buf + b"\n")
                     c.buf = b""
                 return
             *lines, c.buf = (c.buf + chunk).split(b"\n")
@@ -182,7 +196,9 @@ class Supervisor:
 
     def _line(self, c, line):
         if line.startswith(_READY) and not c.ready:
-            c.ready = True
+            c.ready = c.listened = True
+            if self._announced:
+                log.info("server process %d (restarted) is listening", c.proc.pid)
             return
         self._out.write(line.decode(errors="replace"))
         self._out.flush()
@@ -242,11 +258,16 @@ class Supervisor:
         return status
 
     def _reaped(self, c, rc, now):
-        """Child ``c`` exited with ``rc`` while serving.  Returns an exit status for the
-        supervisor, or None to keep going."""
+        """Child ``c`` exited with ``rc``.  Returns an exit status for the supervisor, or None
+        to keep going."""
         pid = c.proc.pid
-        self._read(c, final=True)
+        self._read(c, final=True)          # it may have said "listening on" just before
         c.proc = None
+        if not self._announced and not c.listened:
+            why = " (a usage or configuration error)" if rc == 2 else ""
+            return self._fail(f"server process {pid} ({c.index + 1} of {self._procs}) exited "
+                              f"with {_how(rc)}{why} before it listened: stopping",
+                              2 if rc == 2 else 1)
         if rc == 0:
             log.info("server process %d exited 0 (told to stop): not restarting it", pid)
             c.done = True
@@ -298,29 +319,9 @@ class Supervisor:
     def _supervise(self):
         host, port = self.address
         for c in self._children:
-            self._spawn(c)
+            if not self._start(c):
+                return self._fail("cannot start a server process: stopping", 1)
         deadline = time.monotonic() + self._start_timeout
-        while not all(c.ready for c in self._children):
-            if self._signals:
-                self._signals.clear()
-                log.info("stopping before every server process started")
-                return 0 if self._stop_all() else 1
-            for c in self._children:
-                rc = c.proc.poll()
-                if rc is not None:
-                    pid = c.proc.pid
-                    self._read(c, final=True)
-                    c.proc = None
-                    why = " (a usage or configuration error)" if rc == 2 else ""
-                    return self._fail(f"server process {pid} ({c.index + 1} of {self._procs}) "
-                                      f"exited with {_how(rc)}{why} before it listened: "
-                                      "stopping", 2 if rc == 2 else 1)
-            if time.monotonic() >= deadline:
-                return self._fail(f"the server processes did not all listen within "
-                                  f"{self._start_timeout:g} s: stopping", 1)
-            self._poll(0.2)
-        print(f"listening on {host}:{port}", file=self._out, flush=True)
-        log.info("supervising %d server processes on %s:%s", self._procs, host, port)
         while True:
             if self._signals:
                 sig = self._signals.pop(0)
@@ -336,8 +337,20 @@ class Supervisor:
                         if status is not None:
                             return status
                 elif c.respawn_at is not None and now >= c.respawn_at:
-                    self._spawn(c)
+                    if not self._start(c):
+                        return self._fail("cannot restart a server process: stopping", 1)
+            if not self._announced:
+                if all(c.listened for c in self._children):
+                    self._announced = True
+                    print(f"listening on {host}:{port}", file=self._out, flush=True)
+                    log.info("supervising %d server processes on %s:%s", self._procs, host,
+                             port)
+                elif now >= deadline:
+                    return self._fail(f"the server processes did not all listen within "
+                                      f"{self._start_timeout:g} s: stopping", 1)
             waits = [c.respawn_at - now for c in self._children if c.respawn_at is not None]
+            if not self._announced:
+                waits.append(deadline - now)
             self._poll(max(0.0, min([0.5] + waits)))
 
 
