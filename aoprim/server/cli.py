@@ -259,8 +259,8 @@ def main(argv=None):
     # until the server installs its own handlers, SIGINT/SIGTERM end the process quietly
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
-    a = build_parser().parse_args(argv)
     try:
+        a = build_parser().parse_args(argv)
         if a.cmd == "loadgen":
             signal.signal(signal.SIGINT, signal.default_int_handler)
             return loadgen.main(a)

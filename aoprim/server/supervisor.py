@@ -205,11 +205,15 @@ class Supervisor:
 
     def _stop_all(self, sig=signal.SIGTERM):
         """Signal every live child, wait for them (bounded by stop_timeout, or not at all for
-        SIGKILL), kill the rest.  Returns True if every child that was running exited 0."""
+        SIGKILL), kill the rest.  Returns True if every child that was running exited 0.
+
+        A child still starting (it has not said "listening on") may not have its handlers
+        yet: it gets SIGTERM, whose default action ends it, and ending so counts as a clean
+        stop (SIGINT there would be a KeyboardInterrupt anywhere in its start-up)."""
         live = [c for c in self._children if c.proc is not None]
+        was_ready = {c: c.ready for c in live}
         for c in live:
-            c.respawn_at = None
-            _signal(c.proc, sig)
+            _signal(c.proc, sig if c.ready or sig == signal.SIGKILL else signal.SIGTERM)
         for c in self._children:
             c.respawn_at = None
         deadline = time.monotonic() + (0.0 if sig == signal.SIGKILL else self._stop_timeout)
@@ -226,7 +230,7 @@ class Supervisor:
                     still.append(c)
                     continue
                 self._read(c, final=True)
-                ok = ok and rc == 0
+                ok = ok and (rc == 0 or (rc == -signal.SIGTERM and not was_ready[c]))
                 c.proc = None
             live = still
             if live and time.monotonic() >= deadline:
