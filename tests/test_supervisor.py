@@ -77,6 +77,7 @@ def echo_once(port, payload=b"ping"):
 
 
 def cleanup(p, pids=()):
+    pids = set(pids) | set(children_of(p.pid) if p.poll() is None else ())
     if p.poll() is None:
         p.kill()
         p.wait()
@@ -210,7 +211,7 @@ def test_the_port_stays_reserved_while_no_child_runs():
         assert rc == 0, err
         assert "exited with signal SIGKILL: restarting it" in err
     finally:
-        cleanup(p, kids + children_of(p.pid))
+        cleanup(p, kids)
 
 
 CRASHER = """
@@ -244,7 +245,7 @@ def test_a_crashed_child_is_restarted_and_the_port_keeps_serving(tmp_path):
         assert p.returncode == 0, err
         assert "exited with status 3: restarting it in 0.5 s" in err
     finally:
-        cleanup(p, kids + children_of(p.pid))
+        cleanup(p, kids)
 
 
 def test_the_reservation_refuses_other_binders():
