@@ -337,3 +337,23 @@ def test_every_serve_flag_shows_its_default_in_help():
     for e in entries:
         assert "(default: " in " ".join(e.split()), e
     assert "MODULE:HANDLER" in r.stdout
+
+
+def test_the_installed_command_also_imports_from_the_current_directory(app_dir, tmp_path_factory):
+    """The `aoprim` console script does not put the current directory on sys.path (as
+    `python -m` does); serve puts it there, as uvicorn does."""
+    bindir = tmp_path_factory.mktemp("bin")
+    script = bindir / "aoprim_cmd.py"            # stands in for the installed `aoprim` script
+    script.write_text("import sys\nfrom aoprim.server.cli import main\nsys.exit(main())\n")
+    p = subprocess.Popen([sys.executable, str(script), "serve", "--host", HOST, "--port", "0",
+                          "usermod:Shout"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=str(app_dir))
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("listening on "), p.stderr.read() if p.poll() is not None else line
+        assert _talk(int(line.rsplit(":", 1)[1]), b"cmd") == b"CMD"
+        assert stop(p, signal.SIGTERM)[0] == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
