@@ -20,8 +20,9 @@ Rules
        exit 2;
     else  a crash: restart it after a back-off that doubles from ``backoff`` up to
        ``backoff_max``; a child that lived ``stable_after`` seconds starts the count again.
-       After ``give_up_after`` crashes in a row, each within ``stable_after`` seconds of its
-       start, stop every child and exit 1.
+       A place restarted ``give_up_after`` times in a row, every child of it crashing within
+       ``stable_after`` seconds of its start, is a crash loop: the next crash stops every
+       child and the supervisor exits 1.
 - SIGINT/SIGTERM are forwarded (once) to every child; the supervisor waits up to
   ``stop_timeout`` seconds, kills what is left, and exits 0 if every child exited 0, else 1.
   A second signal kills the children at once.
