@@ -1,4 +1,5 @@
-"""``python -m aoprim serve --app echo`` / ``python -m aoprim loadgen ...`` (see aoprim.server.cli)."""
+"""``python -m aoprim serve [MODULE:HANDLER | --app echo|chat] ...`` and
+``python -m aoprim loadgen ...`` (see aoprim.server.cli and aoprim.tools.loadgen)."""
 import sys
 
 from aoprim.server.cli import main

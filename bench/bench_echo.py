@@ -3,7 +3,8 @@
     pytest bench/bench_echo.py --benchmark-enable -s
 
 For each scenario the aoprim server, an asyncio echo server and a uvloop echo server run in
-turn in their own processes under the same load generator; the table printed at the end
+turn in their own processes under the same load generator, each warmed up first by one
+connection that comes and goes (the steady state; see echo_compare's docstring); the table printed at the end
 gives messages/s, server CPU us/message (user+sys of the server process over the measured
 window) and aoprim's send syscalls per message, plus the issue's targets met or missed.
 AOPRIM_ECHO_DURATION (seconds per run, default 3) and AOPRIM_ECHO_ROUNDS (interleaved

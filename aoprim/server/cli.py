@@ -1,31 +1,49 @@
 """The command line: ``python -m aoprim serve ...`` and ``python -m aoprim loadgen ...``.
 
+``serve [MODULE:HANDLER]`` serves the user's own handler, named as uvicorn and gunicorn name
+an app: ``MODULE:ATTR`` where ATTR (dotted for a nested attribute) is a ``Handler`` subclass
+(instantiated with no arguments), a ``Handler`` instance (used as is), or a factory called
+with no arguments that returns an object with callable ``on_connect``, ``on_read`` and
+``on_close``.  The module is imported with ``--app-dir`` (default: the current directory)
+first on ``sys.path``.  Without it, ``--app echo|chat`` picks a built-in app (default echo).
+
 ``serve`` prints ``listening on HOST:PORT`` (one line, flushed) once it accepts connections,
 logs lifecycle and close reasons to stderr, and on SIGINT/SIGTERM shuts down cleanly (flushes
 what is pending), prints one ``stats {...}`` JSON line and exits 0 with no traceback.
 
-``--procs N`` runs N server processes on one port (``SO_REUSEPORT``: the kernel spreads the
-connections over them).  The parent reserves the port, starts the children, supervises them
-(a child that dies is restarted) and forwards SIGINT/SIGTERM to them.
+Exit status: 0 after a clean shutdown; 2 for a usage or configuration error (a bad option, a
+handler that cannot be loaded, settings the server refuses, an address it cannot bind), with
+one ``aoprim: ...`` line on stderr and no traceback; 1 when serving failed.
+
+``--procs N`` runs N server processes on one port under a supervisor (see supervisor.py).
 """
 import argparse
+import importlib
 import json
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
+import traceback
 
-from . import loadgen
-from .apps import APPS
-from .framing import FRAMINGS
-from .loop import BACKENDS, BackendUnavailable
-from .session import Server
+from aoprim.server import BACKENDS, BackendUnavailable, Handler, Server
+from aoprim.tools import loadgen
+
+from .supervisor import Supervisor
+
+__all__ = ["main", "build_parser", "load_handler", "split_spec", "UsageError"]
 
 log = logging.getLogger("aoprim.server")
+
+# the built-in apps, loaded the way a user's handler is
+BUILTIN_APPS = {"echo": "aoprim.server.apps:Echo", "chat": "aoprim.server.apps:Chat"}
+FRAMINGS = ("raw", "u16", "u32")       # API.md; the server validates them again
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+HOOKS = ("on_connect", "on_read", "on_close")
+
+
+class UsageError(Exception):
+    """A mistake in the command line or in what it names: one ``aoprim: ...`` line, exit 2."""
 
 
 class _Stop(Exception):
@@ -36,45 +54,185 @@ def _raise_stop(signum, frame):
     raise _Stop()
 
 
+# -- loading the user's handler -------------------------------------------------------------
+
+def _describe(exc):
+    """``Type: message (file:line)``, the line being where it was raised."""
+    text = f"{type(exc).__name__}: {exc}"
+    tb = traceback.extract_tb(exc.__traceback__)
+    # where it was raised, unless that is here (a call with the wrong arguments) or a
+    # SyntaxError (which names its own line)
+    if tb and tb[-1].filename != __file__ and not isinstance(exc, SyntaxError):
+        text += f" ({tb[-1].filename}:{tb[-1].lineno})"
+    return text
+
+
+def _put_on_path(app_dir):
+    """Make ``app_dir`` importable, first, as uvicorn does.  aoprim itself is imported by now,
+    so a checkout's uncompiled aoprim/ in that folder cannot shadow the built package."""
+    want = os.path.abspath(app_dir)
+    if not any(os.path.abspath(p or os.curdir) == want for p in sys.path[:1]):
+        sys.path.insert(0, want)
+
+
+def split_spec(spec):
+    """``MODULE:ATTR`` -> (MODULE, ATTR); UsageError if it is not of that form."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise UsageError(f"{spec!r} is not MODULE:HANDLER (for example mypkg.game:GameHandler)")
+    return mod_name, attr
+
+
+def load_handler(spec):
+    """The handler that ``MODULE:ATTR`` names (see the module docstring).  Raises UsageError
+    with a one-line reason."""
+    mod_name, attr = split_spec(spec)
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):
+            raise UsageError(f"cannot import {mod_name!r} for {spec}: no module named "
+                             f"{e.name!r} (looked in {sys.path[0]!r} first)") from None
+        raise UsageError(f"importing {mod_name!r} failed: {_describe(e)}") from None
+    except Exception as e:                          # the module's own error
+        raise UsageError(f"importing {mod_name!r} failed: {_describe(e)}") from None
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise UsageError(f"module {mod_name!r} has no attribute {attr!r}") from None
+    if isinstance(obj, Handler):
+        return obj
+    if not callable(obj):
+        raise UsageError(f"{spec} is of type {type(obj).__name__}, not a Handler subclass, a "
+                         "Handler instance or a factory returning a handler")
+    try:
+        handler = obj()
+    except Exception as e:
+        raise UsageError(f"{spec}() raised {_describe(e)}") from None
+    missing = [h for h in HOOKS if not callable(getattr(handler, h, None))]
+    if missing:
+        raise UsageError(f"{spec}() returned an object of type {type(handler).__name__}, which "
+                         f"has no callable {', '.join(missing)} (subclass aoprim.server.Handler)")
+    return handler
+
+
+# -- the parser -----------------------------------------------------------------------------
+
 def _seconds_or_none(v):
     if v.lower() in ("none", "0", "off"):
         return None
-    x = float(v)
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {v!r}") from None
     if x <= 0:
         raise argparse.ArgumentTypeError("must be > 0 (or 'none')")
     return x
 
 
+def _seconds_text(v):
+    return "none" if v is None else repr(v)
+
+
+class _ServeOptions:
+    """The ``serve`` options, recorded as they are added, so that a supervisor can hand its
+    children the same settings (``argv``) without parsing its own command line again."""
+
+    def __init__(self, parser):
+        self.parser = parser
+        self.flags = []               # (dest, flag, to_text or None for a store_true flag)
+
+    def add(self, flag, *, text=str, **kw):
+        act = self.parser.add_argument(flag, **kw)
+        self.flags.append((act.dest, flag, None if kw.get("action") == "store_true" else text))
+
+    def argv(self, ns, **override):
+        out = []
+        for dest, flag, text in self.flags:
+            v = override.get(dest, getattr(ns, dest))
+            if text is None:
+                if v:
+                    out.append(flag)
+            elif v is not None:
+                out += [flag, text(v)]
+        return out
+
+
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m aoprim")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="run the server with a built-in app")
-    s.add_argument("--app", choices=sorted(APPS), default="echo")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8888)
-    s.add_argument("--framing", choices=FRAMINGS, default="raw")
-    s.add_argument("--workers", type=int, default=0, help="on_read worker threads (0: loop)")
-    s.add_argument("--procs", type=int, default=1, help="server processes (SO_REUSEPORT)")
-    s.add_argument("--max-frame", type=int, default=65536)
-    s.add_argument("--idle-timeout", type=_seconds_or_none, default=None)
-    s.add_argument("--frame-timeout", type=_seconds_or_none, default=30.0)
-    s.add_argument("--max-connections", type=int, default=10000)
-    s.add_argument("--max-pending", type=int, default=4 << 20)
-    s.add_argument("--backend", choices=BACKENDS, default="selectors")
-    s.add_argument("--log-level", default="INFO")
-    s.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
-    lg = sub.add_parser("loadgen", help="echo load generator")
+    p = argparse.ArgumentParser(prog="python -m aoprim",
+                                description="aoprim's server and its load generator")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    s = sub.add_parser(
+        "serve", help="run the server: your handler (MODULE:HANDLER) or a built-in app",
+        description="Serve MODULE:HANDLER (a Handler subclass, a Handler instance or a "
+                    "factory returning a handler), or a built-in app (--app).")
+    s.add_argument("handler", nargs="?", metavar="MODULE:HANDLER",
+                   help="your handler, imported from MODULE (--app-dir is importable); "
+                        "default: none, the built-in --app is served")
+    o = _ServeOptions(s)
+    o.add("--app", choices=sorted(BUILTIN_APPS), default=None,
+          help="a built-in app, when no MODULE:HANDLER is given (default: echo)")
+    o.add("--app-dir", default=".",
+          help="directory put first on sys.path to import MODULE (default: %(default)s)")
+    o.add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    o.add("--port", type=int, default=8888, help="port; 0 picks a free one (default: %(default)s)")
+    o.add("--framing", choices=FRAMINGS, default="raw",
+          help="raw bytes, or a u16/u32 big-endian length before each frame "
+               "(default: %(default)s)")
+    o.add("--workers", type=int, default=0,
+          help="threads running on_read; 0 runs it on the loop thread (default: %(default)s)")
+    o.add("--procs", type=int, default=1,
+          help="server processes sharing the port (SO_REUSEPORT) under a supervisor "
+               "(default: %(default)s)")
+    o.add("--max-frame", type=int, default=65536,
+          help="largest u16/u32 frame accepted, bytes (default: %(default)s)")
+    o.add("--idle-timeout", type=_seconds_or_none, default=None, text=_seconds_text,
+          help="close a session silent this many seconds; 'none' for never "
+               "(default: %(default)s)")
+    o.add("--frame-timeout", type=_seconds_or_none, default=30.0, text=_seconds_text,
+          help="seconds a begun frame may take to complete; 'none' for no limit "
+               "(default: %(default)s)")
+    o.add("--max-connections", type=int, default=10000,
+          help="open sessions at most (default: %(default)s)")
+    o.add("--max-pending", type=int, default=4 << 20,
+          help="unsent bytes per session before it is cut off (default: %(default)s)")
+    o.add("--backend", choices=BACKENDS, default="selectors",
+          help="the event loop backend (default: %(default)s)")
+    o.add("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+          help="stderr log level (default: %(default)s)")
+    o.add("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # a supervised child
+    s.set_defaults(child_argv=o.argv)
+    lg = sub.add_parser("loadgen", help="echo load generator (a client; verifies every byte)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     loadgen.build_parser(lg)
     return p
 
 
+# -- serving --------------------------------------------------------------------------------
+
+def _check_choice(a):
+    if a.handler is not None and a.app is not None:
+        raise UsageError(f"give MODULE:HANDLER ({a.handler}) or --app {a.app}, not both")
+    if a.procs < 1:
+        raise UsageError("--procs must be >= 1")
+
+
 def _serve_one(a):
-    kw = dict(framing=a.framing, max_frame=a.max_frame, max_connections=a.max_connections,
-              max_pending=a.max_pending, idle_timeout=a.idle_timeout,
-              frame_timeout=a.frame_timeout, workers=a.workers, backend=a.backend,
-              reuse_port=a.reuse_port)
-    srv = Server(APPS[a.app](), a.host, a.port, **kw)
-    host, port = srv.address
+    if a.handler is not None:
+        _put_on_path(a.app_dir)
+        handler = load_handler(a.handler)
+    else:
+        handler = load_handler(BUILTIN_APPS[a.app or "echo"])
+    try:
+        srv = Server(handler, a.host, a.port, framing=a.framing, max_frame=a.max_frame,
+                     max_connections=a.max_connections, max_pending=a.max_pending,
+                     idle_timeout=a.idle_timeout, frame_timeout=a.frame_timeout,
+                     workers=a.workers, backend=a.backend, reuse_port=a.reuse_port)
+    except (ValueError, TypeError, OSError, BackendUnavailable) as e:
+        raise UsageError(str(e)) from None
+    host, port = srv.address[:2]
     print(f"listening on {host}:{port}", flush=True)
     srv.serve_forever()
     print("stats " + json.dumps(srv.stats()), flush=True)
@@ -82,96 +240,38 @@ def _serve_one(a):
 
 
 def _serve_procs(a):
-    """Parent of --procs N: reserve the port, start and supervise the children."""
-    infos = socket.getaddrinfo(a.host, a.port, type=socket.SOCK_STREAM)
-    family, _, _, _, addr = infos[0]
-    reserve = socket.socket(family, socket.SOCK_STREAM)
-    reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    reserve.bind(addr)                  # bound, never listening: it only holds the port
-    host, port = reserve.getsockname()[:2]
-    argv = [sys.executable, "-m", "aoprim", "serve", "--app", a.app, "--host", a.host,
-            "--port", str(port), "--framing", a.framing, "--workers", str(a.workers),
-            "--max-frame", str(a.max_frame), "--idle-timeout", str(a.idle_timeout),
-            "--frame-timeout", str(a.frame_timeout), "--max-connections",
-            str(a.max_connections), "--max-pending", str(a.max_pending), "--backend",
-            a.backend, "--log-level", a.log_level, "--reuse-port"]
-    stopping = threading.Event()
-    children = {}
+    if a.handler is not None:
+        split_spec(a.handler)          # a malformed name fails once, before any child starts
+    tail = [a.handler] if a.handler is not None else []
 
-    def relay(proc, ready):
-        for line in proc.stdout:
-            if line.startswith("listening on"):
-                ready.set()
-            else:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-        ready.set()
+    def child_argv(port):
+        return [sys.executable, "-m", "aoprim", "serve",
+                *a.child_argv(a, port=port, procs=1, reuse_port=True), *tail]
 
-    def spawn(i):
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        ready = threading.Event()
-        t = threading.Thread(target=relay, args=(proc, ready), daemon=True)
-        t.start()
-        children[i] = (proc, t)
-        return ready
-
-    def on_signal(signum, frame):
-        stopping.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    readies = [spawn(i) for i in range(a.procs)]
-    for r in readies:
-        r.wait(30)
-    reserve.close()
-    print(f"listening on {host}:{port}", flush=True)
-    log.info("supervising %d server processes on %s:%s", a.procs, host, port)
-    rc = 0
-    while not stopping.is_set():
-        stopping.wait(0.2)
-        for i, (proc, t) in list(children.items()):
-            if proc.poll() is not None and not stopping.is_set():
-                log.error("server process %d exited with %s: restarting it", proc.pid,
-                          proc.returncode)
-                time.sleep(0.5)
-                spawn(i)
-    for proc, _ in children.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for proc, t in children.values():
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.error("server process %d did not stop: killing it", proc.pid)
-            proc.kill()
-            proc.wait()
-        t.join(5)
-        if proc.returncode != 0:
-            rc = 1
-    return rc
+    sup = Supervisor(child_argv, a.procs, a.host, a.port)
+    try:
+        return sup.run()
+    except OSError as e:               # the port cannot be reserved
+        raise UsageError(f"cannot reserve {a.host}:{a.port}: {e.strerror or e}") from None
 
 
 def main(argv=None):
     # until the server installs its own handlers, SIGINT/SIGTERM end the process quietly
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
-    a = build_parser().parse_args(argv)
     try:
+        a = build_parser().parse_args(argv)
         if a.cmd == "loadgen":
             signal.signal(signal.SIGINT, signal.default_int_handler)
             return loadgen.main(a)
-        logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
+        logging.basicConfig(level=a.log_level, stream=sys.stderr,
                             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
-        if a.procs < 1:
-            print("--procs must be >= 1", file=sys.stderr)
-            return 2
+        _check_choice(a)
         if a.procs > 1:
             return _serve_procs(a)
         return _serve_one(a)
     except (_Stop, KeyboardInterrupt):
         return 0
-    except (ValueError, TypeError, OSError, BackendUnavailable) as e:
-        print(f"aoprim: {e}", file=sys.stderr)
+    except UsageError as e:
+        print(f"aoprim: {e}", file=sys.stderr, flush=True)
         return 2

@@ -1,4 +1,4 @@
-"""A lean echo load generator: ``python -m aoprim loadgen``.
+"""A lean echo load generator (a client of the server): ``python -m aoprim loadgen``.
 
 Every connection keeps ``pipeline`` messages in flight; each echoed message is answered by a
 new one.  Every echoed byte is checked against what was sent on that connection (the
@@ -24,7 +24,7 @@ import sys
 import time
 from collections import deque
 
-from .framing import Framing
+from aoprim.server.framing import Framing
 
 __all__ = ["run", "main", "proc_cpu"]
 
@@ -245,16 +245,20 @@ def _merge(results):
 
 def build_parser(p=None):
     p = p or argparse.ArgumentParser(prog="python -m aoprim loadgen",
-                                     description="echo load generator (verifies every byte)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--conns", type=int, default=10)
+                                     description="echo load generator (verifies every byte)",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="the server's address")
+    p.add_argument("--port", type=int, required=True, default=argparse.SUPPRESS,
+                   help="the server's port (required)")
+    p.add_argument("--conns", type=int, default=10, help="connections")
     p.add_argument("--size", type=int, default=1024, help="payload bytes per message")
     p.add_argument("--pipeline", type=int, default=1, help="messages in flight per connection")
     p.add_argument("--duration", type=float, default=5.0, help="measured seconds")
-    p.add_argument("--warmup", type=float, default=0.5)
+    p.add_argument("--warmup", type=float, default=0.5,
+                   help="seconds of load before the measured window")
     p.add_argument("--procs", type=int, default=1, help="load-generating processes")
-    p.add_argument("--framing", choices=("raw", "u16", "u32"), default="raw")
+    p.add_argument("--framing", choices=("raw", "u16", "u32"), default="raw",
+                   help="as the server's --framing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--cpu-pid", type=int, default=None,
                    help="also report this process's CPU time per message over the window")

@@ -1,0 +1,381 @@
+"""``--procs N``: N server processes on one port, and the process that supervises them.
+
+The kernel spreads the connections over the children (``SO_REUSEPORT``).  The supervisor
+imports no server code: a child is any command that prints ``listening on HOST:PORT`` once it
+accepts connections and exits with a status that says why it stopped.
+
+Rules
+-----
+- The port is reserved for the supervisor's whole life: one socket, bound with
+  ``SO_REUSEPORT`` (and without ``SO_REUSEADDR``), never listening, so it receives no
+  connection.  Children bind beside it; a child restarted after every child died gets the same
+  port, and no other program can take the port meanwhile (a socket with ``SO_REUSEADDR`` only
+  -- asyncio's default -- is refused; joining a ``SO_REUSEPORT`` group needs the same uid).
+- ``listening on HOST:PORT`` is printed once, when every child has printed its own.  A child
+  that exits before that, or a start that takes longer than ``start_timeout``, stops the
+  others; the supervisor then exits non-zero (2 if that child exited 2) and never prints it.
+- A child's exit status decides what happens next:
+    0  it was told to stop: it is not restarted (when none is left, the supervisor exits 0);
+    2  a usage or configuration error, which a restart would only repeat: stop every child,
+       exit 2;
+    else  a crash: restart it after a back-off that doubles from ``backoff`` up to
+       ``backoff_max``; a child that lived ``stable_after`` seconds starts the count again.
+       A place restarted ``give_up_after`` times in a row, every child of it crashing within
+       ``stable_after`` seconds of its start, is a crash loop: the next crash stops every
+       child and the supervisor exits 1.
+- SIGINT/SIGTERM are forwarded (once) to every child; the supervisor waits up to
+  ``stop_timeout`` seconds, kills what is left, and exits 0 if every child exited 0, else 1.
+  A second signal kills the children at once.
+- Children die with the supervisor, even if it is killed with SIGKILL: each child asks the
+  kernel for SIGTERM when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, set between fork
+  and exec), then checks that its parent is still the supervisor, which closes the race of a
+  supervisor that died before the request was made.  The death signal follows the *thread*
+  that forked the child, so the supervisor runs in one thread: the caller's.
+- Children run in their own process group: a Ctrl-C at the terminal reaches the supervisor
+  only, which forwards it once.  Their stdout is read by the supervisor (the ``listening on``
+  lines are consumed, every other line is passed on); their stderr is the supervisor's.
+"""
+import ctypes
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+__all__ = ["Supervisor", "reserve_port"]
+
+log = logging.getLogger("aoprim.server")
+
+_PR_SET_PDEATHSIG = 1
+_READY = b"listening on "
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _find_prctl():
+    """libc's prctl() as a ctypes function, or None where there is none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                   ctypes.c_ulong]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def reserve_port(host, port):
+    """A socket bound to (host, port) with SO_REUSEPORT only, not listening: it holds the port
+    (port 0: the kernel picks one) without taking any connection.  Returns the socket."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(addr)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+class _Child:
+    """One of the N places: the process filling it now, and its history."""
+    __slots__ = ("index", "proc", "buf", "started", "ready", "listened", "crashes",
+                 "respawn_at", "done")
+
+    def __init__(self, index):
+        self.index = index
+        self.proc = None          # the running subprocess.Popen, or None
+        self.buf = b""            # the start of a stdout line not yet complete
+        self.started = 0.0        # time.monotonic() at spawn
+        self.ready = False        # the current process printed "listening on"
+        self.listened = False     # some process in this place did
+        self.crashes = 0          # crashes in a row, each soon after its start
+        self.respawn_at = None    # monotonic time of the pending restart, or None
+        self.done = False         # exited 0: stays stopped
+
+
+class Supervisor:
+    """Run ``procs`` children of ``child_argv(port)`` on one reserved port; see the module
+    docstring for the rules.  ``run()`` blocks (in the main thread) and returns the exit
+    status for the command line."""
+
+    def __init__(self, child_argv, procs, host="127.0.0.1", port=0, *, stdout=None,
+                 start_timeout=30.0, stop_timeout=15.0, backoff=0.5, backoff_max=30.0,
+                 give_up_after=5, stable_after=10.0):
+        if not isinstance(procs, int) or procs < 1:
+            raise ValueError("procs must be an int >= 1")
+        self._child_argv = child_argv
+        self._procs = procs
+        self._host = host
+        self._port = port
+        self._out = stdout if stdout is not None else sys.stdout
+        self._start_timeout = float(start_timeout)
+        self._stop_timeout = float(stop_timeout)
+        self._backoff = float(backoff)
+        self._backoff_max = float(backoff_max)
+        self._give_up_after = int(give_up_after)
+        self._stable_after = float(stable_after)
+        self._prctl = _find_prctl()       # looked up here: the child only calls it
+        self._children = [_Child(i) for i in range(procs)]
+        self._sel = None
+        self._signals = []                # stop signals received, not yet handled
+        self._announced = False           # "listening on" was printed
+        self.address = None               # (host, port) once the port is reserved
+        self.spawned = []                 # (monotonic time, index, pid) of every spawn
+
+    # -- the child's side of fork (runs between fork and exec: no locks, no logging) -----
+
+    def _preexec(self, parent):
+        prctl = self._prctl
+
+        def setup():
+            os.setpgid(0, 0)
+            if prctl is not None:
+                if prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+                    e = ctypes.get_errno()
+                    raise OSError(e, "prctl(PR_SET_PDEATHSIG): " + os.strerror(e))
+                if os.getppid() != parent:    # the supervisor died before prctl: no signal
+                    os._exit(1)               # will come, so do not start at all
+        return setup
+
+    # -- the parent's side ----------------------------------------------------------------
+
+    def _spawn(self, c):
+        port = self.address[1]
+        c.proc = subprocess.Popen(self._child_argv(port), stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, preexec_fn=self._preexec(os.getpid()))
+        os.set_blocking(c.proc.stdout.fileno(), False)
+        self._sel.register(c.proc.stdout.fileno(), selectors.EVENT_READ, c)
+        c.buf = b""
+        c.started = time.monotonic()
+        c.ready = False
+        c.respawn_at = None
+        self.spawned.append((c.started, c.index, c.proc.pid))
+        log.debug("started server process %d (place %d)", c.proc.pid, c.index)
+
+    def _start(self, c):
+        try:
+            self._spawn(c)
+        except (OSError, subprocess.SubprocessError) as e:
+            log.error("cannot start %s: %s", self._child_argv(self.address[1])[:4], e)
+            c.respawn_at = None
+            return False
+        return True
+
+    def _read(self, c, final=False):
+        """Pass on what child ``c`` printed (the ``listening on`` line marks it ready).
+        ``final``: it has exited; read to the end of its output, for a bounded time."""
+        if c.proc.stdout.closed:           # its end of output was read already
+            return
+        fd = c.proc.stdout.fileno()
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                if not final:
+                    return
+                if time.monotonic() < deadline:
+                    _wait_readable(fd, deadline - time.monotonic())
+                    continue
+                chunk = b""              # something it started holds the pipe: let go
+            if not chunk:
+                self._sel.unregister(fd)
+                c.proc.stdout.close()
+                if c.buf:
+                    self._line(c, c.buf + b"\n")
+                    c.buf = b""
+                return
+            *lines, c.buf = (c.buf + chunk).split(b"\n")
+            for line in lines:
+                self._line(c, line + b"\n")
+
+    def _line(self, c, line):
+        if line.startswith(_READY) and not c.ready:
+            c.ready = c.listened = True
+            if self._announced:
+                log.info("server process %d (restarted) is listening", c.proc.pid)
+            return
+        self._out.write(line.decode(errors="replace"))
+        self._out.flush()
+
+    def _stop_all(self, sig=signal.SIGTERM):
+        """Signal every live child, wait for them (bounded by stop_timeout, or not at all for
+        SIGKILL), kill the rest.  Returns True if every child that was running exited 0.
+
+        A child still starting (it has not said "listening on") may not have its handlers
+        yet: it gets SIGTERM, whose default action ends it, and ending so counts as a clean
+        stop (SIGINT there would be a KeyboardInterrupt anywhere in its start-up)."""
+        live = [c for c in self._children if c.proc is not None]
+        was_ready = {c: c.ready for c in live}
+        for c in live:
+            _signal(c.proc, sig if c.ready or sig == signal.SIGKILL else signal.SIGTERM)
+        for c in self._children:
+            c.respawn_at = None
+        deadline = time.monotonic() + (0.0 if sig == signal.SIGKILL else self._stop_timeout)
+        ok = True
+        while live:
+            self._poll(max(0.0, min(0.2, deadline - time.monotonic())))
+            if self._signals:                  # a second signal: no more waiting
+                self._signals.clear()
+                deadline = 0.0
+            still = []
+            for c in live:
+                rc = c.proc.poll()
+                if rc is None:
+                    still.append(c)
+                    continue
+                self._read(c, final=True)
+                ok = ok and (rc == 0 or (rc == -signal.SIGTERM and not was_ready[c]))
+                c.proc = None
+            live = still
+            if live and time.monotonic() >= deadline:
+                for c in live:
+                    log.error("server process %d did not stop: killing it", c.proc.pid)
+                    _signal(c.proc, signal.SIGKILL)
+                deadline = float("inf")
+                ok = False
+        return ok
+
+    def _poll(self, timeout):
+        for key, _ in self._sel.select(timeout):
+            if key.data is None:               # the signal wake-up pipe
+                try:
+                    while os.read(key.fd, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+            else:
+                self._read(key.data)
+
+    def _on_signal(self, signum, frame):
+        if signum != signal.SIGCHLD:
+            self._signals.append(signum)
+
+    def _fail(self, message, status):
+        print(f"aoprim: {message}", file=sys.stderr, flush=True)
+        self._stop_all()
+        return status
+
+    def _reaped(self, c, rc, now):
+        """Child ``c`` exited with ``rc``.  Returns an exit status for the supervisor, or None
+        to keep going."""
+        pid = c.proc.pid
+        self._read(c, final=True)          # it may have said "listening on" just before
+        c.proc = None
+        if not self._announced and not c.listened:
+            why = " (a usage or configuration error)" if rc == 2 else ""
+            return self._fail(f"server process {pid} ({c.index + 1} of {self._procs}) exited "
+                              f"with {_how(rc)}{why} before it listened: stopping",
+                              2 if rc == 2 else 1)
+        if rc == 0:
+            log.info("server process %d exited 0 (told to stop): not restarting it", pid)
+            c.done = True
+            return 0 if all(x.done for x in self._children) else None
+        if rc == 2:
+            return self._fail(f"server process {pid} exited with status 2 (a usage or "
+                              "configuration error): stopping", 2)
+        if now - c.started >= self._stable_after:
+            c.crashes = 0
+        c.crashes += 1
+        how = _how(rc)
+        if c.crashes > self._give_up_after:
+            return self._fail(f"server process {pid} exited with {how}; {c.crashes} crashes "
+                              f"in a row, each within {self._stable_after:g} s of its start: "
+                              "giving up", 1)
+        delay = min(self._backoff * 2 ** (c.crashes - 1), self._backoff_max)
+        log.error("server process %d exited with %s: restarting it in %.2g s", pid, how,
+                  delay)
+        c.respawn_at = now + delay
+        return None
+
+    def run(self):
+        self._sel = selectors.DefaultSelector()
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        self._sel.register(wake_r, selectors.EVENT_READ, None)
+        old = {s: signal.signal(s, self._on_signal) for s in _STOP_SIGNALS + (signal.SIGCHLD,)}
+        old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        reserve = None
+        try:
+            reserve = reserve_port(self._host, self._port)
+            self.address = reserve.getsockname()[:2]
+            return self._supervise()
+        finally:
+            for c in self._children:
+                if c.proc is not None:          # only after an error of our own
+                    _signal(c.proc, signal.SIGKILL)
+                    c.proc.wait()
+            signal.set_wakeup_fd(old_wake)
+            for s, h in old.items():
+                signal.signal(s, h)
+            self._sel.close()
+            os.close(wake_r)
+            os.close(wake_w)
+            if reserve is not None:
+                reserve.close()
+
+    def _supervise(self):
+        host, port = self.address
+        for c in self._children:
+            if not self._start(c):
+                return self._fail("cannot start a server process: stopping", 1)
+        deadline = time.monotonic() + self._start_timeout
+        while True:
+            if self._signals:
+                sig = self._signals.pop(0)
+                log.info("received %s: stopping %d server processes",
+                         signal.Signals(sig).name, self._procs)
+                return 0 if self._stop_all(sig) else 1
+            now = time.monotonic()
+            for c in self._children:
+                if c.proc is not None:
+                    rc = c.proc.poll()
+                    if rc is not None:
+                        status = self._reaped(c, rc, now)
+                        if status is not None:
+                            return status
+                elif c.respawn_at is not None and now >= c.respawn_at:
+                    if not self._start(c):
+                        return self._fail("cannot restart a server process: stopping", 1)
+            if not self._announced:
+                if all(c.listened for c in self._children):
+                    self._announced = True
+                    print(f"listening on {host}:{port}", file=self._out, flush=True)
+                    log.info("supervising %d server processes on %s:%s", self._procs, host,
+                             port)
+                elif now >= deadline:
+                    return self._fail(f"the server processes did not all listen within "
+                                      f"{self._start_timeout:g} s: stopping", 1)
+            waits = [c.respawn_at - now for c in self._children if c.respawn_at is not None]
+            if not self._announced:
+                waits.append(deadline - now)
+            self._poll(max(0.0, min([0.5] + waits)))
+
+
+def _how(rc):
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"status {rc}"
+
+
+def _signal(proc, sig):
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_readable(fd, timeout):
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        sel.select(max(0.0, timeout))

@@ -1,0 +1,468 @@
+"""--procs: the supervisor (aoprim/server/supervisor.py).
+
+Two kinds of tests: the command line (`python -m aoprim serve --procs N`, real server
+children), for the defects the supervisor used to have, and the Supervisor class with small
+stand-in children (a script that prints "listening on" and exits as told), for its rules
+with short back-offs.
+"""
+import errno
+import io
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import pytest
+
+from aoprim.server.supervisor import Supervisor, reserve_port
+
+from test_server_support import HOST, recv_exact, wait_for
+
+CWD = tempfile.gettempdir()
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+def _stat(pid):
+    """(state, ppid) of a process, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rindex(")") + 2:].split()
+    return rest[0], int(rest[1])
+
+
+def alive(pid):
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def children_of(pid):
+    """Live processes whose parent is ``pid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _stat(int(d))
+            if st is not None and st[1] == pid and st[0] not in ("Z", "X"):
+                out.append(int(d))
+    return sorted(out)
+
+
+def serve(*args, cwd=CWD):
+    """Start `python -m aoprim serve --procs ...`; returns (process, port) once it listens."""
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
+                          "0", "--log-level", "INFO", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    line = p.stdout.readline()
+    if not line.startswith("listening on "):
+        p.kill()
+        out, err = p.communicate(timeout=10)
+        raise AssertionError(f"did not start: {line!r} {err}")
+    return p, int(line.rsplit(":", 1)[1])
+
+
+def echo_once(port, payload=b"ping"):
+    with socket.create_connection((HOST, port), timeout=10) as s:
+        s.sendall(payload)
+        return recv_exact(s, len(payload))
+
+
+def cleanup(p, pids=()):
+    pids = set(pids) | set(children_of(p.pid) if p.poll() is None else ())
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+# -- the command line: each test failed on the supervisor before supervisor.py ---------------
+
+def test_a_child_exiting_2_stops_the_supervisor_with_2():
+    """Bad settings made every child exit 2, and the supervisor respawned them every 0.5 s
+    forever (after printing "listening on")."""
+    r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port", "0",
+                        "--procs", "2", "--max-connections", "0"],
+                       capture_output=True, text=True, timeout=30, cwd=CWD)
+    assert r.returncode == 2, r.stderr
+    assert "max_connections must be >= 1" in r.stderr
+    assert "exited with status 2 (a usage or configuration error)" in r.stderr
+    assert "listening on" not in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_a_child_that_exited_0_is_not_restarted():
+    """A child that shut down cleanly (exit 0: it was told to stop) was restarted."""
+    p, port = serve("--procs", "2")
+    kids = []
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        os.kill(kids[0], signal.SIGTERM)
+        wait_for(lambda: not alive(kids[0]), what="the child to stop")
+        time.sleep(1.5)                      # the old supervisor restarted after 0.5-0.7 s
+        assert children_of(p.pid) == [kids[1]]
+        assert echo_once(port) == b"ping"    # the other one still serves
+        os.kill(kids[1], signal.SIGTERM)     # the last one: nothing left to supervise
+        out, err = p.communicate(timeout=20)
+        assert p.returncode == 0, err
+        assert out.count("stats ") == 2
+        assert "not restarting it" in err and "Traceback" not in err
+    finally:
+        cleanup(p, kids)
+
+
+START_ONCE = """
+import os
+from aoprim.server import Handler
+
+# the first process to import this module serves; the second exits 3 before it listens
+try:
+    os.close(os.open(os.path.join(os.path.dirname(__file__), "first.flag"),
+                     os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+except FileExistsError:
+    os._exit(3)
+
+class Echo(Handler):
+    def on_read(self, session, data):
+        session.send(data)
+"""
+
+
+def test_listening_is_printed_only_once_every_child_listens(tmp_path):
+    """"listening on" was printed even when children had failed to start; now a child that
+    fails to start stops the others and the supervisor exits non-zero."""
+    (tmp_path / "startonce.py").write_text(START_ONCE)
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
+                          "0", "--procs", "2", "startonce:Echo"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    try:
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 1, err
+        assert "listening on" not in out
+        assert "exited with status 3 before it listened: stopping" in err
+        assert "Traceback" not in err
+        assert children_of(p.pid) == []      # the child that did start was stopped
+    finally:
+        cleanup(p)
+
+
+def test_children_die_with_a_killed_supervisor():
+    """SIGKILL of the supervisor left its children serving (orphans)."""
+    p, port = serve("--procs", "2")
+    kids = []
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        assert echo_once(port) == b"ping"
+        p.kill()
+        p.wait()
+        wait_for(lambda: not any(alive(k) for k in kids), timeout=15,
+                 what="the children to die with their supervisor")
+        with pytest.raises(OSError):
+            echo_once(port)
+    finally:
+        cleanup(p, kids)
+
+
+def test_the_port_stays_reserved_while_no_child_runs():
+    """Once every child had died, the port was free for anyone until the restart (the
+    reservation was closed after the start); now it is held for the supervisor's life and
+    the restarted children get the same port."""
+    p, port = serve("--procs", "2")
+    kids = []
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        for k in kids:
+            os.kill(k, signal.SIGKILL)
+        wait_for(lambda: not any(alive(k) for k in kids), timeout=5, what="children dead")
+        # another program, binding as asyncio does (SO_REUSEADDR), cannot take the port
+        thief = socket.socket()
+        try:
+            thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError) as ei:
+                thief.bind((HOST, port))
+                thief.listen()
+            assert ei.value.errno == errno.EADDRINUSE
+        finally:
+            thief.close()
+        # the restarted children serve the same port
+        wait_for(lambda: len(children_of(p.pid)) == 2, timeout=15, what="restarted children")
+
+        def serves():
+            try:
+                return echo_once(port, b"again") == b"again"
+            except OSError:
+                return False
+        wait_for(serves, timeout=15, what="the port to be served again")
+        rc = (p.send_signal(signal.SIGTERM), p.wait(20))[1]
+        err = p.stderr.read()
+        assert rc == 0, err
+        assert "exited with signal SIGKILL: restarting it" in err
+    finally:
+        cleanup(p, kids)
+
+
+CRASHER = """
+import os
+from aoprim.server import Handler
+
+class CrashOnRequest(Handler):
+    def on_read(self, session, data):
+        if bytes(data) == b"crash":
+            os._exit(3)
+        session.send(data)
+"""
+
+
+def test_a_crashed_child_is_restarted_and_the_port_keeps_serving(tmp_path):
+    (tmp_path / "crasher.py").write_text(CRASHER)
+    p, port = serve("--procs", "2", "crasher:CrashOnRequest", cwd=str(tmp_path))
+    kids = []
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        with socket.create_connection((HOST, port), timeout=10) as s:
+            s.sendall(b"crash")
+            assert s.recv(10) == b""         # that child is gone
+        wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid) != kids,
+                 timeout=15, what="a restarted child")
+        for i in range(6):
+            assert echo_once(port, b"ok%d" % i) == b"ok%d" % i
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=20)
+        assert p.returncode == 0, err
+        assert "exited with status 3: restarting it in 0.5 s" in err
+    finally:
+        cleanup(p, kids)
+
+
+def test_the_reservation_refuses_other_binders():
+    r = reserve_port(HOST, 0)
+    try:
+        port = r.getsockname()[1]
+        for opts in ((), (socket.SO_REUSEADDR,)):
+            s = socket.socket()
+            try:
+                for o in opts:
+                    s.setsockopt(socket.SOL_SOCKET, o, 1)
+                with pytest.raises(OSError):
+                    s.bind((HOST, port))
+            finally:
+                s.close()
+        # a server process of ours (SO_REUSEADDR + SO_REUSEPORT) binds beside it
+        s = socket.socket()
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind((HOST, port))
+            s.listen()
+        finally:
+            s.close()
+    finally:
+        r.close()
+
+
+# -- the Supervisor class with stand-in children ---------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+
+    mode, port = sys.argv[1], sys.argv[2]
+
+    def bye(signum, frame):
+        print("bye", os.getpid(), flush=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, bye)
+    signal.signal(signal.SIGINT, bye)
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "silent":                   # never says it listens
+        time.sleep(60)
+    if mode == "fail2":                    # a configuration error before listening
+        sys.exit(2)
+    print("listening on 127.0.0.1:" + port, flush=True)
+    print("child", mode, "up", flush=True)
+    lifetime = {"crash": 0.05, "late": 0.4, "exit2": 0.2, "exit0": 0.2}.get(mode)
+    if lifetime is None:
+        time.sleep(60)
+    else:
+        time.sleep(lifetime)
+        sys.exit({"crash": 3, "late": 3, "exit2": 2, "exit0": 0}[mode])
+""")
+
+
+@pytest.fixture
+def child_script(tmp_path):
+    path = tmp_path / "child.py"
+    path.write_text(CHILD)
+    return str(path)
+
+
+def argv_of(script, *modes):
+    """child_argv for a Supervisor: the n-th child started runs modes[n] (the last repeats)."""
+    calls = []
+
+    def child_argv(port):
+        mode = modes[min(len(calls), len(modes) - 1)]
+        calls.append(mode)
+        return [sys.executable, script, mode, str(port)]
+    return child_argv
+
+
+class SignalWhen:
+    """Send ``sig`` to this process once ``pred()`` holds, from a thread (the supervisor
+    runs in the main thread, where signals are handled)."""
+
+    def __init__(self, pred, sig=signal.SIGTERM):
+        self._done = threading.Event()
+        self.sent = False
+
+        def run():
+            while not self._done.wait(0.01):
+                if pred():
+                    self.sent = True
+                    os.kill(os.getpid(), sig)
+                    return
+        self._t = threading.Thread(target=run, daemon=True)
+        self._t.start()
+
+    def close(self):
+        self._done.set()
+        self._t.join(5)
+
+
+def run_supervisor(sup, stop_when=None, sig=signal.SIGTERM):
+    sw = SignalWhen(stop_when, sig) if stop_when is not None else None
+    try:
+        return sup.run()
+    finally:
+        if sw is not None:
+            sw.close()
+
+
+def delays_logged(caplog):
+    return [float(m) for m in re.findall(r"restarting it in ([0-9.e+-]+) s", caplog.text)]
+
+
+def test_crash_loop_backs_off_exponentially_with_a_cap_then_gives_up(child_script, caplog):
+    caplog.set_level(logging.INFO, logger="aoprim.server")
+    out = io.StringIO()
+    sup = Supervisor(argv_of(child_script, "crash"), 1, HOST, 0, stdout=out, backoff=0.05,
+                     backoff_max=0.2, give_up_after=4, stable_after=10)
+    assert sup.run() == 1
+    assert delays_logged(caplog) == [0.05, 0.1, 0.2, 0.2]
+    times = [t for t, _, _ in sup.spawned]
+    assert len(times) == 5
+    for gap, delay in zip([b - a for a, b in zip(times, times[1:])], [0.05, 0.1, 0.2, 0.2]):
+        assert gap >= delay
+    assert out.getvalue().count("listening on") == 1
+    assert not any(alive(pid) for _, _, pid in sup.spawned)
+
+
+def test_crash_loop_message_names_the_give_up(child_script, capfd):
+    sup = Supervisor(argv_of(child_script, "crash"), 1, HOST, 0, stdout=io.StringIO(),
+                     backoff=0.01, backoff_max=0.01, give_up_after=2)
+    assert sup.run() == 1
+    err = capfd.readouterr().err
+    assert "3 crashes in a row" in err and "giving up" in err
+
+
+def test_a_child_that_lived_long_enough_starts_the_back_off_again(child_script, caplog):
+    caplog.set_level(logging.INFO, logger="aoprim.server")
+    sup = Supervisor(argv_of(child_script, "late"), 1, HOST, 0, stdout=io.StringIO(),
+                     backoff=0.05, backoff_max=1, give_up_after=2, stable_after=0.3)
+    # each child lives 0.4 s > stable_after: never a crash loop, never given up
+    assert run_supervisor(sup, lambda: len(sup.spawned) >= 4) == 0
+    assert delays_logged(caplog)[:3] == [0.05, 0.05, 0.05]
+
+
+def test_exit_2_after_listening_stops_every_child_with_2(child_script, capfd):
+    sup = Supervisor(argv_of(child_script, "serve", "exit2"), 2, HOST, 0, stdout=io.StringIO())
+    assert sup.run() == 2
+    assert "exited with status 2 (a usage or configuration error): stopping" in \
+        capfd.readouterr().err
+    assert len(sup.spawned) == 2                       # no restart
+    assert not any(alive(pid) for _, _, pid in sup.spawned)
+
+
+def test_exit_2_before_listening_stops_every_child_with_2(child_script):
+    out = io.StringIO()
+    sup = Supervisor(argv_of(child_script, "serve", "fail2"), 2, HOST, 0, stdout=out)
+    assert sup.run() == 2
+    assert "listening on" not in out.getvalue()
+    assert not any(alive(pid) for _, _, pid in sup.spawned)
+
+
+def test_children_that_exit_0_are_not_restarted(child_script):
+    out = io.StringIO()
+    sup = Supervisor(argv_of(child_script, "exit0"), 3, HOST, 0, stdout=out)
+    assert sup.run() == 0                               # none left: done
+    assert len(sup.spawned) == 3
+    assert out.getvalue().count("listening on") == 1
+
+
+def test_a_start_that_takes_too_long_fails(child_script, capfd):
+    out = io.StringIO()
+    sup = Supervisor(argv_of(child_script, "serve", "silent"), 2, HOST, 0, stdout=out,
+                     start_timeout=1.0)
+    t0 = time.monotonic()
+    assert sup.run() == 1
+    assert time.monotonic() - t0 < 10
+    assert "listening on" not in out.getvalue()
+    assert "did not all listen within 1 s" in capfd.readouterr().err
+    assert not any(alive(pid) for _, _, pid in sup.spawned)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_is_forwarded_and_output_relayed(child_script, sig):
+    out = io.StringIO()
+    sup = Supervisor(argv_of(child_script, "serve"), 2, HOST, 0, stdout=out)
+    assert run_supervisor(sup, lambda: "listening on" in out.getvalue(), sig) == 0
+    text = out.getvalue()
+    assert text.count("listening on") == 1             # the children's own are consumed
+    assert text.count("child serve up") == 2           # everything else is passed on
+    assert sorted(int(x) for x in re.findall(r"bye (\d+)", text)) == \
+        sorted(pid for _, _, pid in sup.spawned)
+    assert text.index("listening on") < text.index("bye")
+
+
+def test_a_child_that_ignores_the_stop_is_killed_after_stop_timeout(child_script, caplog):
+    out = io.StringIO()
+    sup = Supervisor(argv_of(child_script, "serve", "stubborn"), 2, HOST, 0, stdout=out,
+                     stop_timeout=0.5)
+    t0 = time.monotonic()
+    assert run_supervisor(sup, lambda: "listening on" in out.getvalue()) == 1
+    assert time.monotonic() - t0 < 15
+    assert "did not stop: killing it" in caplog.text
+    assert not any(alive(pid) for _, _, pid in sup.spawned)
+
+
+def test_children_get_the_supervisors_port_and_their_own_process_group(child_script):
+    out = io.StringIO()
+    sup = Supervisor(argv_of(child_script, "serve"), 2, HOST, 0, stdout=out)
+    seen = {}
+
+    def ready():
+        if "listening on" not in out.getvalue():
+            return False
+        for _, _, pid in sup.spawned:
+            seen[pid] = os.getpgid(pid)
+        return True
+    assert run_supervisor(sup, ready) == 0
+    host, port = sup.address
+    assert f"listening on {host}:{port}\n" in out.getvalue()
+    assert all(pgid == pid for pid, pgid in seen.items())
+    assert all(pgid != os.getpgid(0) for pgid in seen.values())
