@@ -357,3 +357,11 @@ def test_the_installed_command_also_imports_from_the_current_directory(app_dir, 
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_the_load_generator_is_a_tool_not_part_of_the_server():
+    import importlib.util
+
+    from aoprim.tools import loadgen
+    assert callable(loadgen.run) and callable(loadgen.proc_cpu)
+    assert importlib.util.find_spec("aoprim.server.loadgen") is None
