@@ -136,7 +136,7 @@ def test_loadgen_against_the_cli_server(procs):
     try:
         r = subprocess.run([sys.executable, "-m", "aoprim", "loadgen", "--host", HOST,
                             "--port", str(port), "--conns", "4", "--size", "64", "--pipeline",
-                            "8", "--duration", "0.5", "--warmup", "0.2", "--framing", "u16",
+                            "8", "--duration", "1.5", "--warmup", "0.2", "--framing", "u16",
                             "--procs", str(procs), "--json", "--cpu-pid", str(p.pid)],
                            capture_output=True, text=True, timeout=60, cwd=CWD)
         assert r.returncode == 0, r.stderr
