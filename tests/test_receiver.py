@@ -10,6 +10,7 @@ import struct
 import sys
 import time
 import warnings
+import weakref
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -420,6 +421,36 @@ def test_frame_view_shape_and_release(rigs):
     with pytest.raises(ValueError):
         bytes(kept[0])
     assert g.arena.scratch_swaps == 0     # nothing escaped
+    g.close()
+
+
+def test_frame_views_within_one_burst_stay_distinct(rigs):
+    """Whatever the handler does to one frame's view (hash it, weak-reference it, release
+    it, keep a slice of it) never shows up in another frame's view of the same read."""
+    hashes, refs, slices, seen = [], [], [], []
+
+    def on_frame(owner, data):
+        seen.append(bytes(data))
+        k = len(seen) % 5
+        if k == 0:
+            hashes.append((hash(data), hash(bytes(data))))
+        elif k == 1:
+            refs.append(weakref.ref(data))
+        elif k == 2:
+            data.release()
+        elif k == 3:
+            slices.append((data[:], bytes(data)))
+
+    g = rigs(hs=2, slot_size=4096, on_frame=on_frame)
+    payloads = [bytes([65 + i % 26]) * (1 + i % 7) for i in range(60)]
+    g.send(b"".join(enc(2, p) for p in payloads))
+    g.rx.on_readable()
+    assert seen == payloads
+    assert all(a == b for a, b in hashes) and len(hashes) == 12
+    assert all(r() is None for r in refs)        # those views were dropped, not re-used
+    assert all(bytes(v) == b for v, b in slices) and len(slices) == 12
+    del slices[:]
+    assert g.pool.in_use == 1
     g.close()
 
 
