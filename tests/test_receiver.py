@@ -949,3 +949,40 @@ def test_cimport_c_on_readable(cybuild):
         assert g.frames == [b"one", b"two", b"x" * 100]
     finally:
         g.close()
+
+
+def test_gc_clears_the_receiver_first():
+    """A dict holding only atomic values is untracked until the receiver goes in, so it
+    joins the GC's list after the receiver: the collector calls the receiver's tp_clear
+    first (arena, callbacks, owner dropped while `own` still holds an unfinished frame);
+    the receiver then deallocates through the dict and returns its slot properly."""
+    pool = SlabPool(64, 4)
+    arena = RxArena(pool)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    seen = []
+    box = {}
+    assert not gc.is_tracked(box)
+    rx = Receiver(arena, a.fileno(), 2, 1000, seen.append, seen.append, box)
+    box["rx"] = rx
+    assert gc.is_tracked(box)
+    b.sendall(b"\x00\x09abc")
+    rx.on_readable()
+    assert rx.holds_slot and pool.in_use == 2
+    unraisable = []
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            del rx, box
+            gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+    assert not [x for x in w if issubclass(x.category, ResourceWarning)]
+    assert unraisable == [] and seen == []
+    assert pool.in_use == 1
+    arena.close()
+    a.close()
+    b.close()
+    assert pool.in_use == 0
