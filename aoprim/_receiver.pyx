@@ -57,7 +57,9 @@ of that read that were not delivered stay buffered (``pending``) and are deliver
 the next on_readable().  A too-large header (RX_TOO_LARGE) ends the stream's framing:
 the receiver drops what it kept and reads nothing more.  A BaseException from on_frame
 (KeyboardInterrupt) propagates; the frame it interrupted counts as delivered and the rest
-stays pending, as after RX_HANDLER.
+stays pending, as after RX_HANDLER.  If a heap buffer for a kept tail cannot be allocated,
+on_event gets RX_ERROR with ENOMEM and the receiver reads nothing more.  An exception from
+on_event itself goes to sys.unraisablehook: on_readable() never raises but a BaseException.
 
 Closed arena: on_readable() of a receiver whose arena was closed returns without reading.
 
