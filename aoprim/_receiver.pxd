@@ -72,6 +72,8 @@ cdef class Receiver:
     cdef object on_event         # on_event(owner, code, arg); None once closed
     cdef object owner            # first argument of both callbacks; None once closed
     cdef _RxExporter fx          # turns (buffer, offset, length) into one pinned view
+    cdef PyObject *fview         # during a burst: a spare frame view nobody else holds,
+                                 #   re-pointed at the next frame (owned ref), or NULL
     cdef PyObject *own           # Slot or _HeapBuf holding an unfinished frame (one ref,
                                  # a C pointer so that a GC clear never drops it), or NULL
     cdef char *optr              # first byte of own

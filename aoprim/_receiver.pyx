@@ -24,6 +24,9 @@ Who owns which buffer
   A burst makes one such export of its whole window at its first frame and hands out each
   frame as a memoryview registered on that export's managed buffer (narrowed to the frame),
   so the export -- and the pin -- lasts exactly as long as any frame view or sub-view of it.
+  A frame view the handler left untouched (only our reference, not released, no export,
+  weak reference or hash of it) is re-pointed at the next frame instead of making another:
+  nobody can tell, and the common burst allocates one view object, not one per frame.
   The burst itself holds one more *reference* (Slot.c_retain) on the buffer it parses,
   from before the first frame until its bytes are settled, so no handler (close(),
   arena.close()) can return that buffer under it; and while it parses the scratch the arena
@@ -54,7 +57,9 @@ of that read that were not delivered stay buffered (``pending``) and are deliver
 the next on_readable().  A too-large header (RX_TOO_LARGE) ends the stream's framing:
 the receiver drops what it kept and reads nothing more.  A BaseException from on_frame
 (KeyboardInterrupt) propagates; the frame it interrupted counts as delivered and the rest
-stays pending, as after RX_HANDLER.
+stays pending, as after RX_HANDLER.  If a heap buffer for a kept tail cannot be allocated,
+on_event gets RX_ERROR with ENOMEM and the receiver reads nothing more.  An exception from
+on_event itself goes to sys.unraisablehook: on_readable() never raises but a BaseException.
 
 Closed arena: on_readable() of a receiver whose arena was closed returns without reading.
 
@@ -91,6 +96,13 @@ from aoprim._slab cimport SlabPool, Slot, aop_slab_take
 cdef extern from "Python.h":
     int PyBUF_WRITABLE
     Py_buffer *PyMemoryView_GET_BUFFER(object mview)
+    # CPython's memoryview object (Include/cpython/memoryobject.h), read by _reusable
+    ctypedef struct PyMemoryViewObject:
+        Py_hash_t hash
+        int flags
+        Py_ssize_t exports
+        PyObject *weakreflist
+    int _Py_MEMORYVIEW_RELEASED
     Py_ssize_t Py_REFCNT(PyObject *o)
     void Py_DECREF_p "Py_DECREF"(PyObject *o)
 
@@ -184,6 +196,15 @@ cdef _HeapBuf _heap(Py_ssize_t n):
         raise MemoryError(f"cannot allocate a receive buffer of {n} bytes")
     h.size = n
     return h
+
+
+cdef inline bint _reusable(object mv) noexcept:
+    """True if nobody but us can ever observe memoryview `mv` again, so that re-pointing it
+    at the next frame is invisible: only our reference (checked by the caller), never
+    released, no export of it, no weak reference, no cached hash."""
+    cdef PyMemoryViewObject *m = <PyMemoryViewObject *>mv
+    return (not (m.flags & _Py_MEMORYVIEW_RELEASED) and m.exports == 0 and
+            m.weakreflist == NULL and m.hash == -1)
 
 
 cdef void _report(object exc) noexcept:
@@ -363,13 +384,18 @@ cdef class Receiver:
         self.owner = owner
         self.copy_frames = bool(copy_frames)
         self.fx = _RxExporter.__new__(_RxExporter)
+        self.fview = NULL
         self.own = NULL
         self.optr = NULL
         self.ocap = self.pos = self.end = self.want = self.need = 0
 
     def __dealloc__(self):
         # GC clear (if any) already dropped arena/callbacks/owner; `own` it never sees
-        cdef PyObject *o = self.own
+        cdef PyObject *o = self.fview
+        self.fview = NULL
+        if o != NULL:               # only set during a burst (which holds a reference to us)
+            Py_DECREF_p(o)
+        o = self.own
         self.own = NULL
         if o != NULL:
             try:
@@ -504,9 +530,14 @@ cdef class Receiver:
         # frame view (or a sub-view a handler kept) lives: dropping base at the end leaves
         # exactly the escaped views holding it, which is what _settle checks.
         cdef PyObject *base = NULL
+        cdef PyObject *f
         try:
             return self._cut_frames(buf, p, ppos, end, &base)
         finally:
+            f = self.fview
+            if f != NULL:
+                self.fview = NULL
+                Py_DECREF_p(f)           # the spare frame view (nobody else holds it)
             if base != NULL:
                 Py_DECREF_p(base)        # the pin goes with the last view on base's buffer
 
@@ -567,9 +598,15 @@ cdef class Receiver:
         if self.copy_frames:
             data = PyBytes_FromStringAndSize(p, n)
         elif base is not None:
-            # a fresh memoryview on base's managed buffer (no getbuffer), nobody has seen
-            # it yet: narrow it to the frame (1-D, 'B', itemsize 1: buf, len, shape[0])
-            data = PyMemoryView_FromObject(base)
+            # a memoryview on base's managed buffer (no getbuffer) that nobody else holds:
+            # the previous frame's if the handler left it untouched (_reusable), else a new
+            # one.  Narrow it to this frame (1-D, 'B', itemsize 1: buf, len, shape[0]).
+            if self.fview != NULL:
+                data = <object>self.fview          # +1 (local)
+                Py_DECREF_p(self.fview)            # the field's reference is now the local's
+                self.fview = NULL
+            else:
+                data = PyMemoryView_FromObject(base)
             v = PyMemoryView_GET_BUFFER(data)
             v.buf = <void *>p
             v.len = n
@@ -581,13 +618,17 @@ cdef class Receiver:
         except Exception as e:
             exc = e
         finally:
-            if not self.copy_frames and Py_REFCNT(<PyObject *>data) > 1:
-                # the handler kept it: release it now, so using it later raises ValueError
-                # (sub-views and exports it made keep the pin, and the memory, alive)
-                try:
-                    data.release()
-                except BufferError:
-                    pass        # an export of it is alive: it stays valid (and pinned)
+            if not self.copy_frames:
+                if Py_REFCNT(<PyObject *>data) > 1:
+                    # the handler kept it: release it now, so using it later raises
+                    # ValueError (sub-views and exports it made keep the pin alive)
+                    try:
+                        data.release()
+                    except BufferError:
+                        pass    # an export of it is alive: it stays valid (and pinned)
+                elif base is not None and exc is None and _reusable(data):
+                    Py_INCREF(data)                # kept for the next frame of this burst
+                    self.fview = <PyObject *>data
         if exc is not None:
             data = None
             self._event(AOP_RX_HANDLER, exc)

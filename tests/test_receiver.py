@@ -10,6 +10,7 @@ import struct
 import sys
 import time
 import warnings
+import weakref
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -402,6 +403,47 @@ def test_too_large_matches_reference_decoder(hs, before, bad, cuts, slot_size):
         g.close()
 
 
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(hs=st.sampled_from([2, 4]),
+       payloads=st.lists(st.binary(min_size=1, max_size=120), min_size=1, max_size=30),
+       keep=st.lists(st.booleans(), min_size=30, max_size=30),
+       cuts=st.lists(st.integers(min_value=0, max_value=10**6), max_size=12),
+       slot_size=st.sampled_from([8, 48, 256]),
+       slots=st.sampled_from([1, 3, 16]))
+def test_kept_views_never_see_rewritten_memory(hs, payloads, keep, cuts, slot_size, slots):
+    """Handlers keep sub-views of random frames while the stream goes on (frames split
+    anywhere, unfinished tails moved, scratch reused, pool exhausted or not): every kept
+    view still shows its frame's bytes at the end, and dropping them returns every slot."""
+    kept = []
+    count = [0]
+
+    def on_frame(owner, data):
+        i = count[0]
+        count[0] += 1
+        if keep[i % len(keep)]:
+            kept.append((data[:], payloads[i]))
+
+    stream = b"".join(enc(hs, p) for p in payloads)
+    g = Rig(hs=hs, max_frame=200, slot_size=slot_size, slots=slots, on_frame=on_frame)
+    try:
+        for chunk in _split(stream, cuts):
+            g.send(chunk)
+            g.pump()
+        assert count[0] == len(payloads)
+        assert [bytes(v) for v, _ in kept] == [w for _, w in kept]
+        del kept[:]
+        assert g.rx.buffered == 0 and not g.rx.holds_slot
+        # 1 (the scratch), or 0 if an exhausted pool made the arena read into heap memory
+        assert g.pool.in_use <= 1
+    finally:
+        del kept[:]
+        g.rx.close()
+        g.arena.close()
+        g.r.close()
+        g.w.close()
+    assert g.pool.in_use == 0
+
+
 # ---- views --------------------------------------------------------------------------------
 
 def test_frame_view_shape_and_release(rigs):
@@ -420,6 +462,36 @@ def test_frame_view_shape_and_release(rigs):
     with pytest.raises(ValueError):
         bytes(kept[0])
     assert g.arena.scratch_swaps == 0     # nothing escaped
+    g.close()
+
+
+def test_frame_views_within_one_burst_stay_distinct(rigs):
+    """Whatever the handler does to one frame's view (hash it, weak-reference it, release
+    it, keep a slice of it) never shows up in another frame's view of the same read."""
+    hashes, refs, slices, seen = [], [], [], []
+
+    def on_frame(owner, data):
+        seen.append(bytes(data))
+        k = len(seen) % 5
+        if k == 0:
+            hashes.append((hash(data), hash(bytes(data))))
+        elif k == 1:
+            refs.append(weakref.ref(data))
+        elif k == 2:
+            data.release()
+        elif k == 3:
+            slices.append((data[:], bytes(data)))
+
+    g = rigs(hs=2, slot_size=4096, on_frame=on_frame)
+    payloads = [bytes([65 + i % 26]) * (1 + i % 7) for i in range(60)]
+    g.send(b"".join(enc(2, p) for p in payloads))
+    g.rx.on_readable()
+    assert seen == payloads
+    assert all(a == b for a, b in hashes) and len(hashes) == 12
+    assert all(r() is None for r in refs)        # those views were dropped, not re-used
+    assert all(bytes(v) == b for v, b in slices) and len(slices) == 12
+    del slices[:]
+    assert g.pool.in_use == 1
     g.close()
 
 
@@ -918,3 +990,40 @@ def test_cimport_c_on_readable(cybuild):
         assert g.frames == [b"one", b"two", b"x" * 100]
     finally:
         g.close()
+
+
+def test_gc_clears_the_receiver_first():
+    """A dict holding only atomic values is untracked until the receiver goes in, so it
+    joins the GC's list after the receiver: the collector calls the receiver's tp_clear
+    first (arena, callbacks, owner dropped while `own` still holds an unfinished frame);
+    the receiver then deallocates through the dict and returns its slot properly."""
+    pool = SlabPool(64, 4)
+    arena = RxArena(pool)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    seen = []
+    box = {}
+    assert not gc.is_tracked(box)
+    rx = Receiver(arena, a.fileno(), 2, 1000, seen.append, seen.append, box)
+    box["rx"] = rx
+    assert gc.is_tracked(box)
+    b.sendall(b"\x00\x09abc")
+    rx.on_readable()
+    assert rx.holds_slot and pool.in_use == 2
+    unraisable = []
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            del rx, box
+            gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+    assert not [x for x in w if issubclass(x.category, ResourceWarning)]
+    assert unraisable == [] and seen == []
+    assert pool.in_use == 1
+    arena.close()
+    a.close()
+    b.close()
+    assert pool.in_use == 0
