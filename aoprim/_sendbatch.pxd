@@ -109,6 +109,7 @@ cdef class SendBatch:
     cdef readonly bint queued        # the group holds exactly one queue entry for it
     cdef bint watched                # `watch`: reported after every group flush
     cdef uint64_t flush_mark         # serial of the last group flush that claimed it
+    cdef object __weakref__          # a session may hold its batch weakly
 
     # C-level API (see the module docstring for return codes and lifetime rules)
     cdef int c_add_ptr(self, const void *p, size_t n) noexcept nogil
@@ -151,6 +152,7 @@ ctypedef struct aop_fg_item:
 
 cdef class FlushGroup:
     cdef object _gc_anchor           # always None: an object field gives the type GC support
+    cdef object __weakref__          # sessions may refer to their group weakly
     cdef readonly Py_ssize_t budget  # bytes one batch may write per flush (>= 1)
 
     # the live queue: q[0:qlen], one strong reference per entry (batches mark themselves

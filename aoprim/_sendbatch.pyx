@@ -1370,11 +1370,20 @@ cdef class FlushGroup:
                 it.batch = NULL
                 if it.kind != FG_MOVED:
                     Py_DECREF(<object>p)
+            # large and empty: both arrays shrink back (w now; q too if nothing was queued
+            # meanwhile -- it was grown to hold the put-backs)
             if self.wcap > FG_KEEP:
                 tmp = <aop_fg_item *>realloc(self.w, FG_INIT * sizeof(aop_fg_item))
                 if tmp != NULL:
                     self.w = tmp
                     self.wcap = FG_INIT
+            aop_spin_lock(&self.qlock)
+            if self.qlen == 0 and self.qcap > FG_KEEP:
+                tmp = <aop_fg_item *>realloc(self.q, FG_INIT * sizeof(aop_fg_item))
+                if tmp != NULL:
+                    self.q = tmp
+                    self.qcap = FG_INIT
+            aop_spin_unlock(&self.qlock)
         return out
 
     # ---- Python API ---------------------------------------------------------------------
