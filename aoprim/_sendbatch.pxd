@@ -135,6 +135,8 @@ cdef class SendBatch:
     cdef int _add_buffer(self, object data, bint copy_all=*) except -1
     cdef int _add_slot(self, object s) except -1
     cdef int _maybe_queue(self) except -1
+    cdef void _queue_quietly(self) noexcept
+    cdef int _auto_flush(self) except -1
 
 
 # One queue entry of a FlushGroup.  Outside a flush only `batch` means anything; the other

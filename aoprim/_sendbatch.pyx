@@ -661,6 +661,22 @@ cdef class SendBatch:
             raise MemoryError()
         return 0
 
+    cdef void _queue_quietly(self) noexcept:
+        """_maybe_queue on an exception path (an auto-flush that raised): best effort, the
+        exception already propagating is the one the caller sees."""
+        if self.group is not None and not self.queued and self.head < self.nseg:
+            self.group._queue(self)
+
+    cdef int _auto_flush(self) except -1:
+        """add*'s auto-flush.  When it raises, the batch still queues itself if it has
+        pending data (so an attached batch is never left pending and unqueued)."""
+        try:
+            self._flush_locked()
+        except BaseException:
+            self._queue_quietly()
+            raise
+        return 0
+
     cdef int _maybe_queue(self) except -1:
         """After an add (busy held): an attached batch left with pending data queues itself
         in its group, once (``queued`` says it is there)."""
@@ -683,7 +699,7 @@ cdef class SendBatch:
             if not _fast_add_small_bytes(self, data):
                 self._add_obj(data)
             if self.auto_flush and self._over():
-                self._flush_locked()
+                self._auto_flush()
             self._maybe_queue()
         finally:
             _unclaim(self)
@@ -709,7 +725,7 @@ cdef class SendBatch:
                 else:
                     self._add_buffer(data, True)
             if self.auto_flush and self._over():
-                self._flush_locked()
+                self._auto_flush()
             self._maybe_queue()
             p = _get(&self.pend_bytes)
         finally:
@@ -730,26 +746,28 @@ cdef class SendBatch:
                         self._add_obj(item)
                     count += 1
                     if af and self._over():
-                        self._flush_locked()
+                        self._auto_flush()
             elif type(iterable) is tuple:
                 for item in <tuple>iterable:
                     if not _fast_add_small_bytes(self, item):
                         self._add_obj(item)
                     count += 1
                     if af and self._over():
-                        self._flush_locked()
+                        self._auto_flush()
             else:
                 for item in iterable:
                     self._add_obj(item)
                     count += 1
                     if af and self._over():
-                        self._flush_locked()
+                        self._auto_flush()
+        except BaseException:
+            self._queue_quietly()          # the items added before a bad one are queued too
+            _unclaim(self)
+            raise
+        try:
+            self._maybe_queue()
         finally:
-            try:
-                if count:
-                    self._maybe_queue()    # the items added before a bad one are queued too
-            finally:
-                _unclaim(self)
+            _unclaim(self)
         return count
 
     def flush(self):

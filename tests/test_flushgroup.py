@@ -779,3 +779,20 @@ def test_hypothesis_random_adds_flushes_and_reads(ops, seed, budget):
     finally:
         for s in socks:
             s.close()
+
+
+def test_auto_flush_error_in_add_still_queues_the_batch(pairs):
+    (a, peer), = pairs(1)
+    g = FlushGroup()
+    b = SendBatch(a, max_msgs=2, auto_flush=True)
+    g.attach(b, "auto")
+    peer.close()
+    b.add(b"1")
+    with pytest.raises(OSError):
+        b.add(b"2")                 # the auto-flush fails: data intact, and queued
+    assert b.pending_bytes == 2 and b.queued and len(g) == 1
+    res = g.flush()
+    assert len(res) == 1 and res[0][1] in (-errno.EPIPE, -errno.ECONNRESET)
+    with pytest.raises(OSError):
+        b.add_many([b"3", b"4"])
+    assert b.queued
