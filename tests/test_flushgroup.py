@@ -639,7 +639,9 @@ def test_adds_from_other_threads_are_safe(pairs, unraisable):
 
 CAPI = r'''
 # cython: language_level=3
+from libc.errno cimport EBUSY
 from aoprim._sendbatch cimport SendBatch, FlushGroup
+from aoprim.atomic_h cimport aop_yield
 
 def add_copy(SendBatch sb, bytes b):
     cdef int r
@@ -651,6 +653,32 @@ def add_copy(SendBatch sb, bytes b):
 
 def flush_all(FlushGroup g):
     return g.c_flush_all()
+
+def pump(SendBatch sb, unsigned int tid, unsigned long n):
+    """n records (tid, seq) added by copy without the GIL, retrying -EBUSY (the group's
+    flush holds the batch).  Returns the number of retries."""
+    cdef unsigned long i
+    cdef unsigned long busy = 0
+    cdef unsigned int rec[2]
+    cdef int r
+    with nogil:
+        for i in range(n):
+            rec[0] = tid
+            rec[1] = <unsigned int>i
+            while True:
+                r = sb.c_add_copy(rec, sizeof(rec))
+                if r != -EBUSY:
+                    break
+                busy += 1
+                aop_yield()
+            if i % 16 == 15:
+                # the thread flushes its own batch now and then: it holds the batch across
+                # a system call, so the group's flush finds it busy
+                while sb.c_flush() == -EBUSY:
+                    busy += 1
+                    aop_yield()
+                aop_yield()
+    return busy
 '''
 
 
@@ -666,6 +694,57 @@ def test_c_api_adds_queue_and_c_flush_all(cybuild, pairs):
     b.watch = True
     assert mod.flush_all(g) == [("c", 0)]
     assert recv_exact(peer, 14) == b"from C, no GIL"
+
+
+def test_gil_free_adders_against_the_group_flush(cybuild, pairs, unraisable):
+    """C adders on other threads (no GIL while they hold their batch, and flushing it now
+    and then) race the loop's flush: a batch they hold when the flush takes the queue is
+    put back, untouched; every record arrives exactly once and in order.  The scenario is
+    repeated (at most 4 times) until the put-back path has been taken at least once."""
+    import struct
+    mod = cybuild("fg_capi", CAPI)
+    nthreads = 2
+    n = scaled(8000)
+    for attempt in range(4):
+        ps = pairs(nthreads)
+        g = FlushGroup()
+        batches = {}
+        for t, (a, _) in enumerate(ps):
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            b = SendBatch(a, auto_flush=False)
+            batches[t] = b
+            g.attach(b, t)
+        got = {t: bytearray() for t in range(nthreads)}
+        threads = [threading.Thread(target=mod.pump, args=(batches[t], t, n))
+                   for t in range(nthreads)]
+        for th in threads:
+            th.start()
+        while any(th.is_alive() for th in threads) or len(g):
+            for o, status in g.flush() or []:
+                assert status == 1
+                g.requeue(batches[o])
+            for t in range(nthreads):
+                got[t] += recv_nowait(ps[t][1])
+        for th in threads:
+            th.join()
+        for _ in range(10000):
+            for t, b in batches.items():
+                if b.pending_bytes and not b.queued:
+                    g.requeue(b)
+            for o, status in g.flush() or []:
+                assert status == 1
+            for t in range(nthreads):
+                got[t] += recv_nowait(ps[t][1])
+            if not any(b.pending_bytes for b in batches.values()):
+                break
+        for t in range(nthreads):
+            got[t] += recv_nowait(ps[t][1])
+            want = b"".join(struct.pack("=II", t, i) for i in range(n))
+            assert bytes(got[t]) == want
+        assert len(g) == 0
+        if g.stats["busy"]:
+            break
+    assert not unraisable
 
 
 # ---- growth ---------------------------------------------------------------------------------
