@@ -38,6 +38,11 @@ A flush issues one system call for up to AOP_SB_IOV_MAX (IOV_MAX, 1024) segments
 another only if the kernel took everything offered and segments remain; a short write or
 EAGAIN ends it.  So a flush is one syscall unless more than 1024 segments are pending.
 
+FlushGroup (second half of this file): batches attached to a group queue themselves there
+when an add leaves them with pending data, and the group's flush() writes them all with
+one GIL release -- the per-iteration flush of an event loop.  It lives here because it
+drives the batches' internals (cursor, owners, claim) directly.
+
 Threads: a batch belongs to one thread at a time (like the write side of a socket).  Every
 entry point claims ``busy`` with an atomic exchange (acquire) and frees it with a release
 store, so the next owner sees every field the previous one wrote; a second thread entering
