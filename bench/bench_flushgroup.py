@@ -178,3 +178,55 @@ def test_flush_only_flushgroup(benchmark, socks):
     benchmark.extra_info["per_call"] = N
     benchmark.pedantic(g.flush, setup=setup, rounds=400, iterations=1, warmup_rounds=20)
     assert all(b.pending_bytes == 0 for b in batches)
+
+
+# ---- interleaved A/B: the ratio under drifting load --------------------------------------
+
+@pytest.mark.benchmark(group="flushgroup-100x4-interleaved")
+def test_interleaved_ab(benchmark, socks):
+    """The machines are shared: load drifts between two sequential benchmarks.  Here each
+    round times the Python loop and the group back to back (same data, same peers), and the
+    ratio of the medians is reported as ``ratio`` (> 1: the group is faster).  The timed
+    figure itself is the pair's sum."""
+    import statistics
+    import time
+    drain = _drainer(socks)
+    py_b = [SendBatch(a, max_msgs=1024, max_bytes=256 << 10, auto_flush=False)
+            for a, _ in socks]
+    g = FlushGroup()
+    g_b = []
+    for i, (a, _) in enumerate(socks):
+        b = SendBatch(a, max_msgs=1024, max_bytes=256 << 10, auto_flush=False)
+        g.attach(b, i)
+        g_b.append(b)
+    t_py, t_g = [], []
+    clock = time.perf_counter_ns
+
+    def pair():
+        drain()
+        for b in py_b:
+            b.add_many(MSGS)
+        dirty = list(py_b)
+        t0 = clock()
+        for b in dirty:
+            try:
+                b.flush()
+            except (BlockingIOError, InterruptedError):
+                pass
+        t1 = clock()
+        drain()
+        for b in g_b:
+            b.add_many(MSGS)
+        t2 = clock()
+        g.flush()
+        t3 = clock()
+        t_py.append(t1 - t0)
+        t_g.append(t3 - t2)
+
+    benchmark.pedantic(pair, rounds=600, iterations=1, warmup_rounds=20)
+    ratio = statistics.median(t_py) / statistics.median(t_g)
+    benchmark.extra_info.update(
+        per_call=N, ratio=round(ratio, 3),
+        py_loop_ns_per_batch=round(statistics.median(t_py) / N, 1),
+        group_ns_per_batch=round(statistics.median(t_g) / N, 1))
+    assert all(b.pending_bytes == 0 for b in py_b + g_b)
