@@ -22,7 +22,9 @@ same batch (nothing was added).  c_flush returns the bytes written by this call 
 kernel would block or nothing is pending), -EBUSY, or -errno of a failed write (pending data
 intact).  c_flush retries EINTR without checking Python signal handlers.  When a flush
 completes messages added from Python that own objects (bytes, buffer exports, slots), it
-takes the GIL briefly to release them.
+takes the GIL briefly to release them; a release may close the socket (and the number be
+reused), so before any further system call it re-reads the socket's fd and stops with
+-EBADF if it changed (issue 11; an int-fd target is the caller's to keep open).
 
 One thread at a time: every entry point (Python or C) claims the batch with one atomic
 exchange; a concurrent entry gets RuntimeError (Python) or -EBUSY (C), never corruption.
