@@ -22,7 +22,9 @@ same batch (nothing was added).  c_flush returns the bytes written by this call 
 kernel would block or nothing is pending), -EBUSY, or -errno of a failed write (pending data
 intact).  c_flush retries EINTR without checking Python signal handlers.  When a flush
 completes messages added from Python that own objects (bytes, buffer exports, slots), it
-takes the GIL briefly to release them.
+takes the GIL briefly to release them; a release may close the socket (and the number be
+reused), so before any further system call it re-reads the socket's fd and stops with
+-EBADF if it changed (issue 11; an int-fd target is the caller's to keep open).
 
 One thread at a time: every entry point (Python or C) claims the batch with one atomic
 exchange; a concurrent entry gets RuntimeError (Python) or -EBUSY (C), never corruption.
@@ -109,6 +111,7 @@ cdef class SendBatch:
     cdef readonly bint queued        # the group holds exactly one queue entry for it
     cdef bint watched                # `watch`: reported after every group flush
     cdef uint64_t flush_mark         # serial of the last group flush that claimed it
+    cdef object __weakref__          # a session may hold its batch weakly
 
     # C-level API (see the module docstring for return codes and lifetime rules)
     cdef int c_add_ptr(self, const void *p, size_t n) noexcept nogil
@@ -134,6 +137,8 @@ cdef class SendBatch:
     cdef int _add_buffer(self, object data, bint copy_all=*) except -1
     cdef int _add_slot(self, object s) except -1
     cdef int _maybe_queue(self) except -1
+    cdef void _queue_quietly(self) noexcept
+    cdef int _auto_flush(self) except -1
 
 
 # One queue entry of a FlushGroup.  Outside a flush only `batch` means anything; the other
@@ -151,6 +156,7 @@ ctypedef struct aop_fg_item:
 
 cdef class FlushGroup:
     cdef object _gc_anchor           # always None: an object field gives the type GC support
+    cdef object __weakref__          # sessions may refer to their group weakly
     cdef readonly Py_ssize_t budget  # bytes one batch may write per flush (>= 1)
 
     # the live queue: q[0:qlen], one strong reference per entry (batches mark themselves

@@ -38,6 +38,11 @@ A flush issues one system call for up to AOP_SB_IOV_MAX (IOV_MAX, 1024) segments
 another only if the kernel took everything offered and segments remain; a short write or
 EAGAIN ends it.  So a flush is one syscall unless more than 1024 segments are pending.
 
+FlushGroup (second half of this file): batches attached to a group queue themselves there
+when an add leaves them with pending data, and the group's flush() writes them all with
+one GIL release -- the per-iteration flush of an event loop.  It lives here because it
+drives the batches' internals (cursor, owners, claim) directly.
+
 Threads: a batch belongs to one thread at a time (like the write side of a socket).  Every
 entry point claims ``busy`` with an atomic exchange (acquire) and frees it with a release
 store, so the next owner sees every field the previous one wrote; a second thread entering
@@ -661,6 +666,22 @@ cdef class SendBatch:
             raise MemoryError()
         return 0
 
+    cdef void _queue_quietly(self) noexcept:
+        """_maybe_queue on an exception path (an auto-flush that raised): best effort, the
+        exception already propagating is the one the caller sees."""
+        if self.group is not None and not self.queued and self.head < self.nseg:
+            self.group._queue(self)
+
+    cdef int _auto_flush(self) except -1:
+        """add*'s auto-flush.  When it raises, the batch still queues itself if it has
+        pending data (so an attached batch is never left pending and unqueued)."""
+        try:
+            self._flush_locked()
+        except BaseException:
+            self._queue_quietly()
+            raise
+        return 0
+
     cdef int _maybe_queue(self) except -1:
         """After an add (busy held): an attached batch left with pending data queues itself
         in its group, once (``queued`` says it is there)."""
@@ -683,7 +704,7 @@ cdef class SendBatch:
             if not _fast_add_small_bytes(self, data):
                 self._add_obj(data)
             if self.auto_flush and self._over():
-                self._flush_locked()
+                self._auto_flush()
             self._maybe_queue()
         finally:
             _unclaim(self)
@@ -709,7 +730,7 @@ cdef class SendBatch:
                 else:
                     self._add_buffer(data, True)
             if self.auto_flush and self._over():
-                self._flush_locked()
+                self._auto_flush()
             self._maybe_queue()
             p = _get(&self.pend_bytes)
         finally:
@@ -730,26 +751,28 @@ cdef class SendBatch:
                         self._add_obj(item)
                     count += 1
                     if af and self._over():
-                        self._flush_locked()
+                        self._auto_flush()
             elif type(iterable) is tuple:
                 for item in <tuple>iterable:
                     if not _fast_add_small_bytes(self, item):
                         self._add_obj(item)
                     count += 1
                     if af and self._over():
-                        self._flush_locked()
+                        self._auto_flush()
             else:
                 for item in iterable:
                     self._add_obj(item)
                     count += 1
                     if af and self._over():
-                        self._flush_locked()
+                        self._auto_flush()
+        except BaseException:
+            self._queue_quietly()          # the items added before a bad one are queued too
+            _unclaim(self)
+            raise
+        try:
+            self._maybe_queue()
         finally:
-            try:
-                if count:
-                    self._maybe_queue()    # the items added before a bad one are queued too
-            finally:
-                _unclaim(self)
+            _unclaim(self)
         return count
 
     def flush(self):
@@ -1370,11 +1393,20 @@ cdef class FlushGroup:
                 it.batch = NULL
                 if it.kind != FG_MOVED:
                     Py_DECREF(<object>p)
+            # large and empty: both arrays shrink back (w now; q too if nothing was queued
+            # meanwhile -- it was grown to hold the put-backs)
             if self.wcap > FG_KEEP:
                 tmp = <aop_fg_item *>realloc(self.w, FG_INIT * sizeof(aop_fg_item))
                 if tmp != NULL:
                     self.w = tmp
                     self.wcap = FG_INIT
+            aop_spin_lock(&self.qlock)
+            if self.qlen == 0 and self.qcap > FG_KEEP:
+                tmp = <aop_fg_item *>realloc(self.q, FG_INIT * sizeof(aop_fg_item))
+                if tmp != NULL:
+                    self.q = tmp
+                    self.qcap = FG_INIT
+            aop_spin_unlock(&self.qlock)
         return out
 
     # ---- Python API ---------------------------------------------------------------------
