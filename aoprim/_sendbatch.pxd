@@ -124,6 +124,8 @@ cdef class SendBatch:
     cdef int _room_copy(self, size_t n) noexcept nogil
     cdef int _add_raw(self, const char *p, size_t n, int kind, PyObject *obj,
                       Py_buffer *view) noexcept nogil
+    cdef int _add_copy2(self, const char *a, size_t na, const char *b,
+                        size_t nb) noexcept nogil
     cdef bint _over(self) noexcept nogil
     cdef ssize_t _write_once(self, int fd, size_t *offered) noexcept nogil
     cdef Py_ssize_t _advance(self, size_t n) noexcept nogil

@@ -368,23 +368,7 @@ cdef class SendBatch:
         if self._room_msgs() < 0:
             return -1
         if kind == SB_COPY:
-            if self._room_copy(n) < 0:
-                return -1
-            last = self.nseg - 1
-            if last >= self.head and self.own[last].kind == SB_COPY:
-                # I4: the last copy segment ends at cused, so the new bytes extend it
-                memcpy(self.cbuf + self.cused, p, n)
-                self.iov[last].iov_len += n
-            else:
-                if self._room_segs() < 0:
-                    return -1
-                memcpy(self.cbuf + self.cused, p, n)
-                self.iov[self.nseg].iov_base = self.cbuf + self.cused
-                self.iov[self.nseg].iov_len = n
-                self.own[self.nseg].kind = SB_COPY
-                self.own[self.nseg].obj = NULL
-                self.nseg += 1
-            self.cused += n
+            return self._add_copy2(p, n, NULL, 0)
         else:
             if self._room_segs() < 0:
                 return -1
@@ -395,6 +379,38 @@ cdef class SendBatch:
             if view != NULL:
                 memcpy(&self.own[self.nseg].view, view, sizeof(Py_buffer))
             self.nseg += 1
+        self.added += n
+        self.ends[self.mtail] = self.added
+        self.mtail += 1
+        _add(&self.pend_bytes, <int64_t>n)
+        _add(&self.pend_msgs, 1)
+        return 0
+
+    cdef int _add_copy2(self, const char *a, size_t na, const char *b,
+                        size_t nb) noexcept nogil:
+        """Append ONE message of a[0:na] + b[0:nb], copied into cbuf (nb may be 0, b NULL):
+        a length header and its payload leave as one message.  0, or -1 on ENOMEM (nothing
+        changed)."""
+        cdef Py_ssize_t last
+        cdef size_t n = na + nb
+        if self._room_msgs() < 0 or self._room_copy(n) < 0:
+            return -1
+        last = self.nseg - 1
+        if last < self.head or self.own[last].kind != SB_COPY:
+            if self._room_segs() < 0:
+                return -1
+            last = self.nseg
+            self.iov[last].iov_base = self.cbuf + self.cused
+            self.iov[last].iov_len = 0
+            self.own[last].kind = SB_COPY
+            self.own[last].obj = NULL
+            self.nseg += 1
+        # I4: the last copy segment ends at cused, so the new bytes extend it
+        memcpy(self.cbuf + self.cused, a, na)
+        if nb:
+            memcpy(self.cbuf + self.cused + na, b, nb)
+        self.iov[last].iov_len += n
+        self.cused += n
         self.added += n
         self.ends[self.mtail] = self.added
         self.mtail += 1
@@ -735,6 +751,80 @@ cdef class SendBatch:
             p = _get(&self.pend_bytes)
         finally:
             _unclaim(self)
+        return p
+
+    def add_frame(self, data, header_size):
+        """add_copy() of one length-prefixed frame (aoprim extension): a ``header_size``-byte
+        big-endian length (2: u16, 4: u32) followed by the payload, in one call.  A payload
+        that fits the copy limit with its header is copied with it as ONE message; a larger
+        one follows its header as add_copy() takes it (a mutable buffer copied, bytes
+        referenced, a Slot retained, its first ``length`` bytes).  A payload too long for the
+        header raises ValueError and adds nothing.  Returns pending_bytes after the add."""
+        cdef Py_buffer view
+        cdef Py_ssize_t hs
+        cdef Py_ssize_t n
+        cdef unsigned char hdr[4]
+        cdef int64_t p
+        cdef int rc
+        cdef object payload = data
+        if type(header_size) is not int:
+            raise TypeError("header_size must be an int (2 or 4)")
+        hs = header_size
+        if hs != 2 and hs != 4:
+            raise ValueError(f"header_size must be 2 or 4, not {hs}")
+        slot = _is_slot_like(data)
+        if slot:
+            n = PyNumber_Index(data.length)
+        else:
+            try:
+                PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+            except BufferError:
+                if not isinstance(data, memoryview):
+                    raise
+                payload = data.tobytes()        # not contiguous: gather it
+                PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+            except TypeError:
+                raise TypeError(f"SendBatch.add_frame() takes bytes, bytearray, memoryview "
+                                f"or a Slot, not {type(data).__name__}") from None
+            n = view.len
+        try:
+            if n > (0xFFFF if hs == 2 else 0xFFFFFFFF):
+                raise ValueError(f"payload of {n} bytes is too long for "
+                                 f"{'u16' if hs == 2 else 'u32'} framing (at most "
+                                 f"{0xFFFF if hs == 2 else 0xFFFFFFFF})")
+            if hs == 2:
+                hdr[0] = (n >> 8) & 0xFF
+                hdr[1] = n & 0xFF
+            else:
+                hdr[0] = (n >> 24) & 0xFF
+                hdr[1] = (n >> 16) & 0xFF
+                hdr[2] = (n >> 8) & 0xFF
+                hdr[3] = n & 0xFF
+            if not _claim(self):
+                _raise_busy()
+            try:
+                if not slot and <size_t>(hs + n) <= self.copy_max:
+                    rc = self._add_copy2(<char *>hdr, hs, <char *>view.buf, n)
+                    if rc < 0:
+                        raise MemoryError()
+                else:
+                    if self._add_copy2(<char *>hdr, hs, NULL, 0) < 0:
+                        raise MemoryError()
+                    if slot:
+                        self._add_obj(data)
+                    elif type(payload) is bytes:
+                        self._add_obj(payload)
+                    elif n:
+                        self._add_obj(PyBytes_FromStringAndSize(<char *>view.buf, n))
+                if self.auto_flush and self._over():
+                    self._auto_flush()
+                self._maybe_queue()
+                p = _get(&self.pend_bytes)
+            finally:
+                _unclaim(self)
+        finally:
+            if not slot:
+                PyBuffer_Release(&view)
         return p
 
     def add_many(self, iterable):

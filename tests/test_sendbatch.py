@@ -420,6 +420,50 @@ def test_add_copy_auto_flushes_like_add(pair):
     assert sb.stats["syscalls"] == 1 and recv_exact(b, 4) == b"0123"
 
 
+@pytest.mark.parametrize("hs", [2, 4])
+def test_add_frame_writes_header_and_payload_as_one_message(pair, hs):
+    import struct
+    a, b = pair
+    sb = SendBatch(a, auto_flush=False)
+    fmt = ">H" if hs == 2 else ">I"
+    small = bytearray(b"abc")
+    big = os.urandom(sb.copy_max + 10)
+    slot = FakeSlot(b"slot-data-" * 10, length=30)
+    p = sb.add_frame(small, hs)
+    assert p == hs + 3 and sb.pending_msgs == 1       # header and payload: ONE message
+    small[0:1] = b"Z"                                  # copied at add time
+    sb.add_frame(memoryview(b""), hs)                  # an empty frame is its header
+    sb.add_frame(big, hs)                              # large bytes: referenced after it
+    sb.add_frame(slot, hs)                             # a Slot: retained, its length
+    sb.add_frame(memoryview(bytes(range(200)))[::2], hs)   # non-contiguous: gathered
+    assert slot.log == ["retain"]
+    want = (struct.pack(fmt, 3) + b"abc" + struct.pack(fmt, 0) +
+            struct.pack(fmt, len(big)) + big + struct.pack(fmt, 30) + bytes(slot[:30]) +
+            struct.pack(fmt, 100) + bytes(range(200))[::2])
+    assert sb.pending_bytes == len(want)
+    assert sb.flush() == len(want)
+    assert recv_exact(b, len(want)) == want
+    assert slot.log == ["retain", "release"]
+
+
+def test_add_frame_rejects_what_does_not_fit(pair):
+    a, b = pair
+    sb = SendBatch(a, auto_flush=False)
+    with pytest.raises(ValueError, match="too long for u16"):
+        sb.add_frame(b"x" * 65536, 2)
+    assert sb.add_frame(b"x" * 65535, 2) == 65537
+    for bad in (0, 1, 3, 8):
+        with pytest.raises(ValueError):
+            sb.add_frame(b"x", bad)
+    for bad in (2.0, "2", None):
+        with pytest.raises(TypeError):
+            sb.add_frame(b"x", bad)
+    with pytest.raises(TypeError):
+        sb.add_frame("text", 2)
+    assert sb.pending_msgs == 2 and sb.pending_bytes == 65537     # nothing else added
+    sb.clear()
+
+
 # ---- partial writes, would-block, EINTR -------------------------------------------------
 
 def test_partial_writes_slow_reader_random_sizes():

@@ -63,7 +63,7 @@ class Session:
 
     __slots__ = ("id", "peer", "proxy_peer", "server", "user", "work", "_ctx", "_sock", "_fd",
                  "_loop", "_tid", "_state", "_reason", "_exc", "_rc", "_batch", "_hdr",
-                 "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
+                 "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
                  "__weakref__")
 
@@ -85,6 +85,7 @@ class Session:
         self._rc = RefCount(1, self._on_zero)
         self._batch = ctx.flusher.new_batch(sock, self)
         self._hdr = ctx.header              # None for raw framing
+        self._hs = ctx.settings.header_size
         self._hw = ctx.settings.high_water  # -1 while write limits are set (see _over_high)
         self._nout = 0                      # frames sent on the loop thread
         self._foreign = ForeignSends(loop, self._drain_foreign)
@@ -144,17 +145,9 @@ class Session:
         if self._state or _get_ident() != self._tid:
             self._send_slow(data)
             return
-        t = type(data)
-        if t is memoryview:
-            n = data.nbytes
-        elif t is bytes:
-            n = len(data)
-        else:
-            self._send_other(data)
-            return
-        b = self._batch
-        b.add(self._hdr(n))             # ValueError when n does not fit the header
-        p = b.add_copy(data)            # a view is copied: its memory is reused after on_read
+        # one C call: header + payload (copied when small, as one message; bytes by
+        # reference and a Slot retained when large); ValueError when it does not fit
+        p = self._batch.add_frame(data, self._hs)
         self._nout += 1
         if p > self._hw:
             self._over_high()
@@ -246,26 +239,6 @@ class Session:
                 b.add(item)
                 item.release()
         if self._state != CLOSED and b.pending_bytes > self._hw:
-            self._over_high()
-
-    def _send_other(self, data):
-        """send() of a Slot, bytearray or other bytes-like object (loop thread)."""
-        b = self._batch
-        hdr = self._hdr
-        if isinstance(data, Slot):
-            if hdr is not None:
-                b.add(hdr(data.length))
-            b.add(data)
-        else:
-            mv = memoryview(data).cast("B")
-            if hdr is not None:
-                b.add(hdr(mv.nbytes))
-            elif not mv.nbytes:
-                return
-            b.add_copy(mv)
-            mv.release()
-        self._nout += 1
-        if b.pending_bytes > self._hw:
             self._over_high()
 
     def send_framed(self, item):
