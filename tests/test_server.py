@@ -118,11 +118,17 @@ def test_broadcast_to_50_clients_one_slot(make_server, connect):
     socks = [connect(srv) for _ in range(50)]
     wait_for(lambda: srv.stats()["connections"] == 50, what="50 sessions")
     for k in range(5):
-        srv.broadcast(b"news %d" % k)       # from a foreign thread
+        srv.broadcast(b"news %d" % k)       # from a foreign thread; small: copied per batch
+    assert srv.tx_pool.high_water == 0
+    big = [bytes([k]) * 5000 for k in range(5)]
+    for b in big:
+        srv.broadcast(b)                    # large: one retained slot for all 50 sessions
     for s in socks:
         for k in range(5):
             assert read_frame(s) == b"news %d" % k
-    assert srv.tx_pool.high_water <= 5      # one slot per broadcast, not one per client
+        for b in big:
+            assert read_frame(s) == b
+    assert 1 <= srv.tx_pool.high_water <= 5     # one slot per broadcast, not one per client
     # the last batch releases its reference just after its sendmsg returns
     wait_for(lambda: srv.tx_pool.in_use == 0, what="broadcast slots back in the pool")
     with pytest.raises(ValueError):

@@ -32,6 +32,9 @@ __all__ = ["Server"]
 
 log = logging.getLogger("aoprim.server")
 
+# broadcasts up to this size are copied into each batch (SendBatch's default copy limit)
+_COPY_MAX = 2048
+
 
 class Server:
     """A three-layer server: ``Server(handler, host, port, framing, **settings)``.
@@ -298,7 +301,9 @@ class Server:
     def broadcast(self, data, sessions=None, exclude=None):
         """Send one buffer to many sessions (all open ones by default) without copying it per
         session: the framed payload is written once into a pool ``Slot`` that every session's
-        batch retains.  ``exclude``: one session to leave out.  Thread-safe."""
+        batch retains (a payload small enough to be copied into each batch -- as cheap as a
+        retain -- is one shared ``bytes`` instead, so a session that does not read holds no
+        pool slot for it).  ``exclude``: one session to leave out.  Thread-safe."""
         fr = self._framing
         if isinstance(data, Slot):
             payload = data.data
@@ -307,16 +312,22 @@ class Server:
         n = payload.nbytes
         hdr = fr.header(n)
         total = len(hdr) + n
-        slot = self._tx_pool.try_acquire() if total <= self._tx_pool.slot_size else None
-        if slot is not None:
-            mv = memoryview(slot)
-            mv[:len(hdr)] = hdr
-            mv[len(hdr):total] = payload
-            mv.release()
-            slot.length = total
-            item = slot
-        else:
+        slot = None
+        if total <= _COPY_MAX:
+            # small: one bytes object, copied into each session's batch (as cheap as a
+            # retain, and a session that does not read holds no pool slot for it)
             item = hdr + payload if hdr else bytes(payload)
+        else:
+            slot = self._tx_pool.try_acquire() if total <= self._tx_pool.slot_size else None
+            if slot is not None:
+                mv = memoryview(slot)
+                mv[:len(hdr)] = hdr
+                mv[len(hdr):total] = payload
+                mv.release()
+                slot.length = total
+                item = slot
+            else:
+                item = hdr + payload if hdr else bytes(payload)
         payload.release()
         if self._loop.in_loop_thread():
             self._broadcast_now(item, sessions, exclude)
