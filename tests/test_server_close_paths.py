@@ -183,3 +183,27 @@ def test_reply_survives_a_close_with_unread_input(make_server, connect):
         assert how == "eof" and len(data) == 200000
         s.close()
     wait_for(lambda: srv.stats()["connections"] == 0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_closed_session_is_freed_without_the_cyclic_gc(make_server, connect, workers):
+    """Reference cycles through a session (its RefCount's on_zero, its hand-off queue, its
+    receiver's callbacks, its batch's owner) are broken when it ends: reference counting
+    frees it, so a connection storm does not pile up garbage for the cyclic GC."""
+    import gc
+    import weakref
+    srv = make_server(Recorder(), framing="u16", workers=workers)
+    refs = []
+    gc.disable()
+    try:
+        for _ in range(10):
+            s = connect(srv)
+            s.sendall(frame(b"hello") + struct.pack(">H", 100) + b"part")
+            assert read_frame(s) == b"hello"
+            wait_for(lambda: srv.sessions)
+            refs.append(weakref.ref(srv.sessions[0]))
+            s.close()
+            wait_for(lambda: not srv.sessions and srv.live_sessions == 0)
+        wait_for(lambda: all(r() is None for r in refs), what="sessions freed without gc")
+    finally:
+        gc.enable()

@@ -270,6 +270,9 @@ class SelectorsLoop(EventLoop):
                         wcb()
                 except Exception as e:
                     self._report(cbs.get(fd), e)
+            # drop the last callbacks' references: a closed session must not be kept
+            # alive by a loop-local variable until the next event
+            rcb = wcb = None
             if due <= now:
                 limit = self._seq       # timers scheduled from here on wait a round
                 while True:
@@ -285,6 +288,7 @@ class SelectorsLoop(EventLoop):
                         t.callback(*t.args)
                     except Exception as e:
                         self._report(t.callback, e)
+                t = None
             if ready:
                 # cleared before draining: a later call_soon_threadsafe writes again
                 self._wake_pending = False
@@ -294,6 +298,7 @@ class SelectorsLoop(EventLoop):
                         cb(*args)
                     except Exception as e:
                         self._report(cb, e)
+                cb = args = None
             try:
                 self._hook()
             except Exception as e:

@@ -352,7 +352,8 @@ class Session:
         self._rc.incref()
 
     def unref(self):
-        self._rc.decref()
+        rc = self._rc           # _on_zero drops the attribute
+        rc.decref()
 
     def counters(self):
         """(receiver, batch, frames sent on the loop thread) for the stats."""
@@ -533,12 +534,16 @@ class Session:
             pass
         ctx.session_closed(self)
         ctx.dispatch.post(self, CLOSE_MARK)     # on_close after the last on_read
-        self._rc.decref()               # the loop's reference
+        rc = self._rc
+        rc.decref()                     # the loop's reference (_on_zero may drop _rc)
 
     def _on_zero(self):
-        """The last reference is gone (exactly once)."""
+        """The last reference is gone (exactly once).  Break the session's own reference
+        cycles (its RefCount and hand-off queue hold bound methods of it), so a closed
+        session is freed by reference counting, not left for the cyclic GC."""
         self._rx.close()
         self._ctx.session_gone(self)
+        self._rc = None
 
 
 class RawSession(Session):

@@ -86,12 +86,18 @@ class ForeignSends:
             self._scheduled = False       # before taking: a later push schedules again
             items = list(self._q)
             self._q.clear()
-        self._drain(items)
+            drain = self._drain
+        if drain is not None:
+            drain(items)
+        else:                           # closed meanwhile
+            for item in items:
+                release_item(item)
 
     def close(self):
         """No more items (loop thread, teardown, or a closed loop): release what is queued."""
         with self._lock:
             self._closed = True
+            self._drain = None          # the session's bound method: no cycle outlives it
             items = list(self._q)
             self._q.clear()
         for item in items:
