@@ -19,6 +19,9 @@ from aoprim._qcore cimport (
 )
 
 
+# GC: tracked, and cleared by our own tp_clear (q_clear, below), which only drops the queued
+# items: the ring itself is freed in __dealloc__, so a queue the GC cleared first is a valid,
+# empty queue to anything that still touches it (a finalizer, C code).
 cdef class MPMCQueue:
     """MPMCQueue(capacity): bounded lock-free queue for any number of producer and consumer
     threads.  capacity (int >= 1) is rounded up to a power of two; see .capacity."""

@@ -23,6 +23,8 @@ import threading as _threading
 cdef double TIMEOUT_MAX = _threading.TIMEOUT_MAX
 
 
+# GC: not tracked: the lock word and the weakref list are all it holds (a waiter in another
+# thread holds the lock object itself, so it cannot be garbage while anyone waits).
 cdef class SpinLock:
     """A non-reentrant lock; same methods and argument rules as threading.Lock."""
 

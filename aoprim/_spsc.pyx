@@ -20,6 +20,9 @@ from aoprim._qcore cimport (
 )
 
 
+# GC: tracked, and cleared by our own tp_clear (q_clear, below), which only drops the queued
+# items: the ring itself is freed in __dealloc__, so a queue the GC cleared first is a valid,
+# empty queue to anything that still touches it (a finalizer, C code).
 cdef class SPSCQueue:
     """SPSCQueue(capacity): bounded lock-free queue for exactly one producer thread and one
     consumer thread.  capacity (int >= 1) is rounded up to a power of two; see .capacity."""
