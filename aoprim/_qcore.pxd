@@ -27,7 +27,7 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
 from cpython.list cimport PyList_New
 
-from aoprim.atomic_h cimport aop_atomic_u32, aop_load_u32, aop_now_ns, AOP_RELAXED
+from aoprim.atomic_h cimport aop_atomic_u32, aop_load_u32, aop_now_ns, aop_deadline_ns, AOP_RELAXED
 from aoprim._qwait cimport (
     AOP_Q_OK, AOP_Q_RETRY, AOP_Q_BUSY, AOP_Q_CLOSED, AOP_Q_MODE_OBJ,
     q_obj_mode, q_steal, q_word, q_timeout_ns, q_max_items, q_raise, q_wait_interruptible,
@@ -188,7 +188,7 @@ cdef inline int q_wait_op(qptr q, bint push, uint64_t *v, int64_t ns) except -1:
     cdef int64_t deadline = 0, left = ns
     cdef int r
     if ns > 0:
-        deadline = aop_now_ns() + ns
+        deadline = aop_deadline_ns(ns)             # saturates: INT64_MAX never wraps
     while True:
         r = q_wait_room(q, left) if push else q_wait_item(q, left)
         if r != AOP_Q_OK:

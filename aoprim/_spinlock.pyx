@@ -12,7 +12,7 @@ documented there).  This module adds threading.Lock's Python surface:
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.number cimport PyNumber_Index
 from libc.math cimport isnan
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, INT64_MAX
 
 from aoprim.atomic_h cimport (
     aop_spin_init, aop_spin_trylock, aop_spin_locked, aop_spin_lock_timed, aop_spin_unlock_checked,
@@ -58,7 +58,8 @@ cdef class SpinLock:
             else:
                 if t > TIMEOUT_MAX:
                     raise OverflowError("timeout value is too large")
-                ns = <int64_t>(t * 1e9)
+                # saturate: t * 1e9 at or above 2**63 does not fit (casting it is undefined)
+                ns = INT64_MAX if t * 1e9 >= 9.2e18 else <int64_t>(t * 1e9)
             if aop_spin_trylock(&self.lock):
                 return True
             if ns == 0:

@@ -55,6 +55,7 @@ cdef extern from "aop_atomic.h" nogil:
     void aop_cpu_relax() noexcept
     void aop_yield() noexcept
     int64_t aop_now_ns() noexcept
+    int64_t aop_deadline_ns(int64_t timeout_ns) noexcept   # now + timeout_ns, saturated
     void aop_sleep_ns(int64_t ns) noexcept
     int aop_park(aop_atomic_u32 *word, uint32_t expected, int64_t timeout_ns) noexcept
     void aop_unpark(aop_atomic_u32 *word, int n) noexcept

@@ -263,3 +263,54 @@ def test_timed_wait_burns_no_core():
     assert lk.acquire(timeout=0.3) is False
     assert time.thread_time() - c0 < 0.05
     lk.release()
+
+
+# ---- waiting forever, and Ctrl-C ---------------------------------------------------------
+
+LOCKWORD = r'''
+# cython: language_level=3
+from aoprim._spinlock cimport SpinLock
+from aoprim.atomic_h cimport aop_load_u32, AOP_RELAXED
+
+def word(SpinLock lk):
+    """The lock word: 0 free, 1 held, 2 held and a waiter parked (or about to)."""
+    return aop_load_u32(&lk.lock.state, AOP_RELAXED)
+'''
+
+
+@pytest.fixture(scope="module")
+def lockword(cybuild):
+    return cybuild("spinlock_word", LOCKWORD).word
+
+
+def _wait_until_parked(lockword, lk, thread, limit=30.0):
+    """Until the lock word says a waiter is parked (2), or the waiting thread has ended."""
+    deadline = time.monotonic() + limit
+    while lockword(lk) != 2 and thread.is_alive():
+        assert time.monotonic() < deadline, "the waiter never parked"
+        thread.join(0.001)
+
+
+@pytest.mark.parametrize("timeout", [threading.TIMEOUT_MAX, threading.TIMEOUT_MAX / 2, 1e9])
+def test_huge_timeout_waits_for_the_release(lockword, timeout):
+    """now + timeout must saturate, not wrap: a huge timeout is a long wait, not an instant
+    timeout.  The holder releases only once the waiter is seen parked."""
+    lk = SpinLock()
+    lk.acquire()
+    entering = threading.Event()
+    result = []
+
+    def waiter():
+        entering.set()
+        result.append(lk.acquire(timeout=timeout))
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert entering.wait(10)
+    _wait_until_parked(lockword, lk, t)
+    assert t.is_alive(), f"acquire(timeout={timeout!r}) gave up at once: {result}"
+    lk.release()
+    t.join(10)
+    assert result == [True]
+    lk.release()
+

@@ -127,6 +127,16 @@ AOP_INLINE int64_t aop_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* The deadline of a wait of timeout_ns (> 0) starting now, saturated at INT64_MAX instead of
+ * wrapping: a huge timeout (threading.TIMEOUT_MAX, INT64_MAX) is a very long wait, never one
+ * that expired before it began.  The monotonic clock is >= 0, so INT64_MAX - now cannot
+ * overflow. */
+AOP_INLINE int64_t aop_deadline_ns(int64_t timeout_ns)
+{
+    int64_t now = aop_now_ns();
+    return timeout_ns > INT64_MAX - now ? INT64_MAX : now + timeout_ns;
+}
+
 /* Sleep for ns nanoseconds (used by the portable park fallback). */
 AOP_INLINE void aop_sleep_ns(int64_t ns)
 {
@@ -224,7 +234,7 @@ static int aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns)
     int step, i, r;
     if (aop_spin_trylock(l)) return 1;
     if (timeout_ns == 0) return 0;
-    if (timeout_ns > 0) deadline = aop_now_ns() + timeout_ns;
+    if (timeout_ns > 0) deadline = aop_deadline_ns(timeout_ns);
 
     /* phase 1: spin with exponential backoff, reading (not writing) the word */
     for (step = 0; step <= AOP_SPIN_LIMIT; step++) {
