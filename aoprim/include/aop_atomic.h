@@ -227,8 +227,15 @@ AOP_INLINE int aop_spin_locked(aop_spinlock_t *l)
     return aop_load_u32(&l->state, AOP_RELAXED) != 0;
 }
 
-/* Acquire, waiting at most timeout_ns (< 0: forever).  Returns 1 if acquired, 0 on timeout. */
-static int aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns)
+#define AOP_SPIN_INTR (-1)   /* aop_spin_lock_intr: a signal interrupted the park */
+
+/* Acquire, waiting at most timeout_ns (< 0: forever).  Returns 1 if acquired, 0 on timeout,
+ * and, when intr is set, AOP_SPIN_INTR as soon as a signal interrupts the park (so that the
+ * caller can run signal handlers: Ctrl-C).  Leaving early is always consistent: a waiter
+ * that leaves never owns the lock, and the word it leaves at 2 at worst costs the next
+ * unlock one needless wake.  A park that ended in EINTR was not woken (the kernel reports a
+ * wake that raced with the signal as a wake), so leaving then swallows no wake-up. */
+static int aop_spin_lock_wait_(aop_spinlock_t *l, int64_t timeout_ns, int intr)
 {
     int64_t deadline = 0;
     int step, i, r;
@@ -257,9 +264,23 @@ static int aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns)
             if (left <= 0) return 0;
         }
         r = aop_park(&l->state, 2, left);
-        (void)r;   /* woken, spurious, signal or timeout: the loop re-checks all of them */
+        if (r == EINTR && intr) return AOP_SPIN_INTR;
+        /* woken, spurious, signal or timeout: the loop re-checks all of them */
     }
     return 1;
+}
+
+/* Acquire, waiting at most timeout_ns (< 0: forever).  Returns 1 if acquired, 0 on timeout.
+ * Signals do not end the wait. */
+static int aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns)
+{
+    return aop_spin_lock_wait_(l, timeout_ns, 0);
+}
+
+/* As aop_spin_lock_timed, but returns AOP_SPIN_INTR when a signal interrupts the park. */
+static int aop_spin_lock_intr(aop_spinlock_t *l, int64_t timeout_ns)
+{
+    return aop_spin_lock_wait_(l, timeout_ns, 1);
 }
 
 AOP_INLINE void aop_spin_lock(aop_spinlock_t *l)
