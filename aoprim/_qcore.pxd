@@ -35,6 +35,12 @@ from aoprim._qwait cimport (
 
 cdef extern from "Python.h":
     void _list_set_item "PyList_SET_ITEM" (object lst, Py_ssize_t i, PyObject *o)
+    PyObject *_list_get_item "PyList_GET_ITEM" (object lst, Py_ssize_t i)
+    # no `except`: get_many handles the failure itself (see _q_get_many)
+    int _list_set_slice "PyList_SetSlice" (object lst, Py_ssize_t lo, Py_ssize_t hi, object v)
+    void _set_size "Py_SET_SIZE" (object o, Py_ssize_t n)
+    void _decref "Py_DECREF" (PyObject *o)
+    void _err_clear "PyErr_Clear" ()
 
 cdef extern from "aop_queue.h" nogil:
     ctypedef struct aop_mpmc_t:
@@ -447,39 +453,55 @@ cdef inline object _q_put_many(qptr q, object iterable):
 
 
 cdef inline list _q_get_many(qptr q, object max_items):
+    """Every item taken off the ring goes straight into a list slot that was allocated
+    before it was taken, so no allocation failure can lose one: a MemoryError is raised
+    only while nothing has been taken (the first list), and later the list is grown before
+    each further claim -- if that fails, get_many returns what it already has ("up to")."""
     cdef uint64_t want = q_max_items(max_items)
     cdef uint64_t buf[CHUNK]
-    cdef uint64_t n, i, got = 0
+    cdef uint64_t n, i, m, got
     cdef int r
     cdef list out
+    cdef PyObject *old
     q_obj_mode(&q.mode)
     if want == 0:
         r = q_pop_many(q, buf, 0, &n)
         if r != AOP_Q_OK:
             q_raise(r, False)
         return []
-    r = q_pop_many(q, buf, want if want < CHUNK else CHUNK, &n)
+    m = want if want < CHUNK else CHUNK
+    out = PyList_New(<Py_ssize_t>m)         # m empty (NULL) slots; MemoryError: nothing taken
+    r = q_pop_many(q, buf, m, &n)
     if r != AOP_Q_OK:
+        _set_size(out, 0)
         if r == AOP_Q_RETRY or r == AOP_Q_BUSY:
-            return []
+            return out                      # []
         q_raise(r, False)
-    if n == want or n < CHUNK:
-        # the common case: one claim, build the list directly (references are stolen)
-        out = PyList_New(<Py_ssize_t>n)
-        for i in range(n):
-            # the queue's reference moves into the list (SET_ITEM steals it)
-            _list_set_item(out, <Py_ssize_t>i, <PyObject *><uintptr_t>buf[i])
-        return out
-    out = []
-    while True:
-        for i in range(n):
-            out.append(q_steal(buf[i]))
-        got += n
-        if got == want or n < CHUNK:
-            return out
-        r = q_pop_many(q, buf, min(want - got, <uint64_t>CHUNK), &n)
+    for i in range(n):
+        # the queue's reference moves into the list (SET_ITEM steals it)
+        _list_set_item(out, <Py_ssize_t>i, <PyObject *><uintptr_t>buf[i])
+    if n < m:
+        _set_size(out, <Py_ssize_t>n)       # the unused tail slots are NULL: just shorter
+    got = n
+    while got < want and n == m:            # the last claim was full: there may be more
+        m = want - got if want - got < CHUNK else CHUNK
+        # room first: CHUNK placeholders (None) at the end, each replaced by an item below
+        # ((None,) * 64: a constant tuple that Cython builds once; 64 == CHUNK)
+        if _list_set_slice(out, <Py_ssize_t>got, <Py_ssize_t>got, (None,) * 64) < 0:
+            _err_clear()                    # MemoryError: keep what we have, take no more
+            break
+        r = q_pop_many(q, buf, m, &n)
         if r != AOP_Q_OK:
-            return out
+            n = 0                           # empty now (or closed): return what we have
+        for i in range(n):
+            old = _list_get_item(out, <Py_ssize_t>(got + i))
+            _list_set_item(out, <Py_ssize_t>(got + i), <PyObject *><uintptr_t>buf[i])
+            _decref(old)                    # a placeholder (None): runs no code
+        for i in range(n, <uint64_t>CHUNK):
+            _decref(_list_get_item(out, <Py_ssize_t>(got + i)))   # unused placeholders
+        got += n
+        _set_size(out, <Py_ssize_t>got)     # drops the unused placeholders' slots
+    return out
 
 
 # The entry points: MPMC goes straight to the bodies above; SPSC brackets them with its side's

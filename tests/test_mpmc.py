@@ -643,3 +643,42 @@ def test_gc_during_blocking_traffic_loses_and_clears_nothing(tmp_path):
                        capture_output=True, text=True, timeout=140)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["ok", str(2 * n)]
+
+
+# ---- get_many under allocation failure ---------------------------------------------------
+
+@pytest.mark.parametrize("n,want", [(8, 8), (5, 8), (150, 200), (150, 150)])
+def test_get_many_memory_error_loses_no_item(Q, n, want):
+    """Make the k-th allocation inside get_many fail, for every k until a call succeeds:
+    each call either raises MemoryError or returns a list, and every item is then either in
+    that list or still in the queue, in order, with exact reference counts."""
+    _testcapi = pytest.importorskip("_testcapi")
+    if not hasattr(_testcapi, "set_nomemory"):
+        pytest.skip("_testcapi.set_nomemory is not available")
+    items = [_Node() for _ in range(n)]
+    base = [sys.getrefcount(x) for x in items]
+    q = Q(256)
+    failures = 0
+    for k in range(200):
+        assert q.put_many(items) == n
+        got = None
+        _testcapi.set_nomemory(k, k + 1)       # only the k-th allocation from here fails
+        try:
+            got = q.get_many(want)
+        except MemoryError:
+            pass
+        finally:
+            _testcapi.remove_mem_hooks()
+        rest = q.get_many(1000)
+        taken = (got or []) + rest
+        assert len(taken) == n and all(a is b for a, b in zip(taken, items)), (k, len(taken))
+        del taken, rest
+        if got is None:
+            failures += 1
+        elif len(got) == min(n, want):
+            del got
+            break
+        del got
+    assert failures >= 1                       # the fault did hit get_many
+    assert [sys.getrefcount(x) for x in items] == base
+
