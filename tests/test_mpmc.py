@@ -682,3 +682,33 @@ def test_get_many_memory_error_loses_no_item(Q, n, want):
     assert failures >= 1                       # the fault did hit get_many
     assert [sys.getrefcount(x) for x in items] == base
 
+
+# ---- deallocation of long chains ---------------------------------------------------------
+
+CHAIN = r'''
+import sys
+from aoprim import MPMCQueue, SPSCQueue
+Q = MPMCQueue if sys.argv[1] == "MPMCQueue" else SPSCQueue
+q = None
+for _ in range(int(sys.argv[2])):
+    n = Q(1)
+    if q is not None:
+        n.put(q)
+    q = n
+del q, n            # drops the whole chain: must not recurse once per queue on the C stack
+print("OK")
+'''
+
+
+@pytest.mark.parametrize("qname", ["MPMCQueue", "SPSCQueue"])
+def test_dropping_a_long_chain_of_queues_does_not_overflow_the_stack(tmp_path, qname):
+    import os
+    import subprocess
+    import aoprim
+    script = tmp_path / "chain.py"
+    script.write_text(CHAIN)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(aoprim.__file__)))
+    r = subprocess.run([sys.executable, str(script), qname, "1000000"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.strip() == "OK"
