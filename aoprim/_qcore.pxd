@@ -459,7 +459,7 @@ cdef inline list _q_get_many(qptr q, object max_items):
     each further claim -- if that fails, get_many returns what it already has ("up to")."""
     cdef uint64_t want = q_max_items(max_items)
     cdef uint64_t buf[CHUNK]
-    cdef uint64_t n, i, m, got
+    cdef uint64_t n, i, m, got, hint
     cdef int r
     cdef list out
     cdef PyObject *old
@@ -470,6 +470,16 @@ cdef inline list _q_get_many(qptr q, object max_items):
             q_raise(r, False)
         return []
     m = want if want < CHUNK else CHUNK
+    hint = q_size(q)                        # a snapshot: sizes the first claim
+    if hint == 0:
+        # looks empty: no slots to allocate.  (An item whose put happened-before this call
+        # is counted by the snapshot; a racing one may as well have come just after.)
+        r = q_pop_many(q, buf, 0, &n)       # takes nothing: reports closed-and-drained
+        if r != AOP_Q_OK:
+            q_raise(r, False)
+        return []
+    if hint < m:
+        m = hint
     out = PyList_New(<Py_ssize_t>m)         # m empty (NULL) slots; MemoryError: nothing taken
     r = q_pop_many(q, buf, m, &n)
     if r != AOP_Q_OK:
@@ -483,7 +493,7 @@ cdef inline list _q_get_many(qptr q, object max_items):
     if n < m:
         _set_size(out, <Py_ssize_t>n)       # the unused tail slots are NULL: just shorter
     got = n
-    while got < want and n == m:            # the last claim was full: there may be more
+    while got < want and n == CHUNK:        # a full batch was claimed: there may be more
         m = want - got if want - got < CHUNK else CHUNK
         # room first: CHUNK placeholders (None) at the end, each replaced by an item below
         # ((None,) * 64: a constant tuple that Cython builds once; 64 == CHUNK)
