@@ -25,7 +25,8 @@ Reference rules (the invariants of the Python surface):
 """
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
-from cpython.list cimport PyList_New
+from cpython.list cimport PyList_New, PyList_GetSlice, PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
 from aoprim.atomic_h cimport aop_atomic_u32, aop_load_u32, aop_now_ns, aop_deadline_ns, AOP_RELAXED
 from aoprim._qwait cimport (
@@ -398,27 +399,49 @@ cdef inline object _q_get_nowait(qptr q):
 cdef inline object _q_put_many(qptr q, object iterable):
     cdef uint64_t buf[CHUNK]
     cdef uint64_t n, i, pushed, v, total = 0
-    cdef Py_ssize_t pos = 0, size
+    cdef Py_ssize_t pos = 0, size, base
     cdef int r
-    cdef object seq, it, x
+    cdef object seq, src, it, x
     q_obj_mode(&q.mode)
     if q_closed(q):
         q_raise(AOP_Q_CLOSED, True)
     if type(iterable) is list or type(iterable) is tuple:
         seq = iterable
         while True:
-            size = len(seq)
+            if AOP_Q_FREE_THREADED and type(seq) is list:
+                # Free-threaded: another thread may shrink the list between our reads
+                # (reading past its end would fail with references already taken).  Read
+                # the batch from a slice: a snapshot the list makes under its own lock,
+                # holding its items while we do.  (GIL build: the GIL makes the reads below
+                # atomic with respect to other threads -- no Python code runs between them
+                # -- and the C compiler drops this branch.)
+                src = PyList_GetSlice(seq, pos, pos + CHUNK)
+                base = 0
+            else:
+                src = seq
+                base = pos
+            # src cannot change under the reads below (see above), and every index is
+            # checked against its size: no read can fail with references already taken
             n = 0
-            while n < CHUNK and pos + <Py_ssize_t>n < size:
-                x = seq[pos + n]
-                Py_INCREF(x)              # the queue's reference
-                buf[n] = q_word(x)
-                n += 1
+            if type(src) is list:
+                size = PyList_GET_SIZE(src)
+                while n < CHUNK and base + <Py_ssize_t>n < size:
+                    x = <object>PyList_GET_ITEM(src, base + <Py_ssize_t>n)
+                    Py_INCREF(x)          # the queue's reference
+                    buf[n] = q_word(x)
+                    n += 1
+            else:
+                size = PyTuple_GET_SIZE(src)
+                while n < CHUNK and base + <Py_ssize_t>n < size:
+                    x = <object>PyTuple_GET_ITEM(src, base + <Py_ssize_t>n)
+                    Py_INCREF(x)          # the queue's reference
+                    buf[n] = q_word(x)
+                    n += 1
             if n == 0:
                 break
             r = q_push_many(q, buf, n, &pushed)
             for i in range(pushed, n):
-                q_steal(buf[i])           # not queued: give back (seq still holds them)
+                q_steal(buf[i])           # not queued: give back (src still holds them)
             total += pushed
             pos += <Py_ssize_t>pushed
             if r == AOP_Q_CLOSED and total == 0:

@@ -683,6 +683,93 @@ def test_get_many_memory_error_loses_no_item(Q, n, want):
     assert [sys.getrefcount(x) for x in items] == base
 
 
+# ---- put_many from an iterable that changes while it is read -----------------------------
+
+def test_put_many_from_a_list_subclass_that_shrinks_while_iterated(Q):
+    class Shrinking(list):
+        def __iter__(self):
+            i = 0
+            while i < len(self):
+                if i == 3:
+                    del self[6:]               # drop the tail mid-iteration
+                    self.pop(0)                # and shift what is left
+                yield self[i]
+                i += 1
+
+    items = [_Node() for _ in range(10)]
+    base = [sys.getrefcount(x) for x in items]
+    src = Shrinking(items)
+    q = Q(16)
+    taken = q.put_many(src)
+    out = q.get_many(100)
+    expect = [items[0], items[1], items[2], items[4], items[5]]
+    assert taken == len(expect) and len(out) == len(expect)
+    assert all(a is b for a, b in zip(out, expect))
+    del src, out, expect
+    assert [sys.getrefcount(x) for x in items] == base
+
+
+def test_put_many_from_a_generator_that_empties_its_source(Q):
+    items = [_Node() for _ in range(100)]
+    base = [sys.getrefcount(x) for x in items]
+    src = list(items)
+
+    def gen():
+        while src:
+            x = src.pop(0)
+            if len(src) % 7 == 0:
+                del src[:3]                     # the source shrinks under the iteration
+            yield x
+            del x
+
+    q = Q(128)
+    taken = q.put_many(gen())
+    out = q.get_many(1000)
+    assert taken == len(out)
+    assert len({id(x) for x in out}) == len(out)                 # nothing twice
+    assert [items.index(x) for x in out] == sorted(items.index(x) for x in out)
+    del out, src
+    gc.collect()
+    assert [sys.getrefcount(x) for x in items] == base
+
+
+def test_put_many_of_a_list_another_thread_shrinks(Q):
+    """In a GIL build each batch is read under the GIL; in a free-threaded one, from a
+    snapshot of the list taken under its own lock.  Either way: exact reference counts,
+    every queued item is one of the list's, none twice."""
+    items = [_Node() for _ in range(300)]
+    base = [sys.getrefcount(x) for x in items]
+    rounds = scaled(200)
+    stop = threading.Event()
+    shared = []
+    seen = []
+
+    def shrinker():
+        while not stop.is_set():
+            try:
+                shared.pop()
+            except IndexError:
+                time.sleep(0)
+
+    def producer():
+        q = Q(512)
+        try:
+            for _ in range(rounds):
+                shared[:] = items
+                n = q.put_many(shared)
+                out = q.get_many(1000)
+                assert n == len(out)
+                assert len({id(x) for x in out}) == len(out)
+                seen.append(len(out))
+        finally:
+            stop.set()
+
+    run_threads([producer, shrinker], timeout=120)
+    del shared[:]
+    assert len(seen) == rounds
+    assert [sys.getrefcount(x) for x in items] == base
+
+
 # ---- deallocation of long chains ---------------------------------------------------------
 
 CHAIN = r'''
