@@ -241,13 +241,15 @@ static int aop_spin_lock_wait_(aop_spinlock_t *l, int64_t timeout_ns, int intr)
     int step, i, r;
     if (aop_spin_trylock(l)) return 1;
     if (timeout_ns == 0) return 0;
-    if (timeout_ns > 0) deadline = aop_deadline_ns(timeout_ns);
 
     /* phase 1: spin with exponential backoff, reading (not writing) the word */
     for (step = 0; step <= AOP_SPIN_LIMIT; step++) {
         for (i = 0; i < (1 << step); i++) aop_cpu_relax();
         if (aop_spin_trylock(l)) return 1;
     }
+    /* the clock is read only now: a lock handed over while we spin costs no clock read
+     * (the timeout then counts from here, a few hundred pauses late) */
+    if (timeout_ns > 0) deadline = aop_deadline_ns(timeout_ns);
     /* phase 2: give the holder our core if it is waiting for one */
     for (step = 0; step < AOP_YIELD_LIMIT; step++) {
         aop_yield();
