@@ -19,6 +19,9 @@ Reference rules (the invariants of the Python surface):
   blocked put/get waits without the GIL for a *probe* to say the operation could proceed,
   then performs it with the GIL.  So the cyclic GC, which runs with the GIL, always sees a
   consistent ring and can traverse the queued objects (q_traverse / q_clear below);
+- get_many moves every item it claims into a list slot allocated before the claim, so no
+  allocation failure can lose one (see _q_get_many); put_many reads each batch from a
+  sequence that cannot change under the reads (see _q_put_many);
 - the fast path (put(x) / get() / *_nowait) has no clock read, no lock, no GIL release;
 - a queue used from Python is in OBJ mode: C code using the *_u64 API on the same
   instance gets AOP_Q_BADMODE, and Python callers get TypeError on a RAW-mode queue.

@@ -274,7 +274,7 @@ from aoprim.atomic_h cimport aop_load_u32, AOP_RELAXED
 
 def word(SpinLock lk):
     """The lock word: 0 free, 1 held, 2 held and a waiter parked (or about to)."""
-    return aop_load_u32(&lk.lock.state, AOP_RELAXED)
+    return aop_load_u32(&lk.lock.state, AOP_RELAXED)   # relaxed: a snapshot to poll
 '''
 
 
