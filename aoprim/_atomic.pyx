@@ -11,6 +11,7 @@ Invariants
   the count away from 0, so 0 is terminal and the 1 -> 0 transition happens exactly once:
   exactly one thread (the one whose CAS performed it) runs ``on_zero``.
 """
+cimport cython
 from cpython.long cimport PyLong_CheckExact, PyLong_AsLongLong
 from cpython.number cimport PyNumber_Index
 from libc.stdint cimport int64_t
@@ -31,6 +32,7 @@ cdef inline int64_t as_i64(object v) except? -1:
     return PyLong_AsLongLong(v)
 
 
+# GC: not tracked: a C integer, no references.
 cdef class AtomicInt:
     """A signed 64-bit integer with sequentially consistent atomic operations.
 
@@ -91,6 +93,13 @@ cdef class AtomicInt:
         return (AtomicInt, (aop_load_i64(&self.cell, AOP_SEQ_CST),))
 
 
+# GC: tracked (on_zero may close a cycle) but no_gc_clear: a cycle through on_zero is broken
+# by its other members (a function, an instance's dict, a list...).  Were the GC to clear
+# on_zero first, a decref reaching 0 while the rest of the cycle is torn down (in C code's
+# __dealloc__) would skip on_zero, which must run exactly once.  (A cycle made only of
+# objects the GC cannot clear -- e.g. two RefCounts whose on_zero are each other's bound
+# methods -- is not collected; run_on_zero drops on_zero, which breaks it once it fires.)
+@cython.no_gc_clear
 cdef class RefCount:
     """An atomic reference count that runs ``on_zero()`` exactly once, when it reaches 0.
 

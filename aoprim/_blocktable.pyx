@@ -59,7 +59,12 @@ cdef inline bint _shared(Slot s) noexcept:
     return (aop_load_i64(&s.state, AOP_ACQUIRE) & AOP_SLOT_REF_MASK) > 1
 
 
+# GC: not tracked (no_gc).  Every field is a final aoprim type that cannot reach back to a
+# table (pool, a private list of Slots, the two exporters), so no cycle can pass through
+# one; the GC therefore never clears it, and __dealloc__ always finds _tail intact to reset
+# its borrowed pointer (a tp_clear that set _tail to None first left that pointer dangling).
 @cython.final
+@cython.no_gc
 cdef class BlockTable:
     """BlockTable(pool): a byte sequence stored in blocks (slots) of ``pool``.
 
@@ -432,7 +437,10 @@ cdef class BlockTable:
         raise TypeError("BlockTable objects cannot be pickled")
 
 
+# GC: not tracked (it holds no strong reference; `table` is borrowed).  Safe because the
+# table, itself never cleared by the GC, resets `table` in its __dealloc__.
 @cython.final
+@cython.no_gc
 cdef class _TailBuffer:
     """The writable free tail of a BlockTable's last block (see BlockTable.tail())."""
 
@@ -465,7 +473,11 @@ cdef class _TailBuffer:
         return (<BlockTable>self.table).tail_room
 
 
+# GC: not tracked (no_gc).  `slot` is a Slot (no references of its own) and is set only
+# for the length of one view() call; each exported view pins its Slot through
+# Py_buffer.internal, which no tp_clear could reach anyway.
 @cython.final
+@cython.no_gc
 cdef class _FrameExporter:
     """Exports the block range that BlockTable.view() set just before (see the .pxd)."""
 

@@ -10,6 +10,7 @@ are written down.  This module is the Python surface over it; the method bodies 
 queue in aoprim/_qcore.pxd (compiled per queue type, no indirection), where the
 reference rules are stated.
 """
+cimport cython
 from cpython.ref cimport PyObject
 from aoprim._qwait cimport q_capacity
 from aoprim._qcore cimport (
@@ -19,6 +20,13 @@ from aoprim._qcore cimport (
 )
 
 
+# GC: tracked, and cleared by our own tp_clear (q_clear, below), which only drops the queued
+# items: the ring itself is freed in __dealloc__, so a queue the GC cleared first is a valid,
+# empty queue to anything that still touches it (a finalizer, C code).
+# Deallocation goes through CPython's trashcan (as list's does): dropping a queue releases
+# its items, which may be queues holding queues...; past a small nesting depth the trashcan
+# defers the inner deallocations, so a long chain cannot overflow the C stack.
+@cython.trashcan(True)
 cdef class MPMCQueue:
     """MPMCQueue(capacity): bounded lock-free queue for any number of producer and consumer
     threads.  capacity (int >= 1) is rounded up to a power of two; see .capacity."""

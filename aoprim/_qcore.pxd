@@ -19,15 +19,19 @@ Reference rules (the invariants of the Python surface):
   blocked put/get waits without the GIL for a *probe* to say the operation could proceed,
   then performs it with the GIL.  So the cyclic GC, which runs with the GIL, always sees a
   consistent ring and can traverse the queued objects (q_traverse / q_clear below);
+- get_many moves every item it claims into a list slot allocated before the claim, so no
+  allocation failure can lose one (see _q_get_many); put_many reads each batch from a
+  sequence that cannot change under the reads (see _q_put_many);
 - the fast path (put(x) / get() / *_nowait) has no clock read, no lock, no GIL release;
 - a queue used from Python is in OBJ mode: C code using the *_u64 API on the same
   instance gets AOP_Q_BADMODE, and Python callers get TypeError on a RAW-mode queue.
 """
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
-from cpython.list cimport PyList_New
+from cpython.list cimport PyList_New, PyList_GetSlice, PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
-from aoprim.atomic_h cimport aop_atomic_u32, aop_load_u32, aop_now_ns, AOP_RELAXED
+from aoprim.atomic_h cimport aop_atomic_u32, aop_load_u32, aop_now_ns, aop_deadline_ns, AOP_RELAXED
 from aoprim._qwait cimport (
     AOP_Q_OK, AOP_Q_RETRY, AOP_Q_BUSY, AOP_Q_CLOSED, AOP_Q_MODE_OBJ,
     q_obj_mode, q_steal, q_word, q_timeout_ns, q_max_items, q_raise, q_wait_interruptible,
@@ -35,6 +39,12 @@ from aoprim._qwait cimport (
 
 cdef extern from "Python.h":
     void _list_set_item "PyList_SET_ITEM" (object lst, Py_ssize_t i, PyObject *o)
+    PyObject *_list_get_item "PyList_GET_ITEM" (object lst, Py_ssize_t i)
+    # no `except`: get_many handles the failure itself (see _q_get_many)
+    int _list_set_slice "PyList_SetSlice" (object lst, Py_ssize_t lo, Py_ssize_t hi, object v)
+    void _set_size "Py_SET_SIZE" (object o, Py_ssize_t n)
+    void _decref "Py_DECREF" (PyObject *o)
+    void _err_clear "PyErr_Clear" ()
 
 cdef extern from "aop_queue.h" nogil:
     ctypedef struct aop_mpmc_t:
@@ -188,7 +198,7 @@ cdef inline int q_wait_op(qptr q, bint push, uint64_t *v, int64_t ns) except -1:
     cdef int64_t deadline = 0, left = ns
     cdef int r
     if ns > 0:
-        deadline = aop_now_ns() + ns
+        deadline = aop_deadline_ns(ns)             # saturates: INT64_MAX never wraps
     while True:
         r = q_wait_room(q, left) if push else q_wait_item(q, left)
         if r != AOP_Q_OK:
@@ -392,27 +402,49 @@ cdef inline object _q_get_nowait(qptr q):
 cdef inline object _q_put_many(qptr q, object iterable):
     cdef uint64_t buf[CHUNK]
     cdef uint64_t n, i, pushed, v, total = 0
-    cdef Py_ssize_t pos = 0, size
+    cdef Py_ssize_t pos = 0, size, base
     cdef int r
-    cdef object seq, it, x
+    cdef object seq, src, it, x
     q_obj_mode(&q.mode)
     if q_closed(q):
         q_raise(AOP_Q_CLOSED, True)
     if type(iterable) is list or type(iterable) is tuple:
         seq = iterable
         while True:
-            size = len(seq)
+            if AOP_Q_FREE_THREADED and type(seq) is list:
+                # Free-threaded: another thread may shrink the list between our reads
+                # (reading past its end would fail with references already taken).  Read
+                # the batch from a slice: a snapshot the list makes under its own lock,
+                # holding its items while we do.  (GIL build: the GIL makes the reads below
+                # atomic with respect to other threads -- no Python code runs between them
+                # -- and the C compiler drops this branch.)
+                src = PyList_GetSlice(seq, pos, pos + CHUNK)
+                base = 0
+            else:
+                src = seq
+                base = pos
+            # src cannot change under the reads below (see above), and every index is
+            # checked against its size: no read can fail with references already taken
             n = 0
-            while n < CHUNK and pos + <Py_ssize_t>n < size:
-                x = seq[pos + n]
-                Py_INCREF(x)              # the queue's reference
-                buf[n] = q_word(x)
-                n += 1
+            if type(src) is list:
+                size = PyList_GET_SIZE(src)
+                while n < CHUNK and base + <Py_ssize_t>n < size:
+                    x = <object>PyList_GET_ITEM(src, base + <Py_ssize_t>n)
+                    Py_INCREF(x)          # the queue's reference
+                    buf[n] = q_word(x)
+                    n += 1
+            else:
+                size = PyTuple_GET_SIZE(src)
+                while n < CHUNK and base + <Py_ssize_t>n < size:
+                    x = <object>PyTuple_GET_ITEM(src, base + <Py_ssize_t>n)
+                    Py_INCREF(x)          # the queue's reference
+                    buf[n] = q_word(x)
+                    n += 1
             if n == 0:
                 break
             r = q_push_many(q, buf, n, &pushed)
             for i in range(pushed, n):
-                q_steal(buf[i])           # not queued: give back (seq still holds them)
+                q_steal(buf[i])           # not queued: give back (src still holds them)
             total += pushed
             pos += <Py_ssize_t>pushed
             if r == AOP_Q_CLOSED and total == 0:
@@ -447,39 +479,65 @@ cdef inline object _q_put_many(qptr q, object iterable):
 
 
 cdef inline list _q_get_many(qptr q, object max_items):
+    """Every item taken off the ring goes straight into a list slot that was allocated
+    before it was taken, so no allocation failure can lose one: a MemoryError is raised
+    only while nothing has been taken (the first list), and later the list is grown before
+    each further claim -- if that fails, get_many returns what it already has ("up to")."""
     cdef uint64_t want = q_max_items(max_items)
     cdef uint64_t buf[CHUNK]
-    cdef uint64_t n, i, got = 0
+    cdef uint64_t n, i, m, got, hint
     cdef int r
     cdef list out
+    cdef PyObject *old
     q_obj_mode(&q.mode)
     if want == 0:
         r = q_pop_many(q, buf, 0, &n)
         if r != AOP_Q_OK:
             q_raise(r, False)
         return []
-    r = q_pop_many(q, buf, want if want < CHUNK else CHUNK, &n)
-    if r != AOP_Q_OK:
-        if r == AOP_Q_RETRY or r == AOP_Q_BUSY:
-            return []
-        q_raise(r, False)
-    if n == want or n < CHUNK:
-        # the common case: one claim, build the list directly (references are stolen)
-        out = PyList_New(<Py_ssize_t>n)
-        for i in range(n):
-            # the queue's reference moves into the list (SET_ITEM steals it)
-            _list_set_item(out, <Py_ssize_t>i, <PyObject *><uintptr_t>buf[i])
-        return out
-    out = []
-    while True:
-        for i in range(n):
-            out.append(q_steal(buf[i]))
-        got += n
-        if got == want or n < CHUNK:
-            return out
-        r = q_pop_many(q, buf, min(want - got, <uint64_t>CHUNK), &n)
+    m = want if want < CHUNK else CHUNK
+    hint = q_size(q)                        # a snapshot: sizes the first claim
+    if hint == 0:
+        # looks empty: no slots to allocate.  (An item whose put happened-before this call
+        # is counted by the snapshot; a racing one may as well have come just after.)
+        r = q_pop_many(q, buf, 0, &n)       # takes nothing: reports closed-and-drained
         if r != AOP_Q_OK:
-            return out
+            q_raise(r, False)
+        return []
+    if hint < m:
+        m = hint
+    out = PyList_New(<Py_ssize_t>m)         # m empty (NULL) slots; MemoryError: nothing taken
+    r = q_pop_many(q, buf, m, &n)
+    if r != AOP_Q_OK:
+        _set_size(out, 0)
+        if r == AOP_Q_RETRY or r == AOP_Q_BUSY:
+            return out                      # []
+        q_raise(r, False)
+    for i in range(n):
+        # the queue's reference moves into the list (SET_ITEM steals it)
+        _list_set_item(out, <Py_ssize_t>i, <PyObject *><uintptr_t>buf[i])
+    if n < m:
+        _set_size(out, <Py_ssize_t>n)       # the unused tail slots are NULL: just shorter
+    got = n
+    while got < want and n == CHUNK:        # a full batch was claimed: there may be more
+        m = want - got if want - got < CHUNK else CHUNK
+        # room first: CHUNK placeholders (None) at the end, each replaced by an item below
+        # ((None,) * 64: a constant tuple that Cython builds once; 64 == CHUNK)
+        if _list_set_slice(out, <Py_ssize_t>got, <Py_ssize_t>got, (None,) * 64) < 0:
+            _err_clear()                    # MemoryError: keep what we have, take no more
+            break
+        r = q_pop_many(q, buf, m, &n)
+        if r != AOP_Q_OK:
+            n = 0                           # empty now (or closed): return what we have
+        for i in range(n):
+            old = _list_get_item(out, <Py_ssize_t>(got + i))
+            _list_set_item(out, <Py_ssize_t>(got + i), <PyObject *><uintptr_t>buf[i])
+            _decref(old)                    # a placeholder (None): runs no code
+        for i in range(n, <uint64_t>CHUNK):
+            _decref(_list_get_item(out, <Py_ssize_t>(got + i)))   # unused placeholders
+        got += n
+        _set_size(out, <Py_ssize_t>got)     # drops the unused placeholders' slots
+    return out
 
 
 # The entry points: MPMC goes straight to the bodies above; SPSC brackets them with its side's

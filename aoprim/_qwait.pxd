@@ -19,7 +19,7 @@ from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.number cimport PyNumber_Index
 from cpython.exc cimport PyErr_CheckSignals
 
-from aoprim.atomic_h cimport aop_atomic_u32, aop_now_ns
+from aoprim.atomic_h cimport aop_atomic_u32, aop_now_ns, aop_deadline_ns
 
 cdef extern from "aop_queue.h" nogil:
     int AOP_Q_OK
@@ -130,7 +130,7 @@ cdef inline int q_wait_interruptible(aop_q_wait_fn fn, void *q, uint64_t *v,
     cdef int64_t deadline = 0, step, left
     cdef int r
     if timeout_ns > 0:
-        deadline = aop_now_ns() + timeout_ns
+        deadline = aop_deadline_ns(timeout_ns)     # saturates: INT64_MAX never wraps
     while True:
         step = Q_SLICE_NS
         if timeout_ns > 0:

@@ -69,6 +69,9 @@ cdef inline Py_ssize_t _as_index(object v, str what) except? -1:
     return PyLong_AsSsize_t(v)
 
 
+# GC: not tracked.  Its only references are the parked (idle) Slots in `cache`, which hold
+# nothing, so no cycle can pass through a pool; a held Slot keeps its pool alive by an owned
+# pointer, so the arena outlives every Slot that is out, cycles or not.
 @cython.final
 cdef class SlabPool:
     """SlabPool(slot_size=4096, slots=16): one preallocated, aligned arena of ``slots`` slots.
@@ -221,6 +224,9 @@ cdef class SlabPool:
                 f"in_use={self.in_use} high_water={self.high_water}>")
 
 
+# GC: not tracked.  Its one reference (the pool, owned while held) leads to nothing that can
+# reach a held Slot, so no cycle passes through it; a Slot only garbage reaches dies by
+# reference count and __del__ gives its index back.  Views pin it (Py_buffer.obj).
 @cython.final
 cdef class Slot:
     """One slot of a SlabPool, with its own atomic reference count (1 when acquired).

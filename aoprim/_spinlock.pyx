@@ -7,22 +7,34 @@ The lock itself is aop_spinlock_t in aop_atomic.h (its invariants and memory ord
 documented there).  This module adds threading.Lock's Python surface:
 - the uncontended acquire is one CAS with the GIL held: no syscall, no GIL release;
 - a contended acquire releases the GIL, then spins, yields and parks (futex) in C, so a
-  holder in another Python thread always progresses and no core burns while we wait.
+  holder in another Python thread always progresses and no core burns while we wait;
+- a blocked acquire is interruptible, as threading.Lock's is on POSIX: it waits in slices
+  of at most SLICE_NS and returns to Python (with the GIL) when a slice ends or a signal
+  interrupts the park, runs the signal handlers (PyErr_CheckSignals), and propagates what
+  they raise (KeyboardInterrupt) without owning the lock; otherwise it waits again for
+  what is left of the timeout.  Only the waiting path pays for this.
 """
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.number cimport PyNumber_Index
 from libc.math cimport isnan
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, INT64_MAX
 
+from cpython.exc cimport PyErr_CheckSignals
 from aoprim.atomic_h cimport (
-    aop_spin_init, aop_spin_trylock, aop_spin_locked, aop_spin_lock_timed, aop_spin_unlock_checked,
+    aop_spin_init, aop_spin_trylock, aop_spin_locked, aop_spin_lock_intr, aop_spin_unlock_checked,
+    aop_now_ns, aop_deadline_ns,
 )
 
 import threading as _threading
 
 cdef double TIMEOUT_MAX = _threading.TIMEOUT_MAX
 
+cdef enum:
+    SLICE_NS = 50000000     # a blocked acquire runs signal handlers at least every 50 ms
 
+
+# GC: not tracked: the lock word and the weakref list are all it holds (a waiter in another
+# thread holds the lock object itself, so it cannot be garbage while anyone waits).
 cdef class SpinLock:
     """A non-reentrant lock; same methods and argument rules as threading.Lock."""
 
@@ -33,7 +45,6 @@ cdef class SpinLock:
         """Acquire the lock; True if acquired.  Same rules as threading.Lock.acquire()."""
         cdef double t
         cdef int64_t ns
-        cdef bint ok
         # fast path, GIL held: the overwhelmingly common uncontended case costs one CAS.
         # (`timeout is -1` holds for the default; any other -1 takes the general path.)
         if timeout is -1 and (blocking is True or blocking is False):
@@ -56,14 +67,13 @@ cdef class SpinLock:
             else:
                 if t > TIMEOUT_MAX:
                     raise OverflowError("timeout value is too large")
-                ns = <int64_t>(t * 1e9)
+                # saturate: t * 1e9 at or above 2**63 does not fit (casting it is undefined)
+                ns = INT64_MAX if t * 1e9 >= 9.2e18 else <int64_t>(t * 1e9)
             if aop_spin_trylock(&self.lock):
                 return True
             if ns == 0:
                 return False
-        with nogil:
-            ok = aop_spin_lock_timed(&self.lock, ns)
-        return ok
+        return _wait(self, ns)
 
     def release(self):
         """Release the lock.  RuntimeError if it is not locked."""
@@ -76,8 +86,7 @@ cdef class SpinLock:
 
     def __enter__(self):
         if not aop_spin_trylock(&self.lock):
-            with nogil:
-                aop_spin_lock_timed(&self.lock, -1)
+            _wait(self, -1)
         return True
 
     def __exit__(self, exc_type, exc_value, tb):
@@ -96,6 +105,29 @@ cdef class SpinLock:
     def __repr__(self):
         state = "locked" if aop_spin_locked(&self.lock) else "unlocked"
         return f"<{state} aoprim.SpinLock object at {id(self):#x}>"
+
+
+cdef bint _wait(SpinLock self, int64_t ns) except -1:
+    """The contended acquire: wait (GIL released) at most ns (< 0: forever), in slices, and
+    run signal handlers between slices.  True if acquired, False on timeout; raises what a
+    handler raises (then the lock is not ours)."""
+    cdef int64_t deadline = 0, step
+    cdef int r
+    if ns > 0:
+        deadline = aop_deadline_ns(ns)             # saturates: TIMEOUT_MAX never wraps
+    while True:
+        step = SLICE_NS
+        if ns > 0:
+            step = deadline - aop_now_ns()
+            if step <= 0:
+                return False
+            if step > SLICE_NS:
+                step = SLICE_NS
+        with nogil:
+            r = aop_spin_lock_intr(&self.lock, step)
+        if r == 1:
+            return True
+        PyErr_CheckSignals()   # a handler's exception (KeyboardInterrupt) -> except -1
 
 
 cdef bint _flag(object blocking) except -1:

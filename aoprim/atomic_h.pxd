@@ -55,6 +55,7 @@ cdef extern from "aop_atomic.h" nogil:
     void aop_cpu_relax() noexcept
     void aop_yield() noexcept
     int64_t aop_now_ns() noexcept
+    int64_t aop_deadline_ns(int64_t timeout_ns) noexcept   # now + timeout_ns, saturated
     void aop_sleep_ns(int64_t ns) noexcept
     int aop_park(aop_atomic_u32 *word, uint32_t expected, int64_t timeout_ns) noexcept
     void aop_unpark(aop_atomic_u32 *word, int n) noexcept
@@ -65,6 +66,9 @@ cdef extern from "aop_atomic.h" nogil:
     bint aop_spin_trylock(aop_spinlock_t *l) noexcept
     bint aop_spin_locked(aop_spinlock_t *l) noexcept
     bint aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns) noexcept
+    int AOP_SPIN_INTR        # aop_spin_lock_intr's "a signal interrupted the park" (-1)
+    # 1 acquired, 0 timed out, AOP_SPIN_INTR: a signal arrived (run handlers, then retry)
+    int aop_spin_lock_intr(aop_spinlock_t *l, int64_t timeout_ns) noexcept
     void aop_spin_lock(aop_spinlock_t *l) noexcept
     void aop_spin_unlock(aop_spinlock_t *l) noexcept
     bint aop_spin_unlock_checked(aop_spinlock_t *l) noexcept

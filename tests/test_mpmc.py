@@ -643,3 +643,159 @@ def test_gc_during_blocking_traffic_loses_and_clears_nothing(tmp_path):
                        capture_output=True, text=True, timeout=140)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["ok", str(2 * n)]
+
+
+# ---- get_many under allocation failure ---------------------------------------------------
+
+@pytest.mark.parametrize("n,want", [(8, 8), (5, 8), (150, 200), (150, 150)])
+def test_get_many_memory_error_loses_no_item(Q, n, want):
+    """Make the k-th allocation inside get_many fail, for every k until a call succeeds:
+    each call either raises MemoryError or returns a list, and every item is then either in
+    that list or still in the queue, in order, with exact reference counts."""
+    _testcapi = pytest.importorskip("_testcapi")
+    if not hasattr(_testcapi, "set_nomemory"):
+        pytest.skip("_testcapi.set_nomemory is not available")
+    items = [_Node() for _ in range(n)]
+    base = [sys.getrefcount(x) for x in items]
+    q = Q(256)
+    failures = 0
+    for k in range(200):
+        assert q.put_many(items) == n
+        got = None
+        _testcapi.set_nomemory(k, k + 1)       # only the k-th allocation from here fails
+        try:
+            got = q.get_many(want)
+        except MemoryError:
+            pass
+        finally:
+            _testcapi.remove_mem_hooks()
+        rest = q.get_many(1000)
+        taken = (got or []) + rest
+        assert len(taken) == n and all(a is b for a, b in zip(taken, items)), (k, len(taken))
+        del taken, rest
+        if got is None:
+            failures += 1
+        elif len(got) == min(n, want):
+            del got
+            break
+        del got
+    assert failures >= 1                       # the fault did hit get_many
+    assert [sys.getrefcount(x) for x in items] == base
+
+
+# ---- put_many from an iterable that changes while it is read -----------------------------
+
+def test_put_many_from_a_list_subclass_that_shrinks_while_iterated(Q):
+    class Shrinking(list):
+        def __iter__(self):
+            i = 0
+            while i < len(self):
+                if i == 3:
+                    del self[6:]               # drop the tail mid-iteration
+                    self.pop(0)                # and shift what is left
+                yield self[i]
+                i += 1
+
+    items = [_Node() for _ in range(10)]
+    base = [sys.getrefcount(x) for x in items]
+    src = Shrinking(items)
+    q = Q(16)
+    taken = q.put_many(src)
+    out = q.get_many(100)
+    expect = [items[0], items[1], items[2], items[4], items[5]]
+    assert taken == len(expect) and len(out) == len(expect)
+    assert all(a is b for a, b in zip(out, expect))
+    del src, out, expect
+    assert [sys.getrefcount(x) for x in items] == base
+
+
+def test_put_many_from_a_generator_that_empties_its_source(Q):
+    items = [_Node() for _ in range(100)]
+    base = [sys.getrefcount(x) for x in items]
+    src = list(items)
+
+    def gen():
+        while src:
+            x = src.pop(0)
+            if len(src) % 7 == 0:
+                del src[:3]                     # the source shrinks under the iteration
+            yield x
+            del x
+
+    q = Q(128)
+    taken = q.put_many(gen())
+    out = q.get_many(1000)
+    assert taken == len(out)
+    assert len({id(x) for x in out}) == len(out)                 # nothing twice
+    assert [items.index(x) for x in out] == sorted(items.index(x) for x in out)
+    del out, src
+    gc.collect()
+    assert [sys.getrefcount(x) for x in items] == base
+
+
+def test_put_many_of_a_list_another_thread_shrinks(Q):
+    """In a GIL build each batch is read under the GIL; in a free-threaded one, from a
+    snapshot of the list taken under its own lock.  Either way: exact reference counts,
+    every queued item is one of the list's, none twice."""
+    items = [_Node() for _ in range(300)]
+    base = [sys.getrefcount(x) for x in items]
+    rounds = scaled(200)
+    stop = threading.Event()
+    shared = []
+    seen = []
+
+    def shrinker():
+        while not stop.is_set():
+            try:
+                shared.pop()
+            except IndexError:
+                time.sleep(0)
+
+    def producer():
+        q = Q(512)
+        try:
+            for _ in range(rounds):
+                shared[:] = items
+                n = q.put_many(shared)
+                out = q.get_many(1000)
+                assert n == len(out)
+                assert len({id(x) for x in out}) == len(out)
+                seen.append(len(out))
+        finally:
+            stop.set()
+
+    run_threads([producer, shrinker], timeout=120)
+    del shared[:]
+    assert len(seen) == rounds
+    assert [sys.getrefcount(x) for x in items] == base
+
+
+# ---- deallocation of long chains ---------------------------------------------------------
+
+CHAIN = r'''
+import sys
+from aoprim import MPMCQueue, SPSCQueue
+Q = MPMCQueue if sys.argv[1] == "MPMCQueue" else SPSCQueue
+q = None
+for _ in range(int(sys.argv[2])):
+    n = Q(1)
+    if q is not None:
+        n.put(q)
+    q = n
+del q, n            # drops the whole chain: must not recurse once per queue on the C stack
+print("OK")
+'''
+
+
+@pytest.mark.parametrize("qname", ["MPMCQueue", "SPSCQueue"])
+def test_dropping_a_long_chain_of_queues_does_not_overflow_the_stack(tmp_path, qname):
+    import os
+    import subprocess
+    import aoprim
+    script = tmp_path / "chain.py"
+    script.write_text(CHAIN)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(aoprim.__file__)))
+    r = subprocess.run([sys.executable, str(script), qname, "1000000"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.strip() == "OK"

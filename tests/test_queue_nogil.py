@@ -2,6 +2,8 @@
 the installed package: producers and consumers loop in ``with nogil`` blocks in several
 Python threads at once (true parallelism), and every word is accounted for exactly.
 Also: a queue's mode (objects vs raw words) is fixed by its first use and cannot be mixed."""
+import threading
+
 import pytest
 
 from aoprim import MPMCQueue, SPSCQueue
@@ -252,3 +254,102 @@ def test_spsc_nogil_1x1_exact(cq):
     run_threads([prod, cons], timeout=90)
     assert out["fails"] == 0
     assert out["cons"] == (N, 0)
+
+
+# ---- huge timeouts saturate: INT64_MAX is "practically forever", not "already expired" ----
+
+FOREVER = r'''
+# cython: language_level=3
+from libc.stdint cimport uint64_t, int64_t, INT64_MAX
+from aoprim._qwait cimport aop_qwait_t
+from aoprim.atomic_h cimport aop_load_u32, AOP_RELAXED
+from aoprim._mpmc cimport MPMCQueue, aop_mpmc_push_u64, aop_mpmc_pop_u64
+from aoprim._spsc cimport SPSCQueue, aop_spsc_push_u64, aop_spsc_pop_u64
+
+# the wait sets are private to aop_queue.h; a test may look at them to see a parked waiter
+cdef extern from "aop_queue.h":
+    ctypedef struct mpmc_view "aop_mpmc_t":
+        aop_qwait_t not_empty
+        aop_qwait_t not_full
+    ctypedef struct spsc_view "aop_spsc_t":
+        aop_qwait_t not_empty
+        aop_qwait_t not_full
+
+def waiters(q, bint producers):
+    cdef aop_qwait_t *w
+    if isinstance(q, MPMCQueue):
+        w = &(<mpmc_view *>(<MPMCQueue>q).q).not_full if producers else \
+            &(<mpmc_view *>(<MPMCQueue>q).q).not_empty
+    else:
+        w = &(<spsc_view *>(<SPSCQueue>q).q).not_full if producers else \
+            &(<spsc_view *>(<SPSCQueue>q).q).not_empty
+    return aop_load_u32(&w.waiters, AOP_RELAXED)   # relaxed: a snapshot to poll
+
+def pop_max(q):
+    cdef uint64_t v = 0
+    cdef int r
+    if isinstance(q, MPMCQueue):
+        with nogil:
+            r = aop_mpmc_pop_u64((<MPMCQueue>q).q, &v, INT64_MAX)
+    else:
+        with nogil:
+            r = aop_spsc_pop_u64((<SPSCQueue>q).q, &v, INT64_MAX)
+    return r, v
+
+def push_max(q, uint64_t v):
+    cdef int r
+    if isinstance(q, MPMCQueue):
+        with nogil:
+            r = aop_mpmc_push_u64((<MPMCQueue>q).q, v, INT64_MAX)
+    else:
+        with nogil:
+            r = aop_spsc_push_u64((<SPSCQueue>q).q, v, INT64_MAX)
+    return r
+
+def push(q, uint64_t v):
+    return push_max(q, v)
+
+def pop(q):
+    return pop_max(q)
+'''
+
+
+@pytest.fixture(scope="module")
+def cforever(cybuild):
+    return cybuild("queue_nogil_forever", FOREVER)
+
+
+@pytest.mark.parametrize("Q", [MPMCQueue, SPSCQueue], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("side", ["pop", "push"])
+def test_c_level_wait_with_int64_max_blocks_until_it_can_proceed(cq, cforever, Q, side):
+    """timeout_ns = INT64_MAX must not wrap the deadline into the past: the call waits (it
+    parks) until another thread makes room / an item, then succeeds."""
+    import time
+    OK = cq.codes()[0]
+    q = Q(1)
+    if side == "push":
+        assert cforever.push(q, 1) == OK                     # full now
+    entering = threading.Event()
+    result = []
+
+    def waiter():
+        entering.set()
+        result.append(cforever.pop_max(q) if side == "pop" else cforever.push_max(q, 2))
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert entering.wait(10)
+    deadline = time.monotonic() + 30
+    while cforever.waiters(q, side == "push") == 0 and t.is_alive():
+        assert time.monotonic() < deadline, "the waiter never parked"
+        t.join(0.001)
+    assert t.is_alive(), f"{side} with INT64_MAX returned at once: {result}"
+    if side == "pop":
+        assert cforever.push(q, 42) == OK
+        t.join(10)
+        assert result == [(OK, 42)]
+    else:
+        assert cforever.pop(q) == (OK, 1)
+        t.join(10)
+        assert result == [OK]
+        assert cforever.pop(q) == (OK, 2)

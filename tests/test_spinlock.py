@@ -263,3 +263,125 @@ def test_timed_wait_burns_no_core():
     assert lk.acquire(timeout=0.3) is False
     assert time.thread_time() - c0 < 0.05
     lk.release()
+
+
+# ---- waiting forever, and Ctrl-C ---------------------------------------------------------
+
+LOCKWORD = r'''
+# cython: language_level=3
+from aoprim._spinlock cimport SpinLock
+from aoprim.atomic_h cimport aop_load_u32, AOP_RELAXED
+
+def word(SpinLock lk):
+    """The lock word: 0 free, 1 held, 2 held and a waiter parked (or about to)."""
+    return aop_load_u32(&lk.lock.state, AOP_RELAXED)   # relaxed: a snapshot to poll
+'''
+
+
+@pytest.fixture(scope="module")
+def lockword(cybuild):
+    return cybuild("spinlock_word", LOCKWORD).word
+
+
+def _wait_until_parked(lockword, lk, thread, limit=30.0):
+    """Until the lock word says a waiter is parked (2), or the waiting thread has ended."""
+    deadline = time.monotonic() + limit
+    while lockword(lk) != 2 and thread.is_alive():
+        assert time.monotonic() < deadline, "the waiter never parked"
+        thread.join(0.001)
+
+
+@pytest.mark.parametrize("timeout", [threading.TIMEOUT_MAX, threading.TIMEOUT_MAX / 2, 1e9])
+def test_huge_timeout_waits_for_the_release(lockword, timeout):
+    """now + timeout must saturate, not wrap: a huge timeout is a long wait, not an instant
+    timeout.  The holder releases only once the waiter is seen parked."""
+    lk = SpinLock()
+    lk.acquire()
+    entering = threading.Event()
+    result = []
+
+    def waiter():
+        entering.set()
+        result.append(lk.acquire(timeout=timeout))
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert entering.wait(10)
+    _wait_until_parked(lockword, lk, t)
+    assert t.is_alive(), f"acquire(timeout={timeout!r}) gave up at once: {result}"
+    lk.release()
+    t.join(10)
+    assert result == [True]
+    lk.release()
+
+
+INTERRUPT = r'''
+import signal, sys, threading, time
+from aoprim import SpinLock
+
+how = sys.argv[1]
+lk = SpinLock()
+lk.acquire()                          # held by ourselves: the acquire below can only end
+main = threading.main_thread().ident  # by a signal
+
+def block():
+    if how == "acquire":
+        lk.acquire()
+    elif how == "timeout":
+        lk.acquire(timeout=30)
+    else:
+        with lk:
+            pass
+
+def kicker():
+    # send SIGINT once the main thread is inside block() (in the blocking call); if the
+    # signal lands just before the call, a correct acquire still sees it
+    while True:
+        f = sys._current_frames().get(main)
+        if f is not None and f.f_code is block.__code__:
+            break
+        time.sleep(0.001)
+    signal.pthread_kill(main, signal.SIGINT)
+
+threading.Thread(target=kicker, daemon=True).start()
+t0 = time.monotonic()
+try:
+    block()
+except KeyboardInterrupt:
+    dt = time.monotonic() - t0
+else:
+    raise SystemExit("acquire returned instead of being interrupted")
+assert dt < 10, dt
+# the lock state is consistent: still held by us; a waiter gets it when we release
+assert lk.locked()
+got = []
+def other():
+    got.append(lk.acquire(timeout=30))
+    lk.release()
+w = threading.Thread(target=other)
+w.start()
+lk.release()
+w.join(30)
+assert got == [True], got
+assert lk.acquire(blocking=False)
+lk.release()
+assert not lk.locked()
+print("OK", round(dt, 3))
+'''
+
+
+@pytest.mark.parametrize("how", ["acquire", "timeout", "with"])
+def test_blocked_acquire_is_interrupted_by_sigint(tmp_path, how):
+    """Ctrl-C reaches a thread blocked in acquire() (as threading.Lock on POSIX): the
+    KeyboardInterrupt propagates from acquire, and the lock keeps working."""
+    import os
+    import subprocess
+    import sys
+    import aoprim
+    script = tmp_path / "interrupt.py"
+    script.write_text(INTERRUPT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(aoprim.__file__)))
+    r = subprocess.run([sys.executable, str(script), how], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("OK"), r.stdout + r.stderr

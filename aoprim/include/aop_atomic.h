@@ -127,6 +127,16 @@ AOP_INLINE int64_t aop_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* The deadline of a wait of timeout_ns (> 0) starting now, saturated at INT64_MAX instead of
+ * wrapping: a huge timeout (threading.TIMEOUT_MAX, INT64_MAX) is a very long wait, never one
+ * that expired before it began.  The monotonic clock is >= 0, so INT64_MAX - now cannot
+ * overflow. */
+AOP_INLINE int64_t aop_deadline_ns(int64_t timeout_ns)
+{
+    int64_t now = aop_now_ns();
+    return timeout_ns > INT64_MAX - now ? INT64_MAX : now + timeout_ns;
+}
+
 /* Sleep for ns nanoseconds (used by the portable park fallback). */
 AOP_INLINE void aop_sleep_ns(int64_t ns)
 {
@@ -217,20 +227,29 @@ AOP_INLINE int aop_spin_locked(aop_spinlock_t *l)
     return aop_load_u32(&l->state, AOP_RELAXED) != 0;
 }
 
-/* Acquire, waiting at most timeout_ns (< 0: forever).  Returns 1 if acquired, 0 on timeout. */
-static int aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns)
+#define AOP_SPIN_INTR (-1)   /* aop_spin_lock_intr: a signal interrupted the park */
+
+/* Acquire, waiting at most timeout_ns (< 0: forever).  Returns 1 if acquired, 0 on timeout,
+ * and, when intr is set, AOP_SPIN_INTR as soon as a signal interrupts the park (so that the
+ * caller can run signal handlers: Ctrl-C).  Leaving early is always consistent: a waiter
+ * that leaves never owns the lock, and the word it leaves at 2 at worst costs the next
+ * unlock one needless wake.  A park that ended in EINTR was not woken (the kernel reports a
+ * wake that raced with the signal as a wake), so leaving then swallows no wake-up. */
+static int aop_spin_lock_wait_(aop_spinlock_t *l, int64_t timeout_ns, int intr)
 {
     int64_t deadline = 0;
     int step, i, r;
     if (aop_spin_trylock(l)) return 1;
     if (timeout_ns == 0) return 0;
-    if (timeout_ns > 0) deadline = aop_now_ns() + timeout_ns;
 
     /* phase 1: spin with exponential backoff, reading (not writing) the word */
     for (step = 0; step <= AOP_SPIN_LIMIT; step++) {
         for (i = 0; i < (1 << step); i++) aop_cpu_relax();
         if (aop_spin_trylock(l)) return 1;
     }
+    /* the clock is read only now: a lock handed over while we spin costs no clock read
+     * (the timeout then counts from here, a few hundred pauses late) */
+    if (timeout_ns > 0) deadline = aop_deadline_ns(timeout_ns);
     /* phase 2: give the holder our core if it is waiting for one */
     for (step = 0; step < AOP_YIELD_LIMIT; step++) {
         aop_yield();
@@ -247,9 +266,23 @@ static int aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns)
             if (left <= 0) return 0;
         }
         r = aop_park(&l->state, 2, left);
-        (void)r;   /* woken, spurious, signal or timeout: the loop re-checks all of them */
+        if (r == EINTR && intr) return AOP_SPIN_INTR;
+        /* woken, spurious, signal or timeout: the loop re-checks all of them */
     }
     return 1;
+}
+
+/* Acquire, waiting at most timeout_ns (< 0: forever).  Returns 1 if acquired, 0 on timeout.
+ * Signals do not end the wait. */
+static int aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns)
+{
+    return aop_spin_lock_wait_(l, timeout_ns, 0);
+}
+
+/* As aop_spin_lock_timed, but returns AOP_SPIN_INTR when a signal interrupts the park. */
+static int aop_spin_lock_intr(aop_spinlock_t *l, int64_t timeout_ns)
+{
+    return aop_spin_lock_wait_(l, timeout_ns, 1);
 }
 
 AOP_INLINE void aop_spin_lock(aop_spinlock_t *l)

@@ -182,7 +182,7 @@ static int aop_q_wait(aop_qwait_t *w, aop_q_try_fn try_fn, void *queue, void *ar
     int step, i, r;
     uint32_t s;
 
-    if (timeout_ns > 0) deadline = aop_now_ns() + timeout_ns;
+    if (timeout_ns > 0) deadline = aop_deadline_ns(timeout_ns);   /* saturates */
     /* phase 1: spin with exponential backoff */
     for (step = 0; step < AOP_Q_SPIN; step++) {
         r = try_fn(queue, arg);
