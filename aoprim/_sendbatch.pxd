@@ -160,6 +160,8 @@ cdef class FlushGroup:
     cdef object _gc_anchor           # always None: an object field gives the type GC support
     cdef object __weakref__          # sessions may refer to their group weakly
     cdef readonly Py_ssize_t budget  # bytes one batch may write per flush (>= 1)
+    cdef public object notify        # None, or notify(owner, status) called by flush() for
+                                     # each batch needing attention (flush then returns None)
 
     # the live queue: q[0:qlen], one strong reference per entry (batches mark themselves
     # `queued`).  Guarded by qlock, which is never held across a Python call or a DECREF.

@@ -1,5 +1,5 @@
 import socket
-from typing import Any, Iterable, Optional, Protocol, Union
+from typing import Callable, Any, Iterable, Optional, Protocol, Union
 
 DEFAULT_COPY_MAX: int
 IOV_MAX: int
@@ -44,6 +44,7 @@ class SendBatch:
 
 class FlushGroup:
     budget: int                       # read-only: bytes one batch may write per flush
+    notify: Optional[Callable[[Any, int], object]]   # called per entry by flush() when set
     def __init__(self, budget: int = 262144) -> None: ...
     def attach(self, b: SendBatch, owner: Any = None) -> None: ...
     def detach(self, b: SendBatch) -> bool: ...

@@ -1571,8 +1571,26 @@ cdef class FlushGroup:
     def flush(self):
         """Flush every queued batch: all system calls with the GIL released once.  Returns
         None when nothing needs attention, else a list of (owner, status) in flush order:
-        1 = data still pending, -errno = the write failed, 0 = all sent (watched batch)."""
-        return self.c_flush_all()
+        1 = data still pending, -errno = the write failed, 0 = all sent (watched batch).
+
+        With ``notify`` set, flush() calls ``notify(owner, status)`` for each of them instead
+        and returns None -- so a bound ``group.flush`` can be an event loop's per-iteration
+        hook with no Python frame of its own.  Every entry is notified even if one call
+        raises; the first exception is re-raised afterwards."""
+        cdef object res = self.c_flush_all()
+        cdef object cb = self.notify
+        cdef object first = None
+        if res is None or cb is None:
+            return res
+        for owner, status in <list>res:
+            try:
+                cb(owner, status)
+            except BaseException as e:
+                if first is None:
+                    first = e
+        if first is not None:
+            raise first
+        return None
 
     def __len__(self):
         cdef Py_ssize_t n

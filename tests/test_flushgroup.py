@@ -317,6 +317,36 @@ def test_watch(pairs):
     assert recv_exact(peer, 2) == b"13"
 
 
+def test_notify_is_called_for_each_entry_and_flush_returns_none(pairs):
+    (a, pa), (c, pc), (e, pe) = pairs(3)
+    g = FlushGroup()
+    bs = [SendBatch(x, auto_flush=False) for x in (a, c, e)]
+    for name, b in zip("xyz", bs):
+        g.attach(b, name)
+        b.watch = True
+        b.add(name.encode())
+    seen = []
+
+    def notify(owner, status):
+        seen.append((owner, status))
+        if owner == "x":
+            raise KeyError("first")
+
+    g.notify = notify
+    with pytest.raises(KeyError, match="first"):
+        g.flush()
+    assert sorted(seen) == [("x", 0), ("y", 0), ("z", 0)]   # every entry, despite the error
+    seen.clear()
+    g.notify = lambda o, s: seen.append((o, s))
+    for b in bs:
+        b.add(b"!")
+    assert g.flush() is None and len(seen) == 3
+    g.notify = None
+    bs[0].add(b"?")
+    assert g.flush() == [("x", 0)]
+    assert recv_exact(pa, 3) == b"x!?"
+
+
 # ---- attach / detach / requeue --------------------------------------------------------------
 
 def test_detach_attach_rules(pairs, unraisable):

@@ -103,7 +103,7 @@ class Server:
         else:
             self._dispatch = InlineDispatch(self.handler)
         self._arena = RxArena(self._rx_pool)
-        self._flusher = Flusher(st)
+        self._flusher = Flusher(st, Session.flushed)
         ctx = SessionContext()
         ctx.server = self
         ctx.loop = loop

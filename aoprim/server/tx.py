@@ -23,11 +23,15 @@ IOV_MAX = 1024
 
 
 class Flusher:
-    """The server's per-iteration flush (install :meth:`flush` as a loop iteration hook)."""
+    """The server's per-iteration flush: install ``flush`` (the group's own C method) as a
+    loop iteration hook; it calls ``notify(session, status)`` for each session whose batch
+    needs attention."""
 
-    def __init__(self, settings):
+    def __init__(self, settings, notify):
         self.group = FlushGroup(budget=settings.flush_budget)
+        self.group.notify = notify          # notify(session, status) for the few that need it
         self._batch_bytes = max(settings.flush_budget, 65536)
+        self.flush = self.group.flush       # the iteration hook: C, no Python frame
 
     def new_batch(self, sock, owner):
         """A session's batch: its target is the socket (``fileno()`` is read at each flush,
@@ -39,12 +43,6 @@ class Flusher:
 
     def forget(self, batch):
         self.group.detach(batch)
-
-    def flush(self):
-        att = self.group.flush()
-        if att is not None:
-            for owner, status in att:
-                owner.flushed(status)
 
     def requeue(self, batch):
         self.group.requeue(batch)
