@@ -67,20 +67,28 @@ def cpu_seconds(pid):
 
 class ServerProc:
     """``python -m aoprim serve ARGS`` in a subprocess; ``port``, ``pid``; ``stop()`` sends
-    SIGTERM and returns (exit code, the final ``stats`` dict, stdout, stderr)."""
+    SIGTERM and returns a :class:`Stopped`."""
 
-    def __init__(self, args, env=None, timeout=30):
+    def __init__(self, args, env=None, timeout=30, preexec_fn=None):
         cmd = [sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port", "0", *args]
-        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, cwd=NEUTRAL_CWD, env=env or child_env())
+        # stderr goes to a file: a pipe nobody reads until the end would fill up with log
+        # lines and block the server
+        self._err = tempfile.TemporaryFile("w+")
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._err,
+                                  text=True, cwd=NEUTRAL_CWD, env=env or child_env(),
+                                  preexec_fn=preexec_fn)
         self.pid = self.p.pid
         line = _readline(self.p, timeout)
         if not line.startswith("listening on "):
             self.p.kill()
-            out, err = self.p.communicate(timeout=10)
-            raise RuntimeError(f"server did not start: {line!r}\n{out}\n{err}")
+            out, _ = self.p.communicate(timeout=10)
+            raise RuntimeError(f"server did not start: {line!r}\n{out}\n{self.stderr()}")
         self.port = int(line.rsplit(":", 1)[1])
         self.address = (HOST, self.port)
+
+    def stderr(self):
+        self._err.seek(0)
+        return self._err.read()
 
     def alive(self):
         return self.p.poll() is None
@@ -89,21 +97,46 @@ class ServerProc:
         if self.p.poll() is None:
             self.p.send_signal(signal.SIGTERM)
         try:
-            out, err = self.p.communicate(timeout=timeout)
+            out, _ = self.p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.p.kill()
-            out, err = self.p.communicate(timeout=10)
-            raise AssertionError(f"server did not stop within {timeout}s:\n{err[-4000:]}")
-        stats = None
+            self.p.communicate(timeout=10)
+            raise AssertionError(f"server did not stop within {timeout}s:\n"
+                                 f"{self.stderr()[-4000:]}")
+        err = self.stderr()
+        self._err.close()
+        stats = probe = None
         for line in out.splitlines():
             if line.startswith("stats "):
                 stats = json.loads(line[6:])
-        return self.p.returncode, stats, out, err
+            elif line.startswith("probe "):
+                probe = json.loads(line[6:])
+        return Stopped(self.p.returncode, stats, probe, out, err)
 
     def kill(self):
         if self.p.poll() is None:
             self.p.kill()
             self.p.communicate(timeout=10)
+        if not self._err.closed:
+            self._err.close()
+
+
+class Stopped:
+    """What a stopped server left: ``rc``, ``stats`` (its final stats() dict), ``probe``
+    (probe_app's counts, if it served a probe_app handler), ``out``, ``err``."""
+
+    def __init__(self, rc, stats, probe, out, err):
+        self.rc, self.stats, self.probe, self.out, self.err = rc, stats, probe, out, err
+
+    def error_lines(self):
+        return [ln for ln in self.err.splitlines() if " ERROR " in ln or "Traceback" in ln]
+
+
+def free_port():
+    """A port that was free a moment ago (for a server that must know it before binding)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
 
 
 def _readline(p, timeout):
