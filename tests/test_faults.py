@@ -126,14 +126,14 @@ def client(port, seed, t_end, tally):
                         if not chunk:
                             raise ConnectionResetError("EOF")
                         got += chunk
-                except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
+                except socket.timeout:
+                    tally.mismatch.append(("timeout", len(out), len(got)))
+                    return
+                except OSError:         # reset, broken pipe, not connected: killed
                     if bytes(got) != out[:len(got)]:
                         tally.mismatch.append(("prefix", len(out), len(got)))
                     tally.add(killed=1)
                     break
-                except socket.timeout:
-                    tally.mismatch.append(("timeout", len(out), len(got)))
-                    return
                 if bytes(got) != out:
                     tally.mismatch.append(("round", len(out), len(got)))
                 tally.add(rounds=1, bytes=len(out))
@@ -161,15 +161,25 @@ def churn(port, seed, t_end, tally):
                     if not chunk:
                         break
                     got += chunk
-            except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
-                tally.add(killed=1)
             except socket.timeout:
                 tally.mismatch.append(("churn timeout", len(out), len(got)))
                 return
+            except OSError:             # reset, broken pipe, not connected: killed
+                tally.add(killed=1)
         if bytes(got) != out[:len(got)]:
             tally.mismatch.append(("churn prefix", len(out), len(got)))
         elif len(got) == len(out):
             tally.add(rounds=1, bytes=len(out))
+
+
+def guarded(fn, tally):
+    """A client thread's unexpected exception fails the test (recorded as a mismatch)."""
+    def run(*args):
+        try:
+            fn(*args)
+        except BaseException as e:      # noqa: BLE001 - reported by the test
+            tally.mismatch.append(("client raised", repr(e)))
+    return run
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -183,7 +193,7 @@ def test_echo_survives_injected_faults(shim, tmp_path, workers):
         fds0 = fd_count(srv.pid)
         tally = Tally()
         t_end = time.monotonic() + SECONDS
-        threads = [threading.Thread(target=churn if i == 0 else client,
+        threads = [threading.Thread(target=guarded(churn if i == 0 else client, tally),
                                     args=(port, SEED * 100 + i, t_end, tally))
                    for i in range(CLIENTS)]
         for t in threads:
