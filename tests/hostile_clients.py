@@ -3,6 +3,7 @@ process's GIL (no tests in here).
 
     python hostile_clients.py slowloris PORT N SECONDS
     python hostile_clients.py flood PORT KIND SECONDS MAX_COUNT SEED
+    python hostile_clients.py bigpartial PORT N HOLD_SECONDS
     python hostile_clients.py cycles PORT COUNT
 
 Each prints one JSON line with what it did and saw; the test asserts on it.  Every loop is
@@ -15,6 +16,7 @@ bounded by a count and by a time.
 - ``flood``: connect-act-close as fast as it can: ``oversize`` (a u16 header above
   max_frame), ``garbage`` (random bytes, then close or reset), ``reset`` (RST right after
   connect, SO_LINGER 0), ``reset_partial`` (half a frame, then RST).
+- ``bigpartial``: N connections each send all but the last byte of a 65535-byte frame.
 - ``cycles``: COUNT times connect, send one u16 frame, read its echo, close.
 """
 import json
@@ -167,6 +169,44 @@ def flood(port, kind, seconds, max_count, seed):
     return {"kind": kind, "done": done, "errors": errors, "garbage_bytes": sent}
 
 
+# -- big partial frames ----------------------------------------------------------------------
+
+def bigpartial(port, n, hold):
+    """N connections each announce a 65535-byte u16 frame and send all of it but the last
+    byte; print "sent" once all of it is written; then wait (bounded by ``hold`` seconds)
+    for the server to cut them."""
+    sel = selectors.DefaultSelector()
+    born = {}
+    body = struct.pack(">H", 65535) + b"b" * 65534
+    for _ in range(n):
+        s = _connect(port)
+        s.sendall(body)
+        s.setblocking(False)
+        born[s] = time.monotonic()
+        sel.register(s, selectors.EVENT_READ)
+    print("sent", flush=True)
+    cut = 0
+    max_life = 0.0
+    t_end = time.monotonic() + hold
+    while born and time.monotonic() < t_end:
+        for key, _ in sel.select(0.1):
+            s = key.fileobj
+            try:
+                if s.recv(4096):
+                    continue
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                pass
+            max_life = max(max_life, time.monotonic() - born.pop(s))
+            sel.unregister(s)
+            s.close()
+            cut += 1
+    for s in born:
+        s.close()
+    return {"cut": cut, "left_open": len(born), "max_life": round(max_life, 3)}
+
+
 # -- connect/send/close cycles ---------------------------------------------------------------
 
 def cycles(port, count, seconds=600.0):
@@ -199,6 +239,8 @@ def main(argv):
         r = slowloris(port, int(argv[2]), float(argv[3]))
     elif mode == "flood":
         r = flood(port, argv[2], float(argv[3]), int(argv[4]), int(argv[5]))
+    elif mode == "bigpartial":
+        r = bigpartial(port, int(argv[2]), float(argv[3]))
     elif mode == "cycles":
         r = cycles(port, int(argv[2]))
     else:
