@@ -226,6 +226,43 @@ def test_echo_survives_injected_faults(shim, tmp_path, workers):
         assert faults[k] > 0, f"no {k} fault was injected: {faults}"
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_shutdown_under_load_and_faults(shim, tmp_path, workers):
+    """SIGTERM while clients are mid-stream and faults keep coming: a clean exit, every
+    session closed once, every slot back."""
+    port = free_port()
+    report = tmp_path / "faults.json"
+    env = child_env(LD_PRELOAD=shim, AOP_FAULT_PORT=port, AOP_FAULT_SEED=SEED + 7 + workers,
+                    AOP_FAULT_REPORT=report, AOP_FAULT_KILL=KILL_RATE)
+    srv = probe_server(["--port", str(port), "--workers", str(workers)], env=env)
+    tally = Tally()
+    t_end = time.monotonic() + 2.0
+    threads = [threading.Thread(target=guarded(churn if i == 0 else client, tally),
+                                args=(port, SEED * 200 + i, t_end, tally))
+               for i in range(CLIENTS)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: tally.rounds > 20, 10, "the load to start")
+        done = srv.stop()               # mid-stream
+    finally:
+        srv.kill()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads), "a client thread hung"
+    print(f"[faults] shutdown under load, workers={workers}: rounds={tally.rounds} "
+          f"killed={tally.killed} closes={done.stats and done.stats['closes']}")
+    assert not tally.mismatch, tally.mismatch[:5]
+    assert done.rc == 0, done.err[-3000:]
+    assert not done.error_lines(), done.error_lines()[:10]
+    fin = done.stats
+    assert fin["rx_slots_in_use"] == 0 and fin["tx_slots_in_use"] == 0, fin
+    assert fin["live_sessions"] == 0 and fin["connections"] == 0, fin
+    pr = done.probe
+    assert pr["not_once"] == {}, f"on_close ran other than once: {pr['not_once']}"
+    assert pr["connects"] == pr["closed_sessions"] == fin["connections_total"], (pr, fin)
+
+
 def test_without_faults_the_shim_is_transparent(shim, tmp_path):
     """The control: the shim loaded with every rate at 0 changes nothing."""
     port = free_port()
