@@ -142,7 +142,9 @@ def test_slowloris_is_cut_and_others_keep_their_latency(make_server, connect, lo
     unloaded = latencies(good, 1500)
     p = spawn("slowloris", srv.address[1], SLOW_CLIENTS, ATTACK_S + 1.0)
     try:
-        wait_for(lambda: srv.stats()["connections"] > SLOW_CLIENTS // 2, 15,
+        # keep talking while the attack ramps up: the good client must never look idle
+        wait_for(lambda: latencies(good, 1) and
+                 srv.stats()["connections"] > SLOW_CLIENTS // 2, 15,
                  "the slowloris connections")
         t_end = time.monotonic() + ATTACK_S
         loaded = latencies(good, 100000, until=t_end)
