@@ -310,13 +310,10 @@ def test_reader_that_never_reads_is_cut_and_the_tx_pool_stays_available(make_ser
     assert_idle(srv, fds, logs)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "server: with the default max_pending (4 MiB) one peer that never reads pins one send "
-    "slot per pending broadcast (a 16 KiB slot for a 1 KB frame): ~4000 frames fit under "
-    "max_pending, the 256-slot tx pool runs dry before the peer is cut, and every "
-    "broadcast for every session falls back to a heap copy until it is.  max_pending "
-    "counts bytes, not the slots it pins"))
 def test_sloth_under_default_limits_does_not_drain_the_tx_pool(make_server, logs):
+    """Under the default max_pending (4 MiB) a peer that never reads used to pin one send
+    slot per pending broadcast until the pool ran dry; small broadcasts are now copied into
+    each batch, so it pins none."""
     srv = make_server(Chat(), framing="u16")
     fds = open_fds()
     _chat_with_sloth(srv, 20000, 1000)
@@ -348,12 +345,6 @@ def test_connect_send_close_cycles(make_server, errlogs):
 
 # -- lifetimes ------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "server: a closed session is freed only by the cyclic GC -- Session holds bound methods "
-    "of itself (ForeignSends(loop, self._drain_foreign), RefCount(1, self._on_zero), ...) "
-    "and teardown does not break those cycles; a connection flood keeps every dead session "
-    "(socket object, receiver, send batch, locks) until a gen-2 collection: tens of MB of "
-    "transient RSS in the floods above, and longer GC pauses"))
 def test_closed_sessions_are_freed_without_the_cyclic_gc(make_server):
     srv = make_server(Echo(), framing="u16")
     refs = []
