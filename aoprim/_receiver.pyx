@@ -4,7 +4,7 @@
 
     arena = RxArena(pool)        # one per event-loop thread
     rx = Receiver(arena, fd, header_size, max_frame, on_frame, on_event, owner)
-    rx.on_readable()             # one recv (GIL released) + cut + deliver
+    rx.on_readable()             # one non-blocking recv + cut + deliver
     rx.close()                   # every buffer back, exactly once
 
 Who owns which buffer
@@ -111,6 +111,7 @@ cdef extern from "<errno.h>":
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t recv(int fd, void *buf, size_t n, int flags)
+    int MSG_DONTWAIT
 
 RX_EOF = AOP_RX_EOF
 RX_ERROR = AOP_RX_ERROR
@@ -447,7 +448,7 @@ cdef class Receiver:
         return 0
 
     def on_readable(self):
-        """One recv (GIL released) into the scratch or the unfinished frame's buffer, then
+        """One non-blocking recv (MSG_DONTWAIT, GIL held) into the scratch or the unfinished frame's buffer, then
         every complete frame to on_frame in stream order.  Would-block is quiet; EOF, errors,
         a too-large header and handler exceptions go to on_event.  Does nothing once closed."""
         self.c_on_readable()
@@ -483,10 +484,13 @@ cdef class Receiver:
             pos = end = 0
             room = arena.size
         if do_read:
-            with nogil:
-                n = recv(self.fd, p + end, <size_t>room, 0)
-                if n < 0:
-                    err = errno
+            # MSG_DONTWAIT: this recv never blocks, whatever the fd's mode, so it runs with
+            # the GIL held -- releasing and re-taking the GIL around a non-blocking syscall
+            # costs about as much as the syscall's own user-space work (a mutex and a condvar
+            # signal each way: ~1000 instructions, measured with callgrind)
+            n = recv(self.fd, p + end, <size_t>room, MSG_DONTWAIT)
+            if n < 0:
+                err = errno
             if n <= 0:
                 if n == 0:
                     self._event(AOP_RX_EOF, 0)

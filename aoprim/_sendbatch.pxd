@@ -110,6 +110,8 @@ cdef class SendBatch:
     cdef object owner                # what the group reports with this batch (strong ref)
     cdef readonly bint queued        # the group holds exactly one queue entry for it
     cdef bint watched                # `watch`: reported after every group flush
+    cdef bint nonblocking            # the target was a non-blocking socket at attach: a
+                                     # group may write it alone without releasing the GIL
     cdef uint64_t flush_mark         # serial of the last group flush that claimed it
     cdef object __weakref__          # a session may hold its batch weakly
 

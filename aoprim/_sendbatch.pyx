@@ -1181,6 +1181,15 @@ ctypedef void (*_fg_write_t)(void *g, void *b, aop_fg_item *it) noexcept nogil
 cdef _fg_write_t _fg_write_p = <_fg_write_t>_fg_write
 
 
+cdef inline bint _lone_nonblocking(aop_fg_item *w, Py_ssize_t n) noexcept:
+    """The one entry to write (pass A found exactly one) targets a non-blocking socket."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if w[i].kind == FG_WRITE:
+            return (<SendBatch>w[i].batch).nonblocking
+    return False
+
+
 @cython.no_gc_clear
 cdef class FlushGroup:
     """FlushGroup(budget=262144)
@@ -1431,7 +1440,13 @@ cdef class FlushGroup:
         b = None
 
         # ---- B: every system call, the GIL released once ----------------------------------
-        if nwrite:
+        if nwrite == 1 and _lone_nonblocking(self.w, n):
+            # one write to a non-blocking socket: it cannot block, and releasing and
+            # re-taking the GIL would cost about as much as the syscall's user-space work
+            for i in range(n):
+                if self.w[i].kind == FG_WRITE:
+                    _fg_write_p(<void *>self, <void *>self.w[i].batch, &self.w[i])
+        elif nwrite:
             _add(&self.st_gil, 1)
             with nogil:
                 for i in range(n):
@@ -1518,6 +1533,9 @@ cdef class FlushGroup:
             old = b.owner                    # dropped after the claim: may run __del__
             b.owner = owner
             b.group = self
+            # a write to a non-blocking socket never blocks, so a flush with only this
+            # batch to write need not release the GIL (see c_flush_all, pass B)
+            b.nonblocking = b.has_sock and b.sock.gettimeout() == 0.0
             if not b.queued and b.head < b.nseg:
                 if self._queue(b) < 0:
                     raise MemoryError()
