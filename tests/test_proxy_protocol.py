@@ -686,6 +686,9 @@ backend be
         assert not errors, errors
         for c in clients:
             c.close()
+        # HAProxy's health checks (check-send-proxy) arrive as v2 LOCAL: peer == proxy_peer
+        wait_for(lambda: sum(h.checks for h in handlers) >= 2, timeout=5,
+                 what="HAProxy health checks (v2 LOCAL)")
         proc.terminate()                        # no more health checks from here
         proc.wait(5)
         seen = {}
