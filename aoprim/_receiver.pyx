@@ -765,6 +765,7 @@ cdef class Receiver:
         if self.closed:
             return
         self.closed = True
+        self.pp = None              # (a PROXY header still expected: no longer)
         try:
             self._drop_own()
         finally:

@@ -496,6 +496,18 @@ def test_server_every_malformed_form_is_closed_and_counted(make_server, caplog, 
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_server_raw_framing_gets_the_bytes_after_the_header(make_server):
+    class RawEcho(Handler):
+        def on_read(self, session, data):
+            session.send(bytes(data))
+
+    srv = make_server(RawEcho(), framing="raw", proxy_protocol="any")
+    c = _connect(srv)
+    c.sendall(VALID["v2 PROXY TCP4 + TLVs"][0] + b"raw payload")
+    assert recv_exact(c, 11) == b"raw payload"         # not a header byte echoed
+    c.close()
+
+
 def test_server_version_mismatch_is_refused(make_server):
     for mode, other in (("v1", "v2 PROXY TCP4"), ("v2", "v1 TCP4")):
         srv = make_server(Who(), framing="u16", proxy_protocol=mode)
