@@ -508,6 +508,26 @@ def test_server_raw_framing_gets_the_bytes_after_the_header(make_server):
     c.close()
 
 
+def test_server_on_a_unix_socket_trusts_the_local_balancer(tmp_path):
+    path = str(tmp_path / "s.sock")
+    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ls.bind(path)
+    ls.listen(8)
+    h = Who()
+    srv = Server(h, sock=ls, framing="u16", proxy_protocol="v1",
+                 trusted_proxies=("192.0.2.0/24",)).start()
+    try:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.settimeout(10)
+        c.connect(path)
+        c.sendall(VALID["v1 TCP4"][0] + frame(b"u"))
+        assert read_frame(c) == b"%s:%d|u" % (C4[0].encode(), C4[1])
+        assert h.connected == [(C4, "")]                # proxy_peer: the unix peer's name
+        c.close()
+    finally:
+        srv.shutdown()
+
+
 def test_server_version_mismatch_is_refused(make_server):
     for mode, other in (("v1", "v2 PROXY TCP4"), ("v2", "v1 TCP4")):
         srv = make_server(Who(), framing="u16", proxy_protocol=mode)

@@ -431,7 +431,8 @@ class Session:
         if code == RX_PROXY_ERROR:
             self._close(f"PROXY protocol: {arg}", None, logging.WARNING, "proxy")
             return
-        balancer = tuple(self.peer[:2])
+        peer = self.peer
+        balancer = tuple(peer[:2]) if type(peer) is tuple else peer    # (AF_UNIX: a path)
         self.proxy_peer = balancer
         self.peer = client_address(arg, balancer)
         self._proxy_wait = False
