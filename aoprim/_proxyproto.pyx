@@ -165,6 +165,9 @@ cdef class ProxyParser:
                     if self.have + j < 12 and p[i + j] != SIG[self.have + j]:
                         self._fail(f"not a PROXY v2 signature: byte {self.have + j} is "
                                    f"{p[i + j]:#04x}")
+                        memcpy(self.buf + self.have, p + i, j)   # the bytes that matched
+                        self.have += j
+                        self.total += j
                         return i + j
                 memcpy(self.buf + self.have, p + i, k)
                 self.have += k
