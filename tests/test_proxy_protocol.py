@@ -285,6 +285,9 @@ def test_fuzz_random_bytes_never_crash(data, accept, step):
         assert isinstance(p.result, tuple) and len(p.result) == 5
     elif p.state == PP_ERROR:
         assert isinstance(p.error, str) and p.error
+    whole, _ = feed_whole(data, accept)        # the same verdict however it is cut
+    assert (whole.state, whole.error, whole.result, whole.total) == \
+        (p.state, p.error, p.result, p.total)
     if p.state == PP_MORE:
         assert p.total <= 4096 and (p.total < 107 or p.version == 2)
         assert p.eof() == (p.total > 0)
