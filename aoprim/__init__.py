@@ -46,7 +46,9 @@ from aoprim._sendbatch import FlushGroup, SendBatch
 
 # receive path
 from aoprim._receiver import (Receiver, RxArena, RX_EOF, RX_ERROR, RX_TOO_LARGE,
-                              RX_HANDLER)
+                              RX_HANDLER, RX_PROXY, RX_PROXY_ERROR)
+# PROXY protocol header parser (issue 14): what Receiver(proxy=...) runs
+from aoprim._proxyproto import ProxyParser
 
 __version__ = "0.1.0"
 
@@ -57,6 +59,7 @@ __all__ = [
     "Full", "Empty", "PoolExhausted", "RefCountError", "Closed",
     "SendBatch", "FlushGroup",
     "Receiver", "RxArena", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
+    "RX_PROXY", "RX_PROXY_ERROR", "ProxyParser",
     "get_include",
 ]
 

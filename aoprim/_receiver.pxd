@@ -23,6 +23,7 @@ from libc.stdint cimport int64_t, uint64_t
 from cpython.ref cimport PyObject
 from aoprim.atomic_h cimport aop_atomic_i64
 from aoprim._slab cimport SlabPool, Slot
+from aoprim._proxyproto cimport ProxyParser
 
 # on_event codes (the Python constants RX_EOF ... have the same values)
 cdef enum:
@@ -30,6 +31,10 @@ cdef enum:
     AOP_RX_ERROR = 2        # recv failed; arg errno
     AOP_RX_TOO_LARGE = 3    # a header announced more than max_frame; arg the announced length
     AOP_RX_HANDLER = 4      # on_frame raised an Exception; arg the exception
+    AOP_RX_PROXY = 5        # the PROXY header is complete; arg (version, command, family,
+                            #   src, dst) (see aoprim._proxyproto); frames follow
+    AOP_RX_PROXY_ERROR = 6  # the PROXY header was refused (or the stream ended inside it);
+                            #   arg the reason (str); nothing more is read
 
 
 cdef class _HeapBuf:
@@ -96,6 +101,8 @@ cdef class Receiver:
     cdef int64_t reads           # recv calls that returned data
     cdef int64_t bytes_in        # bytes received
     cdef int64_t frames_in       # frames delivered (handed to on_frame)
+    cdef ProxyParser pp          # PROXY protocol: the header still expected, or None (off,
+                                 #   or the header is done); its bytes never reach `own`
 
     # on_readable() for Cython callers: 0, or -1 with a BaseException set.
     cdef int c_on_readable(self) except -1
@@ -110,3 +117,4 @@ cdef class Receiver:
                      int why) except -1
     cdef int _adopt(self, object b, char *p, Py_ssize_t cap) except -1
     cdef int _drop_own(self) except -1
+    cdef int _proxy(self, char *p, Py_ssize_t *ppos, Py_ssize_t end) except -1

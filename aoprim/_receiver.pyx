@@ -63,6 +63,15 @@ on_event itself goes to sys.unraisablehook: on_readable() never raises but a Bas
 
 Closed arena: on_readable() of a receiver whose arena was closed returns without reading.
 
+PROXY protocol (``proxy=1|2|3``: v1, v2, either; 0 off).  The header is the stream's first
+bytes: each burst first feeds its bytes to a ProxyParser (aoprim._proxyproto), which keeps
+at most 232 bytes of its own and skips TLVs, so an unfinished header holds no buffer of ours
+(``buffered`` counts its bytes, for the frame timeout).  When it completes, on_event gets
+RX_PROXY with the parsed header, and -- unless that closed the receiver -- the bytes after
+it in the same read are framed at once.  A refused header (or EOF inside one) gives
+RX_PROXY_ERROR with the reason, and nothing more is read.  Off, the only cost is one test
+of ``pp`` per burst.
+
 GC.  RxArena is not tracked by the cyclic GC (@no_gc): it references only its pool and its
 scratch, neither of which can reference back, so it can never be part of a cycle.  A
 Receiver is tracked (it holds the owner and the callbacks, which usually hold it: a cycle);
@@ -92,6 +101,7 @@ from aoprim.atomic_h cimport (
     aop_fetch_sub_i64,
 )
 from aoprim._slab cimport SlabPool, Slot, aop_slab_take
+from aoprim._proxyproto cimport ProxyParser, AOP_PP_MORE, AOP_PP_DONE
 
 cdef extern from "Python.h":
     int PyBUF_WRITABLE
@@ -117,6 +127,8 @@ RX_EOF = AOP_RX_EOF
 RX_ERROR = AOP_RX_ERROR
 RX_TOO_LARGE = AOP_RX_TOO_LARGE
 RX_HANDLER = AOP_RX_HANDLER
+RX_PROXY = AOP_RX_PROXY
+RX_PROXY_ERROR = AOP_RX_PROXY_ERROR
 
 # _cut's verdict on the bytes left at its stop position
 cdef enum:
@@ -349,16 +361,18 @@ cdef class RxArena:
 @cython.final
 cdef class Receiver:
     """Receiver(arena, fd, header_size, max_frame, on_frame, on_event, owner,
-    copy_frames=False): one connection's receive path.
+    copy_frames=False, proxy=0, proxy_limit=4096): one connection's receive path.
 
     ``on_readable()`` does one recv and delivers every complete frame with
     ``on_frame(owner, data)``; events go to ``on_event(owner, code, arg)`` (RX_EOF,
-    RX_ERROR, RX_TOO_LARGE, RX_HANDLER).  ``close()`` gives every buffer back.  See the module
+    RX_ERROR, RX_TOO_LARGE, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR).  ``proxy``: expect a
+    PROXY protocol header first (1 v1, 2 v2, 3 either; 0 none), at most ``proxy_limit``
+    bytes (see ProxyParser).  ``close()`` gives every buffer back.  See the module
     docstring for the buffer rules.  One thread.
     """
 
     def __cinit__(self, RxArena arena not None, fd, header_size, max_frame, on_frame,
-                  on_event, owner, copy_frames=False):
+                  on_event, owner, copy_frames=False, proxy=0, proxy_limit=4096):
         cdef Py_ssize_t f = _as_index(fd, "fd")
         cdef Py_ssize_t h = _as_index(header_size, "header_size")
         cdef object mf
@@ -389,6 +403,8 @@ cdef class Receiver:
         self.own = NULL
         self.optr = NULL
         self.ocap = self.pos = self.end = self.want = self.need = 0
+        # PROXY protocol: the parser validates proxy / proxy_limit (TypeError, ValueError)
+        self.pp = None if proxy == 0 else ProxyParser(proxy, proxy_limit)
 
     def __dealloc__(self):
         # GC clear (if any) already dropped arena/callbacks/owner; `own` it never sees
@@ -460,6 +476,7 @@ cdef class Receiver:
         cdef Py_ssize_t pos, end, room
         cdef ssize_t n
         cdef int err = 0, why, fail
+        cdef object err_obj
         cdef bint in_own = self.own != NULL
         if in_own:
             buf = <object>self.own
@@ -493,7 +510,13 @@ cdef class Receiver:
                 err = errno
             if n <= 0:
                 if n == 0:
-                    self._event(AOP_RX_EOF, 0)
+                    if self.pp is not None and self.pp.c_eof():   # inside a PROXY header
+                        self.failed = True
+                        err_obj = self.pp.error
+                        self.pp = None
+                        self._event(AOP_RX_PROXY_ERROR, err_obj)
+                    else:
+                        self._event(AOP_RX_EOF, 0)
                 elif err != EAGAIN and err != EWOULDBLOCK and err != EINTR:
                     self._event(AOP_RX_ERROR, err)
                 return 0
@@ -507,10 +530,13 @@ cdef class Receiver:
         why = CUT_STOP              # what a BaseException leaves: the rest is kept pending
         fail = 0
         try:
-            if self.hs == 0:        # raw: the chunk is the frame
+            if self.pp is not None and self._proxy(p, &pos, end):
+                why = CUT_MORE      # PROXY header unfinished or refused, or nothing after it
+            elif self.hs == 0:      # raw: the chunk is the frame
+                n = pos             # (0, or where a PROXY header ended)
                 pos = end
                 self.frames_in += 1
-                self._deliver(buf, None, p, end)
+                self._deliver(buf, None, p + n, end - n)
                 why = CUT_MORE
             else:
                 why = self._cut(buf, p, &pos, end)
@@ -525,6 +551,30 @@ cdef class Receiver:
             self._event(AOP_RX_TOO_LARGE, self.announced)
         elif fail:
             self._event(AOP_RX_ERROR, ENOMEM)
+        return 0
+
+    cdef int _proxy(self, char *p, Py_ssize_t *ppos, Py_ssize_t end) except -1:
+        """Feed p[pos:end) to the PROXY parser.  0: the header is done and frames start at
+        *ppos; 1: nothing to frame (*ppos == end): the header is unfinished (its bytes are
+        the parser's now), refused (RX_PROXY_ERROR, nothing more is read), or done with no
+        byte after it, or RX_PROXY's handler closed us."""
+        cdef ProxyParser pp = self.pp
+        cdef Py_ssize_t pos = ppos[0]
+        pos += pp.c_feed(<const unsigned char *>p + pos, end - pos)
+        if pp.state == AOP_PP_MORE:
+            ppos[0] = end
+            return 1
+        self.pp = None
+        if pp.state != AOP_PP_DONE:
+            ppos[0] = end
+            self.failed = True
+            self._event(AOP_RX_PROXY_ERROR, pp.error)
+            return 1
+        ppos[0] = pos
+        self._event(AOP_RX_PROXY, pp.result)
+        if pos == end or self.closed:
+            ppos[0] = end
+            return 1
         return 0
 
     cdef int _cut(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end) except -1:
@@ -719,6 +769,7 @@ cdef class Receiver:
         if self.closed:
             return
         self.closed = True
+        self.pp = None              # (a PROXY header still expected: no longer)
         try:
             self._drop_own()
         finally:
@@ -754,8 +805,16 @@ cdef class Receiver:
 
     @property
     def buffered(self):
-        """Bytes kept for an unfinished frame (or undelivered frames); 0 when none."""
-        return self.end - self.pos if self.own != NULL else 0
+        """Bytes kept for an unfinished frame (or undelivered frames), or of an unfinished
+        PROXY header; 0 when none."""
+        if self.own != NULL:
+            return self.end - self.pos
+        return self.pp.total if self.pp is not None else 0
+
+    @property
+    def proxy_pending(self):
+        """True while a PROXY header is expected and not yet complete."""
+        return self.pp is not None
 
     @property
     def holds_slot(self):

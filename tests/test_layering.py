@@ -12,15 +12,17 @@ ALLOWED = {
     "loop": {"loop_selectors"},                       # Layer 1 interface (+ its backend)
     "loop_selectors": {"loop"},                       # Layer 1 backend
     "framing": set(),                                 # pure
-    "config": {"framing"},
+    "config": {"framing", "proxy"},
+    "proxy": set(),                                   # PROXY protocol policy (pure)
     "workers": set(),                                 # generic completion-queue threads
     "stats": set(),
     "listener": set(),
     "rx": set(),
     "tx": set(),
     "dispatch": {"workers"},
-    "session": {"dispatch", "rx", "tx"},
-    "server": {"config", "dispatch", "framing", "listener", "loop", "session", "stats", "tx"},
+    "session": {"dispatch", "proxy", "rx", "tx"},
+    "server": {"config", "dispatch", "framing", "listener", "loop", "proxy", "session", "stats",
+               "tx"},
     "handler": set(),                                 # Layer 3: nothing below by import
     "apps": {"handler"},
     "adapters/asyncio_protocol": {"handler"},
@@ -31,6 +33,7 @@ FORBIDDEN_STDLIB = {
     "adapters/asyncio_protocol": {"socket", "selectors", "select"},
     "framing": {"socket", "selectors", "select"},
     "config": {"socket", "selectors", "select"},
+    "proxy": {"socket", "selectors", "select"},
     "loop": {"socket", "selectors", "select"},
     "loop_selectors": {"socket"},
     # Layer 2 parts above Layer 1 reach the OS only through the loop and the primitives

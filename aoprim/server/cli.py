@@ -29,6 +29,7 @@ import traceback
 from aoprim.server import BACKENDS, BackendUnavailable, Handler, Server
 from aoprim.tools import loadgen
 
+from .proxy import DEFAULT_MAX_HEADER, DEFAULT_TRUSTED
 from .supervisor import Supervisor
 
 __all__ = ["main", "build_parser", "load_handler", "split_spec", "UsageError"]
@@ -155,6 +156,9 @@ class _ServeOptions:
             if text is None:
                 if v:
                     out.append(flag)
+            elif isinstance(v, list):         # a repeatable option (action="append")
+                for item in v:
+                    out += [flag, text(item)]
             elif v is not None:
                 out += [flag, text(v)]
         return out
@@ -200,6 +204,15 @@ def build_parser():
           help="unsent bytes per session before it is cut off (default: %(default)s)")
     o.add("--backend", choices=BACKENDS, default="selectors",
           help="the event loop backend (default: %(default)s)")
+    o.add("--proxy-protocol", choices=("v1", "v2", "any"), default=None,
+          help="behind a load balancer: every connection starts with a PROXY protocol "
+               "header of this version, and a session's peer is the client's address from "
+               "it (default: off)")
+    o.add("--trusted-proxy", action="append", default=None, metavar="NET",
+          help="a network allowed to connect and send the PROXY header, e.g. 10.0.0.0/8; "
+               "repeat for more (default: " + ", ".join(DEFAULT_TRUSTED) + ")")
+    o.add("--proxy-max-header", type=int, default=DEFAULT_MAX_HEADER,
+          help="longest PROXY header accepted, bytes, 232..65551 (default: %(default)s)")
     o.add("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
           help="stderr log level (default: %(default)s)")
     o.add("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # a supervised child
@@ -229,7 +242,10 @@ def _serve_one(a):
         srv = Server(handler, a.host, a.port, framing=a.framing, max_frame=a.max_frame,
                      max_connections=a.max_connections, max_pending=a.max_pending,
                      idle_timeout=a.idle_timeout, frame_timeout=a.frame_timeout,
-                     workers=a.workers, backend=a.backend, reuse_port=a.reuse_port)
+                     workers=a.workers, backend=a.backend, reuse_port=a.reuse_port,
+                     proxy_protocol=a.proxy_protocol, proxy_max_header=a.proxy_max_header,
+                     trusted_proxies=(tuple(a.trusted_proxy) if a.trusted_proxy
+                                      else DEFAULT_TRUSTED))
     except (ValueError, TypeError, OSError, BackendUnavailable) as e:
         raise UsageError(str(e)) from None
     host, port = srv.address[:2]

@@ -6,6 +6,7 @@ built (``dataclasses.replace`` makes a new one).
 import dataclasses
 
 from .framing import DEFAULT_MAX_FRAME, FRAMINGS
+from .proxy import DEFAULT_MAX_HEADER, DEFAULT_TRUSTED, parse_mode, parse_trusted
 
 __all__ = ["Settings"]
 
@@ -60,6 +61,11 @@ class Settings:
     worker_backlog: int = 256       # frames queued per session before its reading pauses
     worker_queue: int = 4096        # completion-queue capacity (sessions ready for a worker)
     accept_batch: int = 64          # connections accepted per readiness event
+    # PROXY protocol (proxy.py): None (off), "v1", "v2" or "any"; who may send the header
+    # (networks; stored as a tuple of ipaddress networks); the longest header accepted
+    proxy_protocol: str = None
+    trusted_proxies: tuple = DEFAULT_TRUSTED
+    proxy_max_header: int = DEFAULT_MAX_HEADER
 
     def __post_init__(self):
         if self.framing not in FRAMINGS:
@@ -97,11 +103,26 @@ class Settings:
         set_(self, "idle_timeout", _seconds("idle_timeout", self.idle_timeout))
         set_(self, "frame_timeout", _seconds("frame_timeout", self.frame_timeout))
         set_(self, "reuse_port", bool(self.reuse_port))
+        # PROXY protocol
+        parse_mode(self.proxy_protocol)
+        set_(self, "trusted_proxies", parse_trusted(self.trusted_proxies))
+        if self.proxy_protocol is not None and not self.trusted_proxies:
+            raise ValueError("proxy_protocol is on but trusted_proxies is empty: no "
+                             "connection could be accepted")
+        _int("proxy_max_header", self.proxy_max_header, 232)
+        if self.proxy_max_header > 16 + 65535:
+            raise ValueError(f"proxy_max_header must be <= {16 + 65535} (the longest "
+                             f"header the format can announce), not {self.proxy_max_header}")
 
     @property
     def header_size(self):
         """Bytes of the length header: 0 (raw), 2 (u16) or 4 (u32)."""
         return _HEADER_SIZE[self.framing]
+
+    @property
+    def proxy_mode(self):
+        """PROXY header versions accepted: 0 (off), 1 (v1), 2 (v2), 3 (either)."""
+        return parse_mode(self.proxy_protocol)
 
     @property
     def sweep_every(self):

@@ -14,11 +14,12 @@ worker dispatcher's ``post``) directly from C.  This module decides only policy:
   frame (no frame completed since the sweep first saw bytes buffered) for longer than
   ``frame_timeout`` is cut.  Both are exact to within one sweep period.
 """
-from aoprim import RX_EOF, RX_ERROR, RX_HANDLER, RX_TOO_LARGE, Receiver
+from aoprim import (RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR, RX_TOO_LARGE,
+                    Receiver)
 
 __all__ = ["Rx", "PAUSE_USER", "PAUSE_BACKPRESSURE", "PAUSE_BACKLOG", "PAUSE_EOF",
            "PAUSE_CLOSING", "PAUSE_SHUTDOWN", "RX_EOF", "RX_ERROR", "RX_HANDLER",
-           "RX_TOO_LARGE"]
+           "RX_TOO_LARGE", "RX_PROXY", "RX_PROXY_ERROR"]
 
 PAUSE_USER = 1
 PAUSE_BACKPRESSURE = 2
@@ -35,7 +36,8 @@ class Rx:
 
     def __init__(self, arena, fd, settings, on_frame, on_event, owner, copy_frames, now):
         self.receiver = Receiver(arena, fd, settings.header_size, settings.max_frame,
-                                 on_frame, on_event, owner, copy_frames)
+                                 on_frame, on_event, owner, copy_frames,
+                                 settings.proxy_mode, settings.proxy_max_header)  # PROXY
         self.paused = 0             # bit set of PAUSE_* reasons; reading while 0
         self._seen_bytes = 0        # receiver.bytes_in when the sweep last looked
         self._ft_mark = -1          # receiver.frames_in when the unfinished frame was seen
@@ -67,12 +69,16 @@ class Rx:
             self.last_active = now
         if idle_timeout is not None and now - self.last_active > idle_timeout:
             return f"idle timeout ({idle_timeout:g} s without a byte)"
-        if frame_timeout is not None and r.buffered:
+        # PROXY protocol: the header is due from the connection's start (proxy_pending)
+        if frame_timeout is not None and (r.buffered or r.proxy_pending):
             f = r.frames_in
             if f != self._ft_mark:
                 self._ft_mark = f
                 self._ft_since = now
             elif now - self._ft_since > frame_timeout:
+                if r.proxy_pending:
+                    return (f"PROXY header timeout (not complete after "
+                            f"{now - self._ft_since:.2f} s, limit {frame_timeout:g} s)")
                 return (f"frame timeout (a frame begun {now - self._ft_since:.2f} s ago is "
                         f"incomplete, limit {frame_timeout:g} s)")
         else:

@@ -24,6 +24,7 @@ from .dispatch import InlineDispatch, WorkerDispatch
 from .framing import Framing
 from .listener import Listener, make_listening_socket
 from .loop import create_loop
+from .proxy import TrustedPeers, refuse_untrusted
 from .session import RawSession, Session, SessionContext
 from .stats import Stats
 from .tx import Flusher
@@ -46,8 +47,10 @@ class Server:
     ``frame_timeout``, ``workers``, ``backend``, ``high_water``, ``low_water``,
     ``flush_budget``, ``backlog``, ``reuse_port``, ``rx_slot_size``, ``rx_slots``,
     ``tx_slot_size``, ``tx_slots``, ``close_linger``, ``shutdown_timeout``,
-    ``worker_backlog``, ``worker_queue``, ``accept_batch``.  ``sock``: serve on an already
-    bound and listening socket instead of ``host``/``port``.
+    ``worker_backlog``, ``worker_queue``, ``accept_batch``, ``proxy_protocol``,
+    ``trusted_proxies``, ``proxy_max_header`` (behind a load balancer: see
+    :mod:`~.proxy`).  ``sock``: serve on an already bound and listening socket instead of
+    ``host``/``port``.
     """
 
     def __init__(self, handler, host="127.0.0.1", port=0, framing="raw", *, sock=None,
@@ -79,6 +82,9 @@ class Server:
         self._thread = None
         self._done = threading.Event()
         self._started = False
+        # PROXY protocol: who may connect (checked at accept, before reading); None: off
+        self._trusted = (TrustedPeers(st.trusted_proxies) if st.proxy_protocol is not None
+                         else None)
         try:
             if sock is not None:
                 sock.setblocking(False)
@@ -197,6 +203,10 @@ class Server:
         return len(self._sessions) < self.settings.max_connections
 
     def _accept(self, sock, addr):
+        if self._trusted is not None and not self._trusted(addr):    # PROXY protocol
+            self._stats.connections_total += 1
+            refuse_untrusted(sock, addr, self._stats)
+            return
         try:
             sock.setblocking(False)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -211,6 +221,8 @@ class Server:
         self._live.add(s)
         log.debug("session %d %s connected", s.id, addr)
         s.start()
+        if self._trusted is not None:
+            return      # PROXY protocol: on_connect runs once the header is read
         try:
             self.handler.on_connect(s)
         except Exception as e:

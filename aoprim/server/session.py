@@ -34,8 +34,10 @@ import traceback
 from aoprim import RefCount, Slot
 
 from .dispatch import CLOSE_MARK, EOF_MARK, WorkState
+from .proxy import client_address
 from .rx import (PAUSE_BACKLOG, PAUSE_BACKPRESSURE, PAUSE_CLOSING, PAUSE_EOF, PAUSE_SHUTDOWN,
-                 PAUSE_USER, RX_EOF, RX_ERROR, RX_HANDLER, RX_TOO_LARGE, Rx)
+                 PAUSE_USER, RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR,
+                 RX_TOO_LARGE, Rx)
 from .tx import ForeignSends, release_item
 
 __all__ = ["Session", "SessionContext"]
@@ -65,7 +67,7 @@ class Session:
                  "_loop", "_tid", "_state", "_reason", "_exc", "_rc", "_batch", "_hdr",
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
-                 "__weakref__")
+                 "_proxy_wait", "__weakref__")
 
     def __init__(self, ctx, sock, sid, peer):
         self.id = sid
@@ -101,6 +103,8 @@ class Session:
         self._lingering = False             # draining unread input after SHUT_WR
         self._sockname = None
         self._close_requested = False       # close() from another thread, not yet run
+        # PROXY protocol: True until the header is read (the handler has not met us yet)
+        self._proxy_wait = ctx.settings.proxy_protocol is not None
 
     def __repr__(self):
         st = ("open", "closing", "closed")[self._state]
@@ -243,7 +247,7 @@ class Session:
 
     def send_framed(self, item):
         """Add an already framed item (bytes or Slot): broadcast (loop thread)."""
-        if self._state:
+        if self._state or self._proxy_wait:     # (PROXY: not before the handler met us)
             return False
         b = self._batch
         b.add(item)
@@ -374,6 +378,8 @@ class Session:
 
     def run_on_close(self):
         """Run the handler's on_close (once; the loop thread or the session's worker)."""
+        if self._proxy_wait:
+            return      # PROXY protocol: refused before its header; on_connect never ran
         try:
             self._ctx.dispatch.handler.on_close(self, self._exc)
         except Exception as e:
@@ -415,6 +421,27 @@ class Session:
                                      logging.WARNING, "protocol")
         elif code == RX_HANDLER:
             self.handler_failed("on_read", arg)
+        elif code == RX_PROXY or code == RX_PROXY_ERROR:
+            self._proxy_event(code, arg)
+
+    # -- PROXY protocol (loop thread; the policy is in proxy.py) ------------------------
+    def _proxy_event(self, code, arg):
+        """The PROXY header: parsed (the client's address becomes ``peer``, then the
+        handler's on_connect runs, before any frame), or refused (closed, counted)."""
+        if code == RX_PROXY_ERROR:
+            self._close(f"PROXY protocol: {arg}", None, logging.WARNING, "proxy")
+            return
+        peer = self.peer
+        balancer = tuple(peer[:2]) if type(peer) is tuple else peer    # (AF_UNIX: a path)
+        self.proxy_peer = balancer
+        self.peer = client_address(arg, balancer)
+        self._proxy_wait = False
+        log.debug("session %d: PROXY v%d %s %s from %s", self.id, arg[0], arg[1], arg[2],
+                  balancer)
+        try:
+            self._ctx.dispatch.handler.on_connect(self)
+        except Exception as e:
+            self.handler_failed("on_connect", e)
 
     def _peer_closed(self):
         self._ctx.stats.eofs += 1
