@@ -24,6 +24,11 @@ from aoprim import BlockTable, PoolExhausted, SlabPool
 EXAMPLES = int(os.environ.get("AOPRIM_MODEL_EXAMPLES", "150"))
 B = 8          # bytes per block
 SLOTS = 40
+PATTERN = bytes(range(251)) * 2     # no two nearby bytes alike: a misplaced copy shows
+
+
+def data(n, c):
+    return PATTERN[c % 251:c % 251 + n] if n <= 251 else (PATTERN * (n // 251 + 1))[:n]
 
 
 class Model:
@@ -63,14 +68,14 @@ class Model:
             return
         t, m = e
         if op == "append":
-            data = bytes([c]) * (n % (3 * B + 2))
+            d = data(n % (3 * B + 2), c)
             before = (bytes(t), t.blocks)
             try:
-                t.append(data)
+                t.append(d)
             except PoolExhausted:
                 assert (bytes(t), t.blocks) == before, "PoolExhausted changed the table"
                 return
-            m.extend(data)
+            m.extend(d)
         elif op == "consume":
             n = n % (len(m) + 1)
             t.consume(n)
@@ -94,11 +99,11 @@ class Model:
             with memoryview(tb) as w:
                 assert 1 <= len(w) <= B and len(w) == t.tail_room
                 q = n % (len(w) + 1)
-                w[:q] = bytes([c]) * q
+                w[:q] = data(q, c)
                 w[q:] = b"\xee" * (len(w) - q)      # scribble past what gets committed
             if op == "tail":
                 t.commit(q)
-                m.extend(bytes([c]) * q)
+                m.extend(data(q, c))
         elif op == "view":
             if not m:
                 assert t.view() == b""
@@ -120,9 +125,9 @@ class Model:
 
 
 OPS = st.lists(st.tuples(
-    st.sampled_from(["new", "append", "append", "consume", "read", "fork", "release", "drop",
-                     "tail", "tail_nocommit", "view", "view", "unview"]),
-    st.integers(0, 63), st.integers(0, 255), st.integers(0, 255)), max_size=80)
+    st.sampled_from(["new", "append", "append", "append", "consume", "read", "fork", "fork",
+                     "release", "drop", "tail", "tail_nocommit", "view", "view", "unview"]),
+    st.integers(0, 63), st.integers(0, 255), st.integers(0, 255)), min_size=10, max_size=100)
 
 
 @settings(max_examples=EXAMPLES, deadline=None,
