@@ -52,7 +52,8 @@ EXPECTED_RESOURCE_WARNINGS = {
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if f"{item.path.name}::{item.originalname}" in EXPECTED_RESOURCE_WARNINGS:
+        name = getattr(item, "originalname", item.name)
+        if f"{item.path.name}::{name}" in EXPECTED_RESOURCE_WARNINGS:
             item.add_marker(pytest.mark.filterwarnings(
                 "ignore:Slot .* was garbage-collected:ResourceWarning"))
 
