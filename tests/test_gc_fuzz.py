@@ -425,11 +425,19 @@ class Harness:
         for p in self.pools:
             assert 0 <= p.in_use <= p.slots, p
 
+    def drop_all(self):
+        """Drop every root and survivor; collect until no __del__ resurrects anything more
+        (a Fin reachable from a survivor is finalized only now, and may resurrect)."""
+        for _ in range(20):
+            self.roots.clear()
+            self.survivors.clear()
+            self.resurrected.clear()
+            gc.collect()
+            if not (self.roots or self.survivors or self.resurrected):
+                break
+
     def teardown(self):
-        self.roots.clear()
-        self.survivors.clear()
-        self.resurrected.clear()
-        gc.collect()
+        self.drop_all()
         for t in self.tables:
             try:
                 t.release()
@@ -486,6 +494,17 @@ def run_program(program):
             h.touch_survivors()        # (no loop variable here: it would keep one alive)
             h.check_pools()
             h.teardown()
+    except BaseException:
+        # a failing example: drop its objects now, under the warning filter above (the
+        # traceback keeps the harness alive; its Slots would warn in some later test)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            h.drop_all()
+            h.tables.clear()
+            gc.collect()
+            for sk in h.socks + h.peers:
+                sk.close()
+        raise
     finally:
         gc.unfreeze()
         sys.unraisablehook = old_hook
