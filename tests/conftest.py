@@ -28,6 +28,35 @@ if _pkg.parent == ROOT and not os.environ.get("AOPRIM_ALLOW_CHECKOUT"):
 # tests/ (never the checkout root) goes on sys.path so that tests can import support.py.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+# Hypothesis profiles: "sanitize" (set by .ci/sanitize through AOPRIM_HYPOTHESIS_PROFILE)
+# drops the per-example deadline, which sanitized code (2-10x slower) would trip at random.
+try:
+    from hypothesis import HealthCheck, settings as _hsettings
+except ImportError:      # hypothesis is a test dependency; only its tests need it
+    pass
+else:
+    _hsettings.register_profile("sanitize", deadline=None,
+                                suppress_health_check=[HealthCheck.too_slow])
+    if os.environ.get("AOPRIM_HYPOTHESIS_PROFILE"):
+        _hsettings.load_profile(os.environ["AOPRIM_HYPOTHESIS_PROFILE"])
+
+
+# Tests that cause a ResourceWarning on purpose (pyproject.toml makes it an error otherwise),
+# with why.  Tests written from now on say so themselves (pytest.warns / a filterwarnings mark).
+EXPECTED_RESOURCE_WARNINGS = {
+    "test_slab.py::test_length_resets_on_acquire":
+        "drops the held Slot that `p.acquire().length` returns; the pool takes it back with a "
+        "ResourceWarning (API.md: a held Slot that is garbage-collected)",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        if f"{item.path.name}::{name}" in EXPECTED_RESOURCE_WARNINGS:
+            item.add_marker(pytest.mark.filterwarnings(
+                "ignore:Slot .* was garbage-collected:ResourceWarning"))
+
 
 @pytest.fixture(scope="session")
 def cybuild(tmp_path_factory):
