@@ -27,15 +27,14 @@ dropped and collected, every pool's ``in_use`` is exactly 0.
 Scale: AOPRIM_FUZZ_EXAMPLES (default 300: about 5 s).  Long run, under the sanitizers:
     AOPRIM_FUZZ_EXAMPLES=5000 .ci/sanitize tests/test_gc_fuzz.py
 
-Known defect (issue 11, being fixed in the core branch): BlockTable's Cython-generated
-tp_clear empties ``_tail`` and ``_blocks`` before ``__dealloc__`` runs.  A table that the
-collector clears (it sits in a cycle) then (a) leaves its tail() exporter with a dangling
-pointer to the freed table -- the next len() or memoryview() of it reads freed memory --
-and (b) does not return its blocks: they come back only through Slot.__del__, with a
-ResourceWarning, and a block shared with a fork stays at one reference until then.  Until
-the fix is merged the fuzzer keeps every table alive until it has been released, so the
-collector never clears a table that holds anything; AOPRIM_FUZZ_KNOWN=1 lifts that (and
-then the fuzzer finds the crash).  test_known_* below pin both shapes (xfail, strict).
+A defect this fuzzer found (issue 11, fixed): BlockTable's Cython-generated tp_clear emptied
+``_tail`` and ``_blocks`` before ``__dealloc__`` ran.  A table that the collector cleared (it
+sat in a cycle) then (a) left its tail() exporter with a dangling pointer to the freed table
+-- the next len() or memoryview() of it read freed memory -- and (b) did not return its
+blocks: they came back only through Slot.__del__, with a ResourceWarning.  BlockTable is no
+longer GC-tracked (nothing it holds can refer back to it), so the fuzzer lets the collector
+meet tables in cycles; test_known_* below keep both shapes fixed.  AOPRIM_FUZZ_SAFE=1 keeps
+every table alive until released (the mode the fuzzer ran in while the defect was open).
 """
 import gc
 import os
@@ -53,7 +52,7 @@ from aoprim import (AtomicInt, BlockTable, Closed, Empty, Full, MPMCQueue, PoolE
                     RefCount, RefCountError, SendBatch, SlabPool, Slot, SPSCQueue, SpinLock)
 
 EXAMPLES = int(os.environ.get("AOPRIM_FUZZ_EXAMPLES", "300"))
-KNOWN = os.environ.get("AOPRIM_FUZZ_KNOWN") == "1"
+KNOWN = os.environ.get("AOPRIM_FUZZ_SAFE") != "1"    # tables may meet the collector
 FlushGroup = getattr(aoprim, "FlushGroup", None)
 Receiver = getattr(aoprim, "Receiver", None)
 RxArena = getattr(aoprim, "RxArena", None)
@@ -84,7 +83,7 @@ class Harness:
         self.survivors = []
         self.resurrected = []
         self.pools = []            # every pool (a pool references nothing of the graph)
-        self.tables = []           # KNOWN=0: every table, kept until released (see above)
+        self.tables = []           # AOPRIM_FUZZ_SAFE=1: every table, kept until released
         self.socks = []
         self.peers = []
 
@@ -542,10 +541,8 @@ def _run_child(code):
                           capture_output=True, text=True, timeout=120, env=env)
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue 11, fix in the core branch): "
-                   "BlockTable's generated tp_clear sets _tail to None before __dealloc__, "
-                   "so the tail() exporter keeps a dangling table pointer (use after free)")
 def test_known_tail_exporter_outlives_table_cleared_in_cycle():
+    """Was a use after free (issue 11): the table's tp_clear ran before __dealloc__."""
     r = _run_child("""
         import gc
         from aoprim import SlabPool, BlockTable
@@ -566,11 +563,8 @@ def test_known_tail_exporter_outlives_table_cleared_in_cycle():
     assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stderr[-3000:])
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue 11, fix in the core branch): "
-                   "BlockTable's generated tp_clear drops _blocks before __dealloc__, so a "
-                   "table collected in a cycle returns its blocks only via Slot.__del__ "
-                   "(ResourceWarning), not quietly")
 def test_known_table_cleared_in_cycle_returns_blocks_quietly():
+    """Was: blocks came back only through Slot.__del__ with a ResourceWarning."""
     r = _run_child("""
         import gc, warnings
         warnings.simplefilter("error", ResourceWarning)
