@@ -88,6 +88,8 @@ def rigs():
     for r in made:
         if not r.rx.closed or not r.arena.closed:
             r.close()
+        r.r.close()                     # a test that closed rx and arena itself: the sockets
+        r.w.close()
 
 
 def tcp_pair():
