@@ -84,6 +84,9 @@ def cleanup(p, pids=()):
     for pid in pids:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
+    for f in (p.stdout, p.stderr):      # the pipes: an unclosed one is a ResourceWarning
+        if f is not None:
+            f.close()
 
 
 # -- the command line: each test failed on the supervisor before supervisor.py ---------------
