@@ -216,7 +216,7 @@ def test_python_entry_refused_while_c_thread_inside(mod):
         seen = []
         refused = []
         done = threading.Event()
-        n = scaled(100000)
+        n = scaled(20000)       # each message contends for the batch with the Python side
 
         def py_side():
             while not done.is_set():
