@@ -264,6 +264,14 @@ def test_partial_big_frames_hold_bounded_memory_until_cut(make_server, errlogs):
 
 # -- a client that never reads, in a chat -----------------------------------------------------
 
+class TightChat(Chat):
+    """Chat whose sessions have a small kernel send buffer: the loopback's autotuned one can
+    absorb megabytes, which would hide a peer that does not read from max_pending."""
+
+    def on_connect(self, session):
+        session.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+
 def _chat_with_sloth(srv, frames, payload_len, min_frames=0):
     """A talker broadcasts (up to ``frames`` frames, at least ``min_frames``, stopping once
     the sloth is cut), a listener reads and checks them all, a sloth never reads.  Returns
@@ -297,7 +305,7 @@ def _chat_with_sloth(srv, frames, payload_len, min_frames=0):
 def test_reader_that_never_reads_is_cut_and_the_tx_pool_stays_available(make_server, logs,
                                                                          workers):
     max_pending = 64 << 10
-    srv = make_server(Chat(), framing="u16", max_pending=max_pending, tx_slots=256,
+    srv = make_server(TightChat(), framing="u16", max_pending=max_pending, tx_slots=256,
                       workers=workers)
     fds = open_fds()
     peak_tx, peak_pending = _chat_with_sloth(srv, 3000, 1000, min_frames=500)
