@@ -11,25 +11,22 @@ AOP_HOSTILE_SECONDS (length of each attack, default 2), AOP_HOSTILE_CLIENTS (slo
 connections, default 300), AOP_P99_FLOOR_MS (absolute floor of the loaded p99 bound,
 default 25: two cores shared with other jobs make sub-millisecond figures noisy).
 """
-import gc
 import json
 import logging
 import os
 import resource
 import socket
-import struct
 import subprocess
 import sys
 import time
 
 import pytest
 
-from aoprim.server import Handler
 from aoprim.server.apps import Chat, Echo
 
 from proc_support import NEUTRAL_CWD, TESTS, child_env, rss_kib
-from test_server_support import (HOST, connect, frame, make_server, open_fds,  # noqa: F401
-                                 read_frame, recv_exact, wait_for)
+from test_server_support import (connect, frame, make_server, open_fds,  # noqa: F401
+                                 read_frame, wait_for)
 
 IDLE_RX = 1                 # the scratch slot every session reads into
 CYCLES = int(os.environ.get("AOP_HOSTILE_CYCLES", "5000"))

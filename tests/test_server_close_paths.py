@@ -10,9 +10,8 @@ import pytest
 
 from aoprim.server import Handler
 
-from test_server_support import (HOST, connect, frame, make_server, open_fds, read_frame,  # noqa: F401
-                                 recv_exact,
-                                 recv_until_closed, wait_for)
+from test_server_support import (connect, frame, make_server, open_fds,  # noqa: F401
+                                 read_frame, recv_until_closed, wait_for)
 
 IDLE_RX = 1     # the scratch slot every session reads into (held while the server runs)
 

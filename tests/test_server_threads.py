@@ -13,7 +13,7 @@ from aoprim import SlabPool
 from aoprim.server import Handler, Server
 
 from test_server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
-                                 read_frame, recv_exact, wait_for)
+                                 read_frame, wait_for)
 
 
 @pytest.fixture
