@@ -1,0 +1,19 @@
+"""``python -m aoprim bench``: every primitive and the server beside their baselines, in one
+run, on this machine.
+
+    cases.py       the measured bodies: groups of cases (aoprim and its baselines), the one
+                   copy shared with the pytest-benchmark suites in the checkout's bench/
+    contention.py  the lock and the queues at 1, 2, 4, 8 threads
+    runner.py      the in-process harness: warm-up, interleaved rounds, median, spread, ratio;
+                   the progress bar
+    servers.py     the server groups: aoprim's server, asyncio, uvloop (and aoprim.aio, other
+                   Layer 1 backends when present) under the project's load generator
+    echo_asyncio.py / echo_floor.py   the baseline servers those groups start
+    machine.py     the header: CPU, cores, Python, aoprim version, compiler
+    report.py      tables, --compare
+    plot.py        --plot (matplotlib, the optional ``plot`` extra)
+    schema.py      the JSON document's schema and its validator
+    cli.py         the ``bench`` subcommand (hooked into aoprim.server.cli)
+
+The method and the JSON schema are documented in the checkout's bench/README.md.
+"""

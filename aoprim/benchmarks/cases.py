@@ -1,0 +1,883 @@
+"""The measured bodies: every primitive beside its baselines, as groups of cases.
+
+This module is the one copy of what is measured.  ``python -m aoprim bench`` times these cases
+with its own interleaved harness (``runner.py``); the developer-facing pytest-benchmark suites
+(``bench/bench_*.py`` in the checkout) time the very same cases through ``pytest_run``.
+
+A :class:`Case` is one entry of a group: ``setup(n)`` is a context manager that builds what the
+case needs, yields ``fn`` -- a callable with no arguments that performs ``n`` operations -- and
+on exit checks what it must (every item counted, every slot back) and tears down.  ``n``
+defaults to ``Case.n``; the command scales it down for ``--quick``.  A case that cannot run
+here raises :class:`Unavailable` from ``setup`` (an optional peer library that is missing).
+
+Roles: ``baseline`` -- the entry every ratio in the group is taken against (stdlib or the
+obvious Python idiom; for the C-level groups, the bare hardware loop); ``candidate`` -- an
+entry that competes (aoprim's, and other ways to do the same thing); ``reference`` -- shown for
+scale, never the winner (the empty loop).
+"""
+import collections
+import contextlib
+import itertools
+import os
+import queue
+import random
+import socket
+import struct
+import threading
+import time
+
+from aoprim import (AtomicInt, BlockTable, MPMCQueue, RefCount, SendBatch, SlabPool,
+                    SPSCQueue, SpinLock)
+
+__all__ = ["Case", "Group", "Unavailable", "GROUPS", "FAMILIES", "group", "pytest_params",
+           "pytest_run", "LockedCounter", "bytearray_receive", "blocktable_receive"]
+
+
+class Unavailable(Exception):
+    """This case cannot run here; the message says why."""
+
+
+class Case:
+    __slots__ = ("name", "setup", "n", "role", "heavy")
+
+    def __init__(self, name, setup, n, role="candidate", heavy=False):
+        self.name = name
+        self.setup = setup        # setup(n) -> context manager yielding fn (n operations)
+        self.n = n                # operations per call of fn, at full scale
+        self.role = role          # "baseline" | "candidate" | "reference"
+        self.heavy = heavy        # one call is a whole threaded run: time it once per sample
+
+    def __repr__(self):
+        return f"Case({self.name!r}, n={self.n}, role={self.role!r})"
+
+
+class Group:
+    """Cases measured side by side; ``unit`` is what one sample is (``ns/op``: wall time per
+    operation, lower is better)."""
+    __slots__ = ("id", "family", "kind", "title", "cases", "compete", "default", "params",
+                 "series", "unit")
+
+    def __init__(self, id, family, title, cases, kind="python", compete=True, default=True,
+                 params=None, series=None, unit="ns/op"):
+        self.id = id
+        self.family = family      # what --only selects by: atomic, lock, queue, slab, ...
+        self.kind = kind          # "python" | "c" | "contention"
+        self.title = title
+        self.cases = cases
+        self.compete = compete    # mark a winner (False for C-level groups against a floor)
+        self.default = default    # run by `bench` unless --only names it
+        self.params = params or {}
+        self.series = series      # curves: groups of one series differ only by params
+        self.unit = unit
+
+    @property
+    def baseline(self):
+        return next((c for c in self.cases if c.role == "baseline"), None)
+
+
+GROUPS = []
+
+
+def group(*a, **kw):
+    g = Group(*a, **kw)
+    GROUPS.append(g)
+    return g
+
+
+def _plain(make_fn):
+    """setup for a case with nothing to tear down: make_fn(n) -> fn."""
+    @contextlib.contextmanager
+    def setup(n):
+        yield make_fn(n)
+    return setup
+
+
+# == atomics ====================================================================================
+
+class LockedCounter:
+    """What one writes without atomics: an int behind a threading.Lock."""
+
+    def __init__(self):
+        self.v = 0
+        self.lock = threading.Lock()
+
+    def fetch_add(self, d=1):
+        with self.lock:
+            v = self.v
+            self.v = v + d
+        return v
+
+    def load(self):
+        with self.lock:
+            return self.v
+
+
+def _locked_fetch_add(n):
+    c = LockedCounter()
+
+    def run():
+        for _ in range(n):
+            c.fetch_add(1)
+    return run
+
+
+def _atomic_fetch_add(n):
+    a = AtomicInt()
+
+    def run():
+        for _ in range(n):
+            a.fetch_add(1)
+    return run
+
+
+def _count_next(n):
+    c = itertools.count()
+
+    def run():
+        for _ in range(n):
+            next(c)
+    return run
+
+
+def _cereggii_increment(n):
+    try:
+        import cereggii
+    except ImportError:
+        raise Unavailable("cereggii is not installed (pip install cereggii)") from None
+    a = cereggii.AtomicInt64(0)
+
+    def run():
+        for _ in range(n):
+            a.increment_and_get()
+    return run
+
+
+def _empty_loop(n):
+    def run():
+        for _ in range(n):
+            pass
+    return run
+
+
+def _locked_read(n):
+    c = LockedCounter()
+
+    def run():
+        for _ in range(n):
+            c.load()
+    return run
+
+
+def _atomic_load(n):
+    a = AtomicInt(5)
+
+    def run():
+        for _ in range(n):
+            a.load()
+    return run
+
+
+def _atomic_value(n):
+    a = AtomicInt(5)
+
+    def run():
+        for _ in range(n):
+            a.value
+    return run
+
+
+def _locked_incref_decref(n):
+    c = LockedCounter()
+
+    def run():
+        for _ in range(n):
+            c.fetch_add(1)
+            c.fetch_add(-1)
+    return run
+
+
+def _refcount_incref_decref(n):
+    r = RefCount(1)
+
+    def run():
+        for _ in range(n):
+            r.incref()
+            r.decref()
+    return run
+
+
+N_PY = 1000      # Python-level operations per call (the `for` loop's own cost included)
+
+group("atomic-increment", "atomic", "AtomicInt.fetch_add(1) vs an int behind threading.Lock", [
+    Case("int + threading.Lock", _plain(_locked_fetch_add), N_PY, "baseline"),
+    Case("AtomicInt.fetch_add", _plain(_atomic_fetch_add), N_PY),
+    Case("itertools.count (GIL-atomic, increment only)", _plain(_count_next), N_PY),
+    Case("cereggii.AtomicInt64.increment_and_get", _plain(_cereggii_increment), N_PY),
+    Case("empty loop (the loop's own cost)", _plain(_empty_loop), N_PY, "reference"),
+])
+group("atomic-read", "atomic", "AtomicInt.load() / .value vs a lock-guarded read", [
+    Case("int + threading.Lock read", _plain(_locked_read), N_PY, "baseline"),
+    Case("AtomicInt.load", _plain(_atomic_load), N_PY),
+    Case("AtomicInt.value", _plain(_atomic_value), N_PY),
+])
+group("refcount", "atomic", "RefCount incref+decref vs a lock-guarded int pair", [
+    Case("int + threading.Lock +1/-1", _plain(_locked_incref_decref), N_PY, "baseline"),
+    Case("RefCount.incref+decref", _plain(_refcount_incref_decref), N_PY),
+])
+
+
+# == lock =======================================================================================
+
+def _with_loop(make_lock):
+    def make(n):
+        lk = make_lock()
+
+        def run():
+            for _ in range(n):
+                with lk:
+                    pass
+        return run
+    return _plain(make)
+
+
+def _acq_rel_loop(make_lock):
+    def make(n):
+        lk = make_lock()
+
+        def run():
+            acq = lk.acquire
+            rel = lk.release
+            for _ in range(n):
+                acq()
+                rel()
+        return run
+    return _plain(make)
+
+
+def lock_contended(lk, threads, n):
+    """``threads`` threads doing ``with lk: counter += 1``, n acquisitions in all; returns
+    (wall seconds, process CPU seconds).  Every increment is counted."""
+    box = [0]
+    per = n // threads
+    go = threading.Barrier(threads + 1)
+
+    def work():
+        go.wait()
+        for _ in range(per):
+            with lk:
+                box[0] += 1
+
+    ts = [threading.Thread(target=work) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    c0, t0 = time.process_time(), time.perf_counter()
+    go.wait()
+    for t in ts:
+        t.join()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert box[0] == per * threads, (box[0], per * threads)
+    return wall, cpu
+
+
+def _contended_lock(make_lock, threads):
+    def make(n):
+        lk = make_lock()
+        return lambda: lock_contended(lk, threads, n)
+    return _plain(make)
+
+
+group("lock-with", "lock", "`with lock: pass`: SpinLock vs threading.Lock", [
+    Case("threading.Lock", _with_loop(threading.Lock), N_PY, "baseline"),
+    Case("SpinLock", _with_loop(SpinLock), N_PY),
+    Case("threading.RLock", _with_loop(threading.RLock), N_PY),
+])
+group("lock-acquire-release", "lock", "lock.acquire(); lock.release()", [
+    Case("threading.Lock", _acq_rel_loop(threading.Lock), N_PY, "baseline"),
+    Case("SpinLock", _acq_rel_loop(SpinLock), N_PY),
+])
+CONTENDED = 100_000
+# the command measures this as part of the contention curves (contention.py)
+group("lock-contended-2threads", "lock", "two threads doing `with lock: n += 1`", [
+    Case("threading.Lock", _contended_lock(threading.Lock, 2), CONTENDED, "baseline", True),
+    Case("SpinLock", _contended_lock(SpinLock, 2), CONTENDED, heavy=True),
+], default=False)
+
+
+# == queues =====================================================================================
+
+PAIRS = 2000          # put+get pairs per call
+THREAD_ITEMS = 1_000_000
+
+
+def _pairs(put, get, n):
+    item = object()
+    r = range(n)
+
+    def run():
+        for _ in r:
+            put(item)
+            get()
+    return run
+
+
+def _q_pairs(make_q, put="put", get="get"):
+    def make(n):
+        q = make_q()
+        return _pairs(getattr(q, put), getattr(q, get), n)
+    return _plain(make)
+
+
+def _q_batch(make_q):
+    def make(n):
+        q = make_q()
+        batch = [object() for _ in range(16)]
+        put_many, get_many, r = q.put_many, q.get_many, range(max(1, n // 16))
+
+        def run():
+            for _ in r:
+                put_many(batch)
+                get_many(16)
+        return run
+    return _plain(make)
+
+
+def threaded(q, producers, consumers, n):
+    """Move n items from ``producers`` threads to ``consumers`` threads through q (blocking
+    put/get, one None sentinel per consumer); asserts every item arrived; returns n."""
+    per = n // producers
+    counts = [0] * consumers
+    put, get = q.put, q.get
+
+    def produce():
+        item = 1
+        for _ in range(per):
+            put(item)
+
+    def consume(i):
+        c = 0
+        while get() is not None:
+            c += 1
+        counts[i] = c
+
+    ps = [threading.Thread(target=produce) for _ in range(producers)]
+    cs = [threading.Thread(target=consume, args=(i,)) for i in range(consumers)]
+    for t in cs + ps:
+        t.start()
+    for t in ps:
+        t.join(120)
+    for _ in cs:
+        put(None)
+    for t in cs:
+        t.join(120)
+    assert sum(counts) == per * producers, (sum(counts), per * producers)
+    return sum(counts)
+
+
+def threaded_batch_consumer(q, n):
+    """1 producer (single put) + 1 consumer that drains what is ready: a blocking get() for
+    the first item, then get_many(63).  Returns the items received (== n, asserted)."""
+    got = [0]
+
+    def produce():
+        put = q.put
+        for _ in range(n):
+            put(1)
+        put(None)
+
+    def consume():
+        get, get_many = q.get, q.get_many
+        c = 0
+        while True:
+            if get() is None:
+                break
+            c += 1
+            batch = get_many(63)
+            if batch and batch[-1] is None:
+                c += len(batch) - 1
+                break
+            c += len(batch)
+        got[0] = c
+
+    ts = [threading.Thread(target=consume), threading.Thread(target=produce)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert got[0] == n, (got[0], n)
+    return n
+
+
+def _q_threaded(make_q, producers, consumers):
+    return _plain(lambda n: (lambda: threaded(make_q(), producers, consumers, n)))
+
+
+group("queue-1thread", "queue", "put+get pairs from one thread (nothing ever waits)", [
+    Case("SimpleQueue.put+get", _q_pairs(queue.SimpleQueue), PAIRS, "baseline"),
+    Case("MPMCQueue.put+get", _q_pairs(lambda: MPMCQueue(1024)), PAIRS),
+    Case("SPSCQueue.put+get", _q_pairs(lambda: SPSCQueue(1024)), PAIRS),
+    Case("MPMCQueue.put_nowait+get_nowait",
+         _q_pairs(lambda: MPMCQueue(1024), "put_nowait", "get_nowait"), PAIRS),
+    Case("Queue(1024).put_nowait+get_nowait",
+         _q_pairs(lambda: queue.Queue(1024), "put_nowait", "get_nowait"), PAIRS),
+    Case("deque.append+popleft", _q_pairs(collections.deque, "append", "popleft"), PAIRS),
+])
+group("queue-batch16", "queue", "put_many/get_many of 16, per item, beside single put/get", [
+    Case("MPMCQueue.put+get (single)", _q_pairs(lambda: MPMCQueue(1024)), PAIRS, "baseline"),
+    Case("MPMCQueue.put_many+get_many(16)", _q_batch(lambda: MPMCQueue(1024)), PAIRS),
+    Case("SPSCQueue.put_many+get_many(16)", _q_batch(lambda: SPSCQueue(1024)), PAIRS),
+    Case("SimpleQueue.put+get", _q_pairs(queue.SimpleQueue), PAIRS),
+])
+# SimpleQueue is unbounded and never makes a producer wait; a bounded queue under the GIL
+# pays two GIL hand-overs each time it runs full / empty, so a capacity the run rarely fills
+# is shown too.
+group("queue-2p2c", "queue", "2 producer + 2 consumer threads, blocking put/get", [
+    Case("SimpleQueue 2P+2C", _q_threaded(queue.SimpleQueue, 2, 2), THREAD_ITEMS,
+         "baseline", True),
+    Case("MPMCQueue(1024) 2P+2C", _q_threaded(lambda: MPMCQueue(1024), 2, 2), THREAD_ITEMS,
+         heavy=True),
+    Case("MPMCQueue(65536) 2P+2C", _q_threaded(lambda: MPMCQueue(65536), 2, 2), THREAD_ITEMS,
+         heavy=True),
+    Case("Queue(1024) 2P+2C", _q_threaded(lambda: queue.Queue(1024), 2, 2),
+         THREAD_ITEMS // 4, heavy=True),
+])
+group("queue-spsc-1p1c", "queue", "1 producer + 1 consumer thread, blocking put/get", [
+    Case("SimpleQueue 1P+1C", _q_threaded(queue.SimpleQueue, 1, 1), THREAD_ITEMS,
+         "baseline", True),
+    Case("SPSCQueue(1024) 1P+1C", _q_threaded(lambda: SPSCQueue(1024), 1, 1), THREAD_ITEMS,
+         heavy=True),
+    Case("SPSCQueue(65536) 1P+1C", _q_threaded(lambda: SPSCQueue(65536), 1, 1), THREAD_ITEMS,
+         heavy=True),
+    Case("MPMCQueue(1024) 1P+1C", _q_threaded(lambda: MPMCQueue(1024), 1, 1), THREAD_ITEMS,
+         heavy=True),
+    Case("SPSCQueue(65536) 1P+1C, get_many(63) consumer",
+         _plain(lambda n: (lambda: threaded_batch_consumer(SPSCQueue(65536), n))),
+         THREAD_ITEMS, heavy=True),
+])
+
+
+# == buffers: SlabPool ==========================================================================
+
+class ListFreeList:
+    """Pure-Python free list of bytearrays: fast under the GIL, unsafe without it."""
+
+    def __init__(self, size, n):
+        self.free = [bytearray(size) for _ in range(n)]
+        self.acquire = self.free.pop
+        self.release = self.free.append
+
+
+class LockedFreeList:
+    """The thread-safe Python equivalent: a free list guarded by a threading.Lock."""
+
+    def __init__(self, size, n):
+        self.free = [bytearray(size) for _ in range(n)]
+        self.lock = threading.Lock()
+
+    def acquire(self):
+        with self.lock:
+            return self.free.pop()
+
+    def release(self, b):
+        with self.lock:
+            self.free.append(b)
+
+
+# 10 operations per loop turn, unrolled, the same for every entry (the loop's cost is shared)
+def _slab(size):
+    @contextlib.contextmanager
+    def setup(n):
+        pool = SlabPool(size, 16)
+        acq = pool.acquire
+
+        def run():
+            for _ in range(n // 10):
+                acq().release(); acq().release(); acq().release(); acq().release()  # noqa: E702
+                acq().release(); acq().release(); acq().release(); acq().release()  # noqa: E702
+                acq().release(); acq().release()                                    # noqa: E702
+        yield run
+        assert pool.in_use == 0
+    return setup
+
+
+def _bytearray(size):
+    def make(n):
+        ba = bytearray
+
+        def run():
+            for _ in range(n // 10):
+                ba(size); ba(size); ba(size); ba(size); ba(size)   # noqa: E702
+                ba(size); ba(size); ba(size); ba(size); ba(size)   # noqa: E702
+        return run
+    return _plain(make)
+
+
+def _freelist(cls, size):
+    def make(n):
+        fl = cls(size, 16)
+        acq, rel = fl.acquire, fl.release
+
+        def run():
+            for _ in range(n // 10):
+                rel(acq()); rel(acq()); rel(acq()); rel(acq()); rel(acq())   # noqa: E702
+                rel(acq()); rel(acq()); rel(acq()); rel(acq()); rel(acq())   # noqa: E702
+        return run
+    return _plain(make)
+
+
+for _size in (4096, 65536):
+    group(f"slab-{_size // 1024}KiB", "slab",
+          f"a {_size // 1024} KiB buffer: SlabPool acquire+release vs allocating it", [
+              Case(f"bytearray({_size})", _bytearray(_size), N_PY, "baseline"),
+              Case("SlabPool.acquire+release", _slab(_size), N_PY),
+              Case("list free list (GIL-only)", _freelist(ListFreeList, _size), N_PY),
+              Case("Lock-guarded free list", _freelist(LockedFreeList, _size), N_PY),
+          ], params={"size": _size})
+
+
+# == buffers: BlockTable as a receive buffer ====================================================
+
+def receive_stream(seed=7, frames=2000, lo=1, hi=200, read=1400):
+    """u16-framed messages of mixed small sizes, cut into ``read``-byte receives (frames split
+    across receives, as TCP does).  Returns (chunks, number of frames)."""
+    rnd = random.Random(seed)
+    payloads = [bytes([i % 256]) * rnd.randint(lo, hi) for i in range(frames)]
+    raw = b"".join(struct.pack(">H", len(p)) + p for p in payloads)
+    return [raw[i:i + read] for i in range(0, len(raw), read)], len(payloads)
+
+
+def bytearray_receive(chunks):
+    """The idiom: buf += data; slice each complete frame out; del buf[:n]."""
+    buf = bytearray()
+    unpack = struct.Struct(">H").unpack_from
+    frames = 0
+    for chunk in chunks:
+        buf += chunk
+        pos = 0
+        n = len(buf)
+        while pos + 2 <= n:
+            size = unpack(buf, pos)[0]
+            end = pos + 2 + size
+            if end > n:
+                break
+            buf[pos + 2:end]      # the frame, as the handler would get it
+            frames += 1
+            pos = end
+        del buf[:pos]
+    return frames
+
+
+def blocktable_receive(table, chunks):
+    """BlockTable: append each read, cut frames as views (zero-copy within a block; frame()
+    parses the u16 header and returns the payload, or None if incomplete), consume."""
+    append, frame, consume = table.append, table.frame, table.consume
+    frames = 0
+    for chunk in chunks:
+        append(chunk)
+        pos = 0
+        while (f := frame(pos, 2)) is not None:
+            frames += 1
+            pos += 2 + len(f)
+        consume(pos)
+    return frames
+
+
+def _rx_bytearray():
+    @contextlib.contextmanager
+    def setup(n):
+        chunks, frames = receive_stream(frames=n)
+
+        def run():
+            assert bytearray_receive(chunks) == frames
+        yield run
+    return setup
+
+
+def _rx_blocktable():
+    @contextlib.contextmanager
+    def setup(n):
+        chunks, frames = receive_stream(frames=n)
+        pool = SlabPool(4096, 64)
+        table = BlockTable(pool)
+
+        def run():
+            assert blocktable_receive(table, chunks) == frames
+        yield run
+        assert len(table) == 0
+        table.release()
+        assert pool.in_use == 0
+    return setup
+
+
+group("receive-buffer", "blocktable",
+      "receive buffer, mixed small u16 frames (1-200 B) in 1400 B reads, per frame", [
+          Case("bytearray += / slice / del", _rx_bytearray(), 2000, "baseline"),
+          Case("BlockTable append / frame / consume", _rx_blocktable(), 2000),
+      ])
+
+
+# == SendBatch ==================================================================================
+
+@contextlib.contextmanager
+def drained_socketpair():
+    """A socketpair whose peer a reader thread drains (every send really reaches the kernel);
+    yields (sending socket, [bytes received so far])."""
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    total = [0]
+
+    def drain():
+        buf = bytearray(1 << 20)
+        while True:
+            n = b.recv_into(buf)
+            if not n:
+                return
+            total[0] += n
+
+    t = threading.Thread(target=drain, daemon=True, name="aoprim-bench-drain")
+    t.start()
+    try:
+        yield a, total
+    finally:
+        a.shutdown(socket.SHUT_WR)
+        t.join(30)
+        a.close()
+        b.close()
+    assert not t.is_alive()
+
+
+MSGS_64 = [bytes([i]) * 64 for i in range(16)]
+
+
+def _sock_case(make_run, msgs=MSGS_64):
+    """A socketpair case: make_run(sock) -> run(msgs); n is rounded to whole batches of 16."""
+    @contextlib.contextmanager
+    def setup(n):
+        with drained_socketpair() as (a, _):
+            run = make_run(a)
+            r = range(max(1, n // len(msgs)))
+
+            def fn():
+                for _ in r:
+                    run(msgs)
+            yield fn
+    return setup
+
+
+def per_message_send(a):
+    send = a.send
+
+    def run(msgs):
+        for m in msgs:
+            send(m)
+    return run
+
+
+def join_send(a):
+    send = a.send
+
+    def run(msgs):
+        send(b"".join(msgs))
+    return run
+
+
+def py_sendmsg(a):
+    sendmsg = a.sendmsg
+
+    def run(msgs):
+        sendmsg(msgs)
+    return run
+
+
+def _sendbatch_case(way, msgs=MSGS_64, **kw):
+    """SendBatch ways of sending a batch: add() x len + flush(), add_many + flush(), or add()
+    with the default auto_flush (the 16th add flushes by itself).  On exit: nothing pending
+    and at most one syscall per 16 messages (from stats)."""
+    @contextlib.contextmanager
+    def setup(n):
+        with drained_socketpair() as (a, _):
+            sb = SendBatch(a, auto_flush=(way == "autoflush"), **kw)
+            add, add_many, flush = sb.add, sb.add_many, sb.flush
+            if way == "add":
+                def run(ms):
+                    for m in ms:
+                        add(m)
+                    flush()
+            elif way == "add_many":
+                def run(ms):
+                    add_many(ms)
+                    flush()
+            else:
+                def run(ms):
+                    for m in ms:
+                        add(m)
+            r = range(max(1, n // len(msgs)))
+
+            def fn():
+                for _ in r:
+                    run(msgs)
+            yield fn
+            st = sb.stats
+            assert sb.pending_bytes == 0
+            if st["messages"]:
+                per_msg = st["syscalls"] / st["messages"]
+                assert per_msg <= 1 / 16, per_msg
+    return setup
+
+
+group("sendbatch-16x64B", "sendbatch",
+      "16 messages of 64 B to a socket: SendBatch vs one send per message", [
+          Case("16 x socket.send", _sock_case(per_message_send), 16 * 64, "baseline"),
+          Case('b"".join + socket.send', _sock_case(join_send), 16 * 64),
+          Case("socket.sendmsg(list)", _sock_case(py_sendmsg), 16 * 64),
+          Case("SendBatch add x16 + flush", _sendbatch_case("add"), 16 * 64),
+          Case("SendBatch add_many + flush", _sendbatch_case("add_many"), 16 * 64),
+          Case("SendBatch add x16, auto_flush", _sendbatch_case("autoflush"), 16 * 64),
+      ])
+
+# copy cut-off: 16 messages of 256 B .. 8 KiB sent by copy (copy_max huge) vs by reference
+# (copy_max=0, one iovec each; the baseline).  A ratio > 1 means copying is faster there.
+CUTOFF_SIZES = (256, 1024, 2048, 3072, 4096, 8192)
+for _size in CUTOFF_SIZES:
+    _msgs = [bytes([i]) * _size for i in range(16)]
+    group(f"sendbatch-cutoff-{_size:05d}B", "sendbatch-cutoff",
+          f"SendBatch copy cut-off: 16 x {_size} B by copy vs by reference", [
+              Case("by reference (copy_max=0)",
+                   _sendbatch_case("add_many", _msgs, copy_max=0), 16 * 64, "baseline"),
+              Case("by copy", _sendbatch_case("add_many", _msgs, copy_max=1 << 30), 16 * 64),
+              Case('b"".join + socket.send', _sock_case(join_send, _msgs), 16 * 64),
+          ], default=False, params={"size": _size})
+
+
+# == C level (nogil), through aoprim._benchcore ================================================
+
+def _core():
+    try:
+        from aoprim import _benchcore
+    except ImportError as e:      # a build from before _benchcore existed
+        raise Unavailable(f"aoprim._benchcore is not built ({e}); rebuild the package") from None
+    return _benchcore
+
+
+def _c(fn_name, make_obj=None, *extra):
+    """A C-level case: _benchcore.<fn_name>([obj,] n, *extra)."""
+    @contextlib.contextmanager
+    def setup(n):
+        f = getattr(_core(), fn_name)
+        if make_obj is None:
+            yield lambda: f(n, *extra)
+        else:
+            obj = make_obj()
+            yield lambda: f(obj, n, *extra)
+    return setup
+
+
+@contextlib.contextmanager
+def _devnull():
+    fd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _c_write(size):
+    @contextlib.contextmanager
+    def setup(n):
+        core = _core()
+        with _devnull() as fd:
+            yield lambda: core.write_loop(fd, n, size)
+    return setup
+
+
+def _c_sendbatch(size, per_flush):
+    @contextlib.contextmanager
+    def setup(n):
+        core = _core()
+        with _devnull() as fd:
+            sb = SendBatch(fd, auto_flush=False)
+            yield lambda: core.sendbatch_loop(sb, n, per_flush, size)
+            assert sb.pending_bytes == 0
+    return setup
+
+
+CN = 200_000      # C-level operations per call
+
+group("c-atomic", "atomic", "C level: aop_fetch_add_i64 (seq_cst) on AtomicInt.cell", [
+    Case("bare __atomic_fetch_add (floor)", _c("floor_fetch_add"), CN, "baseline"),
+    Case("AtomicInt: aop_fetch_add_i64", _c("atomic_add_loop", AtomicInt), CN),
+], kind="c", compete=False)
+group("c-refcount", "atomic", "C level: RefCount c_incref + c_decref", [
+    Case("bare __atomic_fetch_add (floor)", _c("floor_fetch_add"), CN, "baseline"),
+    Case("RefCount: c_incref + c_decref", _c("refcount_loop", RefCount), CN),
+], kind="c", compete=False)
+group("c-lock", "lock", "C level: uncontended aop_spin_lock + aop_spin_unlock", [
+    Case("bare __atomic_fetch_add (floor)", _c("floor_fetch_add"), CN, "baseline"),
+    Case("bare CAS + exchange pair (floor)", _c("floor_cas_xchg"), CN, "reference"),
+    Case("SpinLock: aop_spin_lock + unlock", _c("spin_loop", SpinLock), CN),
+], kind="c", compete=False)
+group("c-queue", "queue", "C level: try_push + try_pop of one u64 (raw-word mode)", [
+    Case("bare loop (floor)", _c("bare_loop"), CN, "baseline"),
+    Case("MPMCQueue: try_push + try_pop", _c("mpmc_loop", lambda: MPMCQueue(1024)), CN),
+    Case("SPSCQueue: try_push + try_pop", _c("spsc_loop", lambda: SPSCQueue(1024)), CN),
+], kind="c", compete=False)
+group("c-slab", "slab", "C level: aop_slab_acquire + aop_slab_release", [
+    Case("bare loop (floor)", _c("bare_loop"), CN, "baseline"),
+    Case("SlabPool: acquire + release", _c("slab_loop", lambda: SlabPool(4096, 16)), CN),
+], kind="c", compete=False)
+group("c-sendbatch", "sendbatch", "C level: 64 B messages to /dev/null, per message", [
+    Case("write() per message (floor)", _c_write(64), 20_000, "baseline"),
+    Case("SendBatch: c_add_copy x16 + c_flush", _c_sendbatch(64, 16), 20_000),
+], kind="c")
+
+# what cannot be measured at C level, and why (reported as skipped)
+C_SKIPPED = {"blocktable": "BlockTable has no nogil C API (its .pxd exposes no C-level "
+                           "calls); its Python-level cost is in receive-buffer"}
+
+FAMILIES = sorted({g.family for g in GROUPS})
+
+
+# == pytest-benchmark adapter (bench/bench_*.py) ================================================
+
+def by_id(gid):
+    for g in GROUPS:
+        if g.id == gid:
+            return g
+    raise KeyError(gid)
+
+
+def pytest_params(*group_ids):
+    """``pytest.param(group, case, id=...)`` for every case of the named groups."""
+    import pytest
+    out = []
+    for gid in group_ids:
+        g = by_id(gid)
+        for c in g.cases:
+            out.append(pytest.param(g, c, id=f"{g.id}::{c.name}"))
+    return out
+
+
+def pytest_run(benchmark, grp, case, rounds=5):
+    """Time one case with pytest-benchmark, in ``grp``'s group, with the per-call count and
+    baseline flag that bench/conftest.py's ratio table reads."""
+    import pytest
+    benchmark.group = grp.id
+    benchmark.extra_info["per_call"] = case.n
+    if case.role == "baseline":
+        benchmark.extra_info["baseline"] = True
+    try:
+        cm = case.setup(case.n)
+        fn = cm.__enter__()
+    except Unavailable as e:
+        pytest.skip(str(e))
+    try:
+        if case.heavy:
+            benchmark.pedantic(fn, rounds=rounds, iterations=1)
+        else:
+            benchmark(fn)
+    except BaseException:
+        if not cm.__exit__(*__import__("sys").exc_info()):
+            raise
+    else:
+        cm.__exit__(None, None, None)
