@@ -14,6 +14,10 @@ Scenarios (issue 6):
 ``--floor`` adds bench/echo_floor.py to the raw scenarios: the smallest Python epoll echo
 loop, a same-run measure of what CPython itself costs per message.
 
+The servers, the warm-up and one run are aoprim/benchmarks/servers.py's (shared with
+``python -m aoprim bench``, which also runs the scaling curves); this script keeps its own
+scenarios, table and targets.
+
 Each server runs in its own process; ``python -m aoprim loadgen`` drives it and reads the
 server's CPU time (user+sys from /proc/PID/stat) over the measured window.  Reported per
 server: messages/s, server CPU us/message (user, sys), and for aoprim the send syscalls per
@@ -30,31 +34,32 @@ included.  ``--cold`` also measures each server fresh (no warm-up), as separate 
 ``SERVER-cold``; the ratios are always against the warm rows.
 """
 import argparse
+import importlib.util
 import json
 import os
 import platform
-import signal
-import socket
-import struct
-import subprocess
-import sys
-import tempfile
-import time
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HOST = "127.0.0.1"
-# never run `python -m aoprim` from the checkout: it would import the uncompiled aoprim/ there
-CWD = tempfile.gettempdir()
 
-SCENARIOS = {
-    "raw-1k-10": dict(framing="raw", size=1024, conns=10, pipeline=1),
-    "raw-1k-100": dict(framing="raw", size=1024, conns=100, pipeline=1),
-    "u16-64x16-10": dict(framing="u16", size=64, conns=10, pipeline=16),
-}
+# The servers, the warm-up and one run live in the package (aoprim/benchmarks/servers.py,
+# shared with `python -m aoprim bench`); loaded by path from this checkout, whatever aoprim
+# is installed (the module imports only the standard library).
+_spec = importlib.util.spec_from_file_location(
+    "aoprim_bench_servers", os.path.join(HERE, os.pardir, "aoprim", "benchmarks", "servers.py"))
+servers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(servers)
+
+HOST = servers.HOST
+CWD = servers.CWD
+SCENARIOS = {k: servers.SCENARIOS[k] for k in ("raw-1k-10", "raw-1k-100", "u16-64x16-10")}
 SERVERS = ("aoprim", "asyncio", "uvloop")
 # where each aoprim variant is imported from: None = the installed package; a path = a
-# checkout with an in-place build (--tree / --baseline-tree)
-TREES = {"aoprim": None, "aoprim-base": None}
+# checkout with an in-place build (--tree / --baseline-tree).  The same dict as servers.TREES.
+TREES = servers.TREES
+server_cmd = servers.server_cmd
+warm_up = servers.warm_up
+run_one = servers.run_one
 
 
 def have_uvloop():
@@ -63,88 +68,6 @@ def have_uvloop():
         return True
     except ImportError:
         return False
-
-
-def server_cmd(server, framing):
-    if server == "floor":
-        return [sys.executable, os.path.join(HERE, "echo_floor.py"), "--host", HOST,
-                "--port", "0", "--framing", framing]
-    if server in TREES:
-        return [sys.executable, "-m", "aoprim", "serve", "--app", "echo", "--host", HOST,
-                "--port", "0", "--framing", framing, "--log-level", "WARNING"]
-    cmd = [sys.executable, os.path.join(HERE, "echo_asyncio.py"), "--host", HOST, "--port",
-           "0", "--framing", framing]
-    if server == "uvloop":
-        cmd.append("--uvloop")
-    return cmd
-
-
-def warm_up(port, framing, size, messages=8):
-    """Bring a fresh server to its steady state: one connection that exchanges ``messages``
-    echoes of the scenario's size and framing, one at a time, then closes (and is seen
-    closed: the server's EOF handling runs before the measured load starts)."""
-    payload = bytes(i & 0xFF for i in range(size))
-    msg = payload if framing == "raw" else struct.pack(">H", size) + payload
-    with socket.create_connection((HOST, port), timeout=10) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(messages):
-            s.sendall(msg)
-            got = b""
-            while len(got) < len(msg):
-                chunk = s.recv(len(msg) - len(got))
-                if not chunk:
-                    raise RuntimeError("warm-up: the server closed the connection")
-                got += chunk
-            if got != msg:
-                raise RuntimeError("warm-up: the echo differs from what was sent")
-        s.shutdown(socket.SHUT_WR)
-        s.settimeout(10)
-        if s.recv(1):
-            raise RuntimeError("warm-up: unexpected bytes after the echoes")
-    time.sleep(0.05)
-
-
-def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True):
-    """One server process, one load run.  ``warm``: warm_up() it first (the steady state);
-    otherwise it is measured as started (``--cold``)."""
-    sc = SCENARIOS[scenario]
-    env = dict(os.environ)
-    if TREES.get(server):
-        env["PYTHONPATH"] = TREES[server]
-    p = subprocess.Popen(server_cmd(server, sc["framing"]), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=CWD, env=env)
-    try:
-        line = p.stdout.readline()
-        if not line.startswith("listening on"):
-            raise RuntimeError(f"{server} did not start: {line!r} {p.stderr.read()}")
-        port = int(line.rsplit(":", 1)[1])
-        if warm:
-            warm_up(port, sc["framing"], sc["size"])
-        lg = subprocess.run(
-            [sys.executable, "-m", "aoprim", "loadgen", "--host", HOST, "--port", str(port),
-             "--conns", str(sc["conns"]), "--size", str(sc["size"]), "--pipeline",
-             str(sc["pipeline"]), "--framing", sc["framing"], "--duration", str(duration),
-             "--warmup", str(warmup), "--procs", str(procs), "--cpu-pid", str(p.pid),
-             "--json"], capture_output=True, text=True, timeout=duration + 120, cwd=CWD)
-        if not lg.stdout.strip():
-            raise RuntimeError(f"loadgen failed against {server}: {lg.stderr}")
-        res = json.loads(lg.stdout)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=30)
-        if "stats " in out:
-            st = json.loads(out.split("stats ", 1)[1].splitlines()[0])
-            res["server_stats"] = st
-            if st["frames_out"]:
-                res["send_syscalls_per_msg"] = st["send_syscalls"] / st["frames_out"]
-                res["msgs_per_send"] = st["messages_per_send"]
-        res["server"] = server if warm else f"{server}-cold"
-        res["scenario"] = scenario
-        res["warm"] = warm
-        return res
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def _median(xs):

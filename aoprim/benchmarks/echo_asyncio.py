@@ -1,0 +1,94 @@
+"""The asyncio baseline echo servers, written the way users write them.
+
+    python echo_asyncio.py --port 0 --framing raw|u16 [--loop asyncio|uvloop|aio] [--uvloop]
+
+``raw``: ``data_received`` -> ``transport.write(data)``.
+``u16``: ``data_received`` appends to a buffer, cuts out every complete u16-framed message
+and calls ``transport.write`` once per frame (as game servers do).
+``--loop``: the event loop it runs on -- asyncio's default, uvloop, or aoprim's asyncio loop
+(``aoprim.aio.new_event_loop()``); ``--uvloop`` is ``--loop uvloop``.
+Prints ``listening on HOST:PORT``; SIGINT/SIGTERM stop it (exit 0).
+
+Run as a script (by path): it imports nothing from aoprim unless ``--loop aio``.
+"""
+import argparse
+import asyncio
+import signal
+import struct
+import sys
+
+_U16 = struct.Struct(">H")
+
+
+class Echo(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        self.transport.write(data)
+
+
+class FramedEcho(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+        self.buf = bytearray()
+
+    def data_received(self, data):
+        buf = self.buf
+        buf += data
+        pos = 0
+        end = len(buf)
+        while end - pos >= 2:
+            (n,) = _U16.unpack_from(buf, pos)
+            if end - pos - 2 < n:
+                break
+            self.transport.write(bytes(buf[pos:pos + 2 + n]))   # one write per frame
+            pos += 2 + n
+        del buf[:pos]
+
+
+async def main(args):
+    loop = asyncio.get_running_loop()
+    proto = Echo if args.framing == "raw" else FramedEcho
+    server = await loop.create_server(proto, args.host, args.port)
+    host, port = server.sockets[0].getsockname()[:2]
+    print(f"listening on {host}:{port}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    server.close()
+    await server.wait_closed()
+
+
+def cli(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--framing", choices=("raw", "u16"), default="raw")
+    p.add_argument("--loop", choices=("asyncio", "uvloop", "aio"), default="asyncio")
+    p.add_argument("--uvloop", action="store_true", help="the same as --loop uvloop")
+    a = p.parse_args(argv)
+    if a.uvloop:
+        a.loop = "uvloop"
+    try:
+        if a.loop == "uvloop":
+            import uvloop
+            uvloop.install()
+            asyncio.run(main(a))
+        elif a.loop == "aio":
+            import aoprim.aio
+            loop = aoprim.aio.new_event_loop()
+            try:
+                loop.run_until_complete(main(a))
+            finally:
+                loop.close()
+        else:
+            asyncio.run(main(a))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,287 @@
+"""The server groups: aoprim's echo server beside asyncio echo servers, under the project's
+load generator (``python -m aoprim loadgen``), every server in its own fresh process.
+
+Servers (``server_cmd``):
+  aoprim            ``python -m aoprim serve --app echo`` (the default Layer 1 backend)
+  aoprim[NAME]      the same with ``--backend NAME``, for every other backend in
+                    ``aoprim.server.loop.BACKENDS`` (joins automatically when one lands)
+  aoprim-base       aoprim served from another checkout (``TREES``; echo_compare's
+                    ``--baseline-tree``)
+  asyncio           ``echo_asyncio.py``: an asyncio Protocol echo on the default loop (the
+                    baseline of every server group)
+  uvloop            the same Protocol on uvloop (when uvloop is installed)
+  aoprim.aio        the same Protocol on aoprim's asyncio loop (when ``aoprim.aio`` exists)
+  floor             ``echo_floor.py``: the smallest Python epoll echo loop (raw only)
+
+Every server is measured warm (``warm_up``: one connection exchanges a few messages of the
+scenario and closes before the load starts): a fresh asyncio process serves its 256 KiB
+``recv`` with glibc mmap/mremap/munmap on every read until one such block has been freed,
+a start-up artefact, not asyncio's cost.
+
+Figures per run (``run_one``): messages/s, latency p50/p99 (send of a message to the arrival
+of its last byte), server CPU per message (user+sys of the server process over the measured
+window, from /proc/PID/stat), and syscalls per message: ``perf stat -e
+raw_syscalls:sys_enter -p PID`` counts every system call the server makes over a window
+inside the measured one; syscalls/msg = count / (msgs/s x perf's window).  Without a working
+``perf`` the figure is absent and ``syscall_method()`` says why.
+
+This module imports only the standard library, so the checkout's bench/echo_compare.py can
+load it by path whatever aoprim is installed.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+__all__ = ["HOST", "SCENARIOS", "TREES", "server_cmd", "warm_up", "run_one", "available_servers",
+           "syscall_method", "count_syscalls"]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HOST = "127.0.0.1"
+# never run `python -m aoprim` from a checkout: it would import the uncompiled aoprim/ there
+CWD = tempfile.gettempdir()
+
+# name -> load.  raw: ping-pong (pipeline 1); u16 pipelined: every frame gets its own reply.
+SCENARIOS = {
+    "raw-1k-10": dict(framing="raw", size=1024, conns=10, pipeline=1),
+    "raw-1k-100": dict(framing="raw", size=1024, conns=100, pipeline=1),
+    "u16-64x16-10": dict(framing="u16", size=64, conns=10, pipeline=16),
+    "raw-1k-1000": dict(framing="raw", size=1024, conns=1000, pipeline=1),
+    "raw-64-10": dict(framing="raw", size=64, conns=10, pipeline=1),
+    "raw-16k-10": dict(framing="raw", size=16384, conns=10, pipeline=1),
+    "raw-64k-10": dict(framing="raw", size=65536, conns=10, pipeline=1),
+}
+# where each aoprim variant is imported from: None = this interpreter's aoprim; a path = a
+# checkout with an in-place build (echo_compare's --tree / --baseline-tree)
+TREES = {"aoprim": None, "aoprim-base": None}
+
+
+def _aoprim_pythonpath():
+    """The folder holding the aoprim that this process imported (if it did), so that the
+    server and load-generator children import the same build from any working directory."""
+    mod = sys.modules.get("aoprim")
+    if mod is None or not getattr(mod, "__file__", None):
+        return None
+    return os.path.dirname(os.path.dirname(os.path.abspath(mod.__file__)))
+
+
+def _env(tree=None):
+    env = dict(os.environ)
+    path = tree or _aoprim_pythonpath()
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join([path] + ([env["PYTHONPATH"]]
+                                                      if env.get("PYTHONPATH") else []))
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
+def _backend_of(server):
+    m = re.fullmatch(r"aoprim\[(\w+)\]", server)
+    return m.group(1) if m else None
+
+
+def server_cmd(server, framing):
+    """The argv that starts ``server`` (see the module docstring) on a free port."""
+    if server == "floor":
+        return [sys.executable, os.path.join(HERE, "echo_floor.py"), "--host", HOST,
+                "--port", "0", "--framing", framing]
+    if server in TREES or _backend_of(server):
+        cmd = [sys.executable, "-m", "aoprim", "serve", "--app", "echo", "--host", HOST,
+               "--port", "0", "--framing", framing, "--log-level", "WARNING"]
+        if _backend_of(server):
+            cmd += ["--backend", _backend_of(server)]
+        return cmd
+    loop = {"asyncio": "asyncio", "uvloop": "uvloop", "aoprim.aio": "aio"}[server]
+    return [sys.executable, os.path.join(HERE, "echo_asyncio.py"), "--host", HOST, "--port",
+            "0", "--framing", framing, "--loop", loop]
+
+
+def available_servers():
+    """([server names that can run here], [(name, reason) skipped]).  The extra Layer 1
+    backends and aoprim.aio are found at run time: they join once they exist."""
+    run, skipped = ["aoprim"], []
+    try:
+        from aoprim.server.loop import BACKENDS
+    except ImportError as e:
+        BACKENDS = ("selectors",)
+        skipped.append(("aoprim[other backends]", f"aoprim.server.loop not importable: {e}"))
+    others = [b for b in BACKENDS if b != "selectors"]
+    run += [f"aoprim[{b}]" for b in others]
+    if not others:
+        skipped.append(("aoprim[other backends]", "aoprim.server.loop.BACKENDS has only "
+                        "'selectors' (no other Layer 1 backend is built into this aoprim)"))
+    run.append("asyncio")
+    try:
+        import uvloop  # noqa: F401
+        run.append("uvloop")
+    except ImportError:
+        skipped.append(("uvloop", "uvloop is not installed (pip install uvloop)"))
+    try:
+        import aoprim.aio  # noqa: F401
+        if not hasattr(aoprim.aio, "new_event_loop"):
+            raise ImportError("aoprim.aio has no new_event_loop()")
+        run.append("aoprim.aio")
+    except ImportError as e:
+        skipped.append(("aoprim.aio", f"aoprim.aio is not available ({e})"))
+    return run, skipped
+
+
+# -- syscalls ---------------------------------------------------------------------------------
+
+_PERF = {}
+
+
+def syscall_method():
+    """(how syscalls are counted, or None, and why not).  Checked once: ``perf stat`` on the
+    raw_syscalls:sys_enter tracepoint of a short-lived child."""
+    if "m" in _PERF:
+        return _PERF["m"]
+    perf = shutil.which("perf")
+    if not perf:
+        _PERF["m"] = (None, "perf is not installed (apt install linux-perf), so syscalls per "
+                            "message are not measured")
+        return _PERF["m"]
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.4)"])
+    try:
+        n, why = count_syscalls(p.pid, 0.1)
+    finally:
+        p.wait()
+    if n is None:
+        _PERF["m"] = (None, f"perf stat cannot count syscalls here: {why}")
+    else:
+        _PERF["m"] = ("perf stat -e raw_syscalls:sys_enter -p PID over a window inside the "
+                      "measured one; syscalls/msg = count / (msgs/s x window)", None)
+    return _PERF["m"]
+
+
+def count_syscalls(pid, seconds):
+    """(system calls made by process ``pid``, all threads, over ``seconds``; None and the
+    reason if perf cannot count them)."""
+    perf = shutil.which("perf")
+    if not perf:
+        return None, "no perf"
+    try:
+        r = subprocess.run([perf, "stat", "-x,", "-e", "raw_syscalls:sys_enter", "-p", str(pid),
+                            "--", "sleep", repr(seconds)], capture_output=True, text=True,
+                           timeout=seconds + 30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, str(e)
+    for line in r.stderr.splitlines():
+        parts = line.split(",")
+        if len(parts) >= 3 and "raw_syscalls:sys_enter" in parts[2]:
+            try:
+                return int(parts[0]), None
+            except ValueError:
+                return None, line.strip()
+    return None, (r.stderr.strip().splitlines() or ["no output"])[-1]
+
+
+# -- one run ----------------------------------------------------------------------------------
+
+def warm_up(port, framing, size, messages=8):
+    """Bring a fresh server to its steady state: one connection that exchanges ``messages``
+    echoes of the scenario's size and framing, one at a time, then closes (and is seen
+    closed: the server's EOF handling runs before the measured load starts)."""
+    payload = bytes(i & 0xFF for i in range(size))
+    msg = payload if framing == "raw" else struct.pack(">H", size) + payload
+    with socket.create_connection((HOST, port), timeout=10) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(messages):
+            s.sendall(msg)
+            got = b""
+            while len(got) < len(msg):
+                chunk = s.recv(len(msg) - len(got))
+                if not chunk:
+                    raise RuntimeError("warm-up: the server closed the connection")
+                got += chunk
+            if got != msg:
+                raise RuntimeError("warm-up: the echo differs from what was sent")
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(10)
+        if s.recv(1):
+            raise RuntimeError("warm-up: unexpected bytes after the echoes")
+    time.sleep(0.05)
+
+
+class ServerUnavailable(RuntimeError):
+    """The server did not start (an unknown or unavailable backend, a missing module)."""
+
+
+def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, syscalls=False):
+    """One server process, one load run; returns the load generator's summary plus
+    ``server``, ``scenario``, ``warm``, and (aoprim) ``server_stats`` /
+    ``send_syscalls_per_msg``, and with ``syscalls`` ``syscalls_per_msg`` when perf can count.
+    ``warm``: warm_up() it first (the steady state); otherwise it is measured as started."""
+    sc = SCENARIOS[scenario]
+    tree = TREES.get(server) if server in TREES else None
+    env = _env(tree)
+    p = subprocess.Popen(server_cmd(server, sc["framing"]), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=CWD, env=env)
+    try:
+        line = p.stdout.readline()
+        if not line.startswith("listening on"):
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            err = p.stderr.read() if p.poll() is not None else ""
+            raise ServerUnavailable(f"{server} did not start: {line.strip()!r} "
+                                    f"{err.strip().splitlines()[-1:] or ''}")
+        port = int(line.rsplit(":", 1)[1])
+        if warm:
+            warm_up(port, sc["framing"], sc["size"])
+        lg_env = _env()
+        lg = subprocess.Popen(
+            [sys.executable, "-m", "aoprim", "loadgen", "--host", HOST, "--port", str(port),
+             "--conns", str(sc["conns"]), "--size", str(sc["size"]), "--pipeline",
+             str(sc["pipeline"]), "--framing", sc["framing"], "--duration", str(duration),
+             "--warmup", str(warmup), "--procs", str(procs), "--cpu-pid", str(p.pid),
+             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=CWD,
+            env=lg_env)
+        counted = {}
+        if syscalls:
+            # a window inside the measured one: after the generator's start-up and warm-up,
+            # half the measured duration long
+            def count():
+                time.sleep(warmup + 0.3 + 0.25 * duration)
+                t = time.monotonic()
+                counted["n"], counted["why"] = count_syscalls(p.pid, 0.5 * duration)
+                counted["s"] = time.monotonic() - t
+            th = threading.Thread(target=count, daemon=True)
+            th.start()
+        out, err = lg.communicate(timeout=duration + 120)
+        if syscalls:
+            th.join(60)
+        if not out.strip():
+            raise RuntimeError(f"loadgen failed against {server}: {err}")
+        res = json.loads(out)
+        if counted.get("n") is not None and res.get("msgs_per_s"):
+            window = 0.5 * duration
+            res["syscalls_per_msg"] = counted["n"] / (res["msgs_per_s"] * window)
+        elif syscalls:
+            res["syscalls_error"] = counted.get("why")
+        p.send_signal(signal.SIGINT)
+        sout, _ = p.communicate(timeout=30)
+        if "stats " in sout:
+            st = json.loads(sout.split("stats ", 1)[1].splitlines()[0])
+            res["server_stats"] = st
+            if st.get("frames_out"):
+                res["send_syscalls_per_msg"] = st["send_syscalls"] / st["frames_out"]
+                if "messages_per_send" in st:
+                    res["msgs_per_send"] = st["messages_per_send"]
+        res["server"] = server if warm else f"{server}-cold"
+        res["scenario"] = scenario
+        res["warm"] = warm
+        return res
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
