@@ -68,6 +68,7 @@ cdef extern from *:
     void aop_bc_floor_fetch_add(int64_t n) nogil
     void aop_bc_floor_cas_xchg(int64_t n) nogil
     void aop_bc_bare_loop(int64_t n) nogil
+    ssize_t write(int fd, const void *buf, size_t n) nogil
     const char *AOP_BC_COMPILER
     int AOP_BC_OPTIMIZE
     int AOP_BC_ASAN
@@ -161,6 +162,24 @@ def slab_loop(SlabPool pool, int64_t n):
             s += k
             aop_slab_release(pool.slab, k)
     return s
+
+
+def write_loop(int fd, int64_t n, size_t size):
+    """n write() calls of ``size`` bytes to ``fd`` (one syscall per message: what a batch
+    saves); returns the bytes written, or a negative count at the first failure."""
+    cdef char buf[65536]
+    cdef int64_t i
+    cdef ssize_t r, total = 0
+    if size > sizeof(buf):
+        raise ValueError("size > 65536")
+    with nogil:
+        for i in range(n):
+            r = write(fd, buf, size)
+            if r < 0:
+                total = -1
+                break
+            total += r
+    return total
 
 
 def sendbatch_loop(SendBatch b, int64_t n, int64_t per_flush, size_t size):
