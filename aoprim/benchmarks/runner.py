@@ -51,9 +51,6 @@ class Progress:
         self.label = ""
         self._last_label = None
 
-    def add_total(self, k):
-        self.total += k
-
     def step(self, k=1, label=None):
         self.done = min(self.total, self.done + k)
         if label is not None:
@@ -71,8 +68,8 @@ class Progress:
         if self.tty:
             self.stream.write("\r" + line[:118].ljust(118))
             self.stream.flush()
-        elif self.label != self._last_label:
-            self._last_label = self.label
+        elif self.label.split(":")[0] != self._last_label:     # one line per group
+            self._last_label = self.label.split(":")[0]
             self.stream.write(line + "\n")
             self.stream.flush()
 
@@ -80,6 +77,10 @@ class Progress:
         if self.enabled and self.tty:
             self.stream.write("\n")
             self.stream.flush()
+        elif self.enabled:
+            self._last_label = None
+            self.label = "done"
+            self.draw()
 
 
 def summarize(samples):
@@ -170,7 +171,7 @@ def finish_group(grp, entries, skipped, better="lower", extra=None):
             key = (lambda e: e["median"]) if better == "lower" else (lambda e: -e["median"])
             min(eligible, key=key)["winner"] = True
     out = {"id": grp.id, "family": grp.family, "kind": grp.kind, "title": grp.title,
-           "unit": grp.unit, "better": better, "params": dict(grp.params),
+           "unit": grp.unit, "better": better, "compete": grp.compete, "params": dict(grp.params),
            "series": grp.series, "baseline": base["name"] if base else None,
            "entries": entries, "skipped": skipped}
     if extra:

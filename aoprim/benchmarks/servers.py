@@ -149,10 +149,13 @@ def syscall_method():
         _PERF["m"] = (None, "perf is not installed (apt install linux-perf), so syscalls per "
                             "message are not measured")
         return _PERF["m"]
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.4)"])
+    p = subprocess.Popen([sys.executable, "-c", "import os, time\nt = time.monotonic() + 1.0\n"
+                          "while time.monotonic() < t: os.getppid()"])
     try:
-        n, why = count_syscalls(p.pid, 0.1)
+        time.sleep(0.2)
+        n, why = count_syscalls(p.pid, 0.2)
     finally:
+        p.kill()
         p.wait()
     if n is None:
         _PERF["m"] = (None, f"perf stat cannot count syscalls here: {why}")

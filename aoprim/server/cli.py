@@ -1,4 +1,5 @@
-"""The command line: ``python -m aoprim serve ...`` and ``python -m aoprim loadgen ...``.
+"""The command line: ``python -m aoprim serve ...``, ``python -m aoprim loadgen ...`` and
+``python -m aoprim bench ...`` (aoprim.benchmarks.cli).
 
 ``serve [MODULE:HANDLER]`` serves the user's own handler, named as uvicorn and gunicorn name
 an app: ``MODULE:ATTR`` where ATTR (dotted for a nested attribute) is a ``Handler`` subclass
@@ -26,6 +27,7 @@ import signal
 import sys
 import traceback
 
+from aoprim.benchmarks import cli as bench_cli
 from aoprim.server import BACKENDS, BackendUnavailable, Handler, Server
 from aoprim.tools import loadgen
 
@@ -220,6 +222,9 @@ def build_parser():
     lg = sub.add_parser("loadgen", help="echo load generator (a client; verifies every byte)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     loadgen.build_parser(lg)
+    bench_cli.build_parser(sub.add_parser(
+        "bench", help="benchmark the primitives and the server beside their baselines",
+        description=bench_cli.DESCRIPTION))
     return p
 
 
@@ -280,6 +285,9 @@ def main(argv=None):
         if a.cmd == "loadgen":
             signal.signal(signal.SIGINT, signal.default_int_handler)
             return loadgen.main(a)
+        if a.cmd == "bench":
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            return bench_cli.main(a)
         logging.basicConfig(level=a.log_level, stream=sys.stderr,
                             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
         _check_choice(a)

@@ -1,0 +1,233 @@
+"""What one ``bench`` run measures, at which size, and the document it produces.
+
+``plan(mode, only)`` picks the groups; ``run(plan, progress)`` measures them and returns the
+JSON document (schema.py).  Modes:
+
+  full   every default group; 7 interleaved rounds (3 for threaded cases); servers: every
+         scenario, 3 rounds of 2 s each                                      (< 10 minutes)
+  quick  the same groups, fewer rounds and smaller sizes; servers: 4 scenarios, 1 round of
+         0.8 s                                                               (< 1 minute)
+  tiny   for the test suite only (``--tiny``): everything, as small as still runs end to end
+"""
+import fnmatch
+import time
+
+from . import cases, contention, machine, runner, servers
+from .schema import SCHEMA_ID
+
+__all__ = ["MODES", "SERVER_SERIES", "plan", "run", "selectors", "UnknownSelection"]
+
+# micro: runner.Settings; contention: its own heavy_scale; servers: rounds/duration/warm-up
+MODES = {
+    "full": dict(micro=dict(rounds=7, heavy_rounds=3, sample_s=0.03, scale=1.0, heavy_scale=0.2),
+                 contention_scale=0.5, contention_rounds=3,
+                 server=dict(rounds=3, duration=2.0, warmup=0.5,
+                             scenarios=["raw-1k-10", "u16-64x16-10", "raw-1k-100",
+                                        "raw-1k-1000", "raw-64-10", "raw-16k-10",
+                                        "raw-64k-10"])),
+    "quick": dict(micro=dict(rounds=3, heavy_rounds=2, sample_s=0.01, scale=0.5,
+                             heavy_scale=0.05),
+                  contention_scale=0.1, contention_rounds=2,
+                  server=dict(rounds=1, duration=0.8, warmup=0.3,
+                              scenarios=["raw-1k-10", "u16-64x16-10", "raw-1k-100",
+                                         "raw-64k-10"])),
+    "tiny": dict(micro=dict(rounds=2, heavy_rounds=1, sample_s=0.002, scale=0.05,
+                            heavy_scale=0.005),
+                 contention_scale=0.01, contention_rounds=1,
+                 server=dict(rounds=1, duration=0.3, warmup=0.1, scenarios=["raw-1k-10"])),
+}
+
+# the server curves: series -> (the parameter that varies, scenarios in order)
+SERVER_SERIES = {
+    "server-conns": ("conns", ["raw-1k-10", "raw-1k-100", "raw-1k-1000"]),
+    "server-sizes": ("size", ["raw-64-10", "raw-1k-10", "raw-16k-10", "raw-64k-10"]),
+}
+SERVER_TITLES = {
+    "raw": "raw ping-pong echo, {size} B, {conns} connections",
+    "u16": "u16-framed {size} B messages pipelined {pipeline} deep, {conns} connections "
+           "(one reply per frame)",
+}
+WARMUP_TEXT = ("every server, baseline or not, is measured warm: before the load starts one "
+               "connection exchanges 8 messages of the scenario and closes (a fresh asyncio "
+               "process serves its 256 KiB recv with mmap/munmap per read until then)")
+
+
+class UnknownSelection(ValueError):
+    pass
+
+
+class ServerGroup:
+    """A server scenario as a group (it has no Cases: servers.run_one measures it)."""
+    kind = "server"
+    family = "server"
+    compete = True
+    default = True
+    unit = "CPU us/msg"
+
+    def __init__(self, scenario):
+        sc = servers.SCENARIOS[scenario]
+        self.scenario = scenario
+        self.id = f"server-{scenario}"
+        self.title = SERVER_TITLES[sc["framing"]].format(**sc)
+        self.params = dict(sc)
+        self.series = [s for s, (_, scs) in SERVER_SERIES.items() if scenario in scs]
+        if sc["pipeline"] > 1:
+            self.series.append("server-pipelined")
+
+
+def _all_groups(mode):
+    return (list(cases.GROUPS) + contention.groups() +
+            [ServerGroup(s) for s in MODES[mode]["server"]["scenarios"]])
+
+
+def selectors():
+    """The names --only accepts besides group ids: families and kinds."""
+    gs = _all_groups("full")
+    return sorted({g.family for g in gs} | {"python", "c", "contention", "server"})
+
+
+def _selected(g, names):
+    for name in names:
+        if name == g.id or fnmatch.fnmatchcase(g.id, name) or name == g.family:
+            return True
+        if g.default and (name == g.kind or (len(name) > 2 and g.id.startswith(name))):
+            return True
+    return False
+
+
+def plan(mode="full", only=None):
+    """The groups to run, in order.  ``only``: names (a family such as ``atomic`` or
+    ``server``, a kind -- ``python``, ``c``, ``contention``, ``server`` --, a group id, a
+    glob over group ids, or a prefix of one); non-default groups run only when named by
+    their id or family."""
+    gs = _all_groups(mode)
+    if not only:
+        return [g for g in gs if g.default]
+    picked = [g for g in gs if _selected(g, only)]
+    unknown = [n for n in only if not any(_selected(g, [n]) for g in gs)]
+    if unknown:
+        raise UnknownSelection(
+            f"--only {' '.join(unknown)}: matches no group; use a family or kind "
+            f"({', '.join(selectors())}), a group id or a glob (see --list)")
+    return picked
+
+
+def _contention_settings(m):
+    return runner.Settings(rounds=1, heavy_rounds=m["contention_rounds"], sample_s=0.0,
+                           scale=m["contention_scale"], heavy_scale=m["contention_scale"])
+
+
+def steps(groups, mode, n_servers):
+    m = MODES[mode]
+    micro = runner.Settings(**m["micro"])
+    cont = _contention_settings(m)
+    total = 0
+    for g in groups:
+        if g.kind == "server":
+            total += m["server"]["rounds"] * n_servers
+        else:
+            total += runner.plan_steps(g, cont if g.kind == "contention" else micro)
+    return total
+
+
+def _server_group(g, names, m, progress, skipped_servers, count_syscalls):
+    """Measure one server scenario: rounds interleaved, server order rotating."""
+    s = m["server"]
+    runs = {n: [] for n in names}
+    skipped = []
+    for r in range(s["rounds"]):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            if name in skipped_servers:
+                if progress:
+                    progress.step(1)
+                continue
+            if progress:
+                progress.step(0, f"{g.id}: {name} (round {r + 1}/{s['rounds']})")
+            try:
+                res = servers.run_one(name, g.scenario, s["duration"], warmup=s["warmup"],
+                                      syscalls=count_syscalls and r == 0)
+            except servers.ServerUnavailable as e:
+                skipped_servers[name] = str(e)
+                res = None
+            except Exception as e:        # a failed run is reported, the others go on
+                res = {"errors": [f"{type(e).__name__}: {e}"]}
+            if progress:
+                progress.step(1)
+            if res is None:
+                continue
+            cpu = res.get("server_cpu") or {}
+            if res.get("errors") or "cpu_us_per_msg" not in cpu:
+                why = "; ".join(res.get("errors", [])[:2]) or "no message completed"
+                skipped.append({"name": name, "reason": f"round {r + 1}: {why}"})
+                continue
+            runs[name].append(res)
+    entries = []
+    for name in names:
+        rs = runs[name]
+        if not rs:
+            if name in skipped_servers and not any(x["name"] == name for x in skipped):
+                skipped.append({"name": name, "reason": skipped_servers[name]})
+            continue
+        cpu = [x["server_cpu"]["cpu_us_per_msg"] for x in rs]
+        e = {"name": name, "role": "baseline" if name == "asyncio" else "candidate",
+             "samples": [round(c, 4) for c in cpu], "rounds": len(rs)}
+        e.update(runner.summarize(cpu))
+        metrics = {}
+        for key, get in (("msgs_per_s", lambda x: x["msgs_per_s"]),
+                         ("p50_us", lambda x: x["p50_us"]),
+                         ("p99_us", lambda x: x["p99_us"]),
+                         ("user_us_per_msg", lambda x: x["server_cpu"]["user_us_per_msg"]),
+                         ("sys_us_per_msg", lambda x: x["server_cpu"]["sys_us_per_msg"]),
+                         ("syscalls_per_msg", lambda x: x.get("syscalls_per_msg")),
+                         ("send_syscalls_per_msg", lambda x: x.get("send_syscalls_per_msg"))):
+            vals = [v for v in map(get, rs) if v is not None]
+            if vals:
+                metrics[key] = runner.summarize(vals)
+        e["metrics"] = metrics
+        entries.append(e)
+    return runner.finish_group(g, entries, skipped)
+
+
+def run(groups, mode="full", progress=None, only=None):
+    """Measure ``groups`` (from plan()); returns the document (schema.py)."""
+    t0 = time.monotonic()
+    m = MODES[mode]
+    micro = runner.Settings(**m["micro"])
+    cont = _contention_settings(m)
+    header = machine.describe()
+    doc_skipped = []
+    server_names, server_skips = servers.available_servers()
+    have_servers = any(g.kind == "server" for g in groups)
+    method, why_not = servers.syscall_method() if have_servers else (None, "no server group ran")
+    if have_servers:
+        doc_skipped += [{"what": f"server {n}", "reason": r} for n, r in server_skips]
+        if why_not:
+            doc_skipped.append({"what": "syscalls per message", "reason": why_not})
+    if any(g.kind == "c" for g in groups):
+        doc_skipped += [{"what": f"C level: {fam}", "reason": r}
+                        for fam, r in cases.C_SKIPPED.items()]
+    if progress:
+        progress.total = max(1, steps(groups, mode, len(server_names)))
+    out = []
+    skipped_servers = {}
+    for g in groups:
+        if g.kind == "server":
+            out.append(_server_group(g, server_names, m, progress, skipped_servers,
+                                     method is not None))
+        else:
+            res = runner.measure_group(g, cont if g.kind == "contention" else micro, progress)
+            # runner's groups carry series as one name or None; the document has a list
+            res["series"] = [res["series"]] if isinstance(res["series"], str) else []
+            out.append(res)
+    header.update({
+        "mode": mode,
+        "settings": {"micro": m["micro"], "contention_scale": m["contention_scale"],
+                     "contention_rounds": m["contention_rounds"], "server": m["server"]},
+        "server_warmup": WARMUP_TEXT,
+        "syscalls": method or f"not measured: {why_not}",
+        "servers": server_names if have_servers else [],
+        "selected": list(only or []),
+        "duration_s": round(time.monotonic() - t0, 1),
+    })
+    return {"schema": SCHEMA_ID, "header": header, "groups": out, "skipped": doc_skipped}
