@@ -5,8 +5,8 @@ JSON document (schema.py).  Modes:
 
   full   every default group; 7 interleaved rounds (3 for threaded cases); servers: every
          scenario, 3 rounds of 2 s each                                      (< 10 minutes)
-  quick  the same groups, fewer rounds and smaller sizes; servers: 4 scenarios, 1 round of
-         0.8 s                                                               (< 1 minute)
+  quick  the same groups, 5 rounds (2 threaded, smaller); servers: 4 scenarios, 1 round of
+         1 s                                                                 (< 1 minute)
   tiny   for the test suite only (``--tiny``): everything, as small as still runs end to end
 """
 import fnmatch
@@ -25,10 +25,10 @@ MODES = {
                              scenarios=["raw-1k-10", "u16-64x16-10", "raw-1k-100",
                                         "raw-1k-1000", "raw-64-10", "raw-16k-10",
                                         "raw-64k-10"])),
-    "quick": dict(micro=dict(rounds=3, heavy_rounds=2, sample_s=0.01, scale=0.5,
+    "quick": dict(micro=dict(rounds=5, heavy_rounds=2, sample_s=0.01, scale=1.0,
                              heavy_scale=0.05),
-                  contention_scale=0.1, contention_rounds=2,
-                  server=dict(rounds=1, duration=0.8, warmup=0.3,
+                  contention_scale=0.2, contention_rounds=2,
+                  server=dict(rounds=1, duration=1.0, warmup=0.3,
                               scenarios=["raw-1k-10", "u16-64x16-10", "raw-1k-100",
                                          "raw-64k-10"])),
     "tiny": dict(micro=dict(rounds=2, heavy_rounds=1, sample_s=0.002, scale=0.05,
