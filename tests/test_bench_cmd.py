@@ -1,0 +1,161 @@
+"""``python -m aoprim bench``, run as a user runs it (a subprocess of the installed package).
+
+One tiny run (``--tiny``: a test-only size, every group and every server, a few seconds) is
+shared by the tests that read its output; --compare, --plot and --load re-read its JSON and
+measure nothing.  Budget: the whole file stays within ~30 s of wall time.
+"""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from aoprim.benchmarks import cases, contention, schema, suite
+
+from proc_support import NEUTRAL_CWD, child_env
+
+
+def bench(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "aoprim", "bench", *args],
+                          capture_output=True, text=True, cwd=NEUTRAL_CWD,
+                          env=env or child_env(), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(completed process, parsed JSON, JSON path) of one --tiny run of everything."""
+    d = tmp_path_factory.mktemp("bench")
+    path = str(d / "run.json")
+    r = bench("--tiny", "--json", path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(path) as f:
+        return r, json.load(f), path
+
+
+def test_runs_end_to_end_with_header_tables_and_progress(tiny):
+    r, doc, _ = tiny
+    out = r.stdout
+    for label in ("machine:", "python:", "aoprim:", "compiler:", "servers:", "syscalls:"):
+        assert f"\n{label}" in out, label
+    assert "measured warm" in out                  # the header says servers were warmed
+    for g in doc["groups"]:
+        assert f"[{g['id']}]" in out                # one table per group
+    assert "(baseline)" in out and "x1.00" in out
+    assert "\n* " in out                            # a winner is marked
+    # the progress bar went to stderr, and reached the end
+    assert "[" in r.stderr and "100%" in r.stderr and "done" in r.stderr
+
+
+def test_json_follows_the_documented_schema(tiny):
+    _, doc, _ = tiny
+    assert schema.validate(doc) == []
+    assert doc["schema"] == schema.SCHEMA_ID
+    ids = {g["id"] for g in doc["groups"]}
+    # every default group ran: each primitive beside its baseline, C level, contention
+    assert ids >= {g.id for g in cases.GROUPS if g.default}
+    assert ids >= {g.id for g in contention.groups()}
+    for g in doc["groups"]:
+        assert g["entries"], g["id"]
+        base = [e for e in g["entries"] if e["role"] == "baseline"]
+        assert len(base) == 1 and base[0]["ratio"] == pytest.approx(1.0), g["id"]
+        assert sum(e["winner"] for e in g["entries"]) <= 1
+        for e in g["entries"]:
+            assert e["min"] <= e["median"] <= e["max"]
+    threads = sorted(g["params"]["threads"] for g in doc["groups"]
+                     if "contention-lock" in g["series"])
+    assert threads == [1, 2, 4, 8]
+    srv = next(g for g in doc["groups"] if g["kind"] == "server")
+    names = {e["name"] for e in srv["entries"]}
+    assert {"aoprim", "asyncio"} <= names
+    for e in srv["entries"]:
+        assert {"msgs_per_s", "p50_us", "p99_us"} <= set(e["metrics"])
+        assert e["metrics"]["msgs_per_s"]["median"] > 0
+    # what could not run is listed with a reason (another backend, aoprim.aio, ...)
+    assert all(s["reason"] for s in doc["skipped"])
+
+
+def test_the_validator_catches_a_broken_document(tiny):
+    _, doc, _ = tiny
+    bad = copy.deepcopy(doc)
+    del bad["groups"][0]["entries"][0]["median"]
+    bad["header"]["cores"] = "two"
+    problems = schema.validate(bad)
+    assert any("median" in p for p in problems) and any("cores" in p for p in problems)
+
+
+def test_compare_prints_the_change_between_two_files(tiny, tmp_path):
+    _, doc, path = tiny
+    old = copy.deepcopy(doc)
+    g = old["groups"][0]
+    for e in g["entries"]:                     # the old run was twice as slow
+        for k in ("median", "min", "max", "q1", "q3"):
+            e[k] *= 2
+    old_path = tmp_path / "old.json"
+    old_path.write_text(json.dumps(old))
+    r = bench("--load", path, "--compare", str(old_path))
+    assert r.returncode == 0, r.stderr
+    assert "compared with" in r.stdout
+    section = r.stdout.split(f"[{g['id']}] (", 1)[1].split("\n[", 1)[0]
+    assert "better" in section and "-50.0%" in section
+
+
+def test_compare_refuses_a_file_that_is_not_a_run(tiny, tmp_path):
+    _, _, path = tiny
+    p = tmp_path / "x.json"
+    p.write_text('{"hello": 1}')
+    r = bench("--load", path, "--compare", str(p))
+    assert r.returncode == 2 and "not an aoprim bench document" in r.stderr
+
+
+def test_plot_writes_png_charts(tiny, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (the plot extra)")
+    _, _, path = tiny
+    r = bench("--load", path, "--plot", str(tmp_path / "plots"))
+    assert r.returncode == 0, r.stderr
+    made = sorted(os.listdir(tmp_path / "plots"))
+    assert made == ["contention.png", "ratios.png", "servers.png"]
+    for name in made:
+        with open(tmp_path / "plots" / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(tiny, tmp_path):
+    _, _, path = tiny
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "matplotlib.py").write_text("raise ImportError('hidden by the test')\n")
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(hide), env["PYTHONPATH"]])
+    r = bench("--load", path, "--plot", str(tmp_path / "plots"), env=env)
+    assert r.returncode == 2
+    assert "pip install 'aoprim[plot]'" in r.stderr
+    assert not (tmp_path / "plots").exists()
+
+
+def test_only_selects_groups(tmp_path):
+    path = tmp_path / "only.json"
+    r = bench("--tiny", "--no-progress", "--only", "atomic", "lock-with", "--json", str(path))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(path.read_text())
+    assert schema.validate(doc) == []
+    ids = {g["id"] for g in doc["groups"]}
+    want = {g.id for g in cases.GROUPS if g.family == "atomic"} | {"lock-with"}
+    assert ids == want
+    assert doc["header"]["selected"] == ["atomic", "lock-with"]
+    assert r.stderr == ""                           # --no-progress
+
+
+def test_only_refuses_an_unknown_name():
+    r = bench("--only", "nosuchgroup")
+    assert r.returncode == 2 and "matches no group" in r.stderr
+
+
+def test_plan_selection_rules():
+    ids = [g.id for g in suite.plan("full", ["c"])]
+    assert ids and all(i.startswith("c-") for i in ids)
+    assert "sendbatch-cutoff-00256B" not in [g.id for g in suite.plan("full")]
+    assert "sendbatch-cutoff-00256B" in [g.id for g in suite.plan("full", ["sendbatch-cutoff"])]
+    servers = [g.id for g in suite.plan("full", ["server"])]
+    assert "server-raw-1k-1000" in servers and "server-raw-64k-10" in servers
