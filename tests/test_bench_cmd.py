@@ -159,3 +159,28 @@ def test_plan_selection_rules():
     assert "sendbatch-cutoff-00256B" in [g.id for g in suite.plan("full", ["sendbatch-cutoff"])]
     servers = [g.id for g in suite.plan("full", ["server"])]
     assert "server-raw-1k-1000" in servers and "server-raw-64k-10" in servers
+
+
+def test_new_loops_and_backends_join_the_server_groups_when_they_exist(monkeypatch):
+    import types
+
+    import aoprim.server.loop
+    from aoprim.benchmarks import servers
+    run, skipped = servers.available_servers()
+    assert run[0] == "aoprim" and "asyncio" in run
+    assert all(reason for _, reason in skipped)
+    fake = types.ModuleType("aoprim.aio")
+    fake.new_event_loop = lambda: None
+    monkeypatch.setitem(sys.modules, "aoprim.aio", fake)
+    monkeypatch.setattr(aoprim, "aio", fake, raising=False)
+    monkeypatch.setattr(aoprim.server.loop, "BACKENDS", ("selectors", "epoll"))
+    run, skipped = servers.available_servers()
+    assert "aoprim.aio" in run and "aoprim[epoll]" in run
+    assert servers.server_cmd("aoprim[epoll]", "raw")[-2:] == ["--backend", "epoll"]
+    assert servers.server_cmd("aoprim.aio", "u16")[-2:] == ["--loop", "aio"]
+
+
+def test_a_server_that_cannot_start_is_reported_not_fatal():
+    from aoprim.benchmarks import servers
+    with pytest.raises(servers.ServerUnavailable, match="did not start"):
+        servers.run_one("aoprim[nosuchbackend]", "raw-1k-10", duration=0.2)

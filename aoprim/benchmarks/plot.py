@@ -1,7 +1,7 @@
 """``--plot DIR``: PNG charts of a run, with matplotlib (the optional ``plot`` extra:
 ``pip install 'aoprim[plot]'``).
 
-  contention.png      throughput (ops/s) against threads, one panel per series (lock, queue)
+  contention.png      throughput (Mops/s) against threads, one panel per series (lock, queue)
   servers.png         server scaling: messages/s and server CPU per message against
                       connections and against message size, one line per server
   ratios.png          every aoprim entry's ratio to its group's baseline (log scale; right
@@ -55,13 +55,13 @@ def _contention(plt, doc, path):
                 e = next((e for e in g["entries"] if e["name"] == n), None)
                 if e:
                     xs.append(g["params"]["threads"])
-                    ys.append(1e9 / e["median"])
+                    ys.append(1e3 / e["median"])
             ax.plot(xs, ys, marker="o", label=n)
         ax.set_xscale("log", base=2)
         ax.set_xticks([1, 2, 4, 8])
         ax.set_xticklabels(["1", "2", "4", "8"])
         ax.set_xlabel("threads")
-        ax.set_ylabel("operations/s (all threads)")
+        ax.set_ylabel("million operations/s (all threads)")
         ax.set_title(s.replace("contention-", "contention: "))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

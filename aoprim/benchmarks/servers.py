@@ -22,7 +22,9 @@ Figures per run (``run_one``): messages/s, latency p50/p99 (send of a message to
 of its last byte), server CPU per message (user+sys of the server process over the measured
 window, from /proc/PID/stat), and syscalls per message: ``perf stat -e
 raw_syscalls:sys_enter -p PID`` counts every system call the server makes over a window
-inside the measured one; syscalls/msg = count / (msgs/s x perf's window).  Without a working
+inside the measured one (it starts once the server holds every connection of the load --
+its /proc/PID/fd count says so -- plus the generator's warm-up and a tenth of the window, and
+lasts half of it); syscalls/msg = count / (msgs/s x perf's window).  Without a working
 ``perf`` the figure is absent and ``syscall_method()`` says why.
 
 This module imports only the standard library, so the checkout's bench/echo_compare.py can
@@ -160,8 +162,9 @@ def syscall_method():
     if n is None:
         _PERF["m"] = (None, f"perf stat cannot count syscalls here: {why}")
     else:
-        _PERF["m"] = ("perf stat -e raw_syscalls:sys_enter -p PID over a window inside the "
-                      "measured one; syscalls/msg = count / (msgs/s x window)", None)
+        _PERF["m"] = ("perf stat -e raw_syscalls:sys_enter -p PID over half the measured "
+                      "window, once every connection is up; syscalls/msg = count / (msgs/s x "
+                      "perf's window); first round only", None)
     return _PERF["m"]
 
 
@@ -214,6 +217,17 @@ def warm_up(port, framing, size, messages=8):
     time.sleep(0.05)
 
 
+# syscalls are counted over this fraction of the measured window (see run_one)
+SYSCALL_WINDOW = 0.5
+
+
+def _fds(pid):
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
 class ServerUnavailable(RuntimeError):
     """The server did not start (an unknown or unavailable backend, a missing module)."""
 
@@ -250,14 +264,17 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=CWD,
             env=lg_env)
         counted = {}
+        window = SYSCALL_WINDOW * duration
         if syscalls:
-            # a window inside the measured one: after the generator's start-up and warm-up,
-            # half the measured duration long
+            # a window inside the measured one: once the server holds every connection of
+            # the load (its fd count says so), after the generator's warm-up and a margin
             def count():
-                time.sleep(warmup + 0.3 + 0.25 * duration)
-                t = time.monotonic()
-                counted["n"], counted["why"] = count_syscalls(p.pid, 0.5 * duration)
-                counted["s"] = time.monotonic() - t
+                until = time.monotonic() + 60
+                while _fds(p.pid) < fds0 + sc["conns"] and time.monotonic() < until:
+                    time.sleep(0.01)
+                time.sleep(warmup + 0.1 * duration)
+                counted["n"], counted["why"] = count_syscalls(p.pid, window)
+            fds0 = _fds(p.pid)
             th = threading.Thread(target=count, daemon=True)
             th.start()
         out, err = lg.communicate(timeout=duration + 120)
@@ -267,7 +284,6 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
             raise RuntimeError(f"loadgen failed against {server}: {err}")
         res = json.loads(out)
         if counted.get("n") is not None and res.get("msgs_per_s"):
-            window = 0.5 * duration
             res["syscalls_per_msg"] = counted["n"] / (res["msgs_per_s"] * window)
         elif syscalls:
             res["syscalls_error"] = counted.get("why")
@@ -288,3 +304,5 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
         if p.poll() is None:
             p.kill()
             p.wait()
+        for f in (p.stdout, p.stderr):
+            f.close()

@@ -3,7 +3,7 @@
 ``plan(mode, only)`` picks the groups; ``run(plan, progress)`` measures them and returns the
 JSON document (schema.py).  Modes:
 
-  full   every default group; 7 interleaved rounds (3 for threaded cases); servers: every
+  full   every default group; 9 interleaved rounds (5 for threaded cases); servers: every
          scenario, 3 rounds of 2 s each                                      (< 10 minutes)
   quick  the same groups, 5 rounds (2 threaded, smaller); servers: 4 scenarios, 1 round of
          1 s                                                                 (< 1 minute)
@@ -19,8 +19,8 @@ __all__ = ["MODES", "SERVER_SERIES", "plan", "run", "selectors", "UnknownSelecti
 
 # micro: runner.Settings; contention: its own heavy_scale; servers: rounds/duration/warm-up
 MODES = {
-    "full": dict(micro=dict(rounds=7, heavy_rounds=3, sample_s=0.03, scale=1.0, heavy_scale=0.2),
-                 contention_scale=0.5, contention_rounds=3,
+    "full": dict(micro=dict(rounds=9, heavy_rounds=5, sample_s=0.05, scale=1.0, heavy_scale=0.2),
+                 contention_scale=1.0, contention_rounds=3,
                  server=dict(rounds=3, duration=2.0, warmup=0.5,
                              scenarios=["raw-1k-10", "u16-64x16-10", "raw-1k-100",
                                         "raw-1k-1000", "raw-64-10", "raw-16k-10",
