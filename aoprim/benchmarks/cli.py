@@ -1,7 +1,7 @@
 """``python -m aoprim bench``: the subcommand's options and its main.
 
     python -m aoprim bench [--quick] [--only NAME ...] [--json FILE] [--compare OLD.json]
-                           [--plot DIR] [--load FILE] [--list]
+                           [--plot DIR] [--load FILE] [--markdown] [--list]
 
 Tables go to stdout, the progress bar to stderr.  Exit status: 0 when every selected group
 ran (entries that cannot run here -- an optional library, a server -- are listed as skipped,
@@ -39,6 +39,9 @@ def build_parser(p=None):
                    help="write PNG charts here (needs matplotlib: pip install 'aoprim[plot]')")
     p.add_argument("--load", metavar="FILE",
                    help="measure nothing: report (and --compare / --plot) a saved --json run")
+    p.add_argument("--markdown", action="store_true",
+                   help="print Markdown tables (aoprim's entries against their baselines; the "
+                        "servers) instead of the terminal tables -- what the README shows")
     p.add_argument("--list", action="store_true", help="list the groups and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)   # the test suite's
@@ -96,7 +99,7 @@ def main(a):
             print("aoprim bench: interrupted", file=sys.stderr)
             return 130
         prog.close()
-    print(report.render(doc), flush=True)
+    print(report.markdown(doc) if a.markdown else report.render(doc), flush=True)
     if a.json:
         d = os.path.dirname(os.path.abspath(a.json))
         os.makedirs(d, exist_ok=True)

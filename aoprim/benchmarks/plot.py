@@ -142,6 +142,18 @@ def _ratios(plt, doc, path):
     return path
 
 
+def _shrink(path):
+    """Re-save a chart as a 64-colour palette PNG (a third of the size; charts have few
+    colours) when Pillow is there -- matplotlib depends on it, so it normally is."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=64)
+    small.save(path, optimize=True)
+
+
 def plot(doc, outdir):
     """Write the charts the run has data for into ``outdir``; returns their paths.  Raises
     MissingMatplotlib (with how to get it) when matplotlib is not installed."""
@@ -152,5 +164,6 @@ def plot(doc, outdir):
                      (_ratios, "ratios.png")):
         p = fn(plt, doc, os.path.join(outdir, name))
         if p:
+            _shrink(p)
             made.append(p)
     return made

@@ -6,7 +6,8 @@ for ns/op, less CPU per message for servers); ``*`` marks the group's winner (th
 among the entries that compete; references such as the empty loop or a hardware floor never
 win).
 """
-__all__ = ["render", "render_header", "render_group", "compare", "markdown_summary"]
+__all__ = ["render", "render_header", "render_group", "compare", "markdown_summary",
+           "markdown_servers", "markdown"]
 
 
 def _num(x, unit=""):
@@ -176,16 +177,61 @@ def markdown_summary(doc):
            "|---|---|---:|---|---:|---:|"]
     for g in doc["groups"]:
         base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
-        if base is None:
-            continue
+        if base is None or g["kind"] not in ("python", "c"):
+            continue            # contention: the chart; servers: markdown_servers()
         for e in g["entries"]:
             if e["role"] != "candidate" or not _is_aoprim(e["name"]):
                 continue
             u = g["unit"]
+            # against a hardware floor the figure is the cost above it, not a ratio
+            rel = (_ratio(e["ratio"]) if g.get("compete", True) else
+                   f"{e['median'] - base['median']:+.2f} {u} over the floor")
             out.append(f"| {g['id']} | {e['name']}{' *' if e['winner'] else ''} | "
                        f"{_num(e['median'])} {u} | {base['name']} | {_num(base['median'])} "
-                       f"{u} | {_ratio(e['ratio'])} |")
+                       f"{u} | {rel} |")
+    out.append("")
+    out.append("`*`: the fastest entry of its group (groups also hold other baselines and "
+               "peers: `python -m aoprim bench` prints them all).  Ratio: how many times "
+               "faster than the baseline.")
     return "\n".join(out)
+
+
+def markdown_servers(doc):
+    """A Markdown table of the server groups: per scenario and server, messages/s, server
+    CPU per message (user + sys), syscalls per message, p99, and the ratios to the baseline."""
+    out = ["| scenario | server | msgs/s | CPU us/msg (user + sys) | syscalls/msg | p99 us | "
+           "CPU ratio | msgs/s ratio |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    any_row = False
+    for g in doc["groups"]:
+        if g["kind"] != "server":
+            continue
+        base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
+        bm = base["metrics"]["msgs_per_s"]["median"] if base else None
+        first = True
+        for e in sorted(g["entries"], key=lambda e: e["median"]):
+            m = {k: v["median"] for k, v in e.get("metrics", {}).items()}
+            sc = m.get("syscalls_per_msg")
+            name = f"**{e['name']}**" if e["winner"] else e["name"]
+            if e["role"] == "baseline":
+                name += " (baseline)"
+            out.append(
+                f"| {g['title'] if first else ''} | {name} | {_num(m.get('msgs_per_s'))} | "
+                f"{_num(e['median'])} ({_num(m.get('user_us_per_msg'))} + "
+                f"{_num(m.get('sys_us_per_msg'))}) | {'-' if sc is None else f'{sc:.2f}'} | "
+                f"{_num(m.get('p99_us'))} | {_ratio(e['ratio'])} | "
+                f"{_ratio(m['msgs_per_s'] / bm if bm and m.get('msgs_per_s') else None)} |")
+            first = False
+            any_row = True
+    return "\n".join(out) if any_row else ""
+
+
+def markdown(doc):
+    """What the README shows: the primitives' table, then the servers' (``--markdown``)."""
+    parts = [markdown_summary(doc)]
+    srv = markdown_servers(doc)
+    if srv:
+        parts += ["", srv]
+    return "\n".join(parts)
 
 
 AOPRIM_NAMES = ("AtomicInt", "RefCount", "SpinLock", "MPMCQueue", "SPSCQueue", "SlabPool",
