@@ -23,6 +23,7 @@ import queue
 import random
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -877,7 +878,7 @@ def pytest_run(benchmark, grp, case, rounds=5):
         else:
             benchmark(fn)
     except BaseException:
-        if not cm.__exit__(*__import__("sys").exc_info()):
+        if not cm.__exit__(*sys.exc_info()):
             raise
     else:
         cm.__exit__(None, None, None)
