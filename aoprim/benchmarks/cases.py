@@ -6,7 +6,9 @@ with its own interleaved harness (``runner.py``); the developer-facing pytest-be
 
 A :class:`Case` is one entry of a group: ``setup(n)`` is a context manager that builds what the
 case needs, yields ``fn`` -- a callable with no arguments that performs ``n`` operations -- and
-on exit checks what it must (every item counted, every slot back) and tears down.  ``n``
+on exit checks what it must (every item counted, every slot back) and tears down.  When
+``fn.prepare`` exists it is called, untimed, before every timed call (refill a socket, drain
+a peer).  ``n``
 defaults to ``Case.n``; the command scales it down for ``--quick``.  A case that cannot run
 here raises :class:`Unavailable` from ``setup`` (an optional peer library that is missing).
 
@@ -39,14 +41,15 @@ class Unavailable(Exception):
 
 
 class Case:
-    __slots__ = ("name", "setup", "n", "role", "heavy")
+    __slots__ = ("name", "setup", "n", "role", "heavy", "rounds")
 
-    def __init__(self, name, setup, n, role="candidate", heavy=False):
+    def __init__(self, name, setup, n, role="candidate", heavy=False, rounds=None):
         self.name = name
         self.setup = setup        # setup(n) -> context manager yielding fn (n operations)
         self.n = n                # operations per call of fn, at full scale
         self.role = role          # "baseline" | "candidate" | "reference"
         self.heavy = heavy        # one call is a whole threaded run: time it once per sample
+        self.rounds = rounds      # pytest-benchmark rounds for heavy / prepared cases
 
     def __repr__(self):
         return f"Case({self.name!r}, n={self.n}, role={self.role!r})"
@@ -751,6 +754,295 @@ for _size in CUTOFF_SIZES:
           ], default=False, params={"size": _size})
 
 
+# == FlushGroup: every dirty batch flushed at once ==============================================
+
+FG_MSGS = [b"m%02d" % i * (4 + i % 7) for i in range(4)]     # 12..40 B
+FG_BYTES = sum(map(len, FG_MSGS))
+
+
+@contextlib.contextmanager
+def socketpairs(n):
+    """n non-blocking socketpairs with 1 MiB buffers; yields [(a, b)] and closes them."""
+    pairs = []
+    try:
+        for _ in range(n):
+            a, b = socket.socketpair()
+            pairs.append((a, b))
+            for s in (a, b):
+                s.setblocking(False)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        yield pairs
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def drainer(pairs):
+    """drain(): read everything waiting at every peer (b of each pair)."""
+    peers = [b for _, b in pairs]
+    buf = bytearray(1 << 16)
+
+    def drain():
+        for p in peers:
+            try:
+                while p.recv_into(buf):
+                    pass
+            except BlockingIOError:
+                pass
+    return drain
+
+
+def new_batch(sock):
+    return SendBatch(sock, max_msgs=1024, max_bytes=256 << 10, auto_flush=False)
+
+
+class _DirtySession:
+    __slots__ = ("batch", "dirty")
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.dirty = False
+
+
+def _check_one_syscall_each(batches):
+    calls = batches[0].stats["syscalls"]
+    for b in batches:
+        assert b.pending_bytes == 0
+        assert b.stats["syscalls"] == calls          # one syscall per batch per call
+        assert b.stats["bytes"] == calls * FG_BYTES
+
+
+def _fg_python_loop():
+    """The Python end-of-iteration flush: add_copy() x 4 per session with the server's
+    dirty-list bookkeeping, then a loop calling b.flush() per dirty batch."""
+    @contextlib.contextmanager
+    def setup(n):
+        with socketpairs(n) as pairs:
+            sessions = [_DirtySession(new_batch(a)) for a, _ in pairs]
+            dirty = []
+            m0, m1, m2, m3 = FG_MSGS
+
+            def iteration():
+                for s in sessions:
+                    add = s.batch.add_copy
+                    add(m0)
+                    add(m1)
+                    add(m2)
+                    add(m3)
+                    if not s.dirty:
+                        s.dirty = True
+                        dirty.append(s)
+                for s in dirty:
+                    s.dirty = False
+                    b = s.batch
+                    try:
+                        b.flush()
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                    if b:
+                        raise AssertionError("short write")
+                dirty.clear()
+            iteration.prepare = drainer(pairs)
+            yield iteration
+            iteration.prepare()
+            _check_one_syscall_each([s.batch for s in sessions])
+    return setup
+
+
+def _fg_group():
+    """FlushGroup: add_copy() x 4 per session (the batch queues itself), then ONE g.flush()
+    (every syscall with the GIL released once)."""
+    @contextlib.contextmanager
+    def setup(n):
+        from aoprim import FlushGroup
+        with socketpairs(n) as pairs:
+            g = FlushGroup()
+            batches = []
+            for i, (a, _) in enumerate(pairs):
+                b = new_batch(a)
+                g.attach(b, i)
+                batches.append(b)
+            adders = [b.add_copy for b in batches]
+            flush = g.flush
+            m0, m1, m2, m3 = FG_MSGS
+
+            def iteration():
+                for add in adders:
+                    add(m0)
+                    add(m1)
+                    add(m2)
+                    add(m3)
+                if flush() is not None:
+                    raise AssertionError("a batch needs attention")
+            iteration.prepare = drainer(pairs)
+            yield iteration
+            iteration.prepare()
+            _check_one_syscall_each(batches)
+            assert g.stats["gil_releases"] == g.stats["flushes"]
+    return setup
+
+
+def _fg_flush_only(grouped):
+    """The flush step alone: the adds happen in the untimed prepare()."""
+    @contextlib.contextmanager
+    def setup(n):
+        from aoprim import FlushGroup
+        with socketpairs(n) as pairs:
+            batches = [new_batch(a) for a, _ in pairs]
+            drain = drainer(pairs)
+            if grouped:
+                g = FlushGroup()
+                for i, b in enumerate(batches):
+                    g.attach(b, i)
+                flush_all = g.flush
+            else:
+                dirty = []
+
+                def flush_all():
+                    for b in dirty:
+                        try:
+                            b.flush()
+                        except (BlockingIOError, InterruptedError):
+                            pass
+                    dirty.clear()
+
+            def prepare():
+                drain()
+                for b in batches:
+                    b.add_many(FG_MSGS)
+                    if not grouped:
+                        dirty.append(b)
+
+            def fn():
+                flush_all()
+            fn.prepare = prepare
+            yield fn
+            assert all(b.pending_bytes == 0 for b in batches)
+    return setup
+
+
+FG_N = 100      # sessions, each over its own socketpair (per op: one session's batch)
+
+group("flushgroup-100x4", "flushgroup",
+      "one loop iteration's send side: 100 sessions x 4 small messages, then the flush", [
+          Case("Python dirty-list loop", _fg_python_loop(), FG_N, "baseline", rounds=400),
+          Case("FlushGroup", _fg_group(), FG_N, rounds=400),
+      ])
+group("flushgroup-100x4-flush-only", "flushgroup",
+      "the flush step alone, 100 batches of 4 small messages", [
+          Case("Python loop of flush()", _fg_flush_only(False), FG_N, "baseline", rounds=400),
+          Case("FlushGroup.flush", _fg_flush_only(True), FG_N, rounds=400),
+      ])
+
+
+# == the receive path: Receiver vs the Python read + scan + slice ===============================
+
+RX_PAYLOAD = 64
+RX_PER_READ = 16
+RX_BURST = (struct.pack(">H", RX_PAYLOAD) + b"p" * RX_PAYLOAD) * RX_PER_READ
+
+
+def _rx_handler(owner, data):
+    pass
+
+
+def _rx_event(owner, code, arg):
+    raise AssertionError(f"unexpected receive event {code} {arg!r}")
+
+
+@contextlib.contextmanager
+def rx_socketpair():
+    r, w = socket.socketpair()
+    try:
+        r.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        w.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        r.setblocking(False)
+        yield r, w
+    finally:
+        r.close()
+        w.close()
+
+
+def rx_python_path(sock, mv, scan, owner, reads):
+    """What aoprim/server/session.py does for a u16 read into the scratch slot: recv_into,
+    Framing.scan, one mv[a:b] slice per frame to the handler."""
+    recv_into = sock.recv_into
+    for _ in range(reads):
+        n = recv_into(mv)
+        spans, pos, need = scan(mv, 0, n)
+        for a, b in spans:
+            _rx_handler(owner, mv[a:b])
+
+
+def _rx_python():
+    @contextlib.contextmanager
+    def setup(n):
+        from aoprim.server.framing import Framing
+        reads = max(1, n // RX_PER_READ)
+        with rx_socketpair() as (r, w):
+            pool = SlabPool(len(RX_BURST), 2)
+            slot = pool.acquire()
+            mv = memoryview(slot)
+            scan = Framing("u16", 65536).scan
+            data = RX_BURST * reads
+
+            def fn():
+                rx_python_path(r, mv, scan, None, reads)
+            fn.prepare = lambda: w.sendall(data)
+            try:
+                yield fn
+                try:
+                    r.recv(1)
+                    raise AssertionError("bytes left unread")
+                except BlockingIOError:
+                    pass
+            finally:
+                mv.release()
+                slot.release()
+    return setup
+
+
+def _rx_receiver(copy):
+    @contextlib.contextmanager
+    def setup(n):
+        from aoprim import Receiver, RxArena
+        reads = max(1, n // RX_PER_READ)
+        with rx_socketpair() as (r, w):
+            pool = SlabPool(len(RX_BURST), 4)
+            arena = RxArena(pool)
+            rx = Receiver(arena, r.fileno(), 2, 65536, _rx_handler, _rx_event, None, copy)
+            on_readable = rx.on_readable
+            data = RX_BURST * reads
+
+            def fn():
+                for _ in range(reads):
+                    on_readable()
+            fn.prepare = lambda: w.sendall(data)
+            try:
+                yield fn
+                assert rx.buffered == 0 and arena.scratch_swaps == 0
+                assert rx.frames_in == rx.reads * RX_PER_READ
+            finally:
+                rx.close()
+                arena.close()
+            assert pool.in_use == 0
+    return setup
+
+
+RX_FRAMES = 64 * RX_PER_READ      # frames per call: 64 reads of one 16-frame burst
+
+group("receive-path", "receiver",
+      f"receive path: u16 {RX_PAYLOAD} B frames, {RX_PER_READ} per read, per frame", [
+          Case("recv_into + Framing.scan + slices (Python)", _rx_python(), RX_FRAMES,
+               "baseline", rounds=300),
+          Case("Receiver.on_readable (views)", _rx_receiver(False), RX_FRAMES, rounds=300),
+          Case("Receiver.on_readable (copy_frames)", _rx_receiver(True), RX_FRAMES,
+               rounds=300),
+      ])
+
+
 # == C level (nogil), through aoprim._benchcore ================================================
 
 def _core():
@@ -873,8 +1165,12 @@ def pytest_run(benchmark, grp, case, rounds=5):
     except Unavailable as e:
         pytest.skip(str(e))
     try:
-        if case.heavy:
-            benchmark.pedantic(fn, rounds=rounds, iterations=1)
+        prepare = getattr(fn, "prepare", None)
+        if prepare is not None:
+            benchmark.pedantic(fn, setup=prepare, rounds=case.rounds or 300, iterations=1,
+                               warmup_rounds=20)
+        elif case.heavy:
+            benchmark.pedantic(fn, rounds=case.rounds or rounds, iterations=1)
         else:
             benchmark(fn)
     except BaseException:

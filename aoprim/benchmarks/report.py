@@ -235,7 +235,7 @@ def markdown(doc):
 
 
 AOPRIM_NAMES = ("AtomicInt", "RefCount", "SpinLock", "MPMCQueue", "SPSCQueue", "SlabPool",
-                "BlockTable", "SendBatch", "aoprim")
+                "BlockTable", "SendBatch", "FlushGroup", "Receiver", "aoprim")
 
 
 def _is_aoprim(name):
