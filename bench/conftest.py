@@ -11,6 +11,9 @@ prints, per group, each entry's speed as a ratio against the baseline (``x2.5`` 
 faster than the baseline) -- the figure the issues and the README report.  Benchmarks that
 move N items per call set ``benchmark.extra_info["per_call"] = N`` and are also reported
 per item.  Results are also written as JSON when --benchmark-json is given.
+
+The measured cases live in the package (aoprim/benchmarks/cases.py), shared with
+``python -m aoprim bench``; each bench_*.py names the groups it times.
 """
 import os
 import pathlib
@@ -18,22 +21,10 @@ import platform
 import subprocess
 import sys
 
-import pytest
 
 # bench/ and tests/ (for support helpers) on the path, never the checkout root
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-
-
-@pytest.fixture(scope="session")
-def cybuild(tmp_path_factory):
-    """build(name, source) -> module compiled against the installed aoprim."""
-    from aoprim.cybuild import build_module
-
-    def build(name, source):
-        return build_module(name, source, workdir=str(tmp_path_factory.mktemp(name)),
-                            cflags=("-O3",))
-    return build
 
 
 def _commit():
