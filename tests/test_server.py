@@ -345,14 +345,18 @@ def test_session_slot_send_and_pool_return(make_server, connect):
 
 def test_backend_accepts_only_what_works():
     from aoprim.server import BACKENDS
-    assert BACKENDS == ("selectors",)
+    assert BACKENDS == ("selectors", "epoll")
     with pytest.raises(BackendUnavailable, match="io_uring"):
         Server(Echo(), HOST, 0, backend="uring")
     with pytest.raises(ValueError, match="selectors"):
         Server(Echo(), HOST, 0, backend="auto")
-    srv = Server(Echo(), HOST, 0, backend="selectors")
-    assert srv.backend == "selectors"
+    srv = Server(Echo(), HOST, 0)
+    assert srv.backend == "selectors"      # the default (API.md)
     srv.shutdown()
+    for name in BACKENDS:
+        srv = Server(Echo(), HOST, 0, backend=name)
+        assert srv.backend == name
+        srv.shutdown()
 
 
 def test_bad_arguments():
