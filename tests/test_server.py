@@ -16,6 +16,13 @@ from aoprim.server.apps import Chat, Echo
 from support import run_threads
 from test_server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
                                  read_frame, recv_exact, recv_until_closed, wait_for)
+from aoprim.server.loop import BACKENDS
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Every test here runs on every Layer 1 backend (make_server uses this fixture)."""
+    return request.param
 
 
 class Recorder(Echo):
