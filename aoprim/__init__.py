@@ -49,6 +49,8 @@ from aoprim._receiver import (Receiver, RxArena, RX_EOF, RX_ERROR, RX_TOO_LARGE,
                               RX_HANDLER, RX_PROXY, RX_PROXY_ERROR)
 # PROXY protocol header parser (issue 14): what Receiver(proxy=...) runs
 from aoprim._proxyproto import ProxyParser
+# the compiled Layer 1 event loop core (the server's "epoll" backend)
+from aoprim._eloop import EpollCore, EpollTimer
 
 __version__ = "0.1.0"
 
@@ -59,7 +61,7 @@ __all__ = [
     "Full", "Empty", "PoolExhausted", "RefCountError", "Closed",
     "SendBatch", "FlushGroup",
     "Receiver", "RxArena", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
-    "RX_PROXY", "RX_PROXY_ERROR", "ProxyParser",
+    "RX_PROXY", "RX_PROXY_ERROR", "ProxyParser", "EpollCore", "EpollTimer",
     "get_include",
 ]
 

@@ -78,3 +78,10 @@ def _no_thread_leak():
         t.join(5)   # a thread that was told to stop may still be unwinding
     leaked = [t for t in leaked if t.is_alive()]
     assert not leaked, f"threads leaked by the test: {leaked}"
+
+
+@pytest.fixture
+def backend():
+    """The Layer 1 backend make_server uses unless a test names one: AOPRIM_TEST_BACKEND, or
+    the default.  A module overrides this fixture (params=BACKENDS) to run on every backend."""
+    return os.environ.get("AOPRIM_TEST_BACKEND", "selectors")

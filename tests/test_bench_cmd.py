@@ -173,14 +173,15 @@ def test_new_loops_and_backends_join_the_server_groups_when_they_exist(monkeypat
     fake.new_event_loop = lambda: None
     monkeypatch.setitem(sys.modules, "aoprim.aio", fake)
     monkeypatch.setattr(aoprim, "aio", fake, raising=False)
-    monkeypatch.setattr(aoprim.server.loop, "BACKENDS", ("selectors", "epoll"))
+    monkeypatch.setattr(aoprim.server.loop, "BACKENDS", ("selectors", "uring"))
     run, skipped = servers.available_servers()
-    assert "aoprim.aio" in run and "aoprim[epoll]" in run
-    assert servers.server_cmd("aoprim[epoll]", "raw")[-2:] == ["--backend", "epoll"]
+    assert "aoprim.aio" in run and "aoprim-uring" in run
+    assert servers.server_cmd("aoprim-uring", "raw")[-2:] == ["--backend", "uring"]
+    assert "--backend" not in servers.server_cmd("aoprim-base", "raw")
     assert servers.server_cmd("aoprim.aio", "u16")[-2:] == ["--loop", "aio"]
 
 
 def test_a_server_that_cannot_start_is_reported_not_fatal():
     from aoprim.benchmarks import servers
     with pytest.raises(servers.ServerUnavailable, match="did not start"):
-        servers.run_one("aoprim[nosuchbackend]", "raw-1k-10", duration=0.2)
+        servers.run_one("aoprim-nosuchbackend", "raw-1k-10", duration=0.2)

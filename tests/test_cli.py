@@ -41,9 +41,10 @@ def stop(p, sig):
     return p.returncode, out, err
 
 
+@pytest.mark.parametrize("backend", ["selectors", "epoll"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_serve_echo_answers_and_exits_0_on_signal(sig):
-    p, port = start_server("--app", "echo")
+def test_serve_echo_answers_and_exits_0_on_signal(sig, backend):
+    p, port = start_server("--app", "echo", "--backend", backend)
     try:
         with socket.create_connection((HOST, port), timeout=10) as s:
             s.sendall(b"hello cli")

@@ -56,6 +56,7 @@ SAFE = os.environ.get("AOPRIM_FUZZ_SAFE") == "1"     # keep tables out of the co
 FlushGroup = getattr(aoprim, "FlushGroup", None)
 Receiver = getattr(aoprim, "Receiver", None)
 RxArena = getattr(aoprim, "RxArena", None)
+EpollCore = getattr(aoprim, "EpollCore", None)
 
 TailBuffer = type(BlockTable(SlabPool(8, 1)).tail())
 # what touching an object may legitimately raise (anything else is a finding)
@@ -222,16 +223,36 @@ class Harness:
             return None
         a = self.sockpair()
         peer = self.peers[-1]
-        arena = RxArena(self.pool(i))
+        try:
+            arena = RxArena(self.pool(i))
+        except PoolExhausted:       # every slot held by live objects (an event loop's
+            return None             # timer may hold them until the GC frees the loop)
         held = [self.pick(j)]
         rx = Receiver(arena, a.fileno(), 2, 1024, lambda owner, data: self.touch(held[0]),
                       lambda owner, ev, exc: None, held)
         peer.send(b"\x00\x03abc\x00\x05de")     # one frame and an unfinished one
         return rx
 
+    def new_eloop(self, i, j):
+        """An event loop core in cycles: its fd table, timer heap, ready queue and hooks
+        hold callbacks that reach picked objects (which may reach the loop: it is in
+        ``held``)."""
+        if EpollCore is None:
+            return None
+        lp = EpollCore()
+        a = self.sockpair()
+        self.peers[-1].send(b"x")               # readable: the reader runs when touched
+        held = [self.pick(i), self.pick(j), lp]
+        lp.set_callbacks(a.fileno(), lambda: self.touch(held[0]), None)
+        lp.call_at(1e9, self.touch, held[1])    # a far timer, pending while the loop lives
+        lp.call_later(0, self.touch, held)
+        lp.call_soon(self.touch, held)
+        lp.add_iteration_hook(lambda: held)
+        return lp
+
     KINDS = ["pool", "slot", "slot_view", "table", "tail", "view", "fork", "mpmc", "spsc",
              "batch", "refcount", "lock", "atomic", "list", "dict", "closure", "fin",
-             "bytes", "group", "receiver"]
+             "bytes", "group", "receiver", "eloop"]
 
     # ---- wiring --------------------------------------------------------------------------
 
@@ -376,6 +397,18 @@ class Harness:
         elif Receiver is not None and isinstance(o, Receiver):
             if not o.closed:
                 o.on_readable()
+        elif EpollCore is not None and isinstance(o, EpollCore):
+            assert o.pending_timers >= 0
+            o.reader_of(0)
+            # one iteration (every callback kind runs) -- but never a loop inside another
+            # loop's callback: nested runs would only exhaust the stack
+            if not o.closed and not o.running and not getattr(self, "_in_loop", False):
+                self._in_loop = True
+                try:
+                    o.call_soon(o.stop)
+                    o.run()
+                finally:
+                    self._in_loop = False
 
     def touch_survivors(self):
         for o in list(self.survivors) + list(self.resurrected):

@@ -9,8 +9,9 @@ PKG = pathlib.Path(aoprim.server.__file__).resolve().parent
 
 # module (path relative to the server package, no .py) -> server modules it may import
 ALLOWED = {
-    "loop": {"loop_selectors"},                       # Layer 1 interface (+ its backend)
+    "loop": {"loop_selectors", "loop_epoll"},         # Layer 1 interface (+ its backends)
     "loop_selectors": {"loop"},                       # Layer 1 backend
+    "loop_epoll": {"loop"},                           # Layer 1 backend (compiled core)
     "framing": set(),                                 # pure
     "config": {"framing", "proxy"},
     "proxy": set(),                                   # PROXY protocol policy (pure)
@@ -36,6 +37,7 @@ FORBIDDEN_STDLIB = {
     "proxy": {"socket", "selectors", "select"},
     "loop": {"socket", "selectors", "select"},
     "loop_selectors": {"socket"},
+    "loop_epoll": {"socket", "selectors", "select"},
     # Layer 2 parts above Layer 1 reach the OS only through the loop and the primitives
     "session": {"selectors", "select"},
     "rx": {"socket", "selectors", "select"},

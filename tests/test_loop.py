@@ -5,12 +5,14 @@ import time
 
 import pytest
 
-from aoprim.server.loop import BackendUnavailable, EventLoop, create_loop
+from aoprim.server.loop import BACKENDS, BackendUnavailable, EventLoop, Timer, create_loop
 
 
-@pytest.fixture
-def loop():
-    lp = create_loop()
+@pytest.fixture(params=BACKENDS)
+def loop(request):
+    """Every test of the contract runs on every backend."""
+    lp = create_loop(request.param)
+    assert lp.backend == request.param
     yield lp
     lp.close()
 
@@ -138,10 +140,14 @@ def test_iteration_hook_runs_after_callbacks(loop):
 def test_backends():
     with pytest.raises(BackendUnavailable, match="io_uring"):
         create_loop("uring")
-    lp = create_loop("selectors")
-    assert lp.backend == "selectors"
-    assert isinstance(lp, EventLoop)
-    lp.close()
+    assert BACKENDS == ("selectors", "epoll")
+    assert create_loop().backend == "selectors"         # the default (API.md)
+    for name in BACKENDS:
+        lp = create_loop(name)
+        assert lp.backend == name
+        assert isinstance(lp, EventLoop)
+        assert isinstance(lp.call_later(5, print), Timer)
+        lp.close()
     for bad in ("auto", "kqueue-please"):
         with pytest.raises(ValueError, match="selectors"):
             create_loop(bad)

@@ -16,6 +16,13 @@ from aoprim.server.apps import Chat, Echo
 from support import run_threads
 from test_server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
                                  read_frame, recv_exact, recv_until_closed, wait_for)
+from aoprim.server.loop import BACKENDS
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Every test here runs on every Layer 1 backend (make_server uses this fixture)."""
+    return request.param
 
 
 class Recorder(Echo):
@@ -345,14 +352,18 @@ def test_session_slot_send_and_pool_return(make_server, connect):
 
 def test_backend_accepts_only_what_works():
     from aoprim.server import BACKENDS
-    assert BACKENDS == ("selectors",)
+    assert BACKENDS == ("selectors", "epoll")
     with pytest.raises(BackendUnavailable, match="io_uring"):
         Server(Echo(), HOST, 0, backend="uring")
     with pytest.raises(ValueError, match="selectors"):
         Server(Echo(), HOST, 0, backend="auto")
-    srv = Server(Echo(), HOST, 0, backend="selectors")
-    assert srv.backend == "selectors"
+    srv = Server(Echo(), HOST, 0)
+    assert srv.backend == "selectors"      # the default (API.md)
     srv.shutdown()
+    for name in BACKENDS:
+        srv = Server(Echo(), HOST, 0, backend=name)
+        assert srv.backend == name
+        srv.shutdown()
 
 
 def test_bad_arguments():

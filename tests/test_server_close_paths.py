@@ -12,6 +12,14 @@ from aoprim.server import Handler
 
 from test_server_support import (connect, frame, make_server, open_fds,  # noqa: F401
                                  read_frame, recv_until_closed, wait_for)
+from aoprim.server.loop import BACKENDS
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Every test here runs on every Layer 1 backend (make_server uses this fixture)."""
+    return request.param
+
 
 IDLE_RX = 1     # the scratch slot every session reads into (held while the server runs)
 

@@ -84,11 +84,12 @@ def assert_no_leaks(srv, fds_before=None):
 
 
 @pytest.fixture
-def make_server():
+def make_server(backend):
     servers = []
     fds = open_fds()
 
     def make(handler=None, **kw):
+        kw.setdefault("backend", backend)
         srv = Server(handler if handler is not None else Echo(), kw.pop("host", HOST),
                      kw.pop("port", 0), **kw)
         servers.append(srv)

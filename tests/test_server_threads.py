@@ -14,6 +14,13 @@ from aoprim.server import Handler, Server
 
 from test_server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
                                  read_frame, wait_for)
+from aoprim.server.loop import BACKENDS
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Every test here runs on every Layer 1 backend (make_server uses this fixture)."""
+    return request.param
 
 
 @pytest.fixture

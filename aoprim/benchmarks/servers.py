@@ -3,8 +3,9 @@ load generator (``python -m aoprim loadgen``), every server in its own fresh pro
 
 Servers (``server_cmd``):
   aoprim            ``python -m aoprim serve --app echo`` (the default Layer 1 backend)
-  aoprim[NAME]      the same with ``--backend NAME``, for every other backend in
-                    ``aoprim.server.loop.BACKENDS`` (joins automatically when one lands)
+  aoprim-NAME       the same with ``--backend NAME``, for every other backend in
+                    ``aoprim.server.loop.BACKENDS`` (e.g. aoprim-epoll; a backend joins
+                    automatically when it lands)
   aoprim-base       aoprim served from another checkout (``TREES``; echo_compare's
                     ``--baseline-tree``)
   asyncio           ``echo_asyncio.py``: an asyncio Protocol echo on the default loop (the
@@ -86,8 +87,10 @@ def _env(tree=None):
 
 
 def _backend_of(server):
-    m = re.fullmatch(r"aoprim\[(\w+)\]", server)
-    return m.group(1) if m else None
+    """``aoprim-NAME`` -> NAME (the Layer 1 backend it is served on); None for ``aoprim``,
+    ``aoprim-base`` and the other servers."""
+    m = re.fullmatch(r"aoprim-(\w+)", server)
+    return m.group(1) if m and m.group(1) != "base" else None
 
 
 def server_cmd(server, framing):
@@ -95,7 +98,7 @@ def server_cmd(server, framing):
     if server == "floor":
         return [sys.executable, os.path.join(HERE, "echo_floor.py"), "--host", HOST,
                 "--port", "0", "--framing", framing]
-    if server in TREES or _backend_of(server):
+    if server in TREES or _backend_of(server) or server == "aoprim":
         cmd = [sys.executable, "-m", "aoprim", "serve", "--app", "echo", "--host", HOST,
                "--port", "0", "--framing", framing, "--log-level", "WARNING"]
         if _backend_of(server):
@@ -114,11 +117,11 @@ def available_servers():
         from aoprim.server.loop import BACKENDS
     except ImportError as e:
         BACKENDS = ("selectors",)
-        skipped.append(("aoprim[other backends]", f"aoprim.server.loop not importable: {e}"))
+        skipped.append(("aoprim-BACKEND", f"aoprim.server.loop not importable: {e}"))
     others = [b for b in BACKENDS if b != "selectors"]
-    run += [f"aoprim[{b}]" for b in others]
+    run += [f"aoprim-{b}" for b in others]
     if not others:
-        skipped.append(("aoprim[other backends]", "aoprim.server.loop.BACKENDS has only "
+        skipped.append(("aoprim-BACKEND", "aoprim.server.loop.BACKENDS has only "
                         "'selectors' (no other Layer 1 backend is built into this aoprim)"))
     run.append("asyncio")
     try:
@@ -238,7 +241,9 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
     ``send_syscalls_per_msg``, and with ``syscalls`` ``syscalls_per_msg`` when perf can count.
     ``warm``: warm_up() it first (the steady state); otherwise it is measured as started."""
     sc = SCENARIOS[scenario]
-    tree = TREES.get(server) if server in TREES else None
+    # a backend variant is the same package as "aoprim" unless TREES names it
+    tree = TREES[server] if server in TREES else (TREES.get("aoprim") if _backend_of(server)
+                                                  else None)
     env = _env(tree)
     p = subprocess.Popen(server_cmd(server, sc["framing"]), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=CWD, env=env)

@@ -16,9 +16,11 @@
     |          framing.py     pure framing (clients, tools)                      |
     +----------------------------------------------------------------------------+
     | Layer 1  loop.py        the event-loop interface every backend implements  |
-    |          loop_selectors.py  the selectors (epoll) backend                  |
+    |          loop_selectors.py  backend "selectors" (default; pure Python)     |
+    |          loop_epoll.py      backend "epoll" (over aoprim.EpollCore)        |
     +----------------------------------------------------------------------------+
-    | compiled  aoprim.Receiver / RxArena (read, cut frames, call on_read),       |
+    | compiled  aoprim.EpollCore (wait, dispatch, timers, hooks: "epoll"),        |
+    |           aoprim.Receiver / RxArena (read, cut frames, call on_read),       |
     |           aoprim.SendBatch / FlushGroup (batch, flush all at once),         |
     |           SlabPool, RefCount, MPMCQueue, SpinLock                           |
     +----------------------------------------------------------------------------+

@@ -297,5 +297,9 @@ def main(argv=None):
     except (_Stop, KeyboardInterrupt):
         return 0
     except UsageError as e:
+        # exiting anyway: a stop signal now (a --procs supervisor stopping this child's
+        # siblings) must not interrupt the message with a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print(f"aoprim: {e}", file=sys.stderr, flush=True)
         return 2

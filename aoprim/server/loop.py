@@ -1,9 +1,16 @@
 """Layer 1 -- the event loop interface (the OS layer), written down in one place.
 
 Layer 2 (sessions, listener, dispatch, flush) uses a loop only through the methods of
-:class:`EventLoop` below.  A backend is a subclass that implements them; the ``selectors``
-backend (:mod:`aoprim.server.loop_selectors`) is the one that ships.  A second backend (say,
-io_uring) implements the same methods and joins :data:`BACKENDS`; Layers 2 and 3 do not change.
+:class:`EventLoop` below.  A backend is a subclass that implements them; two ship:
+
+- ``selectors`` (:mod:`aoprim.server.loop_selectors`, the default): pure Python over
+  ``selectors.DefaultSelector`` -- readable, portable, the reference;
+- ``epoll`` (:mod:`aoprim.server.loop_epoll`, Linux): the same contract with the iteration
+  compiled (:class:`aoprim._eloop.EpollCore`) -- the wait, the per-fd dispatch, the timer heap
+  and the hooks run in C, so Layer 1 adds no bytecode to a read burst.
+
+A further backend (say, io_uring) implements the same methods and joins :data:`BACKENDS`;
+Layers 2 and 3 do not change.
 
 The contract every backend keeps:
 
@@ -35,7 +42,7 @@ import abc
 __all__ = ["EventLoop", "Timer", "BACKENDS", "BackendUnavailable", "create_loop"]
 
 #: the backends this build accepts (``backend=`` / ``--backend``)
-BACKENDS = ("selectors",)
+BACKENDS = ("selectors", "epoll")
 
 
 class BackendUnavailable(RuntimeError):
@@ -161,5 +168,11 @@ def create_loop(backend="selectors"):
             f"aoprim; accepted backends: {', '.join(BACKENDS)}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+    if backend == "epoll":
+        try:
+            from .loop_epoll import EpollLoop
+        except ImportError as e:     # pragma: no cover - a build without epoll (not Linux)
+            raise BackendUnavailable(f"backend 'epoll' is not available here: {e}") from e
+        return EpollLoop()
     from .loop_selectors import SelectorsLoop
     return SelectorsLoop()

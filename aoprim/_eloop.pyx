@@ -1,0 +1,608 @@
+# cython: language_level=3, freethreading_compatible=True
+# cython: boundscheck=False, wraparound=False, initializedcheck=False
+"""EpollCore: the hot path of a Layer 1 event loop, compiled (epoll, eventfd, a timer heap).
+
+    core = EpollCore()
+    core.set_callbacks(fd, on_read, on_write)   # None = not interested; both None forgets fd
+    core.call_soon(cb, *args); core.call_soon_threadsafe(cb, *args)   # the latter: any thread
+    t = core.call_at(when, cb, *args); t.cancel()
+    core.add_iteration_hook(hook)
+    core.run()                                  # until stop()
+
+It is the engine of the ``epoll`` backend (:mod:`aoprim.server.loop_epoll`), which adds the
+:class:`~aoprim.server.loop.EventLoop` interface on top; the contract (iteration order,
+isolation, timers, thread-safe wake-up) is written down once, in ``aoprim/server/loop.py``,
+and this class keeps all of it.  What is compiled is the per-iteration work: the wait
+(``epoll_wait`` straight into a C array, no tuple per event), the dispatch of each ready fd to
+its callbacks (looked up by index in a list, called with vectorcall), the timer heap (C
+comparisons of C doubles) and the hooks.  A read burst of a session thus costs no Python
+bytecode of Layer 1 at all: the loop calls the session's compiled ``Receiver.on_readable``
+directly, and the per-iteration hook is the compiled ``FlushGroup.flush``.
+
+Invariants
+- One loop thread.  Only the thread running :meth:`run` touches the fd table, the timer heap
+  and the hook list.  The thread-safe entries are :meth:`call_soon_threadsafe` and
+  :meth:`stop` (built on it): an append to a ``collections.deque`` (atomic with the GIL, and
+  internally locked in a free-threaded build) plus, unless a wake-up is already pending, one
+  ``write`` to the eventfd.
+- No lost wake-up: the loop clears ``wake_pending`` *before* it drains the ready queue, and
+  never blocks while the queue is non-empty (it waits with a zero timeout).  A producer
+  appends and then swaps the flag to 1; if it read 0 it writes the eventfd.  Both the clear
+  and the swap are sequentially consistent (a Dekker pair: each side writes one location and
+  then reads the other), so either the loop's drain sees the item, or the producer sees the
+  flag clear and writes the eventfd -- never neither.  At worst a wake-up is spurious.
+- ``close()`` never pulls the eventfd from under a producer: a producer counts itself in
+  ``_inflight`` before it reads ``_closed`` and out after its eventfd write; ``close()`` sets
+  ``_closed`` and then waits (GIL released) until ``_inflight`` is 0 before it closes the fds.
+  Both sides write one location and then read the other, sequentially consistent (a Dekker
+  pair): either the producer sees the loop closed and queues nothing (returns False), or
+  ``close()`` sees it in flight and waits for it.  So no write ever reaches an fd number the
+  process has since reused.  (In a GIL build the producer's section runs no Python code --
+  its item tuple is built before it counts itself in -- so ``close()`` never actually waits.)
+- fd table: ``_rd[fd]`` / ``_wr[fd]`` hold the callbacks (None = not interested); a fd is
+  registered with epoll exactly when one of them is not None.  The lists only grow.
+- Timers: a binary heap of :class:`EpollTimer` ordered by (when, seq).  The timer phase runs
+  only timers due when it began *and* issued before it began (seq <= the last seq issued):
+  a timer that schedules another for "now" runs it in the next iteration, never the same
+  pass.  Cancelled timers stay in the heap until popped, or until they are more than half of
+  it (and more than 256): then the heap is rebuilt without them.
+- Callbacks are called with a strong reference held (a callback may unregister itself).  An
+  ``Exception`` escaping a callback, timer or hook is logged (logger ``aoprim.server``) and
+  counted in ``errors``; the loop goes on.  A ``BaseException`` ends :meth:`run`.
+
+Waiting.  Each iteration first asks epoll for ready fds with a zero timeout, holding the GIL:
+under load something is ready and the GIL hand-off (a mutex and a condition variable each
+way) is saved.  Only when nothing is ready and the loop may sleep does it release the GIL and
+block.  EINTR runs the signal handlers (PyErr_CheckSignals): a handler that raises -- SIGINT's
+KeyboardInterrupt -- ends run(); otherwise the wait is retried with a recomputed timeout.
+
+GC.  Tracked, and ``no_gc_clear``: the loop is in cycles all the time (fd table -> a bound
+method of a session -> the session -> the loop), but every such cycle passes through one of
+its containers (the fd lists, the timer heap, the ready deque, the hook list), whose own
+tp_clear breaks it.  So the GC never clears the loop's fields: a loop reached by a callback
+that runs while the GC tears a cycle down still has its lists and its fds.  An EpollTimer is
+tracked and clearable (callback, args and loop may close a cycle); a cleared timer has
+``_loop`` None and ``cancel()`` checks for it.
+"""
+cimport cython
+from libc.errno cimport errno, EINTR
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.math cimport ceil
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.ref cimport PyObject
+from aoprim.atomic_h cimport (aop_atomic_u32, aop_load_u32, aop_store_u32, aop_exchange_u32,
+                              aop_fetch_add_u32, aop_fetch_sub_u32, aop_yield,
+                              AOP_ACQUIRE, AOP_RELEASE, AOP_SEQ_CST)
+
+import collections
+import logging
+import os
+import threading
+
+__all__ = ["EpollCore", "EpollTimer"]
+
+log = logging.getLogger("aoprim.server")
+
+
+cdef extern from "<sys/epoll.h>" nogil:
+    int epoll_create1(int flags)
+    int epoll_ctl(int epfd, int op, int fd, epoll_event *event)
+    int epoll_wait(int epfd, epoll_event *events, int maxevents, int timeout)
+    enum:
+        EPOLLIN
+        EPOLLOUT
+        EPOLL_CLOEXEC
+        EPOLL_CTL_ADD
+        EPOLL_CTL_MOD
+        EPOLL_CTL_DEL
+
+cdef extern from "<sys/eventfd.h>" nogil:
+    int eventfd(unsigned int initval, int flags)
+    enum:
+        EFD_NONBLOCK
+        EFD_CLOEXEC
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t c_read "read"(int fd, void *buf, size_t n)
+    ssize_t c_write "write"(int fd, const void *buf, size_t n)
+    int c_close "close"(int fd)
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk, timespec *ts)
+    enum:
+        CLOCK_MONOTONIC
+
+cdef extern from "Python.h":
+    int PyErr_CheckSignals() except -1
+
+
+cdef enum:
+    MAX_EVENTS = 64         # ready fds per wait (== _events[] in the .pxd; the rest: next wait)
+    COMPACT_MIN = 256       # cancelled timers tolerated before a rebuild is considered
+    MAX_WAIT_MS = 86400000  # one day: a wait never needs to be longer (a timer re-checks)
+
+
+cdef inline double monotonic() noexcept nogil:
+    """CLOCK_MONOTONIC in seconds: the clock of time.monotonic() on Linux."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
+
+
+@cython.final
+cdef class EpollTimer:
+    """What :meth:`EpollCore.call_at` returns (a :class:`~aoprim.server.loop.Timer`)."""
+
+    # when, seq, cancelled (readonly), callback, args, _loop (None once popped from the
+    # heap, or cleared by the GC): declared in _eloop.pxd
+
+    def cancel(self):
+        """Do not run the callback (loop thread; harmless after it ran)."""
+        if self.cancelled:
+            return
+        self.cancelled = True
+        self.callback = self.args = None
+        loop = self._loop
+        if loop is not None:
+            loop._timer_cancelled()
+
+    def __repr__(self):
+        st = " cancelled" if self.cancelled else ""
+        return f"<EpollTimer when={self.when:.6f} seq={self.seq}{st}>"
+
+
+cdef inline bint _before(EpollTimer a, EpollTimer b) noexcept:
+    return a.when < b.when or (a.when == b.when and a.seq < b.seq)
+
+
+@cython.no_gc_clear
+cdef class EpollCore:
+    """The compiled loop.  Use it through :class:`aoprim.server.loop_epoll.EpollLoop`."""
+
+    # fields (declared in _eloop.pxd): _epfd, _evfd; atomics: _wake_pending (1 while an
+    # eventfd write is unconsumed), _closed, _inflight (producers inside
+    # call_soon_threadsafe); _rd/_wr: fd -> read / write callback or None; _timers: heap of
+    # EpollTimer; _ncancelled: cancelled timers still in it; _seq: last timer seq issued; _ready: deque of (callback, args); _hooks;
+    # _now: the cached time; _events: epoll_wait's array; thread_id; iterations, errors
+    # (callbacks that raised, logged), sleeps (waits that released the GIL and blocked)
+
+    def __cinit__(self):
+        self._epfd = -1
+        self._evfd = -1
+        self._rd = []
+        self._wr = []
+        self._timers = []
+        self._ready = collections.deque()
+        self._hooks = []
+        self.thread_id = None
+        aop_store_u32(&self._wake_pending, 0, AOP_RELEASE)
+        aop_store_u32(&self._closed, 0, AOP_RELEASE)
+        aop_store_u32(&self._inflight, 0, AOP_RELEASE)
+        self._epfd = epoll_create1(EPOLL_CLOEXEC)
+        if self._epfd < 0:
+            raise OSError(errno, os.strerror(errno))
+        self._evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        if self._evfd < 0:
+            raise OSError(errno, os.strerror(errno))
+        cdef epoll_event ev
+        ev.events = EPOLLIN
+        ev.data.u64 = 0
+        ev.data.fd = self._evfd
+        if epoll_ctl(self._epfd, EPOLL_CTL_ADD, self._evfd, &ev) < 0:
+            raise OSError(errno, os.strerror(errno))
+        self._now = monotonic()
+
+    def __dealloc__(self):
+        if self._epfd >= 0:
+            c_close(self._epfd)
+            self._epfd = -1
+        if self._evfd >= 0:
+            c_close(self._evfd)
+            self._evfd = -1
+
+    # -- time and timers ------------------------------------------------------------------
+    def time(self):
+        """The monotonic time cached at the start of this iteration."""
+        return self._now
+
+    def clock(self):
+        """The monotonic time now (not cached)."""
+        return monotonic()
+
+    def call_at(self, double when, callback, *args):
+        """Run ``callback(*args)`` once :meth:`time` reaches ``when``; returns the timer."""
+        cdef EpollTimer t = EpollTimer.__new__(EpollTimer)
+        self._seq += 1
+        t.when = when
+        t.seq = self._seq
+        t.callback = callback
+        t.args = args
+        t._loop = self
+        self._heap_push(t)
+        return t
+
+    def call_later(self, double delay, callback, *args):
+        if delay < 0:
+            delay = 0
+        return self.call_at(monotonic() + delay, callback, *args)
+
+    @property
+    def pending_timers(self):
+        """Timers scheduled and not yet run, cancelled ones included until compacted."""
+        return len(self._timers)
+
+    cdef int _heap_push(self, EpollTimer t) except -1:
+        cdef list h = self._timers
+        h.append(t)
+        cdef Py_ssize_t i = PyList_GET_SIZE(h) - 1, parent
+        cdef EpollTimer p
+        while i > 0:
+            parent = (i - 1) >> 1
+            p = <EpollTimer>PyList_GET_ITEM(h, parent)
+            if not _before(t, p):
+                break
+            h[i] = p
+            i = parent
+        h[i] = t
+        return 0
+
+    cdef EpollTimer _heap_pop(self):
+        """Remove and return the earliest timer (the heap is not empty)."""
+        cdef list h = self._timers
+        cdef EpollTimer top = <EpollTimer>PyList_GET_ITEM(h, 0)
+        cdef EpollTimer last = h.pop()
+        cdef Py_ssize_t n = PyList_GET_SIZE(h)
+        if n:
+            self._sift_down(last, 0, n)
+        return top
+
+    cdef int _sift_down(self, EpollTimer t, Py_ssize_t i, Py_ssize_t n) except -1:
+        """Place ``t`` at index ``i`` and move it down to its place in h[:n]."""
+        cdef list h = self._timers
+        cdef Py_ssize_t c
+        cdef EpollTimer a, b
+        while True:
+            c = 2 * i + 1
+            if c >= n:
+                break
+            a = <EpollTimer>PyList_GET_ITEM(h, c)
+            if c + 1 < n:
+                b = <EpollTimer>PyList_GET_ITEM(h, c + 1)
+                if _before(b, a):
+                    c += 1
+                    a = b
+            if not _before(a, t):
+                break
+            h[i] = a
+            i = c
+        h[i] = t
+        return 0
+
+    def _timer_cancelled(self):
+        cdef EpollTimer t
+        cdef Py_ssize_t i, n
+        self._ncancelled += 1
+        if self._ncancelled > COMPACT_MIN and 2 * self._ncancelled > len(self._timers):
+            live = []
+            for t in self._timers:
+                if t.cancelled:
+                    t._loop = None
+                else:
+                    live.append(t)
+            self._timers = live
+            n = len(live)
+            i = n // 2 - 1
+            while i >= 0:           # heapify
+                self._sift_down(<EpollTimer>live[i], i, n)
+                i -= 1
+            self._ncancelled = 0
+
+    # -- callbacks --------------------------------------------------------------------------
+    def call_soon(self, callback, *args):
+        """Run ``callback(*args)`` in this or the next callback phase (loop thread)."""
+        self._ready.append((callback, args))
+
+    def call_soon_threadsafe(self, callback, *args):
+        """``call_soon`` from any thread; wakes the loop.  False once the loop is closed."""
+        item = (callback, args)     # built first: nothing below runs Python code
+        # seq_cst, both: the Dekker pair with close() (count in, then read _closed)
+        aop_fetch_add_u32(&self._inflight, 1, AOP_SEQ_CST)
+        if aop_load_u32(&self._closed, AOP_SEQ_CST):
+            aop_fetch_sub_u32(&self._inflight, 1, AOP_RELEASE)
+            return False
+        self._ready.append(item)
+        # seq_cst: the Dekker pair with the loop's clear of the flag (see the invariants)
+        if aop_exchange_u32(&self._wake_pending, 1, AOP_SEQ_CST) == 0:
+            self._wake()
+        # release: close() (acquire) sees our append and write done before it closes the fd
+        aop_fetch_sub_u32(&self._inflight, 1, AOP_RELEASE)
+        return True
+
+    cdef void _wake(self) noexcept nogil:
+        cdef uint64_t one = 1
+        # EAGAIN: the counter is full, so a wake-up is pending anyway; EBADF cannot happen
+        # (the eventfd lives until __dealloc__)
+        c_write(self._evfd, &one, 8)
+
+    cdef void _drain_wakeup(self) noexcept nogil:
+        cdef uint64_t v
+        c_read(self._evfd, &v, 8)
+
+    def add_iteration_hook(self, hook):
+        """``hook()`` runs at the end of every iteration; several run in the order added."""
+        self._hooks.append(hook)
+
+    # -- file descriptors -------------------------------------------------------------------
+    def set_callbacks(self, int fd, on_read, on_write):
+        """Register ``fd``'s readiness callbacks at once (None = not interested; both None
+        unregisters).  Replacing a callback with another costs no syscall."""
+        if fd < 0:
+            raise ValueError(f"invalid file descriptor {fd}")
+        if fd == self._evfd:
+            raise ValueError("that fd is the loop's own eventfd")
+        cdef list rd = self._rd, wr = self._wr
+        cdef Py_ssize_t n = PyList_GET_SIZE(rd)
+        if fd >= n:
+            if on_read is None and on_write is None:
+                return
+            grow = [None] * (fd + 1 - n + n // 2 + 16)
+            rd.extend(grow)
+            wr.extend(grow)
+        old_r = <object>PyList_GET_ITEM(rd, fd)
+        old_w = <object>PyList_GET_ITEM(wr, fd)
+        cdef uint32_t old_ev = (EPOLLIN if old_r is not None else 0) | \
+                               (EPOLLOUT if old_w is not None else 0)
+        cdef uint32_t new_ev = (EPOLLIN if on_read is not None else 0) | \
+                               (EPOLLOUT if on_write is not None else 0)
+        cdef epoll_event ev
+        cdef int op
+        if new_ev != old_ev:
+            ev.events = new_ev
+            ev.data.u64 = 0
+            ev.data.fd = fd
+            op = EPOLL_CTL_ADD if old_ev == 0 else (EPOLL_CTL_DEL if new_ev == 0
+                                                    else EPOLL_CTL_MOD)
+            if epoll_ctl(self._epfd, op, fd, &ev) < 0:
+                err = errno
+                if op != EPOLL_CTL_DEL:
+                    raise OSError(err, os.strerror(err))
+                # DEL of an fd already closed (EBADF) or never known: forgotten anyway
+        rd[fd] = on_read
+        wr[fd] = on_write
+
+    def reader_of(self, int fd):
+        """The read callback registered for ``fd``, or None."""
+        if 0 <= fd < len(self._rd):
+            return self._rd[fd]
+        return None
+
+    def writer_of(self, int fd):
+        """The write callback registered for ``fd``, or None."""
+        if 0 <= fd < len(self._wr):
+            return self._wr[fd]
+        return None
+
+    def remove(self, int fd):
+        """Forget ``fd`` entirely (call before closing it)."""
+        if 0 <= fd < len(self._rd) and (self._rd[fd] is not None or self._wr[fd] is not None):
+            self.set_callbacks(fd, None, None)
+
+    # -- running ----------------------------------------------------------------------------
+    @property
+    def closed(self):
+        return bool(aop_load_u32(&self._closed, AOP_ACQUIRE))
+
+    @property
+    def running(self):
+        return self._running
+
+    def stop(self):
+        """Make :meth:`run` return after the current iteration (any thread)."""
+        self.call_soon_threadsafe(self._set_stopping)
+
+    def _set_stopping(self):
+        self._stopping = True
+
+    def _report(self, cb, exc):
+        self.errors += 1
+        log.error("event loop: callback %r raised; the loop goes on", cb, exc_info=exc)
+
+    def run(self):
+        """Run iterations until :meth:`stop` (loop thread)."""
+        if aop_load_u32(&self._closed, AOP_ACQUIRE):
+            raise RuntimeError("the event loop is closed")
+        if self._running:
+            raise RuntimeError("the event loop is already running")
+        self._running = True
+        self._stopping = False
+        self.thread_id = threading.get_ident()
+        self._now = monotonic()
+        try:
+            self._run()
+        finally:
+            self._running = False
+
+    cdef int _wait(self, int timeout_ms) except -1:
+        """epoll_wait into _events; returns the number of ready fds."""
+        cdef int n, err
+        cdef double deadline
+        # under load something is ready: take it without the GIL hand-off
+        n = epoll_wait(self._epfd, self._events, MAX_EVENTS, 0)
+        if n != 0 or timeout_ms == 0:
+            if n < 0:
+                err = errno
+                if err != EINTR:
+                    raise OSError(err, os.strerror(err))
+                PyErr_CheckSignals()        # a handler that raises ends run()
+                return 0
+            return n
+        deadline = self._now + timeout_ms * 1e-3
+        while True:
+            self.sleeps += 1
+            with nogil:
+                n = epoll_wait(self._epfd, self._events, MAX_EVENTS, timeout_ms)
+                err = errno
+            if n >= 0:
+                return n
+            if err != EINTR:
+                raise OSError(err, os.strerror(err))
+            PyErr_CheckSignals()            # a handler that raises ends run()
+            # PEP 475: retry with the time that is left
+            timeout_ms = <int>ceil((deadline - monotonic()) * 1e3)
+            if timeout_ms <= 0:
+                return 0
+
+    cdef int _run(self) except -1:
+        cdef list rd = self._rd
+        cdef list wr = self._wr
+        cdef object ready = self._ready
+        cdef list hooks = self._hooks
+        cdef EpollTimer t
+        cdef long long limit
+        cdef double due, wait
+        cdef int n, i, fd, timeout_ms
+        cdef uint32_t ev
+        cdef Py_ssize_t k, nready
+        cdef object rcb, wcb, cb, args, popleft = ready.popleft
+        while not self._stopping:
+            # the lists may have been replaced (fd table grown, heap compacted)
+            if len(ready):
+                timeout_ms = 0
+            elif len(self._timers):
+                due = (<EpollTimer>PyList_GET_ITEM(self._timers, 0)).when
+                wait = (due - self._now) * 1e3
+                if wait <= 0:
+                    timeout_ms = 0
+                elif wait >= MAX_WAIT_MS:
+                    timeout_ms = MAX_WAIT_MS
+                else:
+                    timeout_ms = <int>ceil(wait)     # never wake before the timer is due
+            else:
+                timeout_ms = MAX_WAIT_MS
+            n = self._wait(timeout_ms)
+            self._now = monotonic()
+            self.iterations += 1
+            rd = self._rd
+            wr = self._wr
+            for i in range(n):
+                ev = self._events[i].events
+                fd = self._events[i].data.fd
+                if fd == self._evfd:
+                    self._drain_wakeup()
+                    continue
+                if fd >= PyList_GET_SIZE(rd):
+                    continue
+                rcb = <object>PyList_GET_ITEM(rd, fd)
+                wcb = <object>PyList_GET_ITEM(wr, fd)
+                try:
+                    if wcb is None:
+                        # registered for reading only: epoll reports IN, HUP or ERR -- all of
+                        # which the read callback handles (it sees EOF or the error)
+                        if rcb is not None:
+                            rcb()
+                        continue
+                    if rcb is not None and ev & ~(<uint32_t>EPOLLOUT):
+                        rcb()
+                        rd = self._rd           # the read callback may have grown the table
+                        wr = self._wr
+                        wcb = <object>PyList_GET_ITEM(wr, fd)   # ... or dropped the writer
+                        if wcb is None:
+                            continue
+                    if ev & ~(<uint32_t>EPOLLIN):
+                        wcb()
+                except Exception as e:
+                    self._report(rcb if rcb is not None else wcb, e)
+                rd = self._rd
+                wr = self._wr
+            # drop the last callbacks' references: a closed session must not be kept alive
+            # by a local variable until the next event
+            rcb = wcb = None
+            if PyList_GET_SIZE(self._timers):
+                t = <EpollTimer>PyList_GET_ITEM(self._timers, 0)
+                if t.when <= self._now:
+                    limit = self._seq       # timers scheduled from here on wait a round
+                    while PyList_GET_SIZE(self._timers):
+                        t = <EpollTimer>PyList_GET_ITEM(self._timers, 0)
+                        if t.when > self._now or t.seq > limit:
+                            break
+                        self._heap_pop()
+                        t._loop = None
+                        if t.cancelled:
+                            self._ncancelled -= 1
+                            continue
+                        cb = t.callback
+                        args = t.args
+                        try:
+                            cb(*args)
+                        except Exception as e:
+                            self._report(cb, e)
+                    t = None
+                    cb = args = None
+            nready = len(ready)
+            if nready:
+                # seq_cst: cleared before draining, so a call_soon_threadsafe whose item the
+                # drain misses sees the flag clear and writes the eventfd again (Dekker pair)
+                aop_store_u32(&self._wake_pending, 0, AOP_SEQ_CST)
+                for k in range(nready):
+                    cb, args = popleft()
+                    try:
+                        cb(*args)
+                    except Exception as e:
+                        self._report(cb, e)
+                cb = args = None
+            for k in range(PyList_GET_SIZE(hooks)):
+                cb = <object>PyList_GET_ITEM(hooks, k)
+                try:
+                    cb()
+                except Exception as e:
+                    self._report(cb, e)
+            cb = None
+        return 0
+
+    def run_ready(self):
+        """Run the queued callbacks now, after :meth:`run` returned (clean-up)."""
+        if self._running:
+            raise RuntimeError("run_ready() is for a stopped loop")
+        ready = self._ready
+        while ready:
+            cb, args = ready.popleft()
+            try:
+                cb(*args)
+            except Exception as e:
+                self._report(cb, e)
+
+    def close(self):
+        """Release the backend's resources (after :meth:`run` returned); idempotent."""
+        if self._running:
+            raise RuntimeError("cannot close a running event loop")
+        if aop_load_u32(&self._closed, AOP_ACQUIRE):
+            return
+        # seq_cst, both: the Dekker pair with call_soon_threadsafe (set _closed, then read
+        # _inflight); acquire on the reads: the producers' appends and writes are done
+        aop_store_u32(&self._closed, 1, AOP_SEQ_CST)
+        if aop_load_u32(&self._inflight, AOP_SEQ_CST):
+            with nogil:
+                while aop_load_u32(&self._inflight, AOP_ACQUIRE):
+                    aop_yield()
+        if self._epfd >= 0:
+            c_close(self._epfd)
+            self._epfd = -1
+        if self._evfd >= 0:
+            c_close(self._evfd)
+            self._evfd = -1
+        leftover = len(self._ready)
+        self._ready.clear()
+        for t in self._timers:
+            (<EpollTimer>t)._loop = None
+        self._timers = []
+        self._ncancelled = 0
+        self._hooks.clear()
+        n = len(self._rd)
+        self._rd = [None] * n
+        self._wr = [None] * n
+        if leftover:
+            log.debug("event loop closed with %d callbacks queued", leftover)
