@@ -98,6 +98,9 @@ cdef class Receiver:
     cdef bint busy               # inside on_readable (a nested call does nothing)
     cdef bint failed             # RX_TOO_LARGE seen: the stream lost its framing
     cdef bint pending            # own[pos:end) may hold complete, undelivered frames
+    cdef bint filled             # the last recv filled all the room it was offered
+    cdef bint hold               # the owner paused reading: no further recv this call
+    cdef int max_reads           # recv calls per on_readable while each fills its room
     cdef int64_t reads           # recv calls that returned data
     cdef int64_t bytes_in        # bytes received
     cdef int64_t frames_in       # frames delivered (handed to on_frame)

@@ -361,10 +361,13 @@ cdef class RxArena:
 @cython.final
 cdef class Receiver:
     """Receiver(arena, fd, header_size, max_frame, on_frame, on_event, owner,
-    copy_frames=False, proxy=0, proxy_limit=4096): one connection's receive path.
+    copy_frames=False, proxy=0, proxy_limit=4096, max_reads=1): one connection's receive
+    path.
 
     ``on_readable()`` does one recv and delivers every complete frame with
-    ``on_frame(owner, data)``; events go to ``on_event(owner, code, arg)`` (RX_EOF,
+    ``on_frame(owner, data)``; while a recv fills all the room it was offered (more is
+    probably waiting: a message larger than a slot), it reads again, up to ``max_reads``
+    recvs per call -- unless the owner set ``hold`` (it paused reading) meanwhile; events go to ``on_event(owner, code, arg)`` (RX_EOF,
     RX_ERROR, RX_TOO_LARGE, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR).  ``proxy``: expect a
     PROXY protocol header first (1 v1, 2 v2, 3 either; 0 none), at most ``proxy_limit``
     bytes (see ProxyParser).  ``close()`` gives every buffer back.  See the module
@@ -372,7 +375,8 @@ cdef class Receiver:
     """
 
     def __cinit__(self, RxArena arena not None, fd, header_size, max_frame, on_frame,
-                  on_event, owner, copy_frames=False, proxy=0, proxy_limit=4096):
+                  on_event, owner, copy_frames=False, proxy=0, proxy_limit=4096,
+                  max_reads=1):
         cdef Py_ssize_t f = _as_index(fd, "fd")
         cdef Py_ssize_t h = _as_index(header_size, "header_size")
         cdef object mf
@@ -389,7 +393,11 @@ cdef class Receiver:
             raise TypeError("on_frame must be callable")
         if not callable(on_event):
             raise TypeError("on_event must be callable")
+        cdef Py_ssize_t mr = _as_index(max_reads, "max_reads")
+        if mr < 1 or mr > 1024:
+            raise ValueError(f"max_reads must be in 1..1024, got {mr}")
         mf = min(max_frame, MAX_FRAME_CAP)
+        self.max_reads = <int>mr
         self.arena = arena
         self.fd = <int>f
         self.hs = <int>h
@@ -452,22 +460,49 @@ cdef class Receiver:
             return 0
         if self.on_frame is None:          # cleared by the GC
             return 0
+        cdef int k = 0
         self.busy = True
         try:
             if self.pending:
                 self._burst(False)
                 if self.pending or self.closed or self.failed:
                     return 0
-            self._burst(True)
+            while True:
+                self.filled = False
+                self._burst(True)
+                k += 1
+                # a recv that filled its room left more waiting (probably): read on,
+                # within max_reads, unless a frame stopped us (close, handler exception,
+                # too-large header), the owner paused reading, or the arena closed
+                if (not self.filled or k >= self.max_reads or self.hold or self.pending
+                        or self.closed or self.failed or arena.closed):
+                    break
         finally:
             self.busy = False
         return 0
 
     def on_readable(self):
-        """One non-blocking recv (MSG_DONTWAIT, GIL held) into the scratch or the unfinished frame's buffer, then
-        every complete frame to on_frame in stream order.  Would-block is quiet; EOF, errors,
-        a too-large header and handler exceptions go to on_event.  Does nothing once closed."""
+        """One non-blocking recv (MSG_DONTWAIT, GIL held) into the scratch or the
+        unfinished frame's buffer, then every complete frame to on_frame in stream order;
+        again while a recv fills its room (up to max_reads, unless ``hold``).  Would-block
+        is quiet; EOF, errors, a too-large header and handler exceptions go to on_event.
+        Does nothing once closed."""
         self.c_on_readable()
+
+    @property
+    def hold(self):
+        """Set by the owner while it has paused reading: on_readable makes no further recv
+        in the call that is running (the owner also stops calling it)."""
+        return self.hold
+
+    @hold.setter
+    def hold(self, v):
+        self.hold = bool(v)
+
+    @property
+    def max_reads(self):
+        """recv calls one on_readable may make while each fills the room offered."""
+        return self.max_reads
 
     cdef int _burst(self, bint do_read) except -1:
         cdef RxArena arena = self.arena
@@ -522,6 +557,7 @@ cdef class Receiver:
                 return 0
             self.reads += 1
             self.bytes_in += n
+            self.filled = n == room
             end += n
         self.pending = False
         _bhold(buf)                 # the burst's own reference: nobody returns buf under us

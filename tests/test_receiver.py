@@ -35,7 +35,7 @@ class Rig:
     is the rig itself (a session<->receiver cycle, as in the server)."""
 
     def __init__(self, hs=2, max_frame=65536, slot_size=256, slots=8, copy=False,
-                 on_frame=None, pool=None, arena=None):
+                 on_frame=None, pool=None, arena=None, max_reads=1):
         self.pool = pool if pool is not None else SlabPool(slot_size, slots)
         self.arena = arena if arena is not None else RxArena(self.pool)
         self.r, self.w = socket.socketpair()
@@ -43,7 +43,8 @@ class Rig:
         self.frames = []
         self.events = []
         self.rx = Receiver(self.arena, self.r.fileno(), hs, max_frame,
-                           on_frame or self.on_frame, self.on_event, self, copy)
+                           on_frame or self.on_frame, self.on_event, self, copy,
+                           max_reads=max_reads)
 
     def on_frame(self, owner, data):
         assert owner is self
@@ -1029,3 +1030,55 @@ def test_gc_clears_the_receiver_first():
     a.close()
     b.close()
     assert pool.in_use == 0
+
+
+# ---- reads per readiness event (max_reads, hold) ----------------------------------------
+
+@pytest.mark.parametrize("max_reads", [1, 3, 8])
+def test_a_read_that_fills_its_buffer_is_followed_by_another(rigs, max_reads):
+    """Raw: 5 slots' worth waiting.  One on_readable reads a full slot, and again while each
+    read filled its buffer, up to max_reads (a 64 KiB message costs one readiness event, not
+    one per slot); a short read (the socket is empty) ends it."""
+    r = rigs(hs=0, slot_size=256, max_reads=max_reads)
+    assert r.rx.max_reads == max_reads
+    data = bytes(range(256)) * 5
+    r.send(data)
+    r.rx.on_readable()
+    assert r.rx.reads == min(max_reads, 5)
+    assert b"".join(r.frames) == data[:256 * min(max_reads, 5)]
+    r.pump()
+    assert b"".join(r.frames) == data and r.events == []
+    # 2.5 slots waiting: the short third read ends the call even with reads left
+    r.frames.clear()
+    before = r.rx.reads
+    r.send(data[:640])
+    r.rx.on_readable()
+    assert r.rx.reads - before == min(max_reads, 3)
+
+
+@pytest.mark.parametrize("hs", [0, 2])
+def test_hold_set_by_the_handler_stops_the_burst_of_reads(rigs, hs):
+    """The owner pausing reading inside on_frame (back-pressure) takes effect at once: no
+    further recv in the running call.  Cleared, the next call reads on."""
+    held = []
+
+    def on_frame(owner, data):
+        held.append(bytes(data))
+        owner.rx.hold = True
+    r = rigs(hs=hs, slot_size=256, max_reads=8, on_frame=on_frame)
+    payload = bytes(200)
+    r.send(enc(hs, payload) * 6)            # > 4 slots
+    r.rx.on_readable()
+    assert r.rx.reads == 1
+    r.rx.hold = False
+    r.rx.on_readable()
+    assert r.rx.reads == 2
+
+
+def test_max_reads_is_checked(rigs):
+    r = rigs()
+    for bad in (0, -1, 1025):
+        with pytest.raises(ValueError, match="max_reads"):
+            Receiver(r.arena, r.r.fileno(), 2, 100, print, print, None, max_reads=bad)
+    with pytest.raises(TypeError):
+        Receiver(r.arena, r.r.fileno(), 2, 100, print, print, None, max_reads=1.5)

@@ -54,6 +54,7 @@ class Settings:
     reuse_port: bool = False
     rx_slot_size: int = 16384
     rx_slots: int = 1024
+    rx_reads: int = 8               # recvs per readiness event while each fills its buffer
     tx_slot_size: int = 16384
     tx_slots: int = 256
     close_linger: float = 5.0       # a closing session's unsent data / unread input
@@ -82,6 +83,9 @@ class Settings:
         _int("backlog", self.backlog, 0)
         _int("rx_slot_size", self.rx_slot_size, 64)
         _int("rx_slots", self.rx_slots, 2)
+        _int("rx_reads", self.rx_reads, 1)
+        if self.rx_reads > 1024:
+            raise ValueError("rx_reads must be <= 1024")
         _int("tx_slot_size", self.tx_slot_size, 64)
         _int("tx_slots", self.tx_slots, 1)
         _seconds("close_linger", self.close_linger, allow_none=False)

@@ -6,6 +6,9 @@ The per-read and per-frame work is all in ``aoprim.Receiver``: the loop's read c
 ``Receiver.on_readable``, which calls the frame callback (the handler's ``on_read``, or the
 worker dispatcher's ``post``) directly from C.  This module decides only policy:
 
+- a readiness event reads until the socket has no more (a recv that fills its buffer is
+  followed by another, up to ``Settings.rx_reads``), so a message larger than a slot costs one
+  event, not one per slot;
 - reading runs while no *pause reason* is set: the application (``pause_reading``),
   back-pressure (too many unsent bytes), the worker backlog, the peer's EOF, closing, or the
   server's shutdown;
@@ -37,7 +40,8 @@ class Rx:
     def __init__(self, arena, fd, settings, on_frame, on_event, owner, copy_frames, now):
         self.receiver = Receiver(arena, fd, settings.header_size, settings.max_frame,
                                  on_frame, on_event, owner, copy_frames,
-                                 settings.proxy_mode, settings.proxy_max_header)  # PROXY
+                                 settings.proxy_mode, settings.proxy_max_header,  # PROXY
+                                 settings.rx_reads)
         self.paused = 0             # bit set of PAUSE_* reasons; reading while 0
         self._seen_bytes = 0        # receiver.bytes_in when the sweep last looked
         self._ft_mark = -1          # receiver.frames_in when the unfinished frame was seen
@@ -52,12 +56,15 @@ class Rx:
         """Set a pause reason; True if reading stopped because of it."""
         was = self.paused
         self.paused = was | reason
+        self.receiver.hold = True       # also within the read burst that is running
         return not was
 
     def resume(self, reason):
         """Clear a pause reason; True if reading resumes because of it."""
         was = self.paused
         self.paused = was & ~reason
+        if not self.paused:
+            self.receiver.hold = False
         return bool(was) and not self.paused
 
     def sweep(self, now, idle_timeout, frame_timeout):

@@ -45,7 +45,7 @@ class Server:
     Keyword settings (see :class:`~aoprim.server.config.Settings` for all and their
     defaults): ``max_frame``, ``max_connections``, ``max_pending``, ``idle_timeout``,
     ``frame_timeout``, ``workers``, ``backend``, ``high_water``, ``low_water``,
-    ``flush_budget``, ``backlog``, ``reuse_port``, ``rx_slot_size``, ``rx_slots``,
+    ``flush_budget``, ``backlog``, ``reuse_port``, ``rx_slot_size``, ``rx_slots``, ``rx_reads``,
     ``tx_slot_size``, ``tx_slots``, ``close_linger``, ``shutdown_timeout``,
     ``worker_backlog``, ``worker_queue``, ``accept_batch``, ``proxy_protocol``,
     ``trusted_proxies``, ``proxy_max_header`` (behind a load balancer: see
