@@ -17,6 +17,9 @@ the poll/select variants test the selectors module, not the loop or its transpor
   test_server          SelectorStartServerTests
   test_sendfile        EPollEventLoopTests  (SendfileMixin + SockSendfileMixin)
   test_ssl             TestSSL
+  test_sslproto        SelectorStartTLSTests  (start_tls over real sockets; the rest of the
+                       file drives SSLProtocol with mock transports, not a loop)
+  test_unix_events     SelectorEventLoopUnixSocketTests  (create_unix_server/_connection)
 
 Left out: see ``EXCLUDED`` below (each with its reason); the README's "asyncio loop" section
 lists them too.  ``AOPRIM_AIO_BASELINE=1`` runs the very same classes on asyncio's default
@@ -37,7 +40,7 @@ test_asyncio = pytest.importorskip("test.test_asyncio")
 from test.test_asyncio import utils as test_utils  # noqa: E402
 from test.test_asyncio import (  # noqa: E402
     test_buffered_proto, test_events, test_sendfile, test_server, test_sock_lowlevel,
-    test_ssl, test_streams,
+    test_ssl, test_sslproto, test_streams, test_unix_events,
 )
 
 import aoprim.aio  # noqa: E402
@@ -104,3 +107,19 @@ class TestSendfile(_OnAoprimLoop, test_sendfile.SendfileTestsBase, test_utils.Te
 
 class TestSSL(_OnAoprimLoop, test_ssl.TestSSL):
     pass
+
+
+class TestStartTLS(_OnAoprimLoop, test_sslproto.BaseStartTLS, unittest.TestCase):
+    pass
+
+
+class TestUnixSockets(_OnAoprimLoop, test_unix_events.SelectorEventLoopUnixSocketTests):
+    def setUp(self):
+        # its setUp names asyncio.SelectorEventLoop(): make the same set-up on LOOP instead
+        name = f"{type(self).__name__}.{self._testMethodName}"
+        if name in EXCLUDED:
+            raise unittest.SkipTest(EXCLUDED[name])
+        asyncio.set_event_loop_policy(POLICY())
+        test_utils.TestCase.setUp(self)
+        self.loop = LOOP()
+        self.set_event_loop(self.loop)

@@ -69,6 +69,16 @@ class SocketTransport(_Base):
         would_block."""
         return self._batch.stats
 
+    def set_protocol(self, protocol):
+        if self._protocol_paused and not self._blocked and self._batch.pending_bytes:
+            # A protocol switch (start_tls) while the old protocol is paused by writes not
+            # flushed yet.  asyncio would have sent them at write() time and, if the kernel
+            # took them, never paused it: do the same now, so the old protocol gets its
+            # resume_writing() and the new one never gets a resume it was not paused for.
+            self._flush_now()
+            self._maybe_resume_protocol()
+        super().set_protocol(protocol)
+
     # ---- write side --------------------------------------------------------------------------
 
     def _can_fast(self):
