@@ -207,14 +207,37 @@ async def _one_read(loop, p):
 def test_reads_are_bytes_from_the_loop_buffer(loop):
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p)
+    before = loop.read_stats()
     peer.sendall(b"a" * 1000)
     loop.run_until_complete(_one_read(loop, p))
     peer.sendall(b"b" * 10)
     loop.run_until_complete(_one_read(loop, p))
-    assert bytes(p.data) == b"a" * 1000 + b"b" * 10
+    assert bytes(p.data) == b"a" * 1000 + b"b" * 10    # Rec asserts each read is bytes
+    after = loop.read_stats()
+    assert after["reads"] - before["reads"] == 2       # both through the loop's buffer
+    assert after["bytes"] - before["bytes"] == 1010
     tr.close()
     loop.run_until_complete(p.lost)
     peer.close()
+
+
+def test_read_buffer_is_one_thread_at_a_time():
+    from aoprim._readbuf import ReadBuffer
+    rb = ReadBuffer(64)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.sendall(b"x" * 100)
+    assert rb.recv_bytes(a) == b"x" * 64 and rb.recv_bytes(a) == b"x" * 36
+    with pytest.raises(BlockingIOError):
+        rb.recv_bytes(a)
+    b.close()
+    assert rb.recv_bytes(a) == b""
+    a.close()
+    with pytest.raises(OSError):
+        rb.recv_bytes(a)
+    assert rb.stats == {"reads": 3, "bytes": 100}
+    with pytest.raises(ValueError):
+        ReadBuffer(0)
 
 
 # ---- flow control, partial writes ---------------------------------------------------------

@@ -18,6 +18,7 @@ import asyncio.constants as _aconst
 import asyncio.sslproto as _sslproto
 
 from aoprim import FlushGroup
+from aoprim._readbuf import ReadBuffer
 from aoprim.aio.transport import SocketTransport
 
 __all__ = ["Loop", "new_event_loop", "EventLoopPolicy", "run", "install", "READ_BUFFER_SIZE"]
@@ -40,8 +41,7 @@ class Loop(asyncio.SelectorEventLoop):
         self._aio_flush = group.flush
         # the reusable read buffer: every plain (data_received) read goes here first; the
         # loop runs one callback at a time, so one buffer serves all its transports
-        self._aio_rbuf = bytearray(READ_BUFFER_SIZE)
-        self._aio_rview = memoryview(self._aio_rbuf)
+        self._aio_rbuf = ReadBuffer(READ_BUFFER_SIZE)
 
     # ---- aoprim's public extras -----------------------------------------------------------
 
@@ -77,12 +77,9 @@ class Loop(asyncio.SelectorEventLoop):
         SocketTransport(self, rawsock, ssl_protocol, extra=extra, server=server)
         return ssl_protocol._app_transport
 
-    def close(self):
-        super().close()
-        if self._aio_rview is not None and self.is_closed():
-            self._aio_rview.release()
-            self._aio_rview = None
-            self._aio_rbuf = None
+    def read_stats(self):
+        """The loop's read buffer counters: reads (recv calls into it) and bytes."""
+        return self._aio_rbuf.stats
 
 
 def new_event_loop():

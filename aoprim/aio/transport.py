@@ -32,6 +32,7 @@ import os
 import socket
 
 from asyncio import constants as _constants
+from asyncio.protocols import BufferedProtocol as _BufferedProtocol
 from asyncio import selector_events as _selector_events
 from asyncio.log import logger
 
@@ -55,7 +56,7 @@ class SocketTransport(_Base):
         self._batch = batch
         self._add = batch.add_copy       # asyncio copies what it buffers: so does add_copy
         self._group = loop._aio_group
-        self._rview = loop._aio_rview
+        self._recv = loop._aio_rbuf.recv_bytes    # recv_bytes(sock): into the loop's buffer
         self._blocked = False            # writer registered, batch out of the group
         self._fast = True                # write() may take the short path (see _can_fast)
         super().__init__(loop, sock, protocol, waiter, extra, server)
@@ -70,6 +71,7 @@ class SocketTransport(_Base):
         return self._batch.stats
 
     def set_protocol(self, protocol):
+        self._buffered = isinstance(protocol, _BufferedProtocol)
         if self._protocol_paused and not self._blocked and self._batch.pending_bytes:
             # A protocol switch (start_tls) while the old protocol is paused by writes not
             # flushed yet.  asyncio would have sent them at write() time and, if the kernel
@@ -281,11 +283,15 @@ class SocketTransport(_Base):
 
     # ---- read side ---------------------------------------------------------------------------
 
-    def _read_ready__data_received(self):
+    def _read_ready(self):
+        # asyncio's _read_ready -> _read_ready_cb indirection, folded: one Python call per read
+        if self._buffered:
+            self._read_ready__get_buffer()
+            return
         if self._conn_lost:
             return
         try:
-            n = self._sock.recv_into(self._rview)
+            data = self._recv(self._sock)
         except (BlockingIOError, InterruptedError):
             return
         except (SystemExit, KeyboardInterrupt):
@@ -293,10 +299,9 @@ class SocketTransport(_Base):
         except BaseException as exc:
             self._fatal_error(exc, 'Fatal read error on socket transport')
             return
-        if not n:
+        if not data:
             self._read_ready__on_eof()
             return
-        data = bytes(self._rview[:n])
         try:
             self._protocol.data_received(data)
         except (SystemExit, KeyboardInterrupt):
@@ -304,3 +309,7 @@ class SocketTransport(_Base):
         except BaseException as exc:
             self._fatal_error(
                 exc, 'Fatal error: protocol.data_received() call failed.')
+
+    def _read_ready__data_received(self):
+        if not self._buffered:
+            self._read_ready()
