@@ -28,6 +28,9 @@ __all__ = ["Loop", "new_event_loop", "EventLoopPolicy", "run", "install", "READ_
 READ_BUFFER_SIZE = 256 * 1024
 
 
+_base_run_once = asyncio.SelectorEventLoop._run_once     # (no super() object per iteration)
+
+
 class Loop(asyncio.SelectorEventLoop):
     """An asyncio event loop (``asyncio.SelectorEventLoop``) whose TCP and Unix stream
     transports batch their writes: everything written during one iteration leaves at the
@@ -56,7 +59,7 @@ class Loop(asyncio.SelectorEventLoop):
     def _run_once(self):
         if len(self._aio_group):
             self._aio_flush()           # written outside a callback: send before select()
-        super()._run_once()
+        _base_run_once(self)            # asyncio's: select(), then the ready callbacks
         self._aio_flush()
 
     def _make_socket_transport(self, sock, protocol, waiter=None, *, extra=None,
