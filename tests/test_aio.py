@@ -9,7 +9,6 @@ and the peers are plain blocking sockets read with timeouts (or by a joined thre
 import asyncio
 import gc
 import socket
-import ssl
 import sys
 import threading
 import weakref
