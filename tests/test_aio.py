@@ -306,6 +306,40 @@ def test_streams_drain_waits_for_resume(loop):
     assert loop.run_until_complete(main()) == [b"q" * (1 << 20)]
 
 
+def test_set_write_buffer_limits_pauses_and_the_flush_resumes(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+
+    def burst():
+        tr.write(b"a" * 10000)
+        tr.set_write_buffer_limits(high=1000)    # pending 10000 > 1000: paused at once
+        assert p.events == ["made", "pause"]
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert p.events == ["made", "pause", "resume"]   # the kernel took it: resumed
+    assert p.sizes_at == {"pause": 10000, "resume": 0}
+    assert recv_exactly(peer, 10000) == b"a" * 10000
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
+def test_writelines_type_error_writes_nothing(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+    with pytest.raises(TypeError):
+        tr.writelines([b"ok", "not bytes", b"ok"])
+    with pytest.raises(TypeError):
+        tr.write("text")
+    assert tr.get_write_buffer_size() == 0
+    tr.writelines(iter([b"a", bytearray(b"b"), memoryview(b"c")]))
+    assert tr.get_write_buffer_size() == 3
+    tr.close()                                   # flushes the 3 bytes
+    loop.run_until_complete(p.lost)
+    assert recv_all(peer) == b"abc"
+    peer.close()
+
+
 # ---- close, abort, write_eof, errors ------------------------------------------------------
 
 def test_close_flushes_everything_first(loop):
