@@ -22,8 +22,8 @@ the poll/select variants test the selectors module, not the loop or its transpor
   test_unix_events     SelectorEventLoopUnixSocketTests  (create_unix_server/_connection)
 
 No test of these classes is skipped (``EXCLUDED`` below, the place for one with its reason,
-is empty): 245 tests, the same that pass on asyncio's default loop.  Left out (the README's
-"asyncio loop" section lists them too):
+is empty): 226 tests and 12 subtests, the same that pass on asyncio's default loop.  Left
+out (the README's "asyncio loop" section lists them too):
 
 - the PollEventLoopTests / SelectEventLoopTests variants of test_events, test_sock_lowlevel
   and test_sendfile: the same tests over another ``selectors`` selector -- they test the
