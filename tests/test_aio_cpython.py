@@ -27,8 +27,8 @@ out (the README's "asyncio loop" section lists them too):
 
 - the PollEventLoopTests / SelectEventLoopTests variants of test_events, test_sock_lowlevel
   and test_sendfile: the same tests over another ``selectors`` selector -- they test the
-  selectors module, aoprim's Loop() uses epoll -- and tripling them would cost ~80 s of the
-  CI budget;
+  selectors module, aoprim's Loop() uses epoll -- and each variant would add the 106 tests
+  again (~8 s quiet, ~20 s under load) to the CI budget;
 - Windows-only (Proactor*) and macOS-only (Kqueue*) classes;
 - test_events' HandleTests, TimerTests, AbstractEventLoopTests, PolicyTests,
   TestPyGetEventLoop, TestServer, TestAbstractServer: asyncio's Handle / TimerHandle /
