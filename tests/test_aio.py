@@ -385,6 +385,27 @@ def test_abort_drops_pending_and_releases_it(loop):
     peer.close()
 
 
+def test_abort_after_close_with_data_left_drops_it_once(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_INET, sndbuf=4096)
+    big = b"\x04" * (4 << 20)
+    base = sys.getrefcount(big)
+
+    def burst():
+        tr.write(big)
+        tr.close()                               # the writer will finish it...
+        tr.close()                               # (a second close is a no-op)
+        assert tr.get_write_buffer_size() > 0
+        tr.abort()                               # ...unless aborted: dropped at once
+        assert tr.get_write_buffer_size() == 0
+    loop.call_soon(burst)
+    assert loop.run_until_complete(asyncio.wait_for(p.lost, 10)) is None
+    assert p.events.count("lost") == 1
+    assert sys.getrefcount(big) == base
+    assert len(recv_all(peer)) < len(big)
+    peer.close()
+
+
 def test_write_eof_after_flush_then_still_reads(loop):
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p)
