@@ -1,0 +1,583 @@
+"""aoprim.aio: the loop's batched stream transports -- one sendmsg per transport per
+iteration, asyncio's flow control and close semantics, partial writes, TLS, and that nothing
+is kept after close / abort / reset / exception.
+
+No sleeps stand for synchronisation: a loop iteration is deterministic (the flush runs at
+the end of the iteration in which the writes were made, before run_until_complete returns),
+and the peers are plain blocking sockets read with timeouts (or by a joined thread).
+"""
+import asyncio
+import gc
+import socket
+import sys
+import threading
+import weakref
+
+import pytest
+
+if sys.version_info[:2] != (3, 11):
+    pytest.skip("aoprim.aio is pinned to Python 3.11", allow_module_level=True)
+
+import aoprim.aio  # noqa: E402
+from aoprim.aio import SocketTransport  # noqa: E402
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def loop():
+    lp = aoprim.aio.new_event_loop()
+    yield lp
+    # every transport the test made is gone: the group holds no batch
+    lp.run_until_complete(asyncio.sleep(0))
+    assert len(lp._aio_group) == 0
+    lp.close()
+
+
+class Rec(asyncio.Protocol):
+    """Records every callback; ``lost`` resolves at connection_lost."""
+
+    def __init__(self, loop, on_made=None, on_data=None):
+        self.events = []
+        self.data = bytearray()
+        self.lost = loop.create_future()
+        self.made = loop.create_future()
+        self.on_made = on_made
+        self.on_data = on_data
+        self.sizes_at = {}
+        self.transport = None
+
+    def connection_made(self, tr):
+        self.transport = tr
+        self.events.append("made")
+        if self.on_made:
+            self.on_made(tr)
+        self.made.set_result(tr)
+
+    def data_received(self, data):
+        assert type(data) is bytes
+        self.data += data
+        if self.on_data:
+            self.on_data(self.transport, data)
+
+    def eof_received(self):
+        self.events.append("eof")
+
+    def pause_writing(self):
+        self.events.append("pause")
+        self.sizes_at["pause"] = self.transport.get_write_buffer_size()
+
+    def resume_writing(self):
+        self.events.append("resume")
+        self.sizes_at["resume"] = self.transport.get_write_buffer_size()
+
+    def connection_lost(self, exc):
+        self.events.append("lost")
+        self.transport = None
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+def connect_pair(loop, proto, family=socket.AF_UNIX, sndbuf=None):
+    """(transport, protocol, peer): a transport of aoprim's loop over one end of a connected
+    pair; ``peer`` is the other end, a plain blocking socket with a timeout."""
+    if family == socket.AF_UNIX:
+        a, b = socket.socketpair()
+        if sndbuf:
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    else:
+        # buffer sizes set before the connection exists (TCP fixes its window scale then)
+        lsn = socket.socket()
+        if sndbuf:
+            lsn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sndbuf)
+        lsn.bind(("127.0.0.1", 0))
+        lsn.listen()
+        a = socket.socket()
+        if sndbuf:
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        a.connect(lsn.getsockname())
+        b, _ = lsn.accept()
+        lsn.close()
+    a.setblocking(False)
+    b.settimeout(10)
+    tr, pr = loop.run_until_complete(loop.create_connection(lambda: proto, sock=a))
+    assert type(tr) is SocketTransport
+    return tr, pr, b
+
+
+def recv_exactly(sock, n):
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(min(1 << 20, n - len(out)))
+        assert chunk, f"EOF after {len(out)} of {n} bytes"
+        out += chunk
+    return bytes(out)
+
+
+def recv_all(sock):
+    out = bytearray()
+    while True:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            return bytes(out)
+        out += chunk
+
+
+def frames(n, size=40):
+    return [bytes([(i + k) & 0xFF for k in range(size)]) for i in range(n)]
+
+
+# ---- the batching itself ------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", [socket.AF_UNIX, socket.AF_INET])
+def test_n_writes_in_one_callback_leave_in_one_sendmsg(loop, family):
+    msgs = frames(200)
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, family)
+    before = tr.send_stats["syscalls"]
+    fstats = loop.flush_stats()
+
+    def burst():
+        for m in msgs:
+            tr.write(m)
+        tr.writelines([b"x" * 10, bytearray(b"y" * 5000), memoryview(b"z" * 3)])
+        assert tr.get_write_buffer_size() == 200 * 40 + 5013   # pending, not yet sent
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert tr.send_stats["syscalls"] - before == 1
+    assert loop.flush_stats()["flushes"] > fstats["flushes"]
+    assert tr.get_write_buffer_size() == 0
+    assert recv_exactly(peer, 200 * 40 + 5013) == b"".join(msgs) + b"x" * 10 + b"y" * 5000 + b"z" * 3
+    tr.close()
+    assert loop.run_until_complete(p.lost) is None
+    peer.close()
+
+
+def test_every_transport_written_in_one_iteration_is_flushed_once(loop):
+    pairs = [connect_pair(loop, Rec(loop)) for _ in range(5)]
+    before = loop.flush_stats()
+
+    def burst():
+        for tr, _, _ in pairs:
+            for m in frames(20):
+                tr.write(m)
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    after = loop.flush_stats()
+    assert after["batches_flushed"] - before["batches_flushed"] == 5
+    assert after["syscalls"] - before["syscalls"] == 5
+    for tr, p, peer in pairs:
+        assert recv_exactly(peer, 800) == b"".join(frames(20))
+        tr.close()
+        loop.run_until_complete(p.lost)
+        peer.close()
+
+
+def test_write_outside_the_loop_is_sent_before_it_selects(loop):
+    """A write made while the loop is not running must not wait in the batch while the loop
+    blocks in select() for the reply it should cause."""
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+    tr.write(b"ping")                        # outside any callback
+
+    def echo():
+        peer.sendall(recv_exactly(peer, 4))
+    t = threading.Thread(target=echo)
+    t.start()
+    while len(p.data) < 4:
+        loop.run_until_complete(_one_read(loop, p))
+    t.join()
+    assert bytes(p.data) == b"ping"
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
+async def _one_read(loop, p):
+    fut = loop.create_future()
+    old = p.on_data
+    p.on_data = lambda tr, d: fut.done() or fut.set_result(None)
+    try:
+        await asyncio.wait_for(fut, 10)
+    finally:
+        p.on_data = old
+
+
+def test_reads_are_bytes_from_the_loop_buffer(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+    before = loop.read_stats()
+    peer.sendall(b"a" * 1000)
+    loop.run_until_complete(_one_read(loop, p))
+    peer.sendall(b"b" * 10)
+    loop.run_until_complete(_one_read(loop, p))
+    assert bytes(p.data) == b"a" * 1000 + b"b" * 10    # Rec asserts each read is bytes
+    after = loop.read_stats()
+    assert after["reads"] - before["reads"] == 2       # both through the loop's buffer
+    assert after["bytes"] - before["bytes"] == 1010
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
+def test_read_buffer_is_one_thread_at_a_time():
+    from aoprim._readbuf import ReadBuffer
+    rb = ReadBuffer(64)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.sendall(b"x" * 100)
+    assert rb.recv_bytes(a) == b"x" * 64 and rb.recv_bytes(a) == b"x" * 36
+    with pytest.raises(BlockingIOError):
+        rb.recv_bytes(a)
+    b.close()
+    assert rb.recv_bytes(a) == b""
+    a.close()
+    with pytest.raises(OSError):
+        rb.recv_bytes(a)
+    assert rb.stats == {"reads": 3, "bytes": 100}
+    with pytest.raises(ValueError):
+        ReadBuffer(0)
+
+
+# ---- flow control, partial writes ---------------------------------------------------------
+
+def test_backpressure_pause_resume_at_limits_with_partial_writes(loop):
+    """Tiny kernel buffers and a peer that does not read: the flush is partial, the writer
+    takes over; pause_writing at the high-water mark, resume_writing at the low one, the
+    bytes arrive whole and in order."""
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_INET, sndbuf=4096)
+    tr.set_write_buffer_limits(high=64 * 1024, low=16 * 1024)
+    assert tr.get_write_buffer_limits() == (16 * 1024, 64 * 1024)
+    small = frames(1000, 100)                     # coalesced copies
+    big = bytes(range(256)) * 2048                # 512 KiB, by reference
+    expect = b"".join(small) + big + b"tail"
+
+    def burst():
+        for m in small:
+            tr.write(m)
+        tr.write(big)
+        tr.write(b"tail")
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert p.events == ["made", "pause"]
+    assert p.sizes_at["pause"] > 64 * 1024
+    assert 0 < tr.get_write_buffer_size() < len(expect)    # the kernel took a part only
+    st = tr.send_stats
+    assert st["partial_writes"] + st["would_block"] >= 1
+    got = []
+    t = threading.Thread(target=lambda: got.append(recv_exactly(peer, len(expect))))
+    t.start()
+    resumed = loop.create_future()
+    p.resume_writing = lambda: (Rec.resume_writing(p), resumed.set_result(None))
+    loop.run_until_complete(asyncio.wait_for(resumed, 10))
+    assert p.sizes_at["resume"] <= 16 * 1024
+    while tr.get_write_buffer_size():
+        loop.run_until_complete(asyncio.sleep(0))   # the writer drains the rest
+    t.join(10)
+    assert got == [expect]
+    assert p.events == ["made", "pause", "resume"]
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
+def test_streams_drain_waits_for_resume(loop):
+    async def main():
+        a, b = socket.socketpair()
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        b.settimeout(10)
+        r, w = await asyncio.open_connection(sock=a)
+        assert type(w.transport) is SocketTransport
+        payload = b"q" * (1 << 20)
+        got = []
+        t = threading.Thread(target=lambda: got.append(recv_exactly(b, len(payload))))
+        t.start()
+        w.write(payload)
+        assert w.transport.get_write_buffer_size() == len(payload)
+        await w.drain()
+        low, high = w.transport.get_write_buffer_limits()
+        assert w.transport.get_write_buffer_size() <= low    # resumed at the low-water mark
+        w.close()
+        await w.wait_closed()
+        await asyncio.get_running_loop().run_in_executor(None, t.join)
+        b.close()
+        return got
+    assert loop.run_until_complete(main()) == [b"q" * (1 << 20)]
+
+
+def test_set_write_buffer_limits_pauses_and_the_flush_resumes(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+
+    def burst():
+        tr.write(b"a" * 10000)
+        tr.set_write_buffer_limits(high=1000)    # pending 10000 > 1000: paused at once
+        assert p.events == ["made", "pause"]
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert p.events == ["made", "pause", "resume"]   # the kernel took it: resumed
+    assert p.sizes_at == {"pause": 10000, "resume": 0}
+    assert recv_exactly(peer, 10000) == b"a" * 10000
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
+def test_writelines_type_error_writes_nothing(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+    with pytest.raises(TypeError):
+        tr.writelines([b"ok", "not bytes", b"ok"])
+    with pytest.raises(TypeError):
+        tr.write("text")
+    assert tr.get_write_buffer_size() == 0
+    tr.writelines(iter([b"a", bytearray(b"b"), memoryview(b"c")]))
+    assert tr.get_write_buffer_size() == 3
+    tr.close()                                   # flushes the 3 bytes
+    loop.run_until_complete(p.lost)
+    assert recv_all(peer) == b"abc"
+    peer.close()
+
+
+# ---- close, abort, write_eof, errors ------------------------------------------------------
+
+def test_close_flushes_everything_first(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_INET, sndbuf=4096)
+    payload = bytes(range(256)) * 4096            # 1 MiB: far beyond the kernel buffers
+    got = []
+
+    def burst():
+        tr.write(payload)
+        tr.write(b"end")
+        tr.close()
+        assert tr.is_closing()
+        assert tr.get_write_buffer_size() > 0    # not all accepted: the writer finishes it
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert "lost" not in p.events
+    t = threading.Thread(target=lambda: got.append(recv_all(peer)))
+    t.start()
+    assert loop.run_until_complete(asyncio.wait_for(p.lost, 10)) is None
+    t.join(10)
+    assert got == [payload + b"end"]
+    peer.close()
+
+
+def test_abort_drops_pending_and_releases_it(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_INET, sndbuf=4096)
+    big = b"\x01" * (4 << 20)
+    base = sys.getrefcount(big)
+
+    def burst():
+        tr.write(big)                             # held by reference in the batch
+        assert sys.getrefcount(big) == base + 1
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert tr.get_write_buffer_size() > 0
+    tr.abort()
+    assert tr.get_write_buffer_size() == 0
+    assert sys.getrefcount(big) == base          # released at once
+    assert loop.run_until_complete(p.lost) is None
+    assert len(recv_all(peer)) < len(big)
+    peer.close()
+
+
+def test_abort_after_close_with_data_left_drops_it_once(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_INET, sndbuf=4096)
+    big = b"\x04" * (4 << 20)
+    base = sys.getrefcount(big)
+
+    def burst():
+        tr.write(big)
+        tr.close()                               # the writer will finish it...
+        tr.close()                               # (a second close is a no-op)
+        assert tr.get_write_buffer_size() > 0
+        tr.abort()                               # ...unless aborted: dropped at once
+        assert tr.get_write_buffer_size() == 0
+    loop.call_soon(burst)
+    assert loop.run_until_complete(asyncio.wait_for(p.lost, 10)) is None
+    assert p.events.count("lost") == 1
+    assert sys.getrefcount(big) == base
+    assert len(recv_all(peer)) < len(big)
+    peer.close()
+
+
+def test_write_eof_after_flush_then_still_reads(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+    assert tr.can_write_eof()
+
+    def burst():
+        tr.write(b"last words")
+        tr.write_eof()
+        with pytest.raises(RuntimeError):
+            tr.write(b"more")
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert recv_all(peer) == b"last words"       # the data, then EOF
+    peer.sendall(b"reply")
+    loop.run_until_complete(_one_read(loop, p))
+    assert bytes(p.data) == b"reply"
+    peer.close()
+    loop.run_until_complete(p.lost)
+
+
+def test_write_error_is_fatal_and_releases(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+    peer.close()
+    big = b"\x02" * 100000
+    base = sys.getrefcount(big)
+    loop.call_soon(tr.write, big)
+    exc = loop.run_until_complete(p.lost)
+    assert isinstance(exc, (BrokenPipeError, ConnectionResetError)) or exc is None
+    assert sys.getrefcount(big) == base
+    assert tr.get_write_buffer_size() == 0
+    tr.write(b"after")                           # counted and dropped, as asyncio does
+
+
+def test_reset_by_peer_and_exception_in_protocol_leave_nothing(loop):
+    # reset: the peer closes with RST while we hold unsent data
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_INET, sndbuf=4096)
+    big = b"\x03" * (2 << 20)
+    base = sys.getrefcount(big)
+    loop.call_soon(tr.write, big)
+    loop.run_until_complete(asyncio.sleep(0))
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    peer.close()
+    loop.run_until_complete(asyncio.wait_for(p.lost, 10))
+    assert sys.getrefcount(big) == base
+    wr = weakref.ref(tr)
+    del tr
+
+    # an exception in data_received: a fatal error, the transport is closed
+    def boom(tr, data):
+        raise ValueError("protocol bug")
+    q = Rec(loop, on_data=boom)
+    errors = []
+    loop.set_exception_handler(lambda lp, ctx: errors.append(ctx))
+    tr2, _, peer2 = connect_pair(loop, q)
+    loop.call_soon(tr2.write, big)
+    peer2.sendall(b"x")
+    exc = loop.run_until_complete(asyncio.wait_for(q.lost, 10))
+    assert isinstance(exc, ValueError)
+    assert [type(c["exception"]) for c in errors] == [ValueError]
+    assert sys.getrefcount(big) == base
+    peer2.close()
+    assert tr2._batch.group is None              # out of the loop's FlushGroup
+    assert tr2.get_write_buffer_size() == 0
+    del tr2, p
+    gc.collect()
+    assert wr() is None                          # no cycle of ours keeps a transport alive
+
+
+# ---- TLS, extra info, Unix sockets, entry points -------------------------------------------
+
+def _tls_contexts():
+    from test.test_asyncio import utils as test_utils
+    return test_utils.simple_server_sslcontext(), test_utils.simple_client_sslcontext()
+
+
+def test_tls_records_of_one_iteration_are_batched(loop):
+    srv_ctx, cli_ctx = _tls_contexts()
+
+    async def main():
+        server_proto = []
+
+        def factory():
+            server_proto.append(Rec(loop))
+            return server_proto[-1]
+        server = await loop.create_server(factory, "127.0.0.1", 0, ssl=srv_ctx)
+        port = server.sockets[0].getsockname()[1]
+        r, w = await asyncio.open_connection("127.0.0.1", port, ssl=cli_ctx)
+        await server_proto[0].made
+        str_ = server_proto[0].transport
+        before = loop.flush_stats()["syscalls"]
+        for m in frames(100):
+            str_.write(m)                        # 100 TLS records
+        got = await asyncio.wait_for(r.readexactly(4000), 10)
+        after = loop.flush_stats()["syscalls"]
+        assert got == b"".join(frames(100))
+        assert after - before == 1               # all the records in one sendmsg
+        w.close()
+        await w.wait_closed()
+        await server_proto[0].lost
+        server.close()
+        await server.wait_closed()
+    loop.run_until_complete(main())
+
+
+def test_extra_info_as_asyncio(loop):
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_INET)
+    assert tr.get_extra_info("peername") == peer.getsockname()
+    assert tr.get_extra_info("sockname") == peer.getpeername()
+    assert tr.get_extra_info("socket").fileno() >= 0
+    assert tr.get_extra_info("nope", 7) == 7
+    assert tr.get_protocol() is p
+    tr.pause_reading()
+    assert not tr.is_reading()
+    tr.resume_reading()
+    assert tr.is_reading()
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
+def test_unix_server_and_streams(loop, tmp_path):
+    path = str(tmp_path / "s")
+
+    async def handle(r, w):
+        assert type(w.transport) is SocketTransport
+        while line := await r.readline():
+            for _ in range(3):
+                w.write(line)
+            await w.drain()
+        w.close()
+
+    async def main():
+        server = await asyncio.start_unix_server(handle, path)
+        r, w = await asyncio.open_unix_connection(path)
+        w.write(b"hello\n")
+        assert await r.readexactly(18) == b"hello\n" * 3
+        w.write_eof()
+        assert await r.read() == b""
+        w.close()
+        await w.wait_closed()
+        server.close()
+        await server.wait_closed()
+    loop.run_until_complete(main())
+
+
+def test_run_policy_install():
+    async def main():
+        return type(asyncio.get_running_loop())
+    assert aoprim.aio.run(main()) is aoprim.aio.Loop
+    old = asyncio.get_event_loop_policy()
+    try:
+        aoprim.aio.install()
+        assert isinstance(asyncio.get_event_loop_policy(), aoprim.aio.EventLoopPolicy)
+        lp = asyncio.new_event_loop()
+        assert type(lp) is aoprim.aio.Loop
+        assert isinstance(lp, asyncio.AbstractEventLoop)
+        lp.close()
+        assert asyncio.run(main()) is aoprim.aio.Loop
+    finally:
+        asyncio.set_event_loop_policy(old)
+
+
+def test_other_python_versions_refuse_to_import(monkeypatch):
+    import subprocess
+    code = ("import sys; sys.version_info = (3, 99, 0); "
+            "import aoprim.aio")
+    env = dict(__import__("os").environ)
+    env.pop("AOPRIM_AIO_UNTESTED", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=30)
+    assert r.returncode != 0
+    assert "tested only on Python 3.11" in r.stderr
