@@ -36,6 +36,7 @@ cdef class EpollTimer:
 cdef class EpollCore:
     cdef int _epfd
     cdef int _evfd
+    cdef int _sigfd
     cdef aop_atomic_u32 _wake_pending
     cdef aop_atomic_u32 _closed
     cdef aop_atomic_u32 _inflight
@@ -60,5 +61,6 @@ cdef class EpollCore:
     cdef int _sift_down(self, EpollTimer t, Py_ssize_t i, Py_ssize_t n) except -1
     cdef void _wake(self) noexcept nogil
     cdef void _drain_wakeup(self) noexcept nogil
+    cdef void _drain_sigfd(self) noexcept nogil
     cdef int _wait(self, int timeout_ms) except -1
     cdef int _run(self) except -1

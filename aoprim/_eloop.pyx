@@ -55,6 +55,9 @@ under load something is ready and the GIL hand-off (a mutex and a condition vari
 way) is saved.  Only when nothing is ready and the loop may sleep does it release the GIL and
 block.  EINTR runs the signal handlers (PyErr_CheckSignals): a handler that raises -- SIGINT's
 KeyboardInterrupt -- ends run(); otherwise the wait is retried with a recomputed timeout.
+On the main thread, run() also sets Python's signal wake-up fd to a pipe it watches (and puts
+the previous one back when it returns), so a signal that arrives just before the wait -- or
+is delivered to another thread -- still wakes the loop and runs its handler at once.
 
 GC.  Tracked, and ``no_gc_clear``: the loop is in cycles all the time (fd table -> a bound
 method of a session -> the session -> the loop), but every such cycle passes through one of
@@ -77,6 +80,7 @@ from aoprim.atomic_h cimport (aop_atomic_u32, aop_load_u32, aop_store_u32, aop_e
 import collections
 import logging
 import os
+import signal
 import threading
 
 __all__ = ["EpollCore", "EpollTimer"]
@@ -173,6 +177,7 @@ cdef class EpollCore:
     def __cinit__(self):
         self._epfd = -1
         self._evfd = -1
+        self._sigfd = -1
         self._rd = []
         self._wr = []
         self._timers = []
@@ -332,6 +337,11 @@ cdef class EpollCore:
         cdef uint64_t v
         c_read(self._evfd, &v, 8)
 
+    cdef void _drain_sigfd(self) noexcept nogil:
+        cdef char buf[64]
+        while c_read(self._sigfd, buf, 64) == 64:
+            pass
+
     def add_iteration_hook(self, hook):
         """``hook()`` runs at the end of every iteration; several run in the order added."""
         self._hooks.append(hook)
@@ -421,10 +431,40 @@ cdef class EpollCore:
         self._stopping = False
         self.thread_id = threading.get_ident()
         self._now = monotonic()
+        cdef int r = -1, w = -1
+        cdef epoll_event ev
+        old = None
+        if threading.current_thread() is threading.main_thread():
+            # Signals: Python's C handler only sets a flag, so a signal that lands after the
+            # last check and before epoll_wait would wait for the next event (forever, with
+            # no timer).  Its wake-up fd closes that window: the handler also writes a byte
+            # there, epoll sees it, and the dispatch runs the Python handlers.
+            r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+                ev.events = EPOLLIN
+                ev.data.u64 = 0
+                ev.data.fd = r
+                if epoll_ctl(self._epfd, EPOLL_CTL_ADD, r, &ev) < 0:
+                    raise OSError(errno, os.strerror(errno))
+            except BaseException:
+                if old is not None:
+                    signal.set_wakeup_fd(old)
+                os.close(r)
+                os.close(w)
+                self._running = False
+                raise
+            self._sigfd = r
         try:
             self._run()
         finally:
             self._running = False
+            if r >= 0:
+                self._sigfd = -1
+                signal.set_wakeup_fd(old)
+                epoll_ctl(self._epfd, EPOLL_CTL_DEL, r, &ev)
+                os.close(r)
+                os.close(w)
 
     cdef int _wait(self, int timeout_ms) except -1:
         """epoll_wait into _events; returns the number of ready fds."""
@@ -493,6 +533,10 @@ cdef class EpollCore:
                 fd = self._events[i].data.fd
                 if fd == self._evfd:
                     self._drain_wakeup()
+                    continue
+                if fd == self._sigfd:           # a signal arrived: run its handlers
+                    self._drain_sigfd()
+                    PyErr_CheckSignals()        # a handler that raises ends run()
                     continue
                 if fd >= PyList_GET_SIZE(rd):
                     continue

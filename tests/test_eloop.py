@@ -171,11 +171,48 @@ def test_sigint_during_the_gil_free_wait_ends_run_with_keyboardinterrupt(loop):
             os.sched_yield()
         signal.pthread_kill(main, signal.SIGINT)
     t = threading.Thread(target=kicker)
-    t.start()
-    with pytest.raises(KeyboardInterrupt):
-        loop.run()
-    t.join(10)
+    # (SIGINT may have been inherited ignored: a background job of a non-interactive shell)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        t.start()
+        with pytest.raises(KeyboardInterrupt):
+            loop.run()
+    finally:
+        t.join(10)
+        signal.signal(signal.SIGINT, old)
     assert not loop.running
+
+
+@pytest.mark.timeout(30)
+def test_a_signal_delivered_to_another_thread_still_wakes_the_loop(loop):
+    """The signal lands on a worker thread: the main thread's epoll_wait gets no EINTR, and
+    with no timer and no event it would sleep for ever.  run() sets Python's signal wake-up
+    fd to a pipe it watches, so the loop wakes, runs the handler and ends run().  The
+    previous wake-up fd is back afterwards, and the pipe is closed."""
+    before = open_fds()
+    got = []
+
+    def handler(signum, frame):
+        got.append(threading.get_ident())
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGUSR1, handler)
+    prev = signal.set_wakeup_fd(-1)
+    try:
+        def kicker():
+            while loop.sleeps == 0:
+                os.sched_yield()
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)   # to this thread
+        t = threading.Thread(target=kicker)
+        t.start()
+        with pytest.raises(KeyboardInterrupt):
+            loop.run()
+        t.join(10)
+        assert got == [threading.get_ident()]       # the handler ran on the main thread
+        assert signal.set_wakeup_fd(-1) == -1       # ours was taken away again
+        assert open_fds() == before
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        signal.set_wakeup_fd(prev)
 
 
 @pytest.mark.timeout(30)

@@ -320,6 +320,9 @@ import signal, sys, threading, time
 from aoprim import SpinLock
 
 how = sys.argv[1]
+# Python keeps SIGINT ignored when it starts with it ignored (a background job of a
+# non-interactive shell): make it raise KeyboardInterrupt whatever we inherited
+signal.signal(signal.SIGINT, signal.default_int_handler)
 lk = SpinLock()
 lk.acquire()                          # held by ourselves: the acquire below can only end
 main = threading.main_thread().ident  # by a signal

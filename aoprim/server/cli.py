@@ -276,6 +276,10 @@ def _serve_procs(a):
         raise UsageError(f"cannot reserve {a.host}:{a.port}: {e.strerror or e}") from None
 
 
+def _ignore(signum, frame):
+    pass
+
+
 def main(argv=None):
     # until the server installs its own handlers, SIGINT/SIGTERM end the process quietly
     signal.signal(signal.SIGINT, _raise_stop)
@@ -299,7 +303,8 @@ def main(argv=None):
     except UsageError as e:
         # exiting anyway: a stop signal now (a --procs supervisor stopping this child's
         # siblings) must not interrupt the message with a traceback
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # (a no-op handler, not SIG_IGN, which children would inherit)
+        signal.signal(signal.SIGINT, _ignore)
+        signal.signal(signal.SIGTERM, _ignore)
         print(f"aoprim: {e}", file=sys.stderr, flush=True)
         return 2
