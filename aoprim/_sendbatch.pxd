@@ -73,6 +73,7 @@ cdef class SendBatch:
     cdef readonly bint auto_flush             # add() flushes when a threshold is reached
     cdef readonly size_t copy_max             # messages of at most this many bytes are copied
     cdef size_t write_limit          # test hook: cap on bytes offered per syscall (0 = none)
+    cdef unsigned long owner_tid     # != 0: add_copy/add_frame from another thread add nothing
 
     # unsent segments are iov[head:nseg]; own[k] keeps iov[k]'s memory alive
     cdef iovec *iov                  # iovec array handed to the kernel (cursor = head)

@@ -35,6 +35,7 @@ class SendBatch:
     def stats(self) -> dict[str, int]: ...
     @property
     def target(self) -> Union[socket.socket, int]: ...
+    owner_thread: int                 # 0, or the only thread whose add_copy/add_frame add
     # FlushGroup membership
     watch: bool                       # reported after every group flush, even when all sent
     @property

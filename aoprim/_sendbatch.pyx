@@ -61,6 +61,7 @@ from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_GET_SIZE,
                             PyBytes_FromStringAndSize)
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.pythread cimport PyThread_get_thread_ident
 from cpython.number cimport PyNumber_Index
 
 from aoprim.atomic_h cimport (
@@ -731,9 +732,12 @@ cdef class SendBatch:
         the coalescing buffer up to copy_max bytes, into a new bytes object beyond -- so the
         batch never references it; bytes (immutable) and a Slot are taken as add() takes
         them.  Returns pending_bytes after the add, so a caller can apply its high-water
-        mark without a second call.  Empty messages are ignored."""
+        mark without a second call.  Empty messages are ignored.  With ``owner_thread`` set,
+        a call from any other thread adds nothing and returns -1."""
         cdef int64_t p
         cdef type t
+        if self.owner_tid and PyThread_get_thread_ident() != self.owner_tid:
+            return -1
         if not _claim(self):
             _raise_busy()
         try:
@@ -759,7 +763,8 @@ cdef class SendBatch:
         that fits the copy limit with its header is copied with it as ONE message; a larger
         one follows its header as add_copy() takes it (a mutable buffer copied, bytes
         referenced, a Slot retained, its first ``length`` bytes).  A payload too long for the
-        header raises ValueError and adds nothing.  Returns pending_bytes after the add."""
+        header raises ValueError and adds nothing.  Returns pending_bytes after the add;
+        with ``owner_thread`` set, -1 from any other thread (nothing added)."""
         cdef Py_buffer view
         cdef Py_ssize_t hs
         cdef Py_ssize_t n
@@ -767,6 +772,8 @@ cdef class SendBatch:
         cdef int64_t p
         cdef int rc
         cdef object payload = data
+        if self.owner_tid and PyThread_get_thread_ident() != self.owner_tid:
+            return -1
         if type(header_size) is not int:
             raise TypeError("header_size must be an int (2 or 4)")
         hs = header_size
@@ -921,6 +928,20 @@ cdef class SendBatch:
             "partial_writes": _get(&self.st_partial),
             "would_block": _get(&self.st_wouldblock),
         }
+
+    @property
+    def owner_thread(self):
+        """0 (the default), or the ident (``threading.get_ident()``) of the one thread whose
+        add_copy()/add_frame() calls add: from any other thread they add nothing and return
+        -1, so an owner with a thread-safe slow path (the server's sessions: the event-loop
+        thread adds directly, others hand their sends over) needs no thread check of its own
+        in Python.  add()/add_many() are not affected."""
+        return self.owner_tid
+
+    @owner_thread.setter
+    def owner_thread(self, v):
+        cdef unsigned long t = v
+        self.owner_tid = t
 
     @property
     def watch(self):

@@ -1033,3 +1033,38 @@ def test_flush_rereads_the_fd_after_releasing_sent_objects():
             os.close(slot.reused)
         for s in (a, b, c, d):
             s.close()
+
+
+def test_owner_thread_makes_add_copy_and_add_frame_refuse_other_threads():
+    """owner_thread set: add_copy()/add_frame() from another thread add nothing and return -1
+    (the server's sessions take their thread-safe path on it); from the owner they add; 0
+    turns the check off.  add() is not affected."""
+    a, b = socket.socketpair()
+    try:
+        sb = SendBatch(a, auto_flush=False)
+        assert sb.owner_thread == 0
+        sb.owner_thread = threading.get_ident()
+        assert sb.add_copy(b"mine") == 4
+        got = []
+
+        def other():
+            got.append(sb.add_copy(b"theirs"))
+            got.append(sb.add_frame(b"theirs", 2))
+            sb.add(b"+")                     # add() keeps its own rules
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(10)
+        assert got == [-1, -1]
+        assert sb.pending_bytes == 5
+        assert sb.add_frame(b"ab", 2) == 9
+        sb.owner_thread = 0
+        got.clear()
+        t = threading.Thread(target=lambda: got.append(sb.add_copy(b"x")))
+        t.start()
+        t.join(10)
+        assert got == [10]
+        sb.flush()
+        assert b.recv(100) == b"mine+\x00\x02abx"
+    finally:
+        a.close()
+        b.close()

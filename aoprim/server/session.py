@@ -64,7 +64,7 @@ class Session:
     ``pause_reading``/``resume_reading``, ``pending_bytes``, ``sockname``, ``socket``."""
 
     __slots__ = ("id", "peer", "proxy_peer", "server", "user", "work", "_ctx", "_sock", "_fd",
-                 "_loop", "_tid", "_state", "_reason", "_exc", "_rc", "_batch", "_hdr",
+                 "_loop", "_state", "_reason", "_exc", "_rc", "_batch", "_hdr",
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
                  "_proxy_wait", "__weakref__")
@@ -80,12 +80,12 @@ class Session:
         self._fd = sock.fileno()
         loop = ctx.loop
         self._loop = loop
-        self._tid = loop.thread_id
         self._state = OPEN
         self._reason = None
         self._exc = None
         self._rc = RefCount(1, self._on_zero)
         self._batch = ctx.flusher.new_batch(sock, self)
+        self._batch.owner_thread = loop.thread_id   # sends from other threads: -1 (slow path)
         self._hdr = ctx.header              # None for raw framing
         self._hs = ctx.settings.header_size
         self._hw = ctx.settings.high_water  # -1 while write limits are set (see _over_high)
@@ -146,24 +146,32 @@ class Session:
         copied (a ``Slot`` is retained instead), so the caller may reuse its buffer at once.
         A payload too long for the header raises ``ValueError``; after close, sends are
         dropped."""
-        if self._state or _get_ident() != self._tid:
+        if self._state:
             self._send_slow(data)
             return
         # one C call: header + payload (copied when small, as one message; bytes by
-        # reference and a Slot retained when large); ValueError when it does not fit
+        # reference and a Slot retained when large); ValueError when it does not fit.
+        # -1: called from another thread (the batch's owner_thread is the loop's): nothing
+        # was added, take the thread-safe path
         p = self._batch.add_frame(data, self._hs)
+        if p < 0:
+            self._send_slow(data)
+            return
         self._nout += 1
         if p > self._hw:
             self._over_high()
 
     def _send_raw(self, data):
         """send() with raw framing (installed as ``send`` by :class:`RawSession`)."""
-        if self._state or _get_ident() != self._tid:
+        if self._state:
             self._send_slow(data)
             return
         # add_copy copies a view or bytearray (the memory under a frame view is reused
-        # after on_read), keeps bytes by reference, retains a Slot
+        # after on_read), keeps bytes by reference, retains a Slot; -1: another thread
         p = self._batch.add_copy(data)
+        if p < 0:
+            self._send_slow(data)
+            return
         self._nout += 1
         if p > self._hw:
             self._over_high()
