@@ -59,6 +59,8 @@ cdef class EpollCore:
     cdef int _heap_push(self, EpollTimer t) except -1
     cdef EpollTimer _heap_pop(self)
     cdef int _sift_down(self, EpollTimer t, Py_ssize_t i, Py_ssize_t n) except -1
+    cdef int _timer_cancelled(self) except -1
+    cdef void _close_fds(self) noexcept nogil
     cdef void _wake(self) noexcept nogil
     cdef void _drain_wakeup(self) noexcept nogil
     cdef void _drain_sigfd(self) noexcept nogil

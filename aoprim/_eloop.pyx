@@ -150,7 +150,7 @@ cdef class EpollTimer:
             return
         self.cancelled = True
         self.callback = self.args = None
-        loop = self._loop
+        cdef EpollCore loop = self._loop
         if loop is not None:
             loop._timer_cancelled()
 
@@ -184,6 +184,8 @@ cdef class EpollCore:
         self._ready = collections.deque()
         self._hooks = []
         self.thread_id = None
+        # release: plain initial values; the object is published to other threads only
+        # through Python (a reference handed over), which orders these stores anyway
         aop_store_u32(&self._wake_pending, 0, AOP_RELEASE)
         aop_store_u32(&self._closed, 0, AOP_RELEASE)
         aop_store_u32(&self._inflight, 0, AOP_RELEASE)
@@ -202,6 +204,9 @@ cdef class EpollCore:
         self._now = monotonic()
 
     def __dealloc__(self):
+        self._close_fds()
+
+    cdef void _close_fds(self) noexcept nogil:
         if self._epfd >= 0:
             c_close(self._epfd)
             self._epfd = -1
@@ -287,7 +292,7 @@ cdef class EpollCore:
         h[i] = t
         return 0
 
-    def _timer_cancelled(self):
+    cdef int _timer_cancelled(self) except -1:
         cdef EpollTimer t
         cdef Py_ssize_t i, n
         self._ncancelled += 1
@@ -305,6 +310,7 @@ cdef class EpollCore:
                 self._sift_down(<EpollTimer>live[i], i, n)
                 i -= 1
             self._ncancelled = 0
+        return 0
 
     # -- callbacks --------------------------------------------------------------------------
     def call_soon(self, callback, *args):
@@ -317,6 +323,7 @@ cdef class EpollCore:
         # seq_cst, both: the Dekker pair with close() (count in, then read _closed)
         aop_fetch_add_u32(&self._inflight, 1, AOP_SEQ_CST)
         if aop_load_u32(&self._closed, AOP_SEQ_CST):
+            # release: as below (we touched nothing, but close() waits on this count)
             aop_fetch_sub_u32(&self._inflight, 1, AOP_RELEASE)
             return False
         self._ready.append(item)
@@ -404,6 +411,7 @@ cdef class EpollCore:
     # -- running ----------------------------------------------------------------------------
     @property
     def closed(self):
+        # acquire: pairs with close()'s store; any thread may ask
         return bool(aop_load_u32(&self._closed, AOP_ACQUIRE))
 
     @property
@@ -423,7 +431,7 @@ cdef class EpollCore:
 
     def run(self):
         """Run iterations until :meth:`stop` (loop thread)."""
-        if aop_load_u32(&self._closed, AOP_ACQUIRE):
+        if aop_load_u32(&self._closed, AOP_ACQUIRE):    # acquire: pairs with close()
             raise RuntimeError("the event loop is closed")
         if self._running:
             raise RuntimeError("the event loop is already running")
@@ -623,21 +631,18 @@ cdef class EpollCore:
         """Release the backend's resources (after :meth:`run` returned); idempotent."""
         if self._running:
             raise RuntimeError("cannot close a running event loop")
-        if aop_load_u32(&self._closed, AOP_ACQUIRE):
+        if aop_load_u32(&self._closed, AOP_ACQUIRE):    # acquire: an earlier close()
             return
         # seq_cst, both: the Dekker pair with call_soon_threadsafe (set _closed, then read
         # _inflight); acquire on the reads: the producers' appends and writes are done
         aop_store_u32(&self._closed, 1, AOP_SEQ_CST)
         if aop_load_u32(&self._inflight, AOP_SEQ_CST):
             with nogil:
+                # acquire: pairs with each producer's release decrement, so its append
+                # and eventfd write are complete before the fds below are closed
                 while aop_load_u32(&self._inflight, AOP_ACQUIRE):
                     aop_yield()
-        if self._epfd >= 0:
-            c_close(self._epfd)
-            self._epfd = -1
-        if self._evfd >= 0:
-            c_close(self._evfd)
-            self._evfd = -1
+        self._close_fds()
         leftover = len(self._ready)
         self._ready.clear()
         for t in self._timers:

@@ -940,6 +940,8 @@ cdef class SendBatch:
 
     @owner_thread.setter
     def owner_thread(self, v):
+        # a plain store: set once by the owner before it shares the batch (publishing the
+        # batch to another thread -- a queue, a lock -- orders it before their reads)
         cdef unsigned long t = v
         self.owner_tid = t
 

@@ -13,12 +13,9 @@ Prints ``listening on HOST:PORT``; SIGINT/SIGTERM stop it (exit 0).
 import argparse
 import asyncio
 import signal
-import struct
 import sys
 
-from aoprim.benchmarks.echo_asyncio import Echo, FramedEcho  # the project's asyncio echo servers
-
-_U16 = struct.Struct(">H")
+from aoprim.benchmarks.echo_asyncio import Echo, FramedEcho, write_frames  # the project's asyncio echo servers
 
 
 async def streams_u16(reader, writer):
@@ -29,15 +26,7 @@ async def streams_u16(reader, writer):
             if not data:
                 break
             buf += data
-            pos = 0
-            end = len(buf)
-            while end - pos >= 2:
-                (n,) = _U16.unpack_from(buf, pos)
-                if end - pos - 2 < n:
-                    break
-                writer.write(bytes(buf[pos:pos + 2 + n]))     # one write per frame
-                pos += 2 + n
-            del buf[:pos]
+            write_frames(buf, writer.write)             # one writer.write per frame
             await writer.drain()
     except ConnectionError:
         pass

@@ -34,17 +34,22 @@ class FramedEcho(asyncio.Protocol):
         self.buf = bytearray()
 
     def data_received(self, data):
-        buf = self.buf
-        buf += data
-        pos = 0
-        end = len(buf)
-        while end - pos >= 2:
-            (n,) = _U16.unpack_from(buf, pos)
-            if end - pos - 2 < n:
-                break
-            self.transport.write(bytes(buf[pos:pos + 2 + n]))   # one write per frame
-            pos += 2 + n
-        del buf[:pos]
+        self.buf += data
+        write_frames(self.buf, self.transport.write)
+
+
+def write_frames(buf, write):
+    """Cut every complete u16 frame (header included) off the front of ``buf`` and
+    ``write`` each one separately -- one write per frame, as such servers are written."""
+    pos = 0
+    end = len(buf)
+    while end - pos >= 2:
+        (n,) = _U16.unpack_from(buf, pos)
+        if end - pos - 2 < n:
+            break
+        write(bytes(buf[pos:pos + 2 + n]))
+        pos += 2 + n
+    del buf[:pos]
 
 
 async def main(args):

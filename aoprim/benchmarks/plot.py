@@ -65,6 +65,10 @@ def _contention(plt, doc, path):
         ax.set_title(s.replace("contention-", "contention: "))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path):
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -107,10 +111,7 @@ def _servers(plt, doc, path):
             ax.set_title(f"{s}: {label}", fontsize=9)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _ratios(plt, doc, path):
@@ -136,10 +137,7 @@ def _ratios(plt, doc, path):
     ax.set_title(f"aoprim vs baselines, {doc['header']['date'][:10]}, "
                  f"{doc['header']['cpu_model']} x{doc['header']['cores']}", fontsize=9)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _shrink(path):
