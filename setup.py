@@ -15,8 +15,11 @@ from setuptools import Extension, find_namespace_packages, setup
 
 try:                                        # setuptools >= 70.1 has its own
     from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
-except ImportError:                         # older setuptools: the wheel package's
-    from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
+except ImportError:                         # older setuptools: the wheel package's (its
+    import warnings                         # FutureWarning says what the line above does)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join("aoprim", "include")
