@@ -1,11 +1,25 @@
 """Build: cythonize every aoprim/*.pyx into its own extension (one per primitive, so each
-can be cimported on its own).  Generated C is never committed; a clean checkout builds with
-``pip install .``."""
+can be cimported on its own).  Generated C is never committed nor shipped in the sdist
+(MANIFEST.in); a clean checkout or an sdist builds with ``pip install .``.
+
+Debug info: an in-place build (``setup.py build_ext --inplace``, what the tests and
+.ci/sanitize use) keeps Python's default ``-g``.  A wheel (``pip install .``, ``python -m
+build``, cibuildwheel) is built without it (``-g0``, and the linker drops what is left with
+``-Wl,--strip-debug``): the extensions' DWARF is most of a wheel's size.  AOPRIM_DEBUG_INFO=1
+keeps it in a wheel too (for perf / gdb on an installed build)."""
 import glob
 import os
 
 from Cython.Build import cythonize
 from setuptools import Extension, find_namespace_packages, setup
+
+try:                                        # setuptools >= 70.1 has its own
+    from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
+except ImportError:                         # older setuptools: the wheel package's (its
+    import warnings                         # FutureWarning says what the line above does)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join("aoprim", "include")
@@ -46,7 +60,26 @@ def extensions():
                      nthreads=int(os.environ.get("AOPRIM_BUILD_JOBS", "0")) or None)
 
 
+# Appended after CFLAGS when a wheel is built (the last -g option wins over Python's -g).
+RELEASE_CFLAGS = ["-g0"]
+RELEASE_LDFLAGS = ["-Wl,--strip-debug"]
+
+
+class bdist_wheel(_bdist_wheel):
+    """A wheel's extensions carry no debug info (see the module docstring).  Not applied to
+    a sanitizer build (AOPRIM_SANITIZE=1 wants -g for exact stack traces) nor when
+    AOPRIM_DEBUG_INFO=1 asks to keep it."""
+
+    def run(self):
+        if os.environ.get("AOPRIM_SANITIZE") != "1" and os.environ.get("AOPRIM_DEBUG_INFO") != "1":
+            for ext in self.distribution.ext_modules:
+                ext.extra_compile_args = list(ext.extra_compile_args) + RELEASE_CFLAGS
+                ext.extra_link_args = list(ext.extra_link_args) + RELEASE_LDFLAGS
+        super().run()
+
+
 setup(
+    cmdclass={"bdist_wheel": bdist_wheel},
     ext_modules=extensions(),
     packages=find_namespace_packages(include=["aoprim", "aoprim.*"]),
     package_data={"aoprim": ["*.pxd", "*.pyi", "py.typed"], "aoprim.include": ["*.h"]},

@@ -1,5 +1,9 @@
-from typing import Any, Callable, Optional
+from typing import Any, Callable, final, Optional
+from typing_extensions import disjoint_base
 
+__all__ = ["EpollCore", "EpollTimer"]
+
+@final
 class EpollTimer:
     @property
     def when(self) -> float: ...
@@ -9,6 +13,7 @@ class EpollTimer:
     def cancelled(self) -> bool: ...
     def cancel(self) -> None: ...
 
+@disjoint_base
 class EpollCore:
     thread_id: Optional[int]
     @property

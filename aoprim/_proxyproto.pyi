@@ -1,4 +1,5 @@
-from typing import Optional, Tuple, Union
+from typing import final, Optional, Tuple, Union
+from typing_extensions import Self
 
 PP_MORE: int
 PP_DONE: int
@@ -9,10 +10,11 @@ KEEP_MAX: int
 LIMIT_MAX: int
 V2_SIGNATURE: bytes
 
-Address = Union[Tuple[str, int], str, None]
+_Address = Union[Tuple[str, int], str, None]
 
+@final
 class ProxyParser:
-    def __init__(self, accept: int = 3, limit: int = 4096) -> None: ...
+    def __new__(cls, accept: int = 3, limit: int = 4096) -> Self: ...
     def feed(self, data: object) -> int: ...
     def eof(self) -> bool: ...
     @property
@@ -26,7 +28,7 @@ class ProxyParser:
     @property
     def total(self) -> int: ...
     @property
-    def result(self) -> Optional[Tuple[int, str, str, Address, Address]]: ...
+    def result(self) -> Optional[Tuple[int, str, str, _Address, _Address]]: ...
     @property
     def error(self) -> Optional[str]: ...
     @property

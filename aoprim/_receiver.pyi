@@ -1,4 +1,5 @@
-from typing import Any, Callable
+from typing import Any, Callable, final
+from typing_extensions import Self
 
 from aoprim._slab import SlabPool
 
@@ -9,8 +10,9 @@ RX_HANDLER: int
 RX_PROXY: int
 RX_PROXY_ERROR: int
 
+@final
 class RxArena:
-    def __init__(self, pool: SlabPool) -> None: ...
+    def __new__(cls, pool: SlabPool) -> Self: ...
     def close(self) -> None: ...
     @property
     def pool(self) -> SlabPool: ...
@@ -23,12 +25,13 @@ class RxArena:
     @property
     def closed(self) -> bool: ...
 
+@final
 class Receiver:
-    def __init__(self, arena: RxArena, fd: int, header_size: int, max_frame: int,
-                 on_frame: Callable[[Any, Any], object],
-                 on_event: Callable[[Any, int, Any], object],
-                 owner: Any, copy_frames: bool = False, proxy: int = 0,
-                 proxy_limit: int = 4096, max_reads: int = 1) -> None: ...
+    def __new__(cls, arena: RxArena, fd: int, header_size: int, max_frame: int,
+                on_frame: Callable[[Any, Any], object],
+                on_event: Callable[[Any, int, Any], object],
+                owner: Any, copy_frames: bool = False, proxy: int = 0,
+                proxy_limit: int = 4096, max_reads: int = 1) -> Self: ...
     def on_readable(self) -> None: ...
     hold: bool
     @property

@@ -1,5 +1,6 @@
 import socket
 from typing import Callable, Any, Iterable, Optional, Protocol, Union
+from typing_extensions import disjoint_base
 
 DEFAULT_COPY_MAX: int
 IOV_MAX: int
@@ -12,6 +13,7 @@ class _SlotLike(Protocol):
 
 _Data = Union[bytes, bytearray, memoryview, _SlotLike]
 
+@disjoint_base
 class SendBatch:
     max_msgs: int
     max_bytes: int
@@ -43,6 +45,7 @@ class SendBatch:
     @property
     def queued(self) -> bool: ...
 
+@disjoint_base
 class FlushGroup:
     budget: int                       # read-only: bytes one batch may write per flush
     notify: Optional[Callable[[Any, int], object]]   # called per entry by flush() when set

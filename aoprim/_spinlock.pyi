@@ -1,6 +1,8 @@
 from types import TracebackType
 from typing import Optional, Type
+from typing_extensions import disjoint_base
 
+@disjoint_base
 class SpinLock:
     def __init__(self) -> None: ...
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
