@@ -52,7 +52,7 @@ from aoprim._proxyproto import ProxyParser
 # the compiled Layer 1 event loop core (the server's "epoll" backend)
 from aoprim._eloop import EpollCore, EpollTimer
 
-__version__ = "0.1.0"
+from aoprim._version import __version__  # noqa: E402  (one version, in aoprim/_version.py)
 
 __all__ = [
     "AtomicInt", "RefCount", "SpinLock",
