@@ -17,9 +17,12 @@ try:                                        # setuptools >= 70.1 has its own
     from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
 except ImportError:                         # older setuptools: the wheel package's (its
     import warnings                         # FutureWarning says what the line above does)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
+    except ImportError:                     # neither: no wheel can be built here anyway
+        _bdist_wheel = None                 # (`setup.py build_ext` in .ci/sanitize's venv)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.join("aoprim", "include")
@@ -65,7 +68,7 @@ RELEASE_CFLAGS = ["-g0"]
 RELEASE_LDFLAGS = ["-Wl,--strip-debug"]
 
 
-class bdist_wheel(_bdist_wheel):
+class _ReleaseWheel:
     """A wheel's extensions carry no debug info (see the module docstring).  Not applied to
     a sanitizer build (AOPRIM_SANITIZE=1 wants -g for exact stack traces) nor when
     AOPRIM_DEBUG_INFO=1 asks to keep it."""
@@ -78,8 +81,12 @@ class bdist_wheel(_bdist_wheel):
         super().run()
 
 
+CMDCLASS = {}
+if _bdist_wheel is not None:
+    CMDCLASS["bdist_wheel"] = type("bdist_wheel", (_ReleaseWheel, _bdist_wheel), {})
+
 setup(
-    cmdclass={"bdist_wheel": bdist_wheel},
+    cmdclass=CMDCLASS,
     ext_modules=extensions(),
     packages=find_namespace_packages(include=["aoprim", "aoprim.*"]),
     package_data={"aoprim": ["*.pxd", "*.pyi", "py.typed"], "aoprim.include": ["*.h"]},
