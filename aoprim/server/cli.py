@@ -31,6 +31,7 @@ from aoprim.benchmarks import cli as bench_cli
 from aoprim.server import BACKENDS, BackendUnavailable, Handler, Server
 from aoprim.tools import loadgen
 
+from .listener import check_port
 from .proxy import DEFAULT_MAX_HEADER, DEFAULT_TRUSTED
 from .supervisor import Supervisor
 
@@ -135,6 +136,14 @@ def _seconds_or_none(v):
     return x
 
 
+def _port(v):
+    try:
+        return check_port(int(v))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e) if "port" in str(e)
+                                         else f"not a port number: {v!r}") from None
+
+
 def _seconds_text(v):
     return "none" if v is None else repr(v)
 
@@ -183,7 +192,7 @@ def build_parser():
     o.add("--app-dir", default=".",
           help="directory put first on sys.path to import MODULE (default: %(default)s)")
     o.add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    o.add("--port", type=int, default=8888, help="port; 0 picks a free one (default: %(default)s)")
+    o.add("--port", type=_port, default=8888, help="port; 0 picks a free one (default: %(default)s)")
     o.add("--framing", choices=FRAMINGS, default="raw",
           help="raw bytes, or a u16/u32 big-endian length before each frame "
                "(default: %(default)s)")

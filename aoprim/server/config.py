@@ -4,6 +4,7 @@ Nothing else in the server validates arguments; nothing changes a ``Settings`` a
 built (``dataclasses.replace`` makes a new one).
 """
 import dataclasses
+import math
 
 from .framing import DEFAULT_MAX_FRAME, FRAMINGS
 from .proxy import DEFAULT_MAX_HEADER, DEFAULT_TRUSTED, parse_mode, parse_trusted
@@ -32,6 +33,11 @@ def _seconds(name, v, allow_none=True):
     if not v > 0:
         raise ValueError(f"{name} must be > 0" + (" (or None for no limit)" if allow_none
                                                    else "") + f", not {v}")
+    if not math.isfinite(v):
+        # inf is refused, not read as "forever": a timer cannot be armed for it, and for the
+        # limits that may be off, None already says "no limit"
+        raise ValueError(f"{name} must be a finite number of seconds" +
+                         (" (None for no limit)" if allow_none else "") + f", not {v}")
     return float(v)
 
 

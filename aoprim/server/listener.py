@@ -15,7 +15,8 @@ import errno
 import logging
 import socket
 
-__all__ = ["Listener"]
+__all__ = ["Listener", "make_listening_socket", "check_port", "sock_address",
+           "describe_address"]
 
 log = logging.getLogger("aoprim.server")
 
@@ -23,7 +24,32 @@ _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _ONE_CONNECTION = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
 
 
+def check_port(port):
+    """``port`` as an int in 0..65535 (0: the kernel picks one); TypeError/ValueError else
+    (the kernel would silently take it modulo 65536)."""
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise TypeError(f"port must be an int in 0..65535, not {type(port).__name__}")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535 (0 picks a free one), not {port}")
+    return port
+
+
+def sock_address(sock):
+    """A listening socket's address: ``(host, port)``, or the path of an AF_UNIX one."""
+    name = sock.getsockname()
+    return tuple(name[:2]) if isinstance(name, tuple) else name
+
+
+def describe_address(addr):
+    """``host:port`` (``[host]:port`` for IPv6), or an AF_UNIX path as it is."""
+    if not isinstance(addr, tuple):
+        return addr.decode(errors="replace") if isinstance(addr, bytes) else str(addr)
+    host, port = addr[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def make_listening_socket(host, port, backlog, reuse_port):
+    check_port(port)
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, stype, proto, _, addr = infos[0]
     s = socket.socket(family, stype, proto)
@@ -60,7 +86,7 @@ class Listener:
 
     @property
     def address(self):
-        return self.sock.getsockname()[:2]
+        return sock_address(self.sock)
 
     def start(self):
         self._arm()

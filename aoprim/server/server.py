@@ -22,7 +22,7 @@ from aoprim import SlabPool, Slot, RxArena
 from .config import Settings
 from .dispatch import InlineDispatch, WorkerDispatch
 from .framing import Framing
-from .listener import Listener, make_listening_socket
+from .listener import Listener, describe_address, make_listening_socket, sock_address
 from .loop import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
 from .session import RawSession, Session, SessionContext
@@ -94,7 +94,8 @@ class Server:
         except BaseException:
             self._loop.close()
             raise
-        self.address = self._lsock.getsockname()[:2]
+        # (host, port), or the path of an AF_UNIX socket passed as sock=
+        self.address = sock_address(self._lsock)
 
     # -- set-up --------------------------------------------------------------------------
     def _prepare(self):
@@ -129,8 +130,8 @@ class Server:
         loop.add_iteration_hook(self._flusher.flush)
         self._fallbacks_seen = 0
         loop.call_later(st.sweep_every or 1.0, self._sweep)
-        log.info("aoprim server listening on %s:%s (framing=%s, workers=%d, backend=%s)",
-                 self.address[0], self.address[1], st.framing, st.workers, self.backend)
+        log.info("aoprim server listening on %s (framing=%s, workers=%d, backend=%s)",
+                 describe_address(self.address), st.framing, st.workers, self.backend)
 
     def start(self):
         """Serve in a background thread; returns once the server accepts connections."""
@@ -176,7 +177,12 @@ class Server:
 
     def shutdown(self, timeout=None):
         """Stop accepting, let workers finish, flush what is pending, close every session,
-        stop the loop and join it.  Thread-safe; idempotent."""
+        stop the loop, and wait until it has stopped and cleaned up (every slot back, every
+        fd closed) -- whether it runs in start()'s thread or in serve_forever() in a thread
+        of the caller's.  Called on the loop thread itself (from a handler), it only starts
+        the shutdown: the loop cannot wait for itself.  ``timeout`` (default
+        ``2 * shutdown_timeout + 5`` s): TimeoutError if the loop has not stopped by then.
+        Thread-safe; idempotent."""
         if not self._started:
             self._started = True
             self._lsock.close()
@@ -186,11 +192,13 @@ class Server:
         if self._done.is_set():
             return
         self._loop.call_soon_threadsafe(self._begin_shutdown)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            st = self.settings
-            self._thread.join(2 * st.shutdown_timeout + 5 if timeout is None else timeout)
-            if self._thread.is_alive():
-                raise TimeoutError("the server loop did not stop in time")
+        if self._loop.in_loop_thread():
+            return
+        st = self.settings
+        if not self._done.wait(2 * st.shutdown_timeout + 5 if timeout is None else timeout):
+            raise TimeoutError("the server loop did not stop in time")
+        if self._thread is not None:
+            self._thread.join()         # (start()'s thread: it ends right after _done)
 
     def __enter__(self):
         return self.start()

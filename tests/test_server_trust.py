@@ -1,0 +1,108 @@
+"""Issue 19 ("Trust"): each server defect a review found, with the test that failed before its
+fix.  Ordered by the issue's item numbers."""
+import array
+import logging
+import math
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from aoprim.server import Handler, Server
+from aoprim.server.apps import Echo
+from aoprim.server.loop import BACKENDS
+
+from test_server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
+                                 open_fds, read_frame, recv_exact, recv_until_closed,
+                                 wait_for)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+# -- item 9: ports out of range ---------------------------------------------------------------
+
+@pytest.mark.parametrize("port", [99999, 65536, -1])
+def test_port_out_of_range_is_refused(port):
+    fds = open_fds()
+    with pytest.raises(ValueError, match="port must be"):
+        Server(Echo(), HOST, port)
+    assert open_fds() == fds
+
+
+def test_port_of_wrong_type_is_refused():
+    with pytest.raises(TypeError, match="port must be"):
+        Server(Echo(), HOST, True)
+
+
+def test_cli_port_out_of_range_is_a_usage_error():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--port", "99999"],
+                       capture_output=True, text=True, timeout=30, env=env)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "listening" not in r.stdout
+    assert "65535" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- item 10: shutdown() while serve_forever() runs in a caller's thread ----------------------
+
+def test_shutdown_stops_and_waits_for_serve_forever_in_a_caller_thread(backend):
+    srv = Server(Echo(), HOST, 0, backend=backend)
+    t = threading.Thread(target=srv.serve_forever)
+    t.start()
+    c = socket.create_connection(srv.address, timeout=10)
+    c.sendall(b"hi")
+    assert recv_exact(c, 2) == b"hi"
+    srv.shutdown(timeout=15)
+    # returned only once the loop has stopped and cleaned up
+    assert srv.stats()["connections"] == 0
+    assert srv.live_sessions == 0
+    t.join(10)
+    assert not t.is_alive()
+    c.close()
+    assert_no_leaks(srv)
+
+
+# -- item 11: a listening AF_UNIX socket passed as sock= --------------------------------------
+
+def test_unix_listener_reports_its_path(tmp_path, caplog):
+    path = str(tmp_path / "t")
+    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ls.bind(path)
+    ls.listen(8)
+    srv = Server(Echo(), sock=ls)
+    assert srv.address == path
+    with caplog.at_level(logging.INFO, logger="aoprim.server"):
+        srv.start()
+    try:
+        assert any(f"listening on {path} " in r.getMessage() for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.settimeout(10)
+        c.connect(path)
+        c.sendall(b"x")
+        assert recv_exact(c, 1) == b"x"
+        c.close()
+    finally:
+        srv.shutdown(timeout=15)
+    assert_no_leaks(srv)
+
+
+# -- item 12: non-finite seconds ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["shutdown_timeout", "close_linger", "idle_timeout",
+                                  "frame_timeout"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_non_finite_seconds_are_refused(name, value):
+    with pytest.raises(ValueError, match=name):
+        Server(Echo(), HOST, 0, **{name: value})
