@@ -106,3 +106,76 @@ def test_unix_listener_reports_its_path(tmp_path, caplog):
 def test_non_finite_seconds_are_refused(name, value):
     with pytest.raises(ValueError, match=name):
         Server(Echo(), HOST, 0, **{name: value})
+
+
+# -- items 1 and 3: what a hook raises on a worker ----------------------------------------------
+
+class Raiser(Handler):
+    """Frame b"boom": wait until more frames of this session are queued behind it, then do
+    ``action`` (raise something, or abort()).  Records every frame delivered."""
+
+    def __init__(self, action):
+        self.action = action
+        self.got = []
+        self.closed = []
+        self.lock = threading.Lock()
+
+    def on_read(self, session, data):
+        data = bytes(data)
+        with self.lock:
+            self.got.append((session.id, data))
+        if data == b"boom":
+            # more frames of this session are queued behind this one (white box: the
+            # worker backlog), so that delivery after the failure would show
+            wait_for(lambda: len(session.work.backlog) >= 3, 10, "frames queued")
+            self.action(session)
+        else:
+            session.send(data)
+
+    def on_close(self, session, exc):
+        with self.lock:
+            self.closed.append((session.id, type(exc)))
+
+
+def _raise(exc_type):
+    def act(session):
+        raise exc_type("from on_read")
+    return act
+
+
+def _abort(session):
+    session.abort()
+
+
+def _close(session):
+    session.close()
+
+
+@pytest.mark.parametrize("action,exc", [
+    (_raise(SystemExit), SystemExit),
+    (_raise(__import__("asyncio").CancelledError), __import__("asyncio").CancelledError),
+    (_raise(KeyboardInterrupt), KeyboardInterrupt),
+    (_raise(RuntimeError), RuntimeError),
+    (_abort, type(None)),
+    (_close, type(None)),
+], ids=["SystemExit", "CancelledError", "KeyboardInterrupt", "RuntimeError", "abort", "close"])
+def test_worker_failure_closes_that_session_only_and_stops_its_delivery(make_server, action,
+                                                                       exc):
+    h = Raiser(action)
+    srv = make_server(h, framing="u16", workers=1)
+    a = socket.create_connection(srv.address, timeout=10)
+    a.sendall(b"".join(frame(p) for p in (b"boom", b"f1", b"f2", b"f3", b"f4")))
+    data, how = recv_until_closed(a)
+    assert data == b""                      # nothing delivered after the failure was echoed
+    wait_for(lambda: h.closed, 10, "on_close")
+    a.close()
+    assert [d for sid, d in h.got] == [b"boom"]
+    assert h.closed == [(1, exc)]
+    # the worker lives on: the next client is served
+    b = socket.create_connection(srv.address, timeout=10)
+    b.sendall(frame(b"next"))
+    assert read_frame(b) == b"next"
+    b.close()
+    srv.shutdown(timeout=15)
+    assert srv.live_sessions == 0
+    assert_no_leaks(srv)

@@ -10,8 +10,11 @@
     backlog; the session is in the completion queue at most once at a time, and the worker
     that takes it drains its backlog alone before letting go (``SpinLock``-guarded flag,
     held for a few bytecodes, never while dropping a reference);
-  * bounded: a backlog of ``worker_backlog`` frames pauses the session's reading; it resumes
-    once the worker has brought it down to a quarter;
+  * a backlog of ``worker_backlog`` frames pauses the session's reading; it resumes once the
+    worker has brought it down to a quarter (frames already read in the same burst are still
+    queued, so the backlog can exceed the limit by what one read burst holds);
+  * a session closed from its worker (a hook raised, ``close()``, ``abort()``) gets no more
+    ``on_read``: the frames still queued for it are dropped;
   * the loop thread never blocks on a full completion queue: a session that does not fit
     waits in an overflow list that the loop retries at the end of every iteration;
   * every queued item holds one reference of the session's ``RefCount``, dropped after it ran.
@@ -165,7 +168,11 @@ class WorkerDispatch:
             elif not session.closed:
                 try:
                     handler.on_read(session, item)
-                except Exception as e:
+                except BaseException as e:
+                    # anything a hook raises here -- SystemExit, CancelledError and
+                    # KeyboardInterrupt included -- closes this session only; the worker
+                    # thread lives on (if it ended, the sessions it owed would never be
+                    # served).  KeyboardInterrupt from SIGINT reaches only the main thread.
                     session.handler_failed("on_read", e)
             item = None
             session.unref()

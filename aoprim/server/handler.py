@@ -14,7 +14,13 @@ Rules for handlers:
   ``workers=N`` ``on_read`` runs on a worker thread; a session's frames still arrive in order
   and never on two workers at once.
 - An exception raised by a hook closes that session (logged with its traceback) and nothing
-  else.
+  else; no later frame of that session reaches ``on_read`` (with workers too: the frames
+  already queued for it are dropped).  On a worker thread this holds for every
+  ``BaseException`` (``SystemExit``, ``asyncio.CancelledError``, ``KeyboardInterrupt``): the
+  worker lives on.  On the loop thread (``workers=0``) a ``BaseException`` that is not an
+  ``Exception`` stops the server (every session aborted, every buffer back) and propagates
+  out of ``serve_forever()``; SIGINT itself never raises ``KeyboardInterrupt`` in a serving
+  ``serve_forever()`` (it shuts down cleanly).
 """
 
 __all__ = ["Handler"]

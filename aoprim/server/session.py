@@ -196,6 +196,8 @@ class Session:
         if _get_ident() == self._loop.thread_id:
             self._abort("aborted by the application")
         else:
+            # closed for its worker from now on, as close() (no more frames, sends dropped)
+            self._close_requested = True
             self._loop.call_soon_threadsafe(self._abort, "aborted by the application")
 
     def pause_reading(self):
@@ -390,7 +392,7 @@ class Session:
             return      # PROXY protocol: refused before its header; on_connect never ran
         try:
             self._ctx.dispatch.handler.on_close(self, self._exc)
-        except Exception as e:
+        except BaseException as e:      # (on a worker: the thread must live on)
             log.error("session %d: handler on_close raised", self.id, exc_info=e)
 
     def frames_done(self, reason, level, cause):
@@ -410,6 +412,9 @@ class Session:
         if _get_ident() == self._loop.thread_id:
             self._close(reason, exc, logging.WARNING, "handler")
         elif self._state == OPEN:
+            # closed for its worker at once: the frames still queued are not delivered (as
+            # inline, where the close stops the receiver before the next frame)
+            self._close_requested = True
             self._loop.call_soon_threadsafe(self._close, reason, exc, logging.WARNING,
                                             "handler")
 
