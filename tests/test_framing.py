@@ -159,3 +159,102 @@ def test_random_streams_against_a_model():
             out += d.feed(stream[i:i + k])
             i += k
         assert out == payloads
+
+
+# -- the one encoder (issue 19): the compiled SendBatch.add_frame against a Python model ---------
+# The server builds every frame header in add_frame: on the loop thread directly, and for a
+# send from another thread after tx.foreign_item copied/validated the payload there.  The
+# model below is the only Python encoder; both compiled paths must agree with it.
+
+import array as _array                                                      # noqa: E402
+import socket as _socket                                                    # noqa: E402
+
+from aoprim import SendBatch, SlabPool                                       # noqa: E402
+from aoprim.server.tx import foreign_item, release_item                                   # noqa: E402
+
+
+def model_frame(payload, hs):
+    """The framing model: big-endian byte count of the payload's C-order bytes, then them."""
+    body = memoryview(payload).tobytes()
+    if len(body) >= 1 << (8 * hs):
+        raise ValueError("too long")
+    return len(body).to_bytes(hs, "big") + body
+
+
+def _compiled(payloads, hs, foreign):
+    a, b = _socket.socketpair()
+    try:
+        sb = SendBatch(a, auto_flush=False)
+        for p in payloads:
+            if not foreign:
+                sb.add_frame(p, hs)
+                continue
+            item = foreign_item(p, hs)          # the sending thread's part
+            try:
+                sb.add_frame(item, hs)          # the loop thread's (Session._drain_foreign)
+            finally:
+                release_item(item)
+        sb.flush()
+        a.shutdown(_socket.SHUT_WR)
+        out = bytearray()
+        while True:
+            chunk = b.recv(1 << 16)
+            if not chunk:
+                return bytes(out)
+            out += chunk
+    finally:
+        a.close()
+        b.close()
+
+
+_ITEMSIZE_CODES = ["b", "B", "h", "H", "i", "I", "l", "q", "f", "d"]
+
+
+@st.composite
+def payloads(draw):
+    raw = draw(st.binary(max_size=3000))
+    how = draw(st.sampled_from(["bytes", "bytearray", "slice", "strided", "2d", "array"]))
+    if how == "bytes":
+        return raw
+    if how == "bytearray":
+        return bytearray(raw)
+    if how == "slice":
+        i = draw(st.integers(0, len(raw)))
+        return memoryview(raw)[i:draw(st.integers(i, len(raw)))]
+    if how == "strided":
+        return memoryview(raw)[::draw(st.integers(1, 5))]
+    if how == "2d":
+        cols = draw(st.integers(1, 8))
+        rows = max(1, len(raw) // cols)
+        raw = (raw + bytes(cols))[:rows * cols]
+        return memoryview(raw).cast("B", (rows, cols))
+    code = draw(st.sampled_from(_ITEMSIZE_CODES))
+    size = _array.array(code).itemsize
+    return _array.array(code, raw[:len(raw) // size * size])
+
+
+@pytest.mark.parametrize("hs", [2, 4])
+@pytest.mark.parametrize("foreign", [False, True], ids=["loop-thread", "other-thread"])
+@settings(max_examples=150, deadline=None)
+@given(ps=st.lists(payloads(), max_size=6))
+def test_compiled_encoder_agrees_with_the_model(hs, foreign, ps):
+    assert _compiled(ps, hs, foreign) == b"".join(model_frame(p, hs) for p in ps)
+
+
+@pytest.mark.parametrize("foreign", [False, True], ids=["loop-thread", "other-thread"])
+def test_compiled_encoder_slot_and_limits(foreign):
+    pool = SlabPool(70000, 1)
+    slot = pool.acquire()
+    memoryview(slot)[:5] = b"hello"
+    slot.length = 5
+    assert _compiled([slot], 2, foreign) == model_frame(b"hello", 2)
+    slot.length = 65536                       # too long for u16: refused, nothing retained
+    with pytest.raises(ValueError, match="too long for u16"):
+        _compiled([slot], 2, foreign)
+    slot.release()
+    assert pool.in_use == 0
+    with pytest.raises(ValueError, match="too long for u16"):
+        _compiled([b"x" * 65536], 2, foreign)
+    for bad in (5, "text", [1, 2], None):
+        with pytest.raises(TypeError):
+            _compiled([bad], 2, foreign)

@@ -179,3 +179,114 @@ def test_worker_failure_closes_that_session_only_and_stops_its_delivery(make_ser
     srv.shutdown(timeout=15)
     assert srv.live_sessions == 0
     assert_no_leaks(srv)
+
+
+# -- item 2: one encoder -- a worker's frame header counts bytes, not items -----------------
+
+class SendWhat(Handler):
+    """On any frame, send each payload of ``payloads`` (from wherever on_read runs)."""
+
+    def __init__(self, payloads):
+        self.payloads = payloads
+
+    def on_read(self, session, data):
+        for p in self.payloads:
+            session.send(p)
+
+
+def _typed_payloads():
+    base = bytes(range(48))
+    return [b"ab", bytearray(b"cde"), memoryview(base)[3:9], memoryview(base)[::2],
+            memoryview(base).cast("B", (6, 8)), array.array("I", [1, 2]),
+            array.array("H", [7]), array.array("d", [1.5, -2.0]), b""]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["u16", "u32"])
+def test_worker_and_loop_thread_frame_typed_payloads_alike(make_server, workers, kind):
+    payloads = _typed_payloads()
+    srv = make_server(SendWhat(payloads), framing=kind, workers=workers)
+    c = socket.create_connection(srv.address, timeout=10)
+    c.sendall(frame(b"go", kind))
+    for p in payloads:
+        assert read_frame(c, kind) == memoryview(p).tobytes()
+    c.close()
+
+
+# -- item 4: send, broadcast, send from one thread leave in that order ------------------------
+
+class Interleave(Handler):
+    def __init__(self):
+        self.n = 0
+
+    def on_read(self, session, data):
+        if bytes(data) != b"go":
+            return
+        for i in range(30):
+            session.send(b"s%d" % (3 * i))
+            session.server.broadcast(b"b%d" % (3 * i + 1))
+            session.send(b"s%d" % (3 * i + 2))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["raw", "u16"])
+def test_send_broadcast_send_from_one_thread_keep_their_order(make_server, workers, kind):
+    srv = make_server(Interleave(), framing=kind, workers=workers)
+    c = socket.create_connection(srv.address, timeout=10)
+    wait_for(lambda: len(srv.sessions) == 1, 10, "session")
+    want = [(b"s%d" if i % 3 != 1 else b"b%d") % i for i in range(90)]
+    if kind == "raw":
+        c.sendall(b"go")
+        got = recv_exact(c, len(b"".join(want)))
+        assert got == b"".join(want)
+    else:
+        c.sendall(frame(b"go"))
+        assert [read_frame(c) for _ in want] == want
+    c.close()
+
+
+def test_broadcast_from_a_worker_of_a_big_payload_and_a_slot(make_server):
+    from aoprim import SlabPool
+    pool = SlabPool(4096, 2)
+
+    class Big(Handler):
+        def on_read(self, session, data):
+            session.send(b"1")
+            session.server.broadcast(b"x" * 3000)
+            slot = pool.acquire()
+            memoryview(slot)[:5] = b"slot!"
+            slot.length = 5
+            session.server.broadcast(slot)
+            slot.release()
+            session.send(b"3")
+
+    srv = make_server(Big(), framing="u32", workers=1)
+    c = socket.create_connection(srv.address, timeout=10)
+    wait_for(lambda: len(srv.sessions) == 1, 10, "session")
+    c.sendall(frame(b"go", "u32"))
+    assert [read_frame(c, "u32") for _ in range(4)] == [b"1", b"x" * 3000, b"slot!", b"3"]
+    c.close()
+    wait_for(lambda: pool.in_use == 0, 10, "the broadcast slot back")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_too_long_payload_raises_in_the_sending_thread(make_server, workers):
+    errors = []
+
+    class TooLong(Handler):
+        def on_read(self, session, data):
+            for fn in (lambda: session.send(b"x" * 65536),
+                       lambda: session.server.broadcast(b"x" * 65536),
+                       lambda: session.send(5)):
+                try:
+                    fn()
+                except (ValueError, TypeError) as e:
+                    errors.append(type(e))
+            session.send(b"ok")
+
+    srv = make_server(TooLong(), framing="u16", workers=workers)
+    c = socket.create_connection(srv.address, timeout=10)
+    c.sendall(frame(b"go"))
+    assert read_frame(c) == b"ok"
+    assert errors == [ValueError, ValueError, TypeError]
+    c.close()

@@ -1,4 +1,10 @@
-"""Framing: cutting a byte stream into frames.  Pure -- no sockets, no selectors, no I/O.
+"""Framing for clients and tools: cutting a byte stream into frames and building frames, in
+pure Python -- no sockets, no selectors, no I/O.
+
+The server does not use this module's codec: it cuts frames in the compiled ``Receiver``
+(``_cut_frames``) and builds every header in ``SendBatch.add_frame`` -- one cutter and one
+encoder.  This module is the client side (``aoprim.tools.loadgen``, the benchmarks, your
+clients); ``FRAMINGS`` and ``DEFAULT_MAX_FRAME`` are the server's too.
 
 Three framings:
 
@@ -19,9 +25,9 @@ Rules (the session layer relies on them):
 
 Two interfaces:
 
-- :meth:`Framing.scan` -- the session's hot path: given a buffer and a window
-  ``[pos, end)`` it returns the spans of the complete frames in it, without copying, and how
-  many bytes the next (incomplete) frame still needs.
+- :meth:`Framing.scan` -- given a buffer and a window ``[pos, end)`` it returns the spans of
+  the complete frames in it, without copying, and how many bytes the next (incomplete) frame
+  still needs.
 - :class:`FrameDecoder` -- ``feed(bytes) -> [bytes, ...]``, the same rules with its own
   buffer; convenient for clients, tests and tools.
 """
@@ -127,11 +133,12 @@ class Framing:
         return self._pack(n)
 
     def encode(self, payload):
-        """Header + payload as one bytes object."""
+        """Header + payload as one bytes object; the header counts the payload's bytes (an
+        ``array.array("I", [1, 2])`` is 8 of them), as the server's ``add_frame`` does."""
+        body = payload if type(payload) is bytes else memoryview(payload).tobytes()
         if self._st is None:
-            return bytes(payload)
-        n = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
-        return self.header(n) + payload
+            return body
+        return self.header(len(body)) + body
 
 
 class FrameDecoder:

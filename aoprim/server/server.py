@@ -21,19 +21,19 @@ from aoprim import SlabPool, Slot, RxArena
 
 from .config import Settings
 from .dispatch import InlineDispatch, WorkerDispatch
-from .framing import Framing
 from .listener import Listener, describe_address, make_listening_socket, sock_address
 from .loop import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
 from .session import RawSession, Session, SessionContext
 from .stats import Stats
-from .tx import Flusher
+from .tx import Flusher, check_payload
 
 __all__ = ["Server"]
 
 log = logging.getLogger("aoprim.server")
 
-# broadcasts up to this size are copied into each batch (SendBatch's default copy limit)
+# broadcasts up to this size (header included) are copied into each batch (SendBatch's
+# default copy limit)
 _COPY_MAX = 2048
 
 
@@ -63,7 +63,6 @@ class Server:
         self.handler = handler
         self.framing = st.framing
         self.max_frame = st.max_frame
-        self._framing = Framing(st.framing, st.max_frame)
         self._loop = create_loop(st.backend)
         self.backend = self._loop.backend
         self._rx_pool = SlabPool(st.rx_slot_size, st.rx_slots)
@@ -119,8 +118,6 @@ class Server:
         ctx.arena = self._arena
         ctx.dispatch = self._dispatch
         ctx.stats = self._stats
-        ctx.header = None if st.framing == "raw" else self._framing.header
-        ctx.encode = self._framing.encode
         ctx.session_closed = self._session_closed
         ctx.session_gone = self._live.discard
         self._ctx = ctx
@@ -320,52 +317,70 @@ class Server:
     # -- public ----------------------------------------------------------------------------
     def broadcast(self, data, sessions=None, exclude=None):
         """Send one buffer to many sessions (all open ones by default) without copying it per
-        session: the framed payload is written once into a pool ``Slot`` that every session's
-        batch retains (a payload small enough to be copied into each batch -- as cheap as a
+        session: the payload is written once into a pool ``Slot`` that every session's batch
+        retains (a payload small enough to be copied into each batch -- as cheap as a
         retain -- is one shared ``bytes`` instead, so a session that does not read holds no
-        pool slot for it).  ``exclude``: one session to leave out.  Thread-safe."""
-        fr = self._framing
+        pool slot for it); each batch adds the header itself (``SendBatch.add_frame``, the
+        one encoder).  ``exclude``: one session to leave out.  Thread-safe: called on
+        another thread, the payload is queued to each session behind that thread's earlier
+        sends, so what one thread sends (sends and broadcasts) leaves in its order.  A
+        payload too long for the header raises ``ValueError`` in the calling thread."""
+        hs = self.settings.header_size
         if isinstance(data, Slot):
             payload = data.data
         else:
-            payload = memoryview(data).cast("B")
+            try:
+                payload = memoryview(data)
+            except TypeError:
+                raise TypeError(f"broadcast() takes bytes, bytearray, memoryview or a Slot, "
+                                f"not {type(data).__name__}") from None
         n = payload.nbytes
-        hdr = fr.header(n)
-        total = len(hdr) + n
-        slot = None
-        if total <= _COPY_MAX:
-            # small: one bytes object, copied into each session's batch (as cheap as a
-            # retain, and a session that does not read holds no pool slot for it)
-            item = hdr + payload if hdr else bytes(payload)
-        else:
-            slot = self._tx_pool.try_acquire() if total <= self._tx_pool.slot_size else None
+        try:
+            check_payload(n, hs)
+            slot = None
+            if hs + n > _COPY_MAX and n <= self._tx_pool.slot_size:
+                slot = self._tx_pool.try_acquire()
             if slot is not None:
                 mv = memoryview(slot)
-                mv[:len(hdr)] = hdr
-                mv[len(hdr):total] = payload
-                mv.release()
-                slot.length = total
+                try:
+                    mv[:n] = payload.cast("B") if payload.c_contiguous else payload.tobytes()
+                finally:
+                    mv.release()
+                slot.length = n
                 item = slot
             else:
-                item = hdr + payload if hdr else bytes(payload)
-        payload.release()
-        if self._loop.in_loop_thread():
-            self._broadcast_now(item, sessions, exclude)
-        elif not self._loop.call_soon_threadsafe(self._broadcast_now, item, sessions, exclude):
-            if slot is not None:        # the loop is gone: nobody will send it
-                slot.release()
+                item = data if type(data) is bytes else payload.tobytes()
+        finally:
+            payload.release()
+        if not hs and not n:
+            return
+        try:
+            if self._loop.in_loop_thread():
+                self._broadcast_now(item, sessions, exclude)
+            else:
+                self._broadcast_foreign(item, sessions, exclude)
+        finally:
+            if slot is not None:
+                slot.release()          # each session retained its own reference
+
+    def _targets(self, sessions, exclude):
+        # (a copy of the dict first: atomic on any build, also from another thread)
+        targets = self._sessions.copy().values() if sessions is None else sessions
+        return [s for s in targets if s is not exclude and s.server is self]
 
     def _broadcast_now(self, item, sessions, exclude):
-        try:
-            targets = list(self._sessions.values()) if sessions is None else list(sessions)
-            k = 0
-            for s in targets:
-                if s is not exclude and s.server is self and s.send_framed(item):
-                    k += 1
-            self._stats.frames_out += k
-        finally:
-            if isinstance(item, Slot):
-                item.release()
+        k = 0
+        for s in self._targets(sessions, exclude):
+            if s.send_broadcast(item):
+                k += 1
+        self._stats.frames_out += k
+
+    def _broadcast_foreign(self, item, sessions, exclude):
+        k = 0
+        for s in self._targets(sessions, exclude):
+            if s.queue_broadcast(item):
+                k += 1
+        self._stats.frames_out_x.fetch_add(k)   # any thread: atomic
 
     @property
     def sessions(self):

@@ -38,7 +38,7 @@ from .proxy import client_address
 from .rx import (PAUSE_BACKLOG, PAUSE_BACKPRESSURE, PAUSE_CLOSING, PAUSE_EOF, PAUSE_SHUTDOWN,
                  PAUSE_USER, RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR,
                  RX_TOO_LARGE, Rx)
-from .tx import ForeignSends, release_item
+from .tx import ForeignSends, foreign_item, release_item
 
 __all__ = ["Session", "SessionContext"]
 
@@ -55,7 +55,7 @@ class SessionContext:
     """What a session needs from its server, as public attributes (filled by Server)."""
 
     __slots__ = ("server", "loop", "settings", "flusher", "arena", "dispatch", "stats",
-                 "header", "encode", "session_closed", "session_gone")
+                 "session_closed", "session_gone")
 
 
 class Session:
@@ -64,7 +64,7 @@ class Session:
     ``pause_reading``/``resume_reading``, ``pending_bytes``, ``sockname``, ``socket``."""
 
     __slots__ = ("id", "peer", "proxy_peer", "server", "user", "work", "_ctx", "_sock", "_fd",
-                 "_loop", "_state", "_reason", "_exc", "_rc", "_batch", "_hdr",
+                 "_loop", "_state", "_reason", "_exc", "_rc", "_batch",
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
                  "_proxy_wait", "__weakref__")
@@ -86,7 +86,6 @@ class Session:
         self._rc = RefCount(1, self._on_zero)
         self._batch = ctx.flusher.new_batch(sock, self)
         self._batch.owner_thread = loop.thread_id   # sends from other threads: -1 (slow path)
-        self._hdr = ctx.header              # None for raw framing
         self._hs = ctx.settings.header_size
         self._hw = ctx.settings.high_water  # -1 while write limits are set (see _over_high)
         self._nout = 0                      # frames sent on the loop thread
@@ -216,52 +215,58 @@ class Session:
 
     # -- sending (slow paths) -----------------------------------------------------------
     def _send_slow(self, data):
-        """send() when closed (dropped) or from a thread other than the loop's: frame or
-        copy here, hand over as ONE item (a header can never be separated from its
-        payload), wake the loop."""
+        """send() when closed (dropped) or from a thread other than the loop's: validate and
+        copy here (a ``Slot`` is retained instead), hand the payload over as ONE item, wake
+        the loop.  The loop thread frames it with ``SendBatch.add_frame`` -- the one place
+        a header is built -- so a header can never be separated from its payload."""
         if self._state or self._close_requested:
             return
-        hdr = self._hdr
-        if isinstance(data, Slot):
-            n = data.length
-            h = hdr(n) if hdr is not None else None      # ValueError before retaining
-            data.retain()
-            item = (h, data) if h is not None else data
-        elif hdr is not None:
-            item = self._ctx.encode(data)
-        else:
-            if not len(data):
-                return
-            item = data if type(data) is bytes else bytes(data)
+        item = foreign_item(data, self._hs)
+        if item is None:
+            return
         if self._foreign.push(item):
             self._ctx.stats.frames_out_x.fetch_add(1)   # any thread: atomic
 
+    def queue_broadcast(self, item):
+        """A broadcast made on a thread other than the loop's (``item``: the payload as
+        bytes or a pool Slot, retained here for this session): queued behind this thread's
+        earlier sends to this session, so what one thread sends leaves in its order."""
+        if self._state or self._close_requested or self._proxy_wait:
+            return False
+        if isinstance(item, Slot):
+            item.retain()
+        return self._foreign.push(item)
+
     def _drain_foreign(self, items):
-        """Loop thread: add the items other threads sent, in their order."""
+        """Loop thread: add the payloads other threads sent, in their order (framed here,
+        by the one encoder: add_frame)."""
         b = self._batch
+        hs = self._hs
         for item in items:
             if self._state == CLOSED:
                 release_item(item)
                 continue
-            if type(item) is tuple:
-                b.add(item[0])
-                b.add(item[1])
-                item[1].release()       # the batch holds its own reference now
-            elif type(item) is bytes:
-                b.add(item)
-            else:
-                b.add(item)
-                item.release()
+            try:
+                if hs:
+                    b.add_frame(item, hs)
+                else:
+                    b.add_copy(item)    # bytes by reference, a Slot retained
+            finally:
+                release_item(item)      # a Slot: the batch holds its own reference now
         if self._state != CLOSED and b.pending_bytes > self._hw:
             self._over_high()
 
-    def send_framed(self, item):
-        """Add an already framed item (bytes or Slot): broadcast (loop thread)."""
+    def send_broadcast(self, item):
+        """Add a broadcast's payload (bytes or a pool Slot, framed here by add_frame):
+        loop thread."""
         if self._state or self._proxy_wait:     # (PROXY: not before the handler met us)
             return False
         b = self._batch
-        b.add(item)
-        if b.pending_bytes > self._hw:
+        if self._hs:
+            p = b.add_frame(item, self._hs)
+        else:
+            p = b.add_copy(item)        # bytes by reference, a Slot retained
+        if p > self._hw:
             self._over_high()
         return True
 

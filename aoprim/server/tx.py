@@ -2,14 +2,17 @@
 other threads, and the per-iteration flush of every dirty batch.
 
 - Every session owns a ``SendBatch`` (``auto_flush=False``) attached to the server's one
-  ``FlushGroup``.  A send on the loop thread is one C call (``add_copy``): the batch queues
-  itself in the group when it becomes dirty.  At the end of every loop iteration
+  ``FlushGroup``.  A send on the loop thread is one C call (``add_frame`` with u16/u32
+  framing -- the one place a frame header is built -- ``add_copy`` with raw): the batch
+  queues itself in the group when it becomes dirty.  At the end of every loop iteration
   :class:`Flusher` flushes the whole group with one GIL release -- all replies one read
   burst produced leave in one ``sendmsg`` per session -- and hands the few batches that need
   attention (would block, a budget used up, an error, or watched) to their sessions.
-- Sends from other threads go through :class:`ForeignSends`: one item per ``send`` (a framed
-  payload is one ``bytes``, or a ``(header, Slot)`` pair), so two threads can never
-  interleave a header with another thread's payload.  A spin lock orders the queue against
+- Sends from other threads go through :class:`ForeignSends`: one item per ``send`` (the
+  payload as one ``bytes`` copy, or a retained ``Slot``; see :func:`foreign_item`), framed
+  on the loop thread by ``add_frame`` as it drains them, so another thread's send can never
+  come between a header and its payload.  A broadcast made on another thread is queued the
+  same way, behind that thread's earlier sends to each session.  A spin lock orders the queue against
   the session's teardown: once :meth:`ForeignSends.close` ran, a late send releases what it
   retained at once instead of leaving it in a queue nobody drains.
 """
@@ -17,7 +20,8 @@ import collections
 
 from aoprim import FlushGroup, SendBatch, Slot, SpinLock
 
-__all__ = ["Flusher", "ForeignSends", "IOV_MAX"]
+__all__ = ["Flusher", "ForeignSends", "IOV_MAX", "check_payload", "foreign_item",
+           "release_item"]
 
 IOV_MAX = 1024
 
@@ -103,8 +107,37 @@ class ForeignSends:
 
 
 def release_item(item):
-    """Give back what a queued item retained (a Slot, or a (header, Slot) pair)."""
-    if type(item) is tuple:
-        item = item[1]
+    """Give back what a queued item retained (a Slot; bytes hold nothing)."""
     if isinstance(item, Slot):
         item.release()
+
+
+def check_payload(n, header_size):
+    """ValueError for a payload of ``n`` bytes too long for the header, with add_frame's
+    message -- raised in the sending thread, before anything is queued."""
+    if header_size and n > (1 << (8 * header_size)) - 1:
+        raise ValueError(f"payload of {n} bytes is too long for u{8 * header_size} framing "
+                         f"(at most {(1 << (8 * header_size)) - 1})")
+
+
+def foreign_item(data, header_size):
+    """What a send made on another thread hands the loop: the payload's bytes (a copy: the
+    caller may reuse its buffer at once; any buffer's bytes in C order, as add_frame takes
+    them), or a ``Slot``, retained.  Validated here, in the sending thread (TypeError for
+    what is not bytes-like, ValueError for a payload too long for the header).  None: an
+    empty raw send (nothing to send).  The header is NOT built here: the loop thread's
+    ``SendBatch.add_frame`` is the one encoder."""
+    if isinstance(data, Slot):
+        check_payload(data.length, header_size)
+        data.retain()
+        return data
+    if type(data) is not bytes:
+        try:
+            data = memoryview(data).tobytes()
+        except TypeError:
+            raise TypeError(f"send() takes bytes, bytearray, memoryview or a Slot, not "
+                            f"{type(data).__name__}") from None
+    check_payload(len(data), header_size)
+    if not header_size and not data:
+        return None
+    return data
