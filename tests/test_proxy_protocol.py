@@ -558,9 +558,13 @@ def test_server_untrusted_peer_is_closed_before_reading(make_server, caplog):
     assert "not in trusted_proxies" in caplog.text
 
 
-def test_server_header_timeout_partial_and_silent(make_server):
+@pytest.mark.parametrize("frame_timeout", [None, 30.0])
+def test_server_header_timeout_partial_and_silent(make_server, frame_timeout):
+    # the header has its own deadline (proxy_header_timeout), whatever frame_timeout is:
+    # with frame_timeout=None a silent connection was kept forever (issue 19 item 13)
     h = Who()
-    srv = make_server(h, framing="u16", proxy_protocol="any", frame_timeout=0.2)
+    srv = make_server(h, framing="u16", proxy_protocol="any", frame_timeout=frame_timeout,
+                      proxy_header_timeout=0.2)
     partial = _connect(srv)
     partial.sendall(VALID["v1 TCP4"][0][:12])
     silent = _connect(srv)
@@ -749,3 +753,37 @@ backend be
             proc.kill()
             proc.wait(5)
         proc.stdout.close()
+
+
+@pytest.mark.parametrize("nets,trusted", [
+    (("::ffff:127.0.0.1/128",), True),      # exactly the IPv4-mapped peer
+    (("127.0.0.0/8",), True),               # as its IPv4 address
+    (("::ffff:127.0.0.2/128",), False),
+    (("::1/128",), False),
+])
+def test_server_ipv4_mapped_peer_on_a_dual_stack_listener(make_server, nets, trusted):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    h = Who()
+    try:
+        srv = make_server(h, host="::", framing="u16", proxy_protocol="v1",
+                          trusted_proxies=nets)
+    except OSError as e:
+        pytest.skip(f"no dual-stack listener here: {e}")
+    c = socket.create_connection(("127.0.0.1", srv.address[1]), timeout=10)
+    c.sendall(VALID["v1 TCP4"][0] + frame(b"q"))
+    if trusted:
+        assert read_frame(c).endswith(b"|q")
+    else:
+        assert recv_until_closed(c)[0] == b""
+    c.close()
+
+
+def test_proxy_header_timeout_setting():
+    from aoprim.server import Settings
+    assert Settings().proxy_header_timeout == 10.0
+    assert Settings(proxy_protocol="v1", frame_timeout=None).sweep_every == 1.0
+    assert Settings(frame_timeout=None).sweep_every is None        # PROXY off: no sweep
+    for bad in (0, -1, float("inf"), "1"):
+        with pytest.raises((ValueError, TypeError), match="proxy_header_timeout"):
+            Settings(proxy_header_timeout=bad)

@@ -290,3 +290,71 @@ def test_too_long_payload_raises_in_the_sending_thread(make_server, workers):
     assert read_frame(c) == b"ok"
     assert errors == [ValueError, ValueError, TypeError]
     c.close()
+
+
+# -- item 5: the frame and idle clocks stop while the server holds a session ------------------
+
+class Gate(Handler):
+    """Frame b"hold": pause_reading (inline) or block the worker until ``release`` is set
+    (workers, with a small backlog: the backlog pauses reading).  Echoes the rest."""
+
+    def __init__(self, workers):
+        self.workers = workers
+        self.release = threading.Event()
+        self.held = threading.Event()
+
+    def on_read(self, session, data):
+        data = bytes(data)
+        if data == b"hold":
+            if self.workers:
+                self.held.set()
+                assert self.release.wait(30)
+            else:
+                session.pause_reading()
+                self.held.set()
+                session.server.loop.call_later(0, lambda: None)
+            return
+        session.send(data)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("which", ["frame", "idle"])
+def test_timeouts_do_not_cut_a_session_the_server_holds(make_server, workers, which):
+    h = Gate(workers)
+    kw = ({"frame_timeout": 0.3} if which == "frame" else
+          {"idle_timeout": 0.3, "frame_timeout": None})
+    srv = make_server(h, framing="u16", workers=workers, worker_backlog=2, **kw)
+    c = socket.create_connection(srv.address, timeout=10)
+    # "hold", then frames that fill the worker backlog, then half a frame -- in one read
+    tail = frame(b"late")
+    burst = frame(b"hold") + b"".join(frame(b"q%d" % i) for i in range(4))
+    c.sendall(burst + (tail[:3] if which == "frame" else b""))
+    assert h.held.wait(10)
+    time.sleep(1.0)         # the subject of the test: > 3x the timeout while held
+    assert srv.stats()["closes"].get("timeout") is None, srv.stats()["closes"]
+    if workers:
+        h.release.set()
+    else:
+        s = srv.sessions[0]
+        srv.loop.call_soon_threadsafe(s.resume_reading)
+    c.sendall(tail[3:] if which == "frame" else tail)
+    assert [read_frame(c) for _ in range(5)] == [b"q0", b"q1", b"q2", b"q3", b"late"]
+    c.close()
+
+
+def test_a_peer_that_reads_nothing_is_still_cut_under_back_pressure(make_server):
+    """Back-pressure from a peer that takes none of our bytes does not stop its clocks."""
+    class Flood(Handler):
+        def on_read(self, session, data):
+            for _ in range(64):
+                session.send(b"z" * 60000)
+
+    srv = make_server(Flood(), framing="u16", idle_timeout=0.3, frame_timeout=None,
+                      max_pending=64 << 20)
+    c = socket.socket()
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.settimeout(10)
+    c.connect(srv.address)
+    c.sendall(frame(b"go"))
+    wait_for(lambda: srv.stats()["closes"].get("timeout") == 1, 10, "the idle timeout")
+    c.close()

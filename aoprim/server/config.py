@@ -7,7 +7,8 @@ import dataclasses
 import math
 
 from .framing import DEFAULT_MAX_FRAME, FRAMINGS
-from .proxy import DEFAULT_MAX_HEADER, DEFAULT_TRUSTED, parse_mode, parse_trusted
+from .proxy import (DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER, DEFAULT_TRUSTED, parse_mode,
+                    parse_trusted)
 
 __all__ = ["Settings"]
 
@@ -73,6 +74,7 @@ class Settings:
     proxy_protocol: str = None
     trusted_proxies: tuple = DEFAULT_TRUSTED
     proxy_max_header: int = DEFAULT_MAX_HEADER
+    proxy_header_timeout: float = DEFAULT_HEADER_TIMEOUT    # from the connection's start
 
     def __post_init__(self):
         if self.framing not in FRAMINGS:
@@ -120,6 +122,8 @@ class Settings:
             raise ValueError("proxy_protocol is on but trusted_proxies is empty: no "
                              "connection could be accepted")
         _int("proxy_max_header", self.proxy_max_header, 232)
+        set_(self, "proxy_header_timeout",
+             _seconds("proxy_header_timeout", self.proxy_header_timeout))
         if self.proxy_max_header > 16 + 65535:
             raise ValueError(f"proxy_max_header must be <= {16 + 65535} (the longest "
                              f"header the format can announce), not {self.proxy_max_header}")
@@ -138,5 +142,6 @@ class Settings:
     def sweep_every(self):
         """How often the timeout sweep runs (None: no timeouts set): a tenth of the shortest
         timeout, between 10 ms and 1 s."""
-        ticks = [t for t in (self.idle_timeout, self.frame_timeout) if t]
+        ticks = [t for t in (self.idle_timeout, self.frame_timeout,
+                             self.proxy_header_timeout if self.proxy_protocol else None) if t]
         return min(1.0, max(0.01, min(ticks) / 10)) if ticks else None

@@ -16,7 +16,9 @@ around it, in Python:
   v1 UNKNOWN, v2 UNSPEC and v2 UNIX (no (host, port) to give) keep the balancer's address
   as ``peer``; ``proxy_peer`` is then the same address, so ``peer == proxy_peer`` tells
   such a session apart.  A header refused (malformed, wrong version, too long, EOF inside
-  it) closes the session with a logged WARNING, counted as ``closes["proxy"]``.
+  it) closes the session with a logged WARNING, counted as ``closes["proxy"]``; a header not
+  complete ``proxy_header_timeout`` seconds (default 10) after the accept closes it, counted
+  as ``closes["timeout"]``.
 
 The handler meets a session only once its header is read: ``on_connect`` runs then (with
 ``peer`` already the client's), and a session refused before that gets no ``on_close``
@@ -25,7 +27,7 @@ and no broadcasts.
 import ipaddress
 import logging
 
-__all__ = ["PROXY_MODES", "DEFAULT_TRUSTED", "DEFAULT_MAX_HEADER", "parse_mode",
+__all__ = ["PROXY_MODES", "DEFAULT_TRUSTED", "DEFAULT_MAX_HEADER", "DEFAULT_HEADER_TIMEOUT", "parse_mode",
            "parse_trusted", "TrustedPeers", "client_address", "refuse_untrusted"]
 
 log = logging.getLogger("aoprim.server")
@@ -38,6 +40,10 @@ DEFAULT_TRUSTED = ("127.0.0.0/8", "::1/128")
 # bytes), and nothing above 232 bytes is ever stored -- the limit bounds the bytes read
 # before the first frame.
 DEFAULT_MAX_HEADER = 4096
+# Seconds a connection has to complete its PROXY header, from the moment it is accepted
+# (whatever frame_timeout is: None there must not keep a silent connection forever).  A
+# balancer sends the header with or right after its connect; None: no deadline.
+DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def parse_mode(v):
@@ -88,7 +94,11 @@ class TrustedPeers:
         except ValueError:
             return False
         if ip.version == 6 and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped         # a dual-stack listener's IPv4 peer
+            # a dual-stack listener's IPv4 peer: trusted as its IPv4 address (127.0.0.1 in
+            # "127.0.0.0/8") or as the mapped address itself ("::ffff:127.0.0.1/128")
+            if any(ip in n for n in self.v6):
+                return True
+            ip = ip.ipv4_mapped
         nets = self.v4 if ip.version == 4 else self.v6
         return any(ip in n for n in nets)
 

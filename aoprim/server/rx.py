@@ -15,7 +15,12 @@ worker dispatcher's ``post``) directly from C.  This module decides only policy:
 - the idle and frame timeouts are measured by a sweep every ``Settings.sweep_every`` seconds:
   a session whose byte count moved was active; a session that has held the same unfinished
   frame (no frame completed since the sweep first saw bytes buffered) for longer than
-  ``frame_timeout`` is cut.  Both are exact to within one sweep period.
+  ``frame_timeout`` is cut.  Both are exact to within one sweep period.  Neither clock runs
+  while the server itself keeps the session from being read (``pause_reading``, a full
+  worker backlog, shutdown, or back-pressure while the peer still takes our bytes): a frame
+  cannot complete while we do not read it.  Back-pressure from a peer that takes nothing
+  does not stop them (that peer is the one stalling).  With the PROXY protocol the header
+  has its own deadline, ``proxy_header_timeout``, from the connection's start.
 """
 from aoprim import (RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR, RX_TOO_LARGE,
                     Receiver)
@@ -35,7 +40,8 @@ PAUSE_SHUTDOWN = 32
 class Rx:
     """One session's receive side."""
 
-    __slots__ = ("receiver", "paused", "_seen_bytes", "_ft_mark", "_ft_since", "last_active")
+    __slots__ = ("receiver", "paused", "_seen_bytes", "_ft_mark", "_ft_since", "last_active",
+                 "_born", "_swept")
 
     def __init__(self, arena, fd, settings, on_frame, on_event, owner, copy_frames, now):
         self.receiver = Receiver(arena, fd, settings.header_size, settings.max_frame,
@@ -47,6 +53,8 @@ class Rx:
         self._ft_mark = -1          # receiver.frames_in when the unfinished frame was seen
         self._ft_since = 0.0        # ... and when
         self.last_active = now
+        self._born = now            # the connection's start (the PROXY header's deadline)
+        self._swept = now           # when the sweep last looked
 
     @property
     def reading(self):
@@ -67,25 +75,34 @@ class Rx:
             self.receiver.hold = False
         return bool(was) and not self.paused
 
-    def sweep(self, now, idle_timeout, frame_timeout):
-        """The timeout check; returns a reason to cut the session, or None."""
+    def sweep(self, now, idle_timeout, frame_timeout, proxy_timeout=None, held=False):
+        """The timeout check; returns a reason to cut the session, or None.  ``held``: the
+        server itself kept this session from being read since the last sweep (see
+        Session.check_timeouts): neither the idle nor the frame clock runs meanwhile -- a
+        frame cannot complete while we do not read it.  ``proxy_timeout``: the PROXY
+        header's own deadline, from the connection's start (None: no deadline)."""
+        dt = now - self._swept
+        self._swept = now
         r = self.receiver
         b = r.bytes_in
-        if b != self._seen_bytes:
+        if b != self._seen_bytes or held:
             self._seen_bytes = b
             self.last_active = now
         if idle_timeout is not None and now - self.last_active > idle_timeout:
             return f"idle timeout ({idle_timeout:g} s without a byte)"
-        # PROXY protocol: the header is due from the connection's start (proxy_pending)
-        if frame_timeout is not None and (r.buffered or r.proxy_pending):
+        if r.proxy_pending:         # PROXY protocol: the header is due from the start
+            if proxy_timeout is not None and now - self._born > proxy_timeout:
+                return (f"PROXY header timeout (not complete after {now - self._born:.2f} "
+                        f"s, limit {proxy_timeout:g} s)")
+            return None
+        if frame_timeout is not None and r.buffered:
             f = r.frames_in
             if f != self._ft_mark:
                 self._ft_mark = f
                 self._ft_since = now
+            elif held:
+                self._ft_since += dt    # the frame clock stops while the server holds
             elif now - self._ft_since > frame_timeout:
-                if r.proxy_pending:
-                    return (f"PROXY header timeout (not complete after "
-                            f"{now - self._ft_since:.2f} s, limit {frame_timeout:g} s)")
                 return (f"frame timeout (a frame begun {now - self._ft_since:.2f} s ago is "
                         f"incomplete, limit {frame_timeout:g} s)")
         else:

@@ -245,17 +245,19 @@ class Server:
         pool's health."""
         st = self.settings
         now = self._loop.time()
+        if not self._stopping:
+            # first: whatever fails below (logged by the loop), the sweeps go on
+            self._loop.call_later(st.sweep_every or 1.0, self._sweep)
         if st.sweep_every is not None:
+            pt = st.proxy_header_timeout if st.proxy_protocol is not None else None
             for s in list(self._sessions.values()):
-                s.check_timeouts(now, st.idle_timeout, st.frame_timeout)
+                s.check_timeouts(now, st.idle_timeout, st.frame_timeout, pt)
         fb = self._arena.fallbacks
         if fb != self._fallbacks_seen:
             log.warning("receive pool exhausted (%d of %d slots in use): %d reads went to heap "
                         "buffers since the last check", self._rx_pool.in_use,
                         self._rx_pool.slots, fb - self._fallbacks_seen)
             self._fallbacks_seen = fb
-        if not self._stopping:
-            self._loop.call_later(st.sweep_every or 1.0, self._sweep)
 
     # -- shutdown (loop thread) ------------------------------------------------------------
     def _begin_shutdown(self):

@@ -49,6 +49,9 @@ _get_ident = threading.get_ident
 _RESET_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ECONNABORTED}
 _LINGER_READS = 16          # reads of unread input per lingering-close callback
 _DISCARD = 65536
+# pause reasons under which the server itself keeps a session from being read: its idle and
+# frame clocks stop (rx.Rx.sweep)
+_SERVER_HOLDS = PAUSE_USER | PAUSE_BACKLOG | PAUSE_SHUTDOWN
 
 
 class SessionContext:
@@ -67,7 +70,7 @@ class Session:
                  "_loop", "_state", "_reason", "_exc", "_rc", "_batch",
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
-                 "_proxy_wait", "__weakref__")
+                 "_proxy_wait", "_sent_seen", "__weakref__")
 
     def __init__(self, ctx, sock, sid, peer):
         self.id = sid
@@ -104,6 +107,7 @@ class Session:
         self._close_requested = False       # close() from another thread, not yet run
         # PROXY protocol: True until the header is read (the handler has not met us yet)
         self._proxy_wait = ctx.settings.proxy_protocol is not None
+        self._sent_seen = 0                 # bytes written when the sweep last looked
 
     def __repr__(self):
         st = ("open", "closing", "closed")[self._state]
@@ -378,10 +382,19 @@ class Session:
         """(receiver, batch, frames sent on the loop thread) for the stats."""
         return self._rx.receiver, self._batch, self._nout
 
-    def check_timeouts(self, now, idle_timeout, frame_timeout):
+    def check_timeouts(self, now, idle_timeout, frame_timeout, proxy_timeout=None):
         if self._state != OPEN:
             return
-        reason = self._rx.sweep(now, idle_timeout, frame_timeout)
+        rx = self._rx
+        held = bool(rx.paused & _SERVER_HOLDS)
+        if rx.paused & PAUSE_BACKPRESSURE:
+            # back-pressure is ours only while the peer takes our bytes; a peer that takes
+            # nothing is the one stalling, and its clocks run
+            sent = self._batch.stats["bytes"]
+            if sent != self._sent_seen:
+                self._sent_seen = sent
+                held = True
+        reason = rx.sweep(now, idle_timeout, frame_timeout, proxy_timeout, held)
         if reason is not None:
             self._abort(reason, level=logging.WARNING, cause="timeout")
 
