@@ -620,6 +620,10 @@ cdef class EpollCore:
         if self._running:
             raise RuntimeError("run_ready() is for a stopped loop")
         ready = self._ready
+        # seq_cst: the same clear-before-drain as the loop's callback phase (Dekker pair with
+        # call_soon_threadsafe).  Left set, every later call_soon_threadsafe -- stop()
+        # included -- would skip the eventfd write and the next run() sleep (issue 19 item 20)
+        aop_store_u32(&self._wake_pending, 0, AOP_SEQ_CST)
         while ready:
             cb, args = ready.popleft()
             try:

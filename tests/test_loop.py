@@ -231,3 +231,27 @@ def test_cancelled_timers_are_compacted(loop):
     keep = loop.call_later(0.01, loop.stop)
     loop.run()
     assert not keep.cancelled
+
+
+@pytest.mark.timeout(30)
+def test_stop_after_run_ready_still_wakes_the_loop(loop):
+    """Issue 19 item 20: a call_soon_threadsafe before run() leaves a wake-up pending;
+    run_ready() drains its queue, so it must clear that flag too (before draining, as the
+    loop does) -- otherwise every later call_soon_threadsafe, stop() included, believes a
+    wake-up is on its way and skips the write, and run() sleeps for a day."""
+    got = []
+    assert loop.call_soon_threadsafe(got.append, 1)
+    loop.run_ready()
+    assert got == [1]
+    woke = threading.Event()
+    loop.add_iteration_hook(woke.set)   # (not call_soon: a queued callback clears the flag)
+    t = run_in_thread(loop)
+    assert woke.wait(10)            # the loop ran one iteration (the stale wake-up) and sleeps
+    loop.call_soon_threadsafe(got.append, 2)
+    loop.stop()
+    t.join(5)
+    alive = t.is_alive()
+    if alive:                       # unstick the daemon thread with a timer-free wake-up
+        loop.call_soon_threadsafe(loop.stop)
+    assert not alive, "stop() after run_ready() never woke the loop"
+    assert got == [1, 2]

@@ -325,6 +325,10 @@ class SelectorsLoop(EventLoop):
         if self._running:
             raise RuntimeError("run_ready() is for a stopped loop")
         ready = self._ready
+        # cleared before draining, as in the loop's callback phase: left set, every later
+        # call_soon_threadsafe -- stop() included -- would skip the eventfd write and the
+        # next run() sleep (issue 19 item 20)
+        self._wake_pending = False
         while ready:
             cb, args = ready.popleft()
             try:
