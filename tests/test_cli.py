@@ -366,3 +366,73 @@ def test_the_load_generator_is_a_tool_not_part_of_the_server():
     from aoprim.tools import loadgen
     assert callable(loadgen.run) and callable(loadgen.proc_cpu)
     assert importlib.util.find_spec("aoprim.server.loadgen") is None
+
+
+# -- issue 19: the supervisor validates once; a killed supervisor; what serve imports --------
+
+def test_procs_bad_setting_is_printed_once_and_no_child_starts():
+    r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port", "0",
+                        "--procs", "3", "--max-frame", "0"],
+                       capture_output=True, text=True, timeout=60, cwd=CWD)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("aoprim:")]
+    assert lines == ["aoprim: max_frame must be >= 1, not 0"], r.stderr
+    assert "started server process" not in r.stderr and "listening" not in r.stdout
+
+
+def test_children_of_a_killed_supervisor_exit_without_a_traceback():
+    p, port = start_server("--app", "echo", "--procs", "2")
+    try:
+        with socket.create_connection((HOST, port), timeout=10) as s:
+            s.sendall(b"x")
+            assert recv_exact(s, 1) == b"x"
+        p.kill()                        # SIGKILL: the children get PR_SET_PDEATHSIG
+        # stderr is shared with the children: EOF once the last of them has exited
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert "shutting down" in err       # the children did stop
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def _imports_of(code):
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=CWD)
+    assert r.returncode == 0, r.stderr
+    return set(r.stdout.split())
+
+
+HEAVY = ("asyncio", "ssl", "aoprim.benchmarks", "aoprim.benchmarks.cli",
+         "aoprim.tools.loadgen")
+
+
+def test_import_aoprim_server_does_not_load_asyncio_or_ssl():
+    got = _imports_of("import sys, aoprim.server; "
+                      f"print(*[m for m in {HEAVY!r} if m in sys.modules])")
+    assert got == set()
+    got = _imports_of("import sys; from aoprim.server import ProtocolHandler; "
+                      "print(*[m for m in ('asyncio',) if m in sys.modules])")
+    assert got == {"asyncio"}           # ... until the adapter is used
+
+
+def test_serve_does_not_import_the_benchmarks_or_the_load_generator():
+    # parse a serve command line as main() does, up to the server (a refused port)
+    code = ("import sys; from aoprim.server import cli; "
+            "rc = cli.main(['serve', '--port', '1', '--max-frame', '0']); "
+            f"print(*[m for m in {HEAVY!r} if m in sys.modules]); print('rc%d' % rc)")
+    got = _imports_of(code)
+    assert got == {"rc2"}
+
+
+def test_serve_defaults_are_the_settings_defaults():
+    import dataclasses
+
+    from aoprim.server import Settings
+    from aoprim.server.cli import build_parser
+    a = build_parser().parse_args(["serve"])
+    for f in dataclasses.fields(Settings):
+        if hasattr(a, f.name) and f.name not in ("backlog",):
+            assert getattr(a, f.name) == f.default, f.name
+    assert a.proxy_header_timeout == Settings().proxy_header_timeout

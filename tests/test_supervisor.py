@@ -94,11 +94,13 @@ def cleanup(p, pids=()):
 def test_a_child_exiting_2_stops_the_supervisor_with_2():
     """Bad settings made every child exit 2, and the supervisor respawned them every 0.5 s
     forever (after printing "listening on")."""
+    # (bad settings are refused by the supervisor itself now, before any child starts: a
+    # handler that cannot be imported is what only a child finds out)
     r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port", "0",
-                        "--procs", "2", "--max-connections", "0"],
+                        "--procs", "2", "no_such_module_for_this_test:Handler"],
                        capture_output=True, text=True, timeout=30, cwd=CWD)
     assert r.returncode == 2, r.stderr
-    assert "max_connections must be >= 1" in r.stderr
+    assert "cannot import 'no_such_module_for_this_test'" in r.stderr
     assert "exited with status 2 (a usage or configuration error)" in r.stderr
     assert "listening on" not in r.stdout
     assert "Traceback" not in r.stderr

@@ -41,7 +41,6 @@ Example::
     ...
     srv.shutdown()
 """
-from .adapters.asyncio_protocol import ProtocolHandler, SessionTransport
 from .config import Settings
 from .framing import FRAMINGS, FrameDecoder, FrameTooLarge, Framing
 from .handler import Handler
@@ -54,6 +53,15 @@ __all__ = ["Server", "Session", "Handler", "Settings", "serve_protocol", "Framin
            "SessionTransport", "ProtocolHandler"]
 
 
+def __getattr__(name):
+    # the asyncio adapter (and with it asyncio and ssl, most of this package's import time)
+    # is loaded on first use, not by ``import aoprim.server``
+    if name in ("ProtocolHandler", "SessionTransport"):
+        from .adapters import asyncio_protocol
+        return getattr(asyncio_protocol, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def serve_protocol(protocol_factory, host="127.0.0.1", port=0, *, forever=False, **kwargs):
     """Run an unchanged ``asyncio.Protocol`` / ``asyncio.BufferedProtocol`` on this server.
 
@@ -62,6 +70,7 @@ def serve_protocol(protocol_factory, host="127.0.0.1", port=0, *, forever=False,
     ``srv.shutdown()``), or with ``forever=True`` serves in the calling thread until
     SIGINT/SIGTERM.  Other keyword arguments go to :class:`Server` (framing is ``raw``).
     """
+    from .adapters.asyncio_protocol import ProtocolHandler
     kwargs.setdefault("framing", "raw")
     if kwargs["framing"] != "raw":
         raise ValueError("asyncio protocols parse their own stream: framing must be 'raw'")

@@ -27,12 +27,14 @@ import signal
 import sys
 import traceback
 
-from aoprim.benchmarks import cli as bench_cli
-from aoprim.server import BACKENDS, BackendUnavailable, Handler, Server
-from aoprim.tools import loadgen
+import dataclasses
 
+from aoprim.server import BACKENDS, BackendUnavailable, Handler, Server
+
+from .config import Settings
+from .framing import FRAMINGS
 from .listener import check_port
-from .proxy import DEFAULT_MAX_HEADER, DEFAULT_TRUSTED
+from .proxy import PROXY_MODES
 from .supervisor import Supervisor
 
 __all__ = ["main", "build_parser", "load_handler", "split_spec", "UsageError"]
@@ -41,7 +43,8 @@ log = logging.getLogger("aoprim.server")
 
 # the built-in apps, loaded the way a user's handler is
 BUILTIN_APPS = {"echo": "aoprim.server.apps:Echo", "chat": "aoprim.server.apps:Chat"}
-FRAMINGS = ("raw", "u16", "u32")       # API.md; the server validates them again
+# the flags' defaults are the settings' own (one place: config.Settings)
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 HOOKS = ("on_connect", "on_read", "on_close")
 
@@ -175,7 +178,9 @@ class _ServeOptions:
         return out
 
 
-def build_parser():
+def build_parser(only=None):
+    """The command line's parser; ``only``: the command about to run (the others' options
+    are then not loaded -- their modules are not imported)."""
     p = argparse.ArgumentParser(prog="python -m aoprim",
                                 description="aoprim's server and its load generator")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -193,47 +198,61 @@ def build_parser():
           help="directory put first on sys.path to import MODULE (default: %(default)s)")
     o.add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     o.add("--port", type=_port, default=8888, help="port; 0 picks a free one (default: %(default)s)")
-    o.add("--framing", choices=FRAMINGS, default="raw",
+    o.add("--framing", choices=FRAMINGS, default=DEFAULTS["framing"],
           help="raw bytes, or a u16/u32 big-endian length before each frame "
                "(default: %(default)s)")
-    o.add("--workers", type=int, default=0,
+    o.add("--workers", type=int, default=DEFAULTS["workers"],
           help="threads running on_read; 0 runs it on the loop thread (default: %(default)s)")
     o.add("--procs", type=int, default=1,
           help="server processes sharing the port (SO_REUSEPORT) under a supervisor "
                "(default: %(default)s)")
-    o.add("--max-frame", type=int, default=65536,
+    o.add("--max-frame", type=int, default=DEFAULTS["max_frame"],
           help="largest u16/u32 frame accepted, bytes (default: %(default)s)")
-    o.add("--idle-timeout", type=_seconds_or_none, default=None, text=_seconds_text,
+    o.add("--idle-timeout", type=_seconds_or_none, default=DEFAULTS["idle_timeout"],
+          text=_seconds_text,
           help="close a session silent this many seconds; 'none' for never "
                "(default: %(default)s)")
-    o.add("--frame-timeout", type=_seconds_or_none, default=30.0, text=_seconds_text,
+    o.add("--frame-timeout", type=_seconds_or_none, default=DEFAULTS["frame_timeout"],
+          text=_seconds_text,
           help="seconds a begun frame may take to complete; 'none' for no limit "
                "(default: %(default)s)")
-    o.add("--max-connections", type=int, default=10000,
+    o.add("--max-connections", type=int, default=DEFAULTS["max_connections"],
           help="open sessions at most (default: %(default)s)")
-    o.add("--max-pending", type=int, default=4 << 20,
+    o.add("--max-pending", type=int, default=DEFAULTS["max_pending"],
           help="unsent bytes per session before it is cut off (default: %(default)s)")
-    o.add("--backend", choices=BACKENDS, default="selectors",
+    o.add("--backend", choices=BACKENDS, default=DEFAULTS["backend"],
           help="the event loop backend (default: %(default)s)")
-    o.add("--proxy-protocol", choices=("v1", "v2", "any"), default=None,
+    o.add("--proxy-protocol", choices=[m for m in PROXY_MODES if m], default=None,
           help="behind a load balancer: every connection starts with a PROXY protocol "
                "header of this version, and a session's peer is the client's address from "
                "it (default: off)")
     o.add("--trusted-proxy", action="append", default=None, metavar="NET",
           help="a network allowed to connect and send the PROXY header, e.g. 10.0.0.0/8; "
-               "repeat for more (default: " + ", ".join(DEFAULT_TRUSTED) + ")")
-    o.add("--proxy-max-header", type=int, default=DEFAULT_MAX_HEADER,
+               "repeat for more (default: " +
+               ", ".join(str(n) for n in DEFAULTS["trusted_proxies"]) + ")")
+    o.add("--proxy-max-header", type=int, default=DEFAULTS["proxy_max_header"],
           help="longest PROXY header accepted, bytes, 232..65551 (default: %(default)s)")
+    o.add("--proxy-header-timeout", type=_seconds_or_none,
+          default=DEFAULTS["proxy_header_timeout"], text=_seconds_text,
+          help="seconds a connection has, from its accept, to complete its PROXY header; "
+               "'none' for no limit (default: %(default)s)")
     o.add("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
           help="stderr log level (default: %(default)s)")
     o.add("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # a supervised child
     s.set_defaults(child_argv=o.argv)
     lg = sub.add_parser("loadgen", help="echo load generator (a client; verifies every byte)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    loadgen.build_parser(lg)
-    bench_cli.build_parser(sub.add_parser(
-        "bench", help="benchmark the primitives and the server beside their baselines",
-        description=bench_cli.DESCRIPTION))
+    bp = sub.add_parser("bench",
+                        help="benchmark the primitives and the server beside their baselines")
+    # the load generator and the benchmarks are imported only for their own commands
+    # (``serve`` does not load them)
+    if only in (None, "loadgen"):
+        from aoprim.tools import loadgen
+        loadgen.build_parser(lg)
+    if only in (None, "bench"):
+        from aoprim.benchmarks import cli as bench_cli
+        bp.description = bench_cli.DESCRIPTION
+        bench_cli.build_parser(bp)
     return p
 
 
@@ -246,6 +265,43 @@ def _check_choice(a):
         raise UsageError("--procs must be >= 1")
 
 
+def _settings(a):
+    """The Server keyword arguments the options give (host and port aside)."""
+    return dict(framing=a.framing, max_frame=a.max_frame, max_connections=a.max_connections,
+                max_pending=a.max_pending, idle_timeout=a.idle_timeout,
+                frame_timeout=a.frame_timeout, workers=a.workers, backend=a.backend,
+                reuse_port=a.reuse_port, proxy_protocol=a.proxy_protocol,
+                proxy_max_header=a.proxy_max_header,
+                proxy_header_timeout=a.proxy_header_timeout,
+                trusted_proxies=(tuple(a.trusted_proxy) if a.trusted_proxy
+                                 else DEFAULTS["trusted_proxies"]))
+
+
+def _check_settings(a):
+    """Validate the settings as the server will (UsageError): once, in the supervisor,
+    before any child starts -- not once per child."""
+    kw = _settings(a)
+    kw.pop("reuse_port")
+    try:
+        Settings(**kw)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _print_stats(srv):
+    """The final ``stats {...}`` line.  A reader that went away (a killed --procs supervisor)
+    costs the line, not a traceback: stdout is pointed at /dev/null, so the interpreter's
+    own flush at exit does not fail either."""
+    try:
+        print("stats " + json.dumps(srv.stats()), flush=True)
+    except (BrokenPipeError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+
+
 def _serve_one(a):
     if a.handler is not None:
         _put_on_path(a.app_dir)
@@ -253,25 +309,25 @@ def _serve_one(a):
     else:
         handler = load_handler(BUILTIN_APPS[a.app or "echo"])
     try:
-        srv = Server(handler, a.host, a.port, framing=a.framing, max_frame=a.max_frame,
-                     max_connections=a.max_connections, max_pending=a.max_pending,
-                     idle_timeout=a.idle_timeout, frame_timeout=a.frame_timeout,
-                     workers=a.workers, backend=a.backend, reuse_port=a.reuse_port,
-                     proxy_protocol=a.proxy_protocol, proxy_max_header=a.proxy_max_header,
-                     trusted_proxies=(tuple(a.trusted_proxy) if a.trusted_proxy
-                                      else DEFAULT_TRUSTED))
+        srv = Server(handler, a.host, a.port, **_settings(a))
     except (ValueError, TypeError, OSError, BackendUnavailable) as e:
         raise UsageError(str(e)) from None
     host, port = srv.address[:2]
-    print(f"listening on {host}:{port}", flush=True)
+    try:
+        print(f"listening on {host}:{port}", flush=True)
+    except BrokenPipeError:
+        srv.shutdown()
+        _print_stats(srv)
+        return 1
     srv.serve_forever()
-    print("stats " + json.dumps(srv.stats()), flush=True)
+    _print_stats(srv)
     return 0
 
 
 def _serve_procs(a):
     if a.handler is not None:
         split_spec(a.handler)          # a malformed name fails once, before any child starts
+    _check_settings(a)
     tail = [a.handler] if a.handler is not None else []
 
     def child_argv(port):
@@ -294,11 +350,15 @@ def main(argv=None):
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
-        a = build_parser().parse_args(argv)
+        args = sys.argv[1:] if argv is None else list(argv)
+        cmd = args[0] if args and args[0] in ("serve", "loadgen", "bench") else None
+        a = build_parser(cmd).parse_args(args)
         if a.cmd == "loadgen":
+            from aoprim.tools import loadgen
             signal.signal(signal.SIGINT, signal.default_int_handler)
             return loadgen.main(a)
         if a.cmd == "bench":
+            from aoprim.benchmarks import cli as bench_cli
             signal.signal(signal.SIGINT, signal.default_int_handler)
             return bench_cli.main(a)
         logging.basicConfig(level=a.log_level, stream=sys.stderr,
