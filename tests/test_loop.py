@@ -255,3 +255,69 @@ def test_stop_after_run_ready_still_wakes_the_loop(loop):
         loop.call_soon_threadsafe(loop.stop)
     assert not alive, "stop() after run_ready() never woke the loop"
     assert got == [1, 2]
+
+
+@pytest.mark.timeout(30)
+def test_selectors_call_soon_threadsafe_racing_close_never_writes_into_a_reused_fd():
+    """Issue 19 item 7: a producer that passed the closed test and is about to write the
+    eventfd is held there (a trace hook) while another thread closes the loop and a new
+    socket takes the eventfd's number.  The write must not reach that socket: close() waits
+    for a producer inside call_soon_threadsafe (the epoll backend counts them in _inflight;
+    selectors holds a lock across check, append and write, and close() takes it)."""
+    import sys
+    lp = create_loop("selectors")
+    evfd = lp._wfd
+    at_write = threading.Event()
+    go = threading.Event()
+    result = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_name != "call_soon_threadsafe":
+            return None
+
+        def local(frame, event, arg):
+            if event == "line":
+                import linecache
+                line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+                if "eventfd_write" in line and not at_write.is_set():
+                    at_write.set()
+                    go.wait(10)
+            return local
+        return local
+
+    def producer():
+        sys.settrace(tracer)
+        try:
+            result.append(lp.call_soon_threadsafe(print))
+        finally:
+            sys.settrace(None)
+    p = threading.Thread(target=producer)
+    p.start()
+    assert at_write.wait(10)
+    closer = threading.Thread(target=lp.close)
+    closer.start()
+    closer.join(0.5)    # a fixed loop keeps close() waiting for the producer: bounded wait
+    socks = []
+    try:
+        while not closer.is_alive() and len(socks) < 8:     # the old code: fd freed already
+            a, b = socket.socketpair()
+            socks.append((a, b))
+            if evfd in (a.fileno(), b.fileno()):
+                break
+        go.set()
+        p.join(10)
+        closer.join(10)
+        assert not p.is_alive() and not closer.is_alive()
+        assert result == [True]     # queued before close (and dropped by it)
+        for a, b in socks:
+            for s in (a, b):
+                s.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    data = s.recv(64)
+                    pytest.fail(f"the loop's wake-up wrote {data!r} into a reused fd")
+    finally:
+        go.set()
+        for a, b in socks:
+            a.close()
+            b.close()
+    assert lp.closed and lp.call_soon_threadsafe(print) is False

@@ -5,8 +5,9 @@ Invariants:
 
 - Only the loop thread touches the selector, the timer heap and the hook list.  The one
   thread-safe entry is :meth:`SelectorsLoop.call_soon_threadsafe` (and ``stop``, built on
-  it): it appends to a ``collections.deque`` (atomic append) and, unless a wake-up is already
-  pending, writes to an eventfd.  ``_wake_pending`` is cleared by the loop *before* it drains
+  it): under ``_lock`` it checks ``_closed``, appends to a ``collections.deque`` and, unless a
+  wake-up is already pending, writes to an eventfd.  ``close()`` sets ``_closed`` under the
+  same lock before it closes the eventfd, so no write reaches an fd number reused since.  ``_wake_pending`` is cleared by the loop *before* it drains
   the deque, so a callback appended after the drain always finds the flag clear and writes
   the eventfd again; and the loop never blocks while its deque is non-empty (it polls with a
   zero timeout), so no wake-up is lost (at worst one is spurious).
@@ -86,6 +87,7 @@ class SelectorsLoop(EventLoop):
         self._hooks = []
         self._hook = _no_hook              # the hooks as one callable
         self._wake_pending = False
+        self._lock = threading.Lock()      # call_soon_threadsafe's section vs close()
         self._running = False
         self._stopping = False
         self._closed = False
@@ -131,15 +133,22 @@ class SelectorsLoop(EventLoop):
         self._ready.append((callback, args))
 
     def call_soon_threadsafe(self, callback, *args):
-        if self._closed:
-            return False
-        self._ready.append((callback, args))
-        if not self._wake_pending:
-            self._wake_pending = True
-            try:
-                os.eventfd_write(self._wfd, 1)
-            except OSError:
-                pass    # counter full (a wake-up is pending anyway) or closed meanwhile
+        item = (callback, args)
+        # The closed test, the append and the eventfd write form one section under _lock,
+        # and close() sets _closed under the same lock before it closes the eventfd: so a
+        # producer either sees the loop closed and queues nothing, or finishes its write
+        # before the fd is closed -- never writes into an fd number the process has since
+        # reused (issue 19 item 7; the epoll backend's _inflight count does the same).
+        with self._lock:
+            if self._closed:
+                return False
+            self._ready.append(item)
+            if not self._wake_pending:
+                self._wake_pending = True
+                try:
+                    os.eventfd_write(self._wfd, 1)
+                except BlockingIOError:
+                    pass    # the counter is full: a wake-up is pending anyway
         return True
 
     def _drain_wakeup(self):
@@ -232,6 +241,7 @@ class SelectorsLoop(EventLoop):
         cbs = self._cbs
         poll = self._poller()
         ready = self._ready
+        lock = self._lock
         timers = self._timers
         monotonic = time.monotonic
         heappop = heapq.heappop
@@ -290,8 +300,11 @@ class SelectorsLoop(EventLoop):
                         self._report(t.callback, e)
                 t = None
             if ready:
-                # cleared before draining: a later call_soon_threadsafe writes again
-                self._wake_pending = False
+                # cleared before draining: a later call_soon_threadsafe writes again.  Under
+                # the producers' lock, so the clear and their append-then-test are ordered
+                # without relying on the GIL (a free-threaded build)
+                with lock:
+                    self._wake_pending = False
                 for _ in range(len(ready)):
                     cb, args = ready.popleft()
                     try:
@@ -328,7 +341,8 @@ class SelectorsLoop(EventLoop):
         # cleared before draining, as in the loop's callback phase: left set, every later
         # call_soon_threadsafe -- stop() included -- would skip the eventfd write and the
         # next run() sleep (issue 19 item 20)
-        self._wake_pending = False
+        with self._lock:
+            self._wake_pending = False
         while ready:
             cb, args = ready.popleft()
             try:
@@ -341,7 +355,8 @@ class SelectorsLoop(EventLoop):
             raise RuntimeError("cannot close a running event loop")
         if self._closed:
             return
-        self._closed = True
+        with self._lock:        # waits for a producer inside call_soon_threadsafe
+            self._closed = True
         self._sel.close()
         os.close(self._rfd)
         leftover = list(self._ready)
