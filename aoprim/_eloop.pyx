@@ -224,7 +224,11 @@ cdef class EpollCore:
         return monotonic()
 
     def call_at(self, double when, callback, *args):
-        """Run ``callback(*args)`` once :meth:`time` reaches ``when``; returns the timer."""
+        """Run ``callback(*args)`` once :meth:`time` reaches ``when``; returns the timer.
+        NaN raises ValueError (it compares false with every deadline and would corrupt the
+        heap); ``inf`` never fires; a deadline in the past runs in the next timer phase."""
+        if when != when:
+            raise ValueError("a timer's deadline must not be NaN")
         cdef EpollTimer t = EpollTimer.__new__(EpollTimer)
         self._seq += 1
         t.when = when
@@ -236,6 +240,9 @@ cdef class EpollCore:
         return t
 
     def call_later(self, double delay, callback, *args):
+        """Run ``callback(*args)`` ``delay`` seconds from now (see :meth:`call_at`)."""
+        if delay != delay:
+            raise ValueError("a timer's delay must not be NaN")
         if delay < 0:
             delay = 0
         return self.call_at(monotonic() + delay, callback, *args)

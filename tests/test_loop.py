@@ -1,4 +1,5 @@
 """Layer 1: readiness callbacks, call_soon(_threadsafe) wake-ups, timers, backends."""
+import os
 import socket
 import threading
 import time
@@ -321,3 +322,64 @@ def test_selectors_call_soon_threadsafe_racing_close_never_writes_into_a_reused_
             a.close()
             b.close()
     assert lp.closed and lp.call_soon_threadsafe(print) is False
+
+
+def test_nan_deadlines_are_refused_inf_never_fires_negative_runs_next(loop):
+    """Issue 19 item 8: NaN compares false with every deadline -- selectors ran it at once,
+    epoll parked it on top of the heap and no later timer ever fired.  The contract (loop.py):
+    NaN raises ValueError on both; -inf / negative run like 0; inf never fires."""
+    nan, inf = float("nan"), float("inf")
+    with pytest.raises(ValueError):
+        loop.call_later(nan, print)
+    with pytest.raises(ValueError):
+        loop.call_at(nan, print)
+    assert loop.pending_timers == 0
+    order = []
+    never = loop.call_later(inf, order.append, "inf")
+    loop.call_at(float("-inf"), order.append, "-inf")
+    loop.call_later(-5, order.append, "neg")
+    loop.call_later(0, order.append, "zero")
+    loop.call_later(0.01, order.append, "later")
+    loop.call_later(0.02, loop.stop)
+    loop.run()
+    assert order == ["-inf", "neg", "zero", "later"]
+    assert not never.cancelled and never.when == inf
+    never.cancel()
+
+
+@pytest.mark.timeout(30)
+def test_a_signal_delivered_to_another_thread_wakes_run_on_the_main_thread(loop):
+    """Issue 19 item 8: both backends set Python's signal wake-up fd while run() runs on the
+    main thread.  The signal lands on another thread, so the main thread's wait gets no
+    EINTR: only the wake-up fd can end it (a 5 s timer bounds the test without one)."""
+    import signal
+    assert threading.current_thread() is threading.main_thread()
+    before = len(os.listdir("/proc/self/fd"))
+    got = []
+
+    def handler(signum, frame):
+        got.append(threading.get_ident())
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGUSR1, handler)
+    prev = signal.set_wakeup_fd(-1)
+    try:
+        started = threading.Event()
+        loop.call_soon(started.set)
+        loop.call_later(5, loop.stop)
+
+        def kicker():
+            started.wait(10)
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)     # to this thread
+        t = threading.Thread(target=kicker)
+        t0 = time.monotonic()
+        t.start()
+        with pytest.raises(KeyboardInterrupt):
+            loop.run()
+        t.join(10)
+        assert time.monotonic() - t0 < 4
+        assert got == [threading.get_ident()]       # the handler ran on the main thread
+        assert signal.set_wakeup_fd(-1) == -1       # the loop's pipe was taken away again
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        signal.set_wakeup_fd(prev)

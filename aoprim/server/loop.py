@@ -34,6 +34,20 @@ The contract every backend keeps:
   loop is closed, :meth:`call_soon_threadsafe` returns ``False`` and queues nothing (the
   caller still owns whatever it meant to hand over); otherwise it returns ``True``.
 - **Time**: :meth:`time` is the monotonic clock, cached once per iteration.
+- **Deadlines**: a timer's deadline (``call_at``) or delay (``call_later``) is a float.  NaN
+  raises ``ValueError`` on both (asyncio accepts it, but NaN compares false with every
+  deadline: one backend ran it at once, the other parked it on top of the heap, where no
+  later timer ever fired again).  A deadline in the past or a negative delay (``-inf``
+  included) runs in the next timer phase, like 0; ``inf`` never fires (the timer stays in
+  :attr:`pending_timers` until cancelled).  Timers with equal deadlines run in the order
+  they were scheduled.
+- **Signals**: while :meth:`run` runs on the main thread, it sets Python's signal wake-up fd
+  to a pipe it watches (the previous one is back when it returns): a signal that arrives
+  just before the wait, or is delivered to another thread, wakes the loop at once and its
+  Python handler runs on the loop's thread.  A handler that raises ``KeyboardInterrupt`` or
+  ``SystemExit`` ends :meth:`run`; where an ``Exception`` from a handler surfaces (inside a
+  callback, reported like its own; or from the wait, ending :meth:`run`) depends on which
+  bytecode the interpreter was at -- do not rely on it.
 
 This module knows nothing about sockets, sessions or frames.
 """
@@ -110,10 +124,16 @@ class EventLoop(abc.ABC):
 
     @abc.abstractmethod
     def call_at(self, when, callback, *args):
-        """Run ``callback(*args)`` once :meth:`time` reaches ``when``; returns a Timer."""
+        """Run ``callback(*args)`` once :meth:`time` reaches ``when``; returns a Timer.
+        ``when`` is a float; NaN raises ``ValueError``."""
 
     def call_later(self, delay, callback, *args):
-        return self.call_at(self.clock() + max(0.0, delay), callback, *args)
+        """``call_at(clock() + delay)``; a negative delay counts as 0, NaN raises
+        ``ValueError``, ``inf`` never fires."""
+        delay = float(delay)
+        if delay != delay:
+            raise ValueError("a timer's delay must not be NaN")
+        return self.call_at(self.clock() + (delay if delay > 0.0 else 0.0), callback, *args)
 
     @abc.abstractmethod
     def time(self):

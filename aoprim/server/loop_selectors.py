@@ -25,6 +25,7 @@ import logging
 import os
 import select
 import selectors
+import signal
 import threading
 import time
 
@@ -88,6 +89,7 @@ class SelectorsLoop(EventLoop):
         self._hook = _no_hook              # the hooks as one callable
         self._wake_pending = False
         self._lock = threading.Lock()      # call_soon_threadsafe's section vs close()
+        self._sigfd = -1                   # the signal wake-up pipe while run() runs
         self._running = False
         self._stopping = False
         self._closed = False
@@ -107,6 +109,9 @@ class SelectorsLoop(EventLoop):
         return time.monotonic()
 
     def call_at(self, when, callback, *args):
+        when = float(when)
+        if when != when:
+            raise ValueError("a timer's deadline must not be NaN")
         self._seq += 1
         t = _Timer(when, self._seq, callback, args, self)
         heapq.heappush(self._timers, t)
@@ -227,12 +232,45 @@ class SelectorsLoop(EventLoop):
         self._stopping = False
         self.thread_id = threading.get_ident()
         self._now = time.monotonic()
+        sig_r = sig_w = -1
+        old = None
+        if threading.current_thread() is threading.main_thread():
+            # Signals: Python's C handler only sets a flag, so a signal that lands after the
+            # last check and before the wait -- or on another thread -- would wait for the
+            # next event (with no timer: the sentinel, 11 days).  Its wake-up fd closes that
+            # window: the handler also writes a byte to a pipe the loop watches, the wait
+            # returns and the interpreter runs the Python handler on this thread.
+            sig_r, sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                old = signal.set_wakeup_fd(sig_w, warn_on_full_buffer=False)
+                self.set_callbacks(sig_r, self._drain_sigfd, None)
+            except BaseException:
+                if old is not None:
+                    signal.set_wakeup_fd(old)
+                os.close(sig_r)
+                os.close(sig_w)
+                self._running = False
+                raise
+            self._sigfd = sig_r
         sentinel = self.call_at(self._now + _FAR, self._rearm_sentinel)
         try:
             self._run()
         finally:
             sentinel.cancel()
             self._running = False
+            if sig_r >= 0:
+                self._sigfd = -1
+                signal.set_wakeup_fd(old)
+                self.remove(sig_r)
+                os.close(sig_r)
+                os.close(sig_w)
+
+    def _drain_sigfd(self):
+        try:
+            while len(os.read(self._sigfd, 64)) == 64:
+                pass
+        except OSError:
+            pass        # empty (EAGAIN)
 
     def _rearm_sentinel(self):
         self.call_at(self._now + _FAR, self._rearm_sentinel)
