@@ -358,3 +358,52 @@ def test_a_peer_that_reads_nothing_is_still_cut_under_back_pressure(make_server)
     c.sendall(frame(b"go"))
     wait_for(lambda: srv.stats()["closes"].get("timeout") == 1, 10, "the idle timeout")
     c.close()
+
+
+# -- item 15: a session that cannot register with the loop leaks nothing ---------------------
+
+class Counting(Echo):
+    def __init__(self):
+        self.connected = 0
+        self.closed = 0
+
+    def on_connect(self, session):
+        self.connected += 1
+
+    def on_close(self, session, exc):
+        self.closed += 1
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_registration_failure_at_accept_leaks_nothing(make_server, workers):
+    import errno
+    h = Counting()
+    srv = make_server(h, workers=workers)
+    loop = srv.loop
+    real = loop.set_callbacks
+    fail = {"n": 1}
+    listen_fd = srv._lsock.fileno()
+
+    def set_callbacks(fd, r, w):    # epoll_ctl(ADD) at max_user_watches
+        if fd != listen_fd and r is not None and fail["n"]:
+            fail["n"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, r, w)
+
+    loop.set_callbacks = set_callbacks
+    try:
+        a = socket.create_connection(srv.address, timeout=10)
+        assert recv_until_closed(a)[0] == b""       # closed at once, nothing read
+        a.close()
+        wait_for(lambda: srv.stats()["connections"] == 0 and srv.live_sessions == 0, 10,
+                 "the failed session to be gone")
+        st = srv.stats()
+        assert st["rx_slots_in_use"] == 1 and st["tx_slots_in_use"] == 0   # idle: scratch
+        assert st["closes"].get("register") == 1
+        assert h.connected == 0 and h.closed == 0   # the handler never met it
+        b = socket.create_connection(srv.address, timeout=10)   # the next one is served
+        b.sendall(b"ok")
+        assert recv_exact(b, 2) == b"ok"
+        b.close()
+    finally:
+        del loop.set_callbacks

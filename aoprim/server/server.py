@@ -221,11 +221,19 @@ class Server:
             return
         self._next_id += 1
         self._stats.connections_total += 1
-        s = self._session_cls(self._ctx, sock, self._next_id, addr)
+        try:
+            s = self._session_cls(self._ctx, sock, self._next_id, addr)
+        except BaseException:
+            sock.close()                # (a MemoryError building its parts)
+            raise
         self._sessions[s.id] = s
         self._live.add(s)
         log.debug("session %d %s connected", s.id, addr)
-        s.start()
+        try:
+            s.start()
+        except OSError as e:    # epoll_ctl: ENOSPC (max_user_watches), ENOMEM
+            s.fail_start(f"cannot register with the event loop: {e}")
+            return
         if self._trusted is not None:
             return      # PROXY protocol: on_connect runs once the header is read
         try:

@@ -105,7 +105,8 @@ class Session:
         self._lingering = False             # draining unread input after SHUT_WR
         self._sockname = None
         self._close_requested = False       # close() from another thread, not yet run
-        # PROXY protocol: True until the header is read (the handler has not met us yet)
+        # True while the handler has not met this session (no on_connect yet, so no on_close
+        # and no broadcasts): the PROXY protocol until the header is read, a failed start()
         self._proxy_wait = ctx.settings.proxy_protocol is not None
         self._sent_seen = 0                 # bytes written when the sweep last looked
 
@@ -363,6 +364,12 @@ class Session:
         """Register with the loop (loop thread, right after accept)."""
         self._update_interest()
 
+    def fail_start(self, reason):
+        """start() failed (loop thread): close at once, before the handler met the session
+        (no on_close), giving back everything the accept took."""
+        self._proxy_wait = True         # the handler has not met us: no on_close
+        self._abort(reason, level=logging.WARNING, cause="register")
+
     def stop_reading(self):
         """The server is shutting down: no more reads (loop thread)."""
         self._set_pause(PAUSE_SHUTDOWN, True)
@@ -407,7 +414,7 @@ class Session:
     def run_on_close(self):
         """Run the handler's on_close (once; the loop thread or the session's worker)."""
         if self._proxy_wait:
-            return      # PROXY protocol: refused before its header; on_connect never ran
+            return      # on_connect never ran (PROXY header refused, start() failed)
         try:
             self._ctx.dispatch.handler.on_close(self, self._exc)
         except BaseException as e:      # (on a worker: the thread must live on)
