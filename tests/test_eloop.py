@@ -224,6 +224,7 @@ def test_a_signal_whose_handler_returns_does_not_end_the_wait(loop):
     try:
         main = threading.get_ident()
         fired = []
+        t0 = loop.clock()       # before call_later: the deadline is measured from its clock
         loop.call_later(0.3, lambda: (fired.append(loop.time()), loop.stop()))
 
         def kicker():
@@ -232,7 +233,6 @@ def test_a_signal_whose_handler_returns_does_not_end_the_wait(loop):
             signal.pthread_kill(main, signal.SIGUSR1)
         t = threading.Thread(target=kicker)
         t.start()
-        t0 = loop.clock()
         loop.run()
         t.join(10)
         assert got == ["usr1"]
