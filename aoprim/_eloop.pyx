@@ -40,7 +40,10 @@ Invariants
   process has since reused.  (In a GIL build the producer's section runs no Python code --
   its item tuple is built before it counts itself in -- so ``close()`` never actually waits.)
 - fd table: ``_rd[fd]`` / ``_wr[fd]`` hold the callbacks (None = not interested); a fd is
-  registered with epoll exactly when one of them is not None.  The lists only grow.
+  registered with epoll exactly when one of them is not None.  The two lists always have
+  one length: growing builds both longer lists first, then installs them (replacing, not
+  extending), so a MemoryError leaves the old pair.  They only grow (``close()`` empties
+  them).
 - Timers: a binary heap of :class:`EpollTimer` ordered by (when, seq).  The timer phase runs
   only timers due when it began *and* issued before it began (seq <= the last seq issued):
   a timer that schedules another for "now" runs it in the next iteration, never the same
@@ -373,9 +376,14 @@ cdef class EpollCore:
         if fd >= n:
             if on_read is None and on_write is None:
                 return
+            # Both grown tables are built before either is installed: a MemoryError leaves
+            # the old pair, never an _rd longer than _wr (lookups skip bounds checks).  The
+            # tables are replaced, not extended: _run re-reads them before every dispatch.
             grow = [None] * (fd + 1 - n + n // 2 + 16)
-            rd.extend(grow)
-            wr.extend(grow)
+            new_rd = rd + grow
+            new_wr = wr + grow
+            self._rd = rd = new_rd      # commit: two stores that cannot fail
+            self._wr = wr = new_wr
         old_r = <object>PyList_GET_ITEM(rd, fd)
         old_w = <object>PyList_GET_ITEM(wr, fd)
         cdef uint32_t old_ev = (EPOLLIN if old_r is not None else 0) | \
@@ -541,8 +549,6 @@ cdef class EpollCore:
             n = self._wait(timeout_ms)
             self._now = monotonic()
             self.iterations += 1
-            rd = self._rd
-            wr = self._wr
             for i in range(n):
                 ev = self._events[i].events
                 fd = self._events[i].data.fd
@@ -553,6 +559,11 @@ cdef class EpollCore:
                     self._drain_sigfd()
                     PyErr_CheckSignals()        # a handler that raises ends run()
                     continue
+                # re-read before every dispatch: an earlier callback may have grown the fd
+                # table (set_callbacks installs new, longer lists) -- a stale list would hold
+                # callbacks that were unregistered since
+                rd = self._rd
+                wr = self._wr
                 if fd >= PyList_GET_SIZE(rd):
                     continue
                 rcb = <object>PyList_GET_ITEM(rd, fd)
@@ -566,8 +577,7 @@ cdef class EpollCore:
                         continue
                     if rcb is not None and ev & ~(<uint32_t>EPOLLOUT):
                         rcb()
-                        rd = self._rd           # the read callback may have grown the table
-                        wr = self._wr
+                        wr = self._wr           # the read callback may have grown the table
                         wcb = <object>PyList_GET_ITEM(wr, fd)   # ... or dropped the writer
                         if wcb is None:
                             continue
@@ -575,8 +585,6 @@ cdef class EpollCore:
                         wcb()
                 except Exception as e:
                     self._report(rcb if rcb is not None else wcb, e)
-                rd = self._rd
-                wr = self._wr
             # drop the last callbacks' references: a closed session must not be kept alive
             # by a local variable until the next event
             rcb = wcb = None

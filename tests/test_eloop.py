@@ -388,3 +388,45 @@ def test_gc_clearing_the_cycle_first_leaves_a_usable_loop():
         assert len(seen) == 30, seen
         print("OK")
     """)
+
+
+FAULT_SCRIPT = textwrap.dedent("""
+    import os, socket, _testcapi
+    from aoprim.server.loop import create_loop
+    r, w = socket.socketpair()
+    high = os.dup2(r.fileno(), 900)
+    failed = 0
+    for k in range(40):
+        lp = create_loop("epoll")
+        cb = lambda: None
+        _testcapi.set_nomemory(k, k + 1)     # the k-th allocation from here fails
+        try:
+            lp.set_callbacks(high, cb, None)
+        except MemoryError:
+            failed += 1
+        finally:
+            _testcapi.remove_mem_hooks()
+        # whatever failed, the table is whole: register, read back, replace, forget
+        lp.set_callbacks(high, cb, cb)
+        assert lp.reader_of(high) is cb and lp.writer_of(high) is cb
+        lp.set_callbacks(high, None, cb)
+        assert lp.reader_of(high) is None and lp.writer_of(high) is cb
+        lp.remove(high)
+        assert lp.writer_of(high) is None
+        lp.close()
+    print("ok", failed)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_set_callbacks_growing_the_table_fails_whole_under_memory_faults():
+    """Issue 19 item 24: the fd table grows ``_rd`` and ``_wr`` together or not at all.  A
+    MemoryError injected at each allocation of set_callbacks in turn (``_testcapi``) must
+    leave two tables of one length: before, ``_rd`` could grow while ``_wr`` did not, and the
+    next call read and wrote ``_wr`` past its end (bounds checks are off) -- a crash."""
+    pytest.importorskip("_testcapi")
+    p = subprocess.run([sys.executable, "-c", FAULT_SCRIPT], capture_output=True, text=True,
+                       timeout=100, env={**os.environ, "PYTHONPATH": PKG_PARENT})
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    assert p.stdout.startswith("ok ")
+    assert int(p.stdout.split()[1]) > 0      # some allocations did fail

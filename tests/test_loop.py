@@ -383,3 +383,31 @@ def test_a_signal_delivered_to_another_thread_wakes_run_on_the_main_thread(loop)
     finally:
         signal.signal(signal.SIGUSR1, old)
         signal.set_wakeup_fd(prev)
+
+
+def test_a_callback_that_grows_the_fd_table_and_unregisters_a_ready_fd(loop):
+    """Two fds ready in one batch; the first one's callback registers a high fd (the epoll
+    backend installs a new, longer table) and unregisters the second: the second's callback
+    must not run from the old table."""
+    a = socket.socketpair()
+    b = socket.socketpair()
+    hr, hw = socket.socketpair()
+    high = os.dup2(hr.fileno(), 950)
+    ran = []
+    try:
+        def first(me, other):
+            ran.append(me.recv(1))
+            loop.add_reader(high, lambda: None)
+            loop.remove_reader(other.fileno())
+            loop.stop()
+        loop.add_reader(a[0].fileno(), lambda: first(a[0], b[0]))
+        loop.add_reader(b[0].fileno(), lambda: first(b[0], a[0]))
+        a[1].send(b"x")
+        b[1].send(b"x")
+        loop.run()
+        assert len(ran) == 1, ran
+    finally:
+        loop.remove(high)
+        os.close(high)
+        for s in (*a, *b, hr, hw):
+            s.close()
