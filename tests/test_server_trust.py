@@ -407,3 +407,37 @@ def test_registration_failure_at_accept_leaks_nothing(make_server, workers):
         b.close()
     finally:
         del loop.set_callbacks
+
+
+# -- item 6: max_pending is checked where a worker's send is queued ---------------------------
+
+def test_max_pending_bounds_a_workers_sends_while_the_loop_is_busy(make_server):
+    loop_busy = threading.Event()
+    loop_free = threading.Event()
+    accepted = []
+
+    class Flood(Handler):
+        def on_read(self, session, data):
+            srv.loop.call_soon_threadsafe(block_loop)
+            assert loop_busy.wait(10)
+            n = 0
+            for _ in range(200):
+                session.send(b"z" * 60000)
+                if session.closed:
+                    break
+                n += 1
+            accepted.append(n)
+            loop_free.set()
+
+    def block_loop():               # the loop thread stays here until the worker is done
+        loop_busy.set()
+        assert loop_free.wait(30)
+
+    srv = make_server(Flood(), framing="u32", workers=1, max_pending=1 << 20)
+    c = socket.create_connection(srv.address, timeout=10)
+    c.sendall(frame(b"go", "u32"))
+    wait_for(lambda: accepted, 30, "the worker to finish")
+    # at most max_pending bytes (plus one send's worth) were ever queued for the session
+    assert accepted[0] * 60004 <= (1 << 20), accepted
+    wait_for(lambda: srv.stats()["closes"].get("max_pending") == 1, 10, "the cut")
+    c.close()

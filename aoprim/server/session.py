@@ -227,10 +227,22 @@ class Session:
         if self._state or self._close_requested:
             return
         item = foreign_item(data, self._hs)
-        if item is None:
-            return
-        if self._foreign.push(item):
+        if item is not None and self._push_foreign(item):
             self._ctx.stats.frames_out_x.fetch_add(1)   # any thread: atomic
+
+    def _push_foreign(self, item):
+        """Queue an item for the loop thread (any thread); False if it was dropped."""
+        n = self._hs + (len(item) if type(item) is bytes else item.length)
+        limit = self._ctx.settings.max_pending
+        ok = self._foreign.push(item, n, self._batch.pending_bytes, limit)
+        if ok is None:
+            # max_pending, checked here where the send is queued (on the loop thread the
+            # check runs in the send itself): this send and every later one are dropped
+            self._close_requested = True
+            self._loop.call_soon_threadsafe(
+                self._abort, f"max_pending exceeded (more than {limit} unsent bytes): the "
+                "peer does not read", None, logging.WARNING, "max_pending")
+        return bool(ok)
 
     def queue_broadcast(self, item):
         """A broadcast made on a thread other than the loop's (``item``: the payload as
@@ -240,7 +252,7 @@ class Session:
             return False
         if isinstance(item, Slot):
             item.retain()
-        return self._foreign.push(item)
+        return self._push_foreign(item)
 
     def _drain_foreign(self, items):
         """Loop thread: add the payloads other threads sent, in their order (framed here,

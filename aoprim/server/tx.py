@@ -55,9 +55,10 @@ class Flusher:
 class ForeignSends:
     """Sends made on threads other than the loop's, handed to the loop in order."""
 
-    __slots__ = ("_q", "_lock", "_scheduled", "_closed", "_loop", "_drain")
+    __slots__ = ("_q", "_lock", "_scheduled", "_closed", "_loop", "_drain", "_bytes")
 
     def __init__(self, loop, drain):
+        self._bytes = 0             # bytes queued here, not yet handed to the batch
         self._q = collections.deque()
         self._lock = SpinLock()
         self._scheduled = False
@@ -65,20 +66,26 @@ class ForeignSends:
         self._loop = loop
         self._drain = drain         # loop-thread callable: drain(items)
 
-    def push(self, item):
-        """Queue one item (any thread).  False if the session is gone (the item is
-        released here)."""
+    def push(self, item, nbytes=0, pending=0, limit=None):
+        """Queue one item of ``nbytes`` bytes (any thread).  False if the session is gone
+        (the item is released here).  ``limit``: refuse the item (released here; returns
+        None) when ``pending`` (the batch's unsent bytes) plus what is queued here plus
+        ``nbytes`` would exceed it -- max_pending, checked where the item is queued."""
+        over = False
         with self._lock:
             if self._closed:
                 gone = True
+            elif limit is not None and pending + self._bytes + nbytes > limit:
+                gone = over = True
             else:
                 gone = False
                 self._q.append(item)
+                self._bytes += nbytes
                 wake = not self._scheduled
                 self._scheduled = True
         if gone:
             release_item(item)
-            return False
+            return None if over else False
         if wake and not self._loop.call_soon_threadsafe(self._run):
             self.close()            # the loop is closed: nobody will drain
         return True
@@ -88,6 +95,7 @@ class ForeignSends:
             self._scheduled = False       # before taking: a later push schedules again
             items = list(self._q)
             self._q.clear()
+            self._bytes = 0             # (they reach the batch's pending bytes next)
             drain = self._drain
         if drain is not None:
             drain(items)
