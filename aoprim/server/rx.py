@@ -38,7 +38,9 @@ PAUSE_SHUTDOWN = 32
 
 
 class Rx:
-    """One session's receive side."""
+    """One session's receive side.  ``on_read`` is called by the compiled ``Receiver``
+    built here (``receiver.on_readable`` is the loop's read callback), through ``on_frame``
+    -- the handler's ``on_read`` or the worker dispatcher's ``post_frame``."""
 
     __slots__ = ("receiver", "paused", "_seen_bytes", "_ft_mark", "_ft_since", "last_active",
                  "_born", "_swept")

@@ -64,7 +64,11 @@ class SessionContext:
 class Session:
     """One connection.  Public: ``send``, ``close``, ``abort``, ``peer``, ``proxy_peer``,
     ``id``, ``closed``, ``close_reason``, ``server``, ``user`` (free for the application),
-    ``pause_reading``/``resume_reading``, ``pending_bytes``, ``sockname``, ``socket``."""
+    ``pause_reading``/``resume_reading``, ``pending_bytes``, ``sockname``, ``socket``.
+
+    Nothing here calls ``on_read``: the compiled ``Receiver`` does, from the loop's read
+    callback, through the frame callback ``__init__`` wires into :class:`~.rx.Rx` (the
+    handler's ``on_read``, or with workers the dispatcher's ``post_frame``)."""
 
     __slots__ = ("id", "peer", "proxy_peer", "server", "user", "work", "_ctx", "_sock", "_fd",
                  "_loop", "_state", "_reason", "_exc", "_rc", "_batch",
@@ -104,7 +108,10 @@ class Session:
         self._timer = None                  # close linger / lingering-close timer
         self._lingering = False             # draining unread input after SHUT_WR
         self._sockname = None
-        self._close_requested = False       # close() from another thread, not yet run
+        # a close decided on another thread (close(), abort(), a hook's exception on a
+        # worker, max_pending of a queued send) that the loop has not run yet: from then on
+        # no frame is delivered and sends are dropped
+        self._close_requested = False
         # True while the handler has not met this session (no on_connect yet, so no on_close
         # and no broadcasts): the PROXY protocol until the header is read, a failed start()
         self._proxy_wait = ctx.settings.proxy_protocol is not None
