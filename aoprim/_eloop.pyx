@@ -367,6 +367,8 @@ cdef class EpollCore:
     def set_callbacks(self, int fd, on_read, on_write):
         """Register ``fd``'s readiness callbacks at once (None = not interested; both None
         unregisters).  Replacing a callback with another costs no syscall."""
+        if self._epfd < 0:
+            raise RuntimeError("the event loop is closed")
         if fd < 0:
             raise ValueError(f"invalid file descriptor {fd}")
         if fd == self._evfd:

@@ -87,7 +87,8 @@ class EventLoop(abc.ABC):
     @abc.abstractmethod
     def set_callbacks(self, fd, on_read, on_write):
         """Register ``fd``'s readiness callbacks at once (``None`` = not interested; both
-        ``None`` unregisters).  Replacing a callback with another costs no syscall."""
+        ``None`` unregisters).  Replacing a callback with another costs no syscall.  On a
+        closed loop: ``RuntimeError`` (``remove`` is then a no-op)."""
 
     def add_reader(self, fd, callback):
         self.set_callbacks(fd, callback, self.writer_of(fd))

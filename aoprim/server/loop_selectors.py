@@ -16,8 +16,8 @@ Invariants:
   a timer waits for the next iteration).  Cancelled timers stay in the heap until popped, or
   until they are more than half of it (and more than 256): then the heap is rebuilt without
   them, so a server that arms and cancels a timer per session never grows it without bound.
-- A far-away sentinel timer that re-arms itself keeps the heap non-empty, so the wait needs
-  no "any timers?" test; 10**6 s keeps epoll's millisecond timeout in an int.
+- A wait lasts at most a day (:data:`_MAX_WAIT`, as in ``EpollCore``): an ``inf`` deadline
+  or an empty heap does not overflow the selector's timeout.
 """
 import collections
 import heapq
@@ -40,7 +40,7 @@ _EPOLLIN = getattr(select, "EPOLLIN", 1)     # the poll() result's event bits (e
 _EPOLLOUT = getattr(select, "EPOLLOUT", 4)
 _NOT_EPOLLIN = ~_EPOLLIN
 _NOT_EPOLLOUT = ~_EPOLLOUT
-_FAR = 1e6              # seconds: the sentinel timer's distance
+_MAX_WAIT = 86400.0     # seconds: one wait never needs to be longer (as EpollCore's)
 _MAX_EVENTS = 64        # ready fds taken per wait (more wait for the next one: epoll rotates)
 _COMPACT_MIN = 256      # cancelled timers tolerated before a rebuild is considered
 EVENT_READ = selectors.EVENT_READ
@@ -178,6 +178,8 @@ class SelectorsLoop(EventLoop):
 
     # -- file descriptors -------------------------------------------------------------
     def set_callbacks(self, fd, on_read, on_write):
+        if self._closed:
+            raise RuntimeError("the event loop is closed")
         events = (EVENT_READ if on_read is not None else 0) | \
                  (EVENT_WRITE if on_write is not None else 0)
         cbs = self._cbs
@@ -237,7 +239,7 @@ class SelectorsLoop(EventLoop):
         if threading.current_thread() is threading.main_thread():
             # Signals: Python's C handler only sets a flag, so a signal that lands after the
             # last check and before the wait -- or on another thread -- would wait for the
-            # next event (with no timer: the sentinel, 11 days).  Its wake-up fd closes that
+            # next event (with no timer: a day).  Its wake-up fd closes that
             # window: the handler also writes a byte to a pipe the loop watches, the wait
             # returns and the interpreter runs the Python handler on this thread.
             sig_r, sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -252,11 +254,9 @@ class SelectorsLoop(EventLoop):
                 self._running = False
                 raise
             self._sigfd = sig_r
-        sentinel = self.call_at(self._now + _FAR, self._rearm_sentinel)
         try:
             self._run()
         finally:
-            sentinel.cancel()
             self._running = False
             if sig_r >= 0:
                 self._sigfd = -1
@@ -271,9 +271,6 @@ class SelectorsLoop(EventLoop):
                 pass
         except OSError:
             pass        # empty (EAGAIN)
-
-    def _rearm_sentinel(self):
-        self.call_at(self._now + _FAR, self._rearm_sentinel)
 
     def _run(self):
         cbs = self._cbs
@@ -290,13 +287,16 @@ class SelectorsLoop(EventLoop):
         while not self._stopping:
             # The wait ends at the earliest timer, measured from `now` (taken after the
             # previous wait): a timer may fire late by one iteration's callback time.
-            due = timers[0].when
             if ready:
                 timeout = 0
-            else:
-                timeout = due - now
+            elif timers:
+                timeout = timers[0].when - now
                 if timeout < 0:
                     timeout = 0
+                elif timeout > _MAX_WAIT:
+                    timeout = _MAX_WAIT
+            else:
+                timeout = _MAX_WAIT
             events = poll(timeout, _MAX_EVENTS)
             self._now = now = monotonic()
             it += 1
@@ -321,9 +321,9 @@ class SelectorsLoop(EventLoop):
             # drop the last callbacks' references: a closed session must not be kept
             # alive by a loop-local variable until the next event
             rcb = wcb = None
-            if due <= now:
+            if timers and timers[0].when <= now:
                 limit = self._seq       # timers scheduled from here on wait a round
-                while True:
+                while timers:
                     t = timers[0]
                     if t.when > now or t.seq > limit:
                         break
@@ -397,6 +397,7 @@ class SelectorsLoop(EventLoop):
             self._closed = True
         self._sel.close()
         os.close(self._rfd)
+        self._cbs.clear()       # remove() is a no-op now, reader_of()/writer_of() None
         leftover = list(self._ready)
         self._ready.clear()
         self._timers.clear()
