@@ -441,3 +441,43 @@ def test_max_pending_bounds_a_workers_sends_while_the_loop_is_busy(make_server):
     assert accepted[0] * 60004 <= (1 << 20), accepted
     wait_for(lambda: srv.stats()["closes"].get("max_pending") == 1, 10, "the cut")
     c.close()
+
+
+# -- found by the adversarial review -----------------------------------------------------------
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_shutdown_from_a_handler_starts_it_without_waiting_for_itself(make_server, workers):
+    done = threading.Event()
+
+    class Stopper(Handler):
+        def on_read(self, session, data):
+            session.server.shutdown()
+            done.set()
+
+    srv = make_server(Stopper(), workers=workers, shutdown_timeout=30)
+    c = socket.create_connection(srv.address, timeout=10)
+    t0 = time.monotonic()
+    c.sendall(b"stop")
+    assert done.wait(10)
+    assert time.monotonic() - t0 < 5    # (before: a worker waited for the shutdown, which
+    srv.shutdown(timeout=15)            # waited for the worker: shutdown_timeout, then
+    c.close()                           # an error)
+    assert_no_leaks(srv)
+
+
+def test_a_half_closed_peer_is_not_idle_cut_while_workers_owe_it_replies(make_server):
+    release = threading.Event()
+
+    class Slow(Handler):
+        def on_read(self, session, data):
+            release.wait(30)
+            session.send(data)
+
+    srv = make_server(Slow(), framing="u16", workers=1, idle_timeout=0.3, frame_timeout=None)
+    c = socket.create_connection(srv.address, timeout=10)
+    c.sendall(frame(b"a") + frame(b"b"))
+    c.shutdown(socket.SHUT_WR)
+    time.sleep(1.0)                 # the subject: > 3x idle_timeout while the worker works
+    release.set()
+    assert [read_frame(c), read_frame(c)] == [b"a", b"b"]
+    c.close()

@@ -176,8 +176,8 @@ class Server:
         """Stop accepting, let workers finish, flush what is pending, close every session,
         stop the loop, and wait until it has stopped and cleaned up (every slot back, every
         fd closed) -- whether it runs in start()'s thread or in serve_forever() in a thread
-        of the caller's.  Called on the loop thread itself (from a handler), it only starts
-        the shutdown: the loop cannot wait for itself.  ``timeout`` (default
+        of the caller's.  Called from a handler (on the loop thread or a worker), it only
+        starts the shutdown: the shutdown waits for those threads.  ``timeout`` (default
         ``2 * shutdown_timeout + 5`` s): TimeoutError if the loop has not stopped by then.
         Thread-safe; idempotent."""
         if not self._started:
@@ -189,8 +189,10 @@ class Server:
         if self._done.is_set():
             return
         self._loop.call_soon_threadsafe(self._begin_shutdown)
-        if self._loop.in_loop_thread():
-            return
+        if self._loop.in_loop_thread() or (self._dispatch is not None and
+                                           threading.current_thread() in
+                                           self._dispatch.threads):
+            return      # the loop or a worker (which the shutdown waits for) cannot wait
         st = self.settings
         if not self._done.wait(2 * st.shutdown_timeout + 5 if timeout is None else timeout):
             raise TimeoutError("the server loop did not stop in time")

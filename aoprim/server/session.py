@@ -51,7 +51,8 @@ _LINGER_READS = 16          # reads of unread input per lingering-close callback
 _DISCARD = 65536
 # pause reasons under which the server itself keeps a session from being read: its idle and
 # frame clocks stop (rx.Rx.sweep)
-_SERVER_HOLDS = PAUSE_USER | PAUSE_BACKLOG | PAUSE_SHUTDOWN
+# (PAUSE_EOF: a half-closed peer waits for the replies its frames still queued for a worker)
+_SERVER_HOLDS = PAUSE_USER | PAUSE_BACKLOG | PAUSE_SHUTDOWN | PAUSE_EOF
 
 
 class SessionContext:
@@ -275,6 +276,9 @@ class Session:
                     b.add_frame(item, hs)
                 else:
                     b.add_copy(item)    # bytes by reference, a Slot retained
+            except Exception as e:      # MemoryError: the stream would have a hole
+                self._abort(f"send failed: {type(e).__name__}: {e}", None, logging.ERROR,
+                            "send error")   # (CLOSED: the items after this are released)
             finally:
                 release_item(item)      # a Slot: the batch holds its own reference now
         if self._state != CLOSED and b.pending_bytes > self._hw:
