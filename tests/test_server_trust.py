@@ -481,3 +481,20 @@ def test_a_half_closed_peer_is_not_idle_cut_while_workers_owe_it_replies(make_se
     release.set()
     assert [read_frame(c), read_frame(c)] == [b"a", b"b"]
     c.close()
+
+
+def test_a_start_that_fails_leaves_a_stopped_server(monkeypatch):
+    from aoprim.server import server as server_mod
+    fds = open_fds()
+    srv = Server(Echo(), HOST, 0)
+
+    def boom(*a, **k):
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(server_mod, "RxArena", boom)
+    with pytest.raises(MemoryError):
+        srv.start()
+    t0 = time.monotonic()
+    srv.shutdown(timeout=30)            # returns at once: nothing is running
+    assert time.monotonic() - t0 < 1
+    assert open_fds() == fds

@@ -101,6 +101,17 @@ class Server:
         if self._started:
             raise RuntimeError("a Server can be started once")
         self._started = True
+        try:
+            self._prepare_parts()
+        except BaseException:
+            # nothing runs: give back what the constructor took, so that shutdown() (done
+            # at once) and the caller's cleanup find a stopped server
+            self._lsock.close()
+            self._loop.close()
+            self._done.set()
+            raise
+
+    def _prepare_parts(self):
         st = self.settings
         loop = self._loop
         if st.workers:
