@@ -787,3 +787,13 @@ def test_proxy_header_timeout_setting():
     for bad in (0, -1, float("inf"), "1"):
         with pytest.raises((ValueError, TypeError), match="proxy_header_timeout"):
             Settings(proxy_header_timeout=bad)
+
+
+def test_trusted_peers_ipv4_mapped_networks_match_the_ipv4_peer_either_way():
+    from aoprim.server.proxy import TrustedPeers, parse_trusted
+    t = TrustedPeers(parse_trusted(("::ffff:10.0.0.0/104", "::ffff:127.0.0.1/128")))
+    for addr, want in [(("127.0.0.1", 1), True), (("::ffff:127.0.0.1", 1, 0, 0), True),
+                       (("127.0.0.2", 1), False), (("10.9.9.9", 1), True),
+                       (("::ffff:10.1.2.3", 1, 0, 0), True), (("11.0.0.1", 1), False),
+                       (("::1", 1, 0, 0), False)]:
+        assert t(addr) is want, addr

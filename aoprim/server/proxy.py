@@ -35,6 +35,7 @@ log = logging.getLogger("aoprim.server")
 # proxy_protocol -> Receiver(proxy=...): which versions the parser accepts
 PROXY_MODES = {None: 0, "v1": 1, "v2": 2, "any": 3}
 DEFAULT_TRUSTED = ("127.0.0.0/8", "::1/128")
+_MAPPED = ipaddress.ip_network("::ffff:0:0/96")    # IPv4-mapped IPv6 addresses
 # The longest header accepted (16-byte v2 fixed part + addresses + TLVs).  The format allows
 # 16 + 65535; balancers send far less (HAProxy's TLVs, AWS's VPC endpoint id: tens of
 # bytes), and nothing above 232 bytes is ever stored -- the limit bounds the bytes read
@@ -83,8 +84,18 @@ class TrustedPeers:
     __slots__ = ("v4", "v6")
 
     def __init__(self, networks):
-        self.v4 = tuple(n for n in networks if n.version == 4)
-        self.v6 = tuple(n for n in networks if n.version == 6)
+        v4 = [n for n in networks if n.version == 4]
+        v6 = []
+        for n in networks:
+            if n.version == 6:
+                if n.subnet_of(_MAPPED) and n.prefixlen >= 96:
+                    # an IPv4-mapped network ("::ffff:127.0.0.1/128") is that IPv4 network:
+                    # it matches the peer whether a dual-stack or an IPv4 listener saw it
+                    v4.append(ipaddress.IPv4Network((int(n.network_address) & 0xFFFFFFFF,
+                                                     n.prefixlen - 96)))
+                v6.append(n)
+        self.v4 = tuple(v4)
+        self.v6 = tuple(v6)
 
     def __call__(self, addr):
         if not isinstance(addr, tuple):
@@ -94,11 +105,7 @@ class TrustedPeers:
         except ValueError:
             return False
         if ip.version == 6 and ip.ipv4_mapped is not None:
-            # a dual-stack listener's IPv4 peer: trusted as its IPv4 address (127.0.0.1 in
-            # "127.0.0.0/8") or as the mapped address itself ("::ffff:127.0.0.1/128")
-            if any(ip in n for n in self.v6):
-                return True
-            ip = ip.ipv4_mapped
+            ip = ip.ipv4_mapped         # a dual-stack listener's IPv4 peer (see __init__)
         nets = self.v4 if ip.version == 4 else self.v6
         return any(ip in n for n in nets)
 
