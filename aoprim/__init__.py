@@ -42,7 +42,8 @@ from aoprim._slab import SlabPool, Slot
 from aoprim._blocktable import BlockTable
 
 # send batching (issue 5); FlushGroup: every dirty batch flushed at once
-from aoprim._sendbatch import FlushGroup, SendBatch
+from aoprim._sendbatch import SendBatch
+from aoprim._flushgroup import FlushGroup
 
 # receive path
 from aoprim._receiver import (Receiver, RxArena, RX_EOF, RX_ERROR, RX_TOO_LARGE,

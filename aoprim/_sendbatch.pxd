@@ -29,17 +29,20 @@ reused), so before any further system call it re-reads the socket's fd and stops
 One thread at a time: every entry point (Python or C) claims the batch with one atomic
 exchange; a concurrent entry gets RuntimeError (Python) or -EBUSY (C), never corruption.
 
-FlushGroup, for ``cimport`` too: a batch attached to a group queues itself there (one C
-field says whether it is queued) when an add leaves it with pending data -- the C adds
-included: c_add_* take the GIL briefly for that, only on the add that queues the batch.
-``c_flush_all()`` is ``flush()`` without the Python call; it needs the GIL (it takes and
-drops references and reads fileno() from socket objects) and releases it once for all the
-system calls.
+FlushGroup lives in aoprim._flushgroup (``from aoprim._flushgroup cimport FlushGroup``).
+A batch attached to a group queues itself there (one C field says whether it is queued)
+when an add leaves it with pending data -- the C adds included: c_add_* take the GIL
+briefly for that, only on the add that queues the batch.  The batch sees its group as a
+``_GroupBase`` (declared below), whose one virtual method ``_queue`` FlushGroup overrides:
+this keeps the dependency one-way (_flushgroup cimports _sendbatch, never the reverse).
 """
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint32_t, uint64_t, int64_t
 from posix.uio cimport iovec
 from cpython.ref cimport PyObject
-from aoprim.atomic_h cimport aop_atomic_i64, aop_atomic_u32, aop_spinlock_t
+from aoprim.atomic_h cimport (
+    aop_atomic_i64, aop_atomic_u32, aop_spinlock_t, aop_load_i64, aop_store_i64,
+    aop_exchange_u32, aop_store_u32, AOP_RELAXED, AOP_ACQUIRE, AOP_RELEASE,
+)
 
 cdef extern from "aop_sendbatch.h" nogil:
     enum: AOP_SB_IOV_MAX
@@ -59,7 +62,7 @@ cdef enum:
     SB_VIEW = 3              # a bytearray/memoryview export, held until sent
     SB_SLOT = 4              # a slot-like object: export + retain(), release() when sent
 
-cdef class FlushGroup          # defined below: a batch points to its group
+cdef class _GroupBase          # defined below: a batch points to its group (a FlushGroup)
 
 
 cdef class SendBatch:
@@ -107,7 +110,7 @@ cdef class SendBatch:
 
     # FlushGroup membership: every field below is read and written only by the thread that
     # holds `busy` (group ones included: attach/detach/requeue/flush claim the batch first)
-    cdef readonly FlushGroup group   # the group this batch is attached to, or None
+    cdef readonly _GroupBase group   # the FlushGroup this batch is attached to, or None
     cdef object owner                # what the group reports with this batch (strong ref)
     cdef readonly bint queued        # the group holds exactly one queue entry for it
     cdef bint watched                # `watch`: reported after every group flush
@@ -146,63 +149,37 @@ cdef class SendBatch:
     cdef int _auto_flush(self) except -1
 
 
-# One queue entry of a FlushGroup.  Outside a flush only `batch` means anything; the other
-# fields are the flush's scratch for that entry.
-ctypedef struct aop_fg_item:
-    PyObject *batch          # a SendBatch (strong reference, owned by the array holding it)
-    PyObject *owner          # flush: the batch's owner, taken under its claim (strong ref)
-    int kind                 # flush: FG_DROP, FG_MOVED, FG_HELD or FG_WRITE (_sendbatch.pyx)
-    int fd                   # flush: the fd read before the GIL was released (-1: none)
-    int status               # flush: what flush() reports: 0, 1 or -errno
-    bint watch               # flush: the batch's `watch`, taken under its claim
-    Py_ssize_t rel_a         # flush, out of memory only: fully written owned segments
-    Py_ssize_t rel_b         #   [rel_a, rel_b) neither handed over nor committed yet
-
-
-cdef class FlushGroup:
-    cdef object _gc_anchor           # always None: an object field gives the type GC support
-    cdef object __weakref__          # sessions may refer to their group weakly
-    cdef readonly Py_ssize_t budget  # bytes one batch may write per flush (>= 1)
-    cdef public object notify        # None, or notify(owner, status) called by flush() for
-                                     # each batch needing attention (flush then returns None)
-
-    # the live queue: q[0:qlen], one strong reference per entry (batches mark themselves
-    # `queued`).  Guarded by qlock, which is never held across a Python call or a DECREF.
-    cdef aop_spinlock_t qlock
-    cdef aop_fg_item *q              # grows by doubling; shrinks back when large and empty
-    cdef Py_ssize_t qlen             # entries in q
-    cdef Py_ssize_t qcap             # allocated length of q
-
-    # the flush's own arrays (touched only by the thread inside flush(); `flushing` guards)
-    cdef aop_fg_item *w              # the queue taken by this flush (swapped with q)
-    cdef Py_ssize_t wcap             # allocated length of w
-    cdef aop_sb_owner *rel           # owners of sent segments, released once the GIL is back
-    cdef Py_ssize_t nrel             # entries in rel
-    cdef Py_ssize_t relcap           # allocated length of rel
-    cdef aop_atomic_u32 flushing     # 1 while a flush() runs: a second one is refused
-    cdef uint64_t serial             # flushes started (marks the batches each one claims)
-    cdef size_t rot                  # fairness: flush k starts at entry k mod n
-
-    # counters: written by the flushing thread (and st_high under qlock), read relaxed
-    cdef aop_atomic_i64 st_flushes   # flush() calls
-    cdef aop_atomic_i64 st_batches   # batches written to (one count per batch per flush)
-    cdef aop_atomic_i64 st_syscalls  # write system calls issued
-    cdef aop_atomic_i64 st_bytes     # bytes written
-    cdef aop_atomic_i64 st_gil       # GIL releases (at most one per flush)
-    cdef aop_atomic_i64 st_pending   # batches reported with status 1
-    cdef aop_atomic_i64 st_budget    # of those, stopped by the budget
-    cdef aop_atomic_i64 st_errors    # batches reported with -errno
-    cdef aop_atomic_i64 st_busy      # entries put back because another thread held the batch
-    cdef aop_atomic_i64 st_high      # most entries ever queued at once
-
-    # C-level API (GIL held; see the module docstring)
-    cdef object c_flush_all(self)
-    cdef int c_requeue(self, SendBatch b) except -1
-
-    # internals
-    cdef int _push(self, PyObject *b) noexcept
+# What a SendBatch needs from its group: aoprim._flushgroup.FlushGroup subclasses this.
+cdef class _GroupBase:
+    # Queue b (GIL held, b's busy held by the caller, b not queued).  0, or -1 (no memory).
     cdef int _queue(self, SendBatch b) noexcept
-    cdef PyObject *_unqueue(self, SendBatch b) noexcept
-    cdef int _take_owners(self, SendBatch b, Py_ssize_t a, Py_ssize_t e) noexcept nogil
-    cdef void _release_taken(self) noexcept
-    cdef object _flush_all(self)
+
+
+# ---- helpers shared with aoprim._flushgroup ---------------------------------------------
+
+cdef inline int64_t _get(aop_atomic_i64 *a) noexcept nogil:
+    # relaxed: a counter read for reporting; no other memory depends on it
+    return aop_load_i64(a, AOP_RELAXED)
+
+
+cdef inline void _add(aop_atomic_i64 *a, int64_t d) noexcept nogil:
+    # relaxed load + store, not an RMW: only the thread holding `busy` (for a group: the
+    # thread inside flush()) writes the counters, other threads only read them (relaxed),
+    # so no update can be lost.
+    aop_store_i64(a, aop_load_i64(a, AOP_RELAXED) + d, AOP_RELAXED)
+
+
+cdef inline bint _claim(SendBatch b) noexcept nogil:
+    # acquire: pairs with the release store in _unclaim() by the previous owner, so every
+    # field it wrote (arrays, cursors, buffers) is visible to us.
+    return aop_exchange_u32(&b.busy, 1, AOP_ACQUIRE) == 0
+
+
+cdef inline void _unclaim(SendBatch b) noexcept nogil:
+    # release: publishes all our writes to the next thread that claims the batch.
+    aop_store_u32(&b.busy, 0, AOP_RELEASE)
+
+
+cdef int _raise_busy() except -1
+cdef void _release_owner(aop_sb_owner *o) noexcept
+cdef Py_ssize_t _positive(object v, str name) except -1

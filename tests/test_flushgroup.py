@@ -670,7 +670,8 @@ def test_adds_from_other_threads_are_safe(pairs, unraisable):
 CAPI = r'''
 # cython: language_level=3
 from libc.errno cimport EBUSY
-from aoprim._sendbatch cimport SendBatch, FlushGroup
+from aoprim._sendbatch cimport SendBatch
+from aoprim._flushgroup cimport FlushGroup
 from aoprim.atomic_h cimport aop_yield
 
 def add_copy(SendBatch sb, bytes b):
