@@ -498,3 +498,10 @@ def test_a_start_that_fails_leaves_a_stopped_server(monkeypatch):
     srv.shutdown(timeout=30)            # returns at once: nothing is running
     assert time.monotonic() - t0 < 1
     assert open_fds() == fds
+
+
+@pytest.mark.parametrize("st,timeout", [(1e300, None), (5.0, math.inf)])
+def test_huge_finite_shutdown_timeouts_wait_instead_of_overflowing(st, timeout):
+    srv = Server(Echo(), HOST, 0, shutdown_timeout=st).start()
+    srv.shutdown(timeout=timeout)
+    assert_no_leaks(srv)

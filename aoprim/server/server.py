@@ -205,7 +205,10 @@ class Server:
                                            self._dispatch.threads):
             return      # the loop or a worker (which the shutdown waits for) cannot wait
         st = self.settings
-        if not self._done.wait(2 * st.shutdown_timeout + 5 if timeout is None else timeout):
+        wait = 2 * st.shutdown_timeout + 5 if timeout is None else timeout
+        # (a huge timeout -- shutdown_timeout=1e300, timeout=inf -- waits as long as a lock
+        # can, instead of raising OverflowError)
+        if not self._done.wait(min(wait, threading.TIMEOUT_MAX)):
             raise TimeoutError("the server loop did not stop in time")
         if self._thread is not None:
             self._thread.join()         # (start()'s thread: it ends right after _done)
