@@ -31,6 +31,11 @@ from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.ref cimport PyObject, Py_INCREF
 from cpython.memoryview cimport PyMemoryView_FromObject
 from cpython.number cimport PyNumber_Index
+from cpython.ref cimport PyObject as _PyObj
+
+cdef extern from "Python.h":
+    # exc NULL: an out-of-range integer is clamped, no exception
+    Py_ssize_t PyNumber_AsSsize_t(object o, _PyObj *exc) except? -1
 from cpython.long cimport PyLong_CheckExact, PyLong_AsSsize_t
 from libc.string cimport memcpy
 from libc.stdint cimport int64_t
@@ -45,12 +50,16 @@ cdef extern from "Python.h":
 
 
 cdef inline Py_ssize_t _as_index(object v, str what) except? -1:
-    """operator.index(v): TypeError for non-integers (a float is never truncated)."""
+    """operator.index(v): TypeError for non-integers (a float is never truncated).  An
+    integer beyond Py_ssize_t is clamped to PY_SSIZE_T_MIN/MAX (as slicing does), so it
+    fails the caller's range check with the same ValueError as any other bad offset.
+    Every range check below is written so that no sum can overflow: p > nbytes - n with
+    0 <= n <= 8 and nbytes >= 0, never p + n > nbytes (issue 19 item 16)."""
     if not PyLong_CheckExact(v):
         if isinstance(v, float) or not hasattr(type(v), "__index__"):
             raise TypeError(f"{what} must be an integer, not {type(v).__name__}")
         v = PyNumber_Index(v)
-    return PyLong_AsSsize_t(v)
+    return PyNumber_AsSsize_t(v, NULL)
 
 
 cdef inline bint _shared(Slot s) noexcept:
@@ -413,7 +422,7 @@ cdef class BlockTable:
             raise ValueError(f"header must be in 1..8, got {h}")
         if p < 0 or p > self.nbytes:
             raise ValueError(f"pos {p} out of range 0..{self.nbytes}")
-        if p + h > self.nbytes:
+        if h > self.nbytes - p:             # 0 <= p <= nbytes: no overflow
             return None
         size = self._uint(p, h)
         if size > <unsigned long long>(self.nbytes - p - h):
@@ -426,7 +435,7 @@ cdef class BlockTable:
         cdef Py_ssize_t p = _as_index(pos, "pos"), n = _as_index(size, "size")
         if n < 1 or n > 8:
             raise ValueError(f"size must be in 1..8, got {n}")
-        if p < 0 or p + n > self.nbytes:
+        if p < 0 or p > self.nbytes - n:    # 1 <= n <= 8: nbytes - n cannot overflow
             raise ValueError(f"uint({p}, {n}) out of range for length {self.nbytes}")
         return self._uint(p, n)
 
