@@ -505,3 +505,28 @@ def test_huge_finite_shutdown_timeouts_wait_instead_of_overflowing(st, timeout):
     srv = Server(Echo(), HOST, 0, shutdown_timeout=st).start()
     srv.shutdown(timeout=timeout)
     assert_no_leaks(srv)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_raw_sends_take_and_refuse_the_same_types_on_every_thread(make_server, workers):
+    results = []
+
+    class Types(Handler):
+        def on_read(self, session, data):
+            out = []
+            for v in (5, "s", None, [1], array.array("I", [1]), memoryview(b"abcdef")[::2],
+                      b""):
+                try:
+                    session.send(v)
+                    out.append("ok")
+                except TypeError:
+                    out.append("TypeError")
+            results.append(out)
+            session.send(b"!")
+
+    srv = make_server(Types(), workers=workers)
+    c = socket.create_connection(srv.address, timeout=10)
+    c.sendall(b"x")
+    assert recv_exact(c, 8) == b"\x01\x00\x00\x00ace!"
+    assert results == [["TypeError"] * 4 + ["ok"] * 3]
+    c.close()
