@@ -21,7 +21,9 @@ cdef class RefCount:
     cdef object on_zero          # called exactly once, by the thread whose decref reached 0
 
     # C-level API, callable without the GIL.  Each returns the new count, or -1 when the
-    # count was already 0 (the illegal transition; nothing was changed).
+    # count was already 0 (the illegal transition; nothing was changed).  c_incref returns
+    # -2 when the count is at INT64_MAX (nothing was changed: it never wraps).
+    # c_try_incref returns False at 0 and at INT64_MAX (nothing changed).
     cdef int64_t c_incref(self) noexcept nogil
     cdef int64_t c_decref(self) noexcept nogil
     cdef bint c_try_incref(self) noexcept nogil

@@ -99,6 +99,9 @@ cdef class AtomicInt:
 # __dealloc__) would skip on_zero, which must run exactly once.  (A cycle made only of
 # objects the GC cannot clear -- e.g. two RefCounts whose on_zero are each other's bound
 # methods -- is not collected; run_on_zero drops on_zero, which breaks it once it fires.)
+cdef int64_t _I64_MAX = 0x7fffffffffffffff   # a count cannot go beyond this
+
+
 @cython.no_gc_clear
 cdef class RefCount:
     """An atomic reference count that runs ``on_zero()`` exactly once, when it reaches 0.
@@ -124,14 +127,17 @@ cdef class RefCount:
         while True:
             if c <= 0:
                 return -1
+            if c == _I64_MAX:
+                return -2                  # saturated: c + 1 would wrap; nothing stored
             # relaxed CAS: taking a reference from one we already hold publishes nothing;
-            # the CAS (not a blind add) is what keeps 0 terminal
+            # the CAS (not a blind add) is what keeps 0 terminal and the count from wrapping
+            # (the bounds above are checked on the very value the CAS replaces)
             if aop_cas_weak_i64(&self.cell, &c, c + 1, AOP_RELAXED, AOP_RELAXED):
                 return c + 1
 
     cdef bint c_try_incref(self) noexcept nogil:
         cdef int64_t c = aop_load_i64(&self.cell, AOP_RELAXED)   # relaxed: a guess, see CAS
-        while c > 0:
+        while c > 0 and c != _I64_MAX:    # 0: dead; INT64_MAX: saturated (no wrap)
             # acquire on success: a weak-to-strong upgrade must see what the holders wrote
             # before their references were published (pairs with the release in decref)
             if aop_cas_weak_i64(&self.cell, &c, c + 1, AOP_ACQUIRE, AOP_RELAXED):
@@ -158,13 +164,21 @@ cdef class RefCount:
     def incref(self):
         """Add a reference; return the new count.  RefCountError at 0 (no resurrection)."""
         cdef int64_t n = self.c_incref()
+        if n == -2:
+            raise OverflowError("incref() of a RefCount at 2**63-1 (the count is unchanged)")
         if n < 0:
             raise RefCountError("incref() of a RefCount at 0 (resurrection)")
         return n
 
     def try_incref(self):
-        """Add a reference only if the count is above 0; True if it did."""
-        return self.c_try_incref()
+        """Add a reference only if the count is above 0; True if it did.  OverflowError
+        (nothing changed) when the count is at 2**63-1."""
+        if self.c_try_incref():
+            return True
+        # relaxed: only tells the two refusals apart; the count never leaves 2**63-1 upward
+        if aop_load_i64(&self.cell, AOP_RELAXED) == _I64_MAX:
+            raise OverflowError("try_incref() of a RefCount at 2**63-1 (the count is unchanged)")
+        return False
 
     def decref(self):
         """Drop a reference; return the new count.  At 0, on_zero() runs once, here."""

@@ -51,3 +51,43 @@ def test_blocktable_view_read_clamp_like_slices(table, a, b):
     ref = bytes(range(100))[a:b]
     assert table.read(a, b) == ref
     assert bytes(table.view(a, b)) == ref
+
+
+# ---- item 23: RefCount at INT64_MAX ------------------------------------------------------
+
+def test_refcount_incref_at_int64_max_changes_nothing():
+    from aoprim import RefCount
+    r = RefCount(2**63 - 1)
+    with pytest.raises(OverflowError):
+        r.incref()
+    assert r.count == 2**63 - 1            # was stored as -2**63 before the fix
+    with pytest.raises(OverflowError):
+        r.try_incref()
+    assert r.count == 2**63 - 1
+    assert r.decref() == 2**63 - 2
+    assert r.incref() == 2**63 - 1
+    assert RefCount(0).try_incref() is False
+
+
+def test_refcount_incref_at_max_from_threads_never_wraps():
+    import threading
+    from aoprim import RefCount
+    r = RefCount(2**63 - 100)
+    ok = [0] * 4
+    over = [0] * 4
+
+    def worker(i):
+        for _ in range(200):
+            try:
+                r.incref()
+                ok[i] += 1
+            except OverflowError:
+                over[i] += 1
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert sum(ok) == 99 and sum(over) == 800 - 99
+    assert r.count == 2**63 - 1
