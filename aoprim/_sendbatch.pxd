@@ -144,6 +144,8 @@ cdef class SendBatch:
     cdef int _add_obj(self, object data) except -1
     cdef int _add_buffer(self, object data, bint copy_all=*) except -1
     cdef int _add_slot(self, object s) except -1
+    cdef Py_ssize_t _slot_prep(self, object s, Py_buffer *view) except -1
+    cdef void _unadd_copy(self, size_t n) noexcept nogil
     cdef int _maybe_queue(self) except -1
     cdef void _queue_quietly(self) noexcept
     cdef int _auto_flush(self) except -1

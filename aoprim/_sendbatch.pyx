@@ -635,25 +635,35 @@ cdef class SendBatch:
             raise MemoryError()
         return 0
 
-    cdef int _add_slot(self, object s) except -1:
-        cdef Py_buffer view
+    cdef Py_ssize_t _slot_prep(self, object s, Py_buffer *view) except -1:
+        """Take a slot-like object for sending: read ``s.length`` ONCE, export ``s`` and,
+        when the length is not 0, retain() it.  Returns the length; when it is > 0 the
+        caller owns *view and the retain (release both, or hand them to an SB_SLOT
+        segment); when it is 0 nothing is held.  On an exception nothing is held."""
         cdef object lo = s.length
         cdef Py_ssize_t length
         if isinstance(lo, bool) or not hasattr(type(lo), "__index__"):
             raise TypeError("slot.length must be an int")
         length = PyNumber_Index(lo)
-        PyObject_GetBuffer(s, &view, PyBUF_SIMPLE)
+        PyObject_GetBuffer(s, view, PyBUF_SIMPLE)
         if length < 0 or length > view.len:
-            PyBuffer_Release(&view)
+            PyBuffer_Release(view)
             raise ValueError(f"slot.length {length} is outside 0..{view.len}")
         if length == 0:
-            PyBuffer_Release(&view)
+            PyBuffer_Release(view)
             return 0
         try:
             s.retain()
         except BaseException:
-            PyBuffer_Release(&view)
+            PyBuffer_Release(view)
             raise
+        return length
+
+    cdef int _add_slot(self, object s) except -1:
+        cdef Py_buffer view
+        cdef Py_ssize_t length = self._slot_prep(s, &view)
+        if length == 0:
+            return 0
         Py_INCREF(s)
         if self._add_raw(<char *>view.buf, length, SB_SLOT, <PyObject *>s, &view) < 0:
             PyBuffer_Release(&view)
@@ -661,6 +671,25 @@ cdef class SendBatch:
             Py_DECREF(s)
             raise MemoryError()
         return 0
+
+    cdef void _unadd_copy(self, size_t n) noexcept nogil:
+        """Undo the latest _add_copy2 of n bytes (one message, the last bytes of the last
+        copy segment, which ends at cused (I4); nothing added since -- a failed add adds
+        nothing, and a compaction by one moves those bytes but keeps them last)."""
+        cdef Py_ssize_t last = self.nseg - 1
+        self.iov[last].iov_len -= n
+        if self.iov[last].iov_len == 0:
+            self.nseg = last                 # the segment was made for it (I1)
+        self.cused -= n
+        self.added -= n
+        self.mtail -= 1
+        if self.mhead == self.mtail:
+            self.mhead = self.mtail = 0
+        if self.head == self.nseg:
+            self.head = self.nseg = 0        # I6
+            self.cused = 0
+        _add(&self.pend_bytes, -<int64_t>n)
+        _add(&self.pend_msgs, -1)
 
     cdef void _queue_quietly(self) noexcept:
         """_maybe_queue on an exception path (an auto-flush that raised): best effort, the
@@ -741,15 +770,21 @@ cdef class SendBatch:
         big-endian length (2: u16, 4: u32) followed by the payload, in one call.  A payload
         that fits the copy limit with its header is copied with it as ONE message; a larger
         one follows its header as add_copy() takes it (a mutable buffer copied, bytes
-        referenced, a Slot retained, its first ``length`` bytes).  A payload too long for the
-        header raises ValueError and adds nothing.  Returns pending_bytes after the add;
-        with ``owner_thread`` set, -1 from any other thread (nothing added)."""
-        cdef Py_buffer view
+        referenced, a Slot retained, its first ``length`` bytes -- ``length`` is read once).
+        Atomic: a payload too long for the header raises ValueError, and any failure (a
+        released slot's BufferError, MemoryError, an exception from a slot's retain())
+        raises with nothing added -- never a header without its payload.  Returns
+        pending_bytes after the add; with ``owner_thread`` set, -1 from any other thread
+        (nothing added)."""
+        cdef Py_buffer view              # non-slot payload export (held iff vheld)
+        cdef Py_buffer sview             # slot export + retain (held iff sheld)
+        cdef bint vheld = False
+        cdef bint sheld = False
         cdef Py_ssize_t hs
-        cdef Py_ssize_t n
+        cdef Py_ssize_t n = 0
+        cdef Py_ssize_t limit
         cdef unsigned char hdr[4]
         cdef int64_t p
-        cdef int rc
         cdef object payload = data
         if self.owner_tid and PyThread_get_thread_ident() != self.owner_tid:
             return -1
@@ -758,10 +793,9 @@ cdef class SendBatch:
         hs = header_size
         if hs != 2 and hs != 4:
             raise ValueError(f"header_size must be 2 or 4, not {hs}")
+        limit = 0xFFFF if hs == 2 else 0xFFFFFFFF
         slot = _is_slot_like(data)
-        if slot:
-            n = PyNumber_Index(data.length)
-        else:
+        if not slot:
             try:
                 PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
             except BufferError:
@@ -772,12 +806,22 @@ cdef class SendBatch:
             except TypeError:
                 raise TypeError(f"SendBatch.add_frame() takes bytes, bytearray, memoryview "
                                 f"or a Slot, not {type(data).__name__}") from None
+            vheld = True
             n = view.len
+        if not _claim(self):
+            if vheld:
+                PyBuffer_Release(&view)
+            _raise_busy()
         try:
-            if n > (0xFFFF if hs == 2 else 0xFFFFFFFF):
+            # everything that can fail happens before the header is queued, except the
+            # payload's own append, which is undone with the header (_unadd_copy)
+            if slot:
+                n = self._slot_prep(data, &sview)    # length read once; exported + retained
+                sheld = n > 0
+            if n > limit:
                 raise ValueError(f"payload of {n} bytes is too long for "
                                  f"{'u16' if hs == 2 else 'u32'} framing (at most "
-                                 f"{0xFFFF if hs == 2 else 0xFFFFFFFF})")
+                                 f"{limit})")
             if hs == 2:
                 hdr[0] = (n >> 8) & 0xFF
                 hdr[1] = n & 0xFF
@@ -786,31 +830,39 @@ cdef class SendBatch:
                 hdr[1] = (n >> 16) & 0xFF
                 hdr[2] = (n >> 8) & 0xFF
                 hdr[3] = n & 0xFF
-            if not _claim(self):
-                _raise_busy()
-            try:
-                if not slot and <size_t>(hs + n) <= self.copy_max:
-                    rc = self._add_copy2(<char *>hdr, hs, <char *>view.buf, n)
-                    if rc < 0:
+            if not slot and <size_t>(hs + n) <= self.copy_max:
+                if self._add_copy2(<char *>hdr, hs, <char *>view.buf, n) < 0:
+                    raise MemoryError()
+            else:
+                if not slot and n and type(payload) is not bytes:
+                    payload = PyBytes_FromStringAndSize(<char *>view.buf, n)   # may raise
+                if self._add_copy2(<char *>hdr, hs, NULL, 0) < 0:
+                    raise MemoryError()
+                if sheld:
+                    Py_INCREF(data)
+                    if self._add_raw(<char *>sview.buf, n, SB_SLOT, <PyObject *>data,
+                                     &sview) < 0:
+                        Py_DECREF(data)
+                        self._unadd_copy(hs)
                         raise MemoryError()
-                else:
-                    if self._add_copy2(<char *>hdr, hs, NULL, 0) < 0:
-                        raise MemoryError()
-                    if slot:
-                        self._add_obj(data)
-                    elif type(payload) is bytes:
-                        self._add_obj(payload)
-                    elif n:
-                        self._add_obj(PyBytes_FromStringAndSize(<char *>view.buf, n))
-                if self.auto_flush and self._over():
-                    self._auto_flush()
-                self._maybe_queue()
-                p = _get(&self.pend_bytes)
-            finally:
-                _unclaim(self)
+                    sheld = False                # the batch owns the export and the retain
+                elif not slot:
+                    try:
+                        self._add_obj(payload)   # bytes: MemoryError is all it can raise
+                    except BaseException:
+                        self._unadd_copy(hs)
+                        raise
+            if self.auto_flush and self._over():
+                self._auto_flush()
+            self._maybe_queue()
+            p = _get(&self.pend_bytes)
         finally:
-            if not slot:
+            _unclaim(self)
+            if vheld:
                 PyBuffer_Release(&view)
+            if sheld:
+                PyBuffer_Release(&sview)
+                _slot_release(data)
         return p
 
     def add_many(self, iterable):

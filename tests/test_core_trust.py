@@ -91,3 +91,100 @@ def test_refcount_incref_at_max_from_threads_never_wraps():
         t.join(30)
     assert sum(ok) == 99 and sum(over) == 800 - 99
     assert r.count == 2**63 - 1
+
+
+# ---- item 17: a failed SendBatch.add_frame adds nothing ----------------------------------
+
+import socket
+
+from aoprim import SendBatch
+
+
+class _SlotLike(bytearray):
+    """A slot-like object (buffer + retain/release/length) whose hooks can fail."""
+
+    def __init__(self, data, retain_exc=None, length_seq=None):
+        super().__init__(data)
+        self._retain_exc = retain_exc
+        self._lengths = list(length_seq) if length_seq else None
+        self.length_reads = 0
+        self.refs = 1
+
+    @property
+    def length(self):
+        self.length_reads += 1
+        if self._lengths:
+            return self._lengths.pop(0)
+        return len(self)
+
+    def retain(self):
+        if self._retain_exc is not None:
+            raise self._retain_exc
+        self.refs += 1
+
+    def release(self):
+        self.refs -= 1
+
+
+def _frames_after_failure(make_bad):
+    a, b = socket.socketpair()
+    try:
+        sb = SendBatch(a, auto_flush=False, copy_max=16)
+        sb.add_frame(b"first", 2)
+        before = (sb.pending_bytes, sb.pending_msgs)
+        bad = make_bad()
+        with pytest.raises(BaseException) as ei:
+            sb.add_frame(bad, 4)
+        assert (sb.pending_bytes, sb.pending_msgs) == before     # nothing added
+        big = bytes(range(40))
+        sb.add_frame(big, 2)
+        sb.flush()
+        b.settimeout(5)
+        got = b.recv(1000)
+        assert got == b"\x00\x05first" + b"\x00\x28" + big         # no orphan header
+        return ei.value, bad
+    finally:
+        a.close()
+        b.close()
+
+
+def test_add_frame_released_slot_adds_nothing():
+    pool = SlabPool(64, 2)
+    s = pool.acquire()
+    memoryview(s)[:40] = bytes(40)
+    s.length = 40
+    s.release()
+    exc, _ = _frames_after_failure(lambda: s)
+    assert isinstance(exc, (BufferError, ValueError))
+
+
+@pytest.mark.parametrize("exc_type", [MemoryError, KeyError, KeyboardInterrupt])
+def test_add_frame_slot_retain_raising_adds_nothing(exc_type):
+    exc, bad = _frames_after_failure(lambda: _SlotLike(bytes(40), retain_exc=exc_type()))
+    assert isinstance(exc, exc_type)
+    assert bad.refs == 1
+
+
+def test_add_frame_reads_slot_length_once():
+    # the header says what is sent: a length that changes between reads cannot split them
+    a, b = socket.socketpair()
+    try:
+        sb = SendBatch(a, auto_flush=False, copy_max=0)
+        # (the slot-like check's hasattr() reads it too, before anything is decided)
+        s = _SlotLike(bytes(range(40)), length_seq=[30, 20, 10, 5])
+        sb.add_frame(s, 2)
+        sb.flush()
+        b.settimeout(5)
+        got = b.recv(1000)
+        k = got[0] << 8 | got[1]
+        assert got == got[:2] + bytes(range(k))             # header and payload agree
+    finally:
+        a.close()
+        b.close()
+
+
+def test_add_frame_slot_bad_length_adds_nothing():
+    exc, bad = _frames_after_failure(lambda: _SlotLike(bytes(40), length_seq=[-1, -1]))
+    assert isinstance(exc, ValueError) and bad.refs == 1
+    exc, bad = _frames_after_failure(lambda: _SlotLike(bytes(40), length_seq=[2**70, 2**70]))
+    assert isinstance(exc, (ValueError, OverflowError)) and bad.refs == 1
