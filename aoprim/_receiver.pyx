@@ -304,6 +304,8 @@ cdef class RxArena:
 
     cdef int _swap(self) except -1:
         cdef object old = self.scratch
+        if self.closed:
+            return 0        # never take a slot for a closed arena: nothing would return it
         cdef object new = self._slot_or_heap()
         self.scratch = new
         self.sptr = _bptr(new)
@@ -465,7 +467,7 @@ cdef class Receiver:
         try:
             if self.pending:
                 self._burst(False)
-                if self.pending or self.closed or self.failed:
+                if self.pending or self.closed or self.failed or self.hold or arena.closed:
                     return 0
             while True:
                 self.filled = False
@@ -525,6 +527,10 @@ cdef class Receiver:
         else:
             if not do_read:
                 self.pending = False
+                return 0
+            if arena.closed:
+                # closed by a handler earlier in this on_readable (its scratch is None):
+                # read nothing, take nothing for it (issue 19 item 19)
                 return 0
             buf = arena.scratch
             if arena.busy or _bviews(buf) != 0:

@@ -1082,3 +1082,50 @@ def test_max_reads_is_checked(rigs):
             Receiver(r.arena, r.r.fileno(), 2, 100, print, print, None, max_reads=bad)
     with pytest.raises(TypeError):
         Receiver(r.arena, r.r.fileno(), 2, 100, print, print, None, max_reads=1.5)
+
+
+@pytest.mark.timeout(30)
+def test_arena_closed_while_delivering_pending_frames_reads_nothing(rigs):
+    """Issue 19 item 19: frames left pending (a handler raised) are delivered by the next
+    on_readable; a handler there closes the arena.  The read that used to follow went into
+    the closed arena's scratch (None, cast to a buffer: a crash)."""
+    def on_frame(owner, data):
+        b = bytes(data)
+        if b == b"bad":
+            raise RuntimeError("handler bug")
+        owner.frames.append(b)
+        if b == b"last":
+            owner.arena.close()
+
+    g = rigs(hs=2, on_frame=on_frame, max_reads=4)
+    g.send(enc(2, b"a") + enc(2, b"bad") + enc(2, b"last"))
+    g.rx.on_readable()
+    assert g.frames == [b"a"] and g.rx.pending
+    g.send(enc(2, b"more"))              # readable again: the loop would recv next
+    g.rx.on_readable()
+    assert g.frames == [b"a", b"last"] and g.arena.closed
+    assert g.rx.reads == 1               # nothing read into the closed arena
+    g.rx.on_readable()
+    assert g.frames == [b"a", b"last"] and g.rx.reads == 1
+    g.rx.close()
+    assert g.pool.in_use == 0            # no slot taken for (or left in) the closed arena
+
+
+@pytest.mark.timeout(30)
+def test_arena_closed_by_a_frame_from_the_own_slot(rigs):
+    """The arena closed by a handler while the receiver reads into its own slot: the rest
+    is kept in the receiver's own buffer, nothing is taken for the closed arena."""
+    def on_frame(owner, data):
+        owner.frames.append(bytes(data))
+        owner.arena.close()
+
+    g = rigs(hs=2, slot_size=64, on_frame=on_frame)
+    g.send(enc(2, b"x" * 20)[:5])
+    g.rx.on_readable()
+    assert g.rx.holds_slot
+    g.send(enc(2, b"x" * 20)[5:] + enc(2, b"y" * 3) + enc(2, b"z" * 30)[:7])
+    g.rx.on_readable()
+    assert g.frames[0] == b"x" * 20 and g.arena.closed
+    g.rx.on_readable()
+    g.rx.close()
+    assert g.pool.in_use == 0
