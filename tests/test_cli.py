@@ -436,3 +436,24 @@ def test_serve_defaults_are_the_settings_defaults():
         if hasattr(a, f.name) and f.name not in ("backlog",):
             assert getattr(a, f.name) == f.default, f.name
     assert a.proxy_header_timeout == Settings().proxy_header_timeout
+
+
+def test_listening_is_printed_once_the_loop_runs():
+    """'listening on' was printed before serve_forever() started the loop, whose signal
+    wake-up pipe then appeared: a reader counting the server's fds raced it."""
+    p, port = start_server("--app", "echo")
+    try:
+        fds = len(os.listdir(f"/proc/{p.pid}/fd"))
+        with socket.create_connection((HOST, port), timeout=10) as s:
+            s.sendall(b"x")
+            assert recv_exact(s, 1) == b"x"
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{p.pid}/fd")) != fds and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(os.listdir(f"/proc/{p.pid}/fd")) == fds
+        rc, out, err = stop(p, signal.SIGTERM)
+        assert rc == 0 and "Traceback" not in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -313,15 +313,21 @@ def _serve_one(a):
     except (ValueError, TypeError, OSError, BackendUnavailable) as e:
         raise UsageError(str(e)) from None
     host, port = srv.address[:2]
-    try:
-        print(f"listening on {host}:{port}", flush=True)
-    except BrokenPipeError:
-        srv.shutdown()
-        _print_stats(srv)
-        return 1
+    failed = []
+
+    def announce():
+        # printed from the loop's first iteration: once the line is out, the loop runs
+        # (its signal wake-up pipe exists: the process's fds are those it serves with)
+        try:
+            print(f"listening on {host}:{port}", flush=True)
+        except BrokenPipeError:
+            failed.append(True)
+            srv.shutdown()              # (on the loop thread: starts the shutdown)
+
+    srv.loop.call_soon(announce)
     srv.serve_forever()
     _print_stats(srv)
-    return 0
+    return 1 if failed else 0
 
 
 def _serve_procs(a):
