@@ -46,10 +46,6 @@ import unittest
 
 import pytest
 
-if sys.version_info[:2] != (3, 11):
-    pytest.skip("aoprim.aio is pinned to Python 3.11 (aoprim.aio.TESTED_PYTHONS)",
-                allow_module_level=True)
-
 test_asyncio = pytest.importorskip("test.test_asyncio")
 from test.test_asyncio import utils as test_utils  # noqa: E402
 from test.test_asyncio import (  # noqa: E402

@@ -4,17 +4,32 @@ iteration ends with one flush of all the transports written to during it.
 Iteration (``_run_once``)::
 
     [flush]   only if something was written outside a callback (before the loop started,
-              between two run_until_complete calls): so that no select() waits on data
-              still sitting in a batch
+              between two run_until_complete calls)
     select(), then run the ready callbacks        -- asyncio's own _run_once
     flush     FlushGroup.flush(): every dirty batch, one sendmsg each, one GIL release;
-              notify(transport, status) for the few that need attention
+              notify(transport, status) for the few that need attention.  A notification
+              (resume_writing()) may write again: the flush is repeated while batches are
+              dirty (up to FLUSH_ROUNDS times, then a ready no-op callback makes the next
+              select() not sleep) -- no select() sleeps on data still sitting in a batch.
+              The flush also runs when a callback raises out of the loop
+              (KeyboardInterrupt, SystemExit) and in close().
+
+A write made while the loop sleeps in select() (from a ``signal.signal`` handler or another
+thread) wakes the loop: the selector marks the sleep (``sleeping``), checks the group just
+before sleeping, and write() wakes a sleeping loop through its self-pipe.
+
+Private asyncio names used here (checked on CPython 3.11.7, 3.12.1, 3.13.0): the selector
+loop's ``_run_once`` (wrapped), ``_make_socket_transport`` / ``_make_ssl_transport`` (the
+hooks its create_connection / create_server / create_unix_* / connect_accepted_socket /
+start_tls paths call), ``_ensure_fd_no_transport``, ``_write_to_self`` (the self-pipe
+wake-up), and ``asyncio.sslproto.SSLProtocol``.
 
 The notify callback is ``SocketTransport._aio_flushed`` itself (a plain function taking
 ``(transport, status)``), so the flush adds no Python frame of the loop's own.
 """
 import asyncio
 import asyncio.constants as _aconst
+import selectors
 import asyncio.sslproto as _sslproto
 
 from aoprim import FlushGroup
@@ -30,18 +45,61 @@ READ_BUFFER_SIZE = 256 * 1024
 
 _base_run_once = asyncio.SelectorEventLoop._run_once     # (no super() object per iteration)
 
+#: flushes per iteration end while notifications keep writing (then: select() does not sleep)
+FLUSH_ROUNDS = 8
 
-class Loop(asyncio.SelectorEventLoop):
+
+def _noop():
+    pass
+
+
+class _Selector(selectors.DefaultSelector):
+    """The platform's default selector, marking when it sleeps: ``sleeping`` is True from
+    just before the group check until select() returns, so a write made meanwhile (signal
+    handler, thread) either is seen by the check or sees the flag and wakes the loop."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.sleeping = False
+        self._group = group
+
+    def select(self, timeout=None):
+        self.sleeping = True
+        try:
+            if len(self._group):
+                timeout = 0             # a batch became dirty after the last flush
+            return super().select(timeout)
+        finally:
+            self.sleeping = False
+
+
+class _NoPatch(type):
+    """Metaclass refusing what nest_asyncio does to a loop's class (it replaces _run_once,
+    so no flush would ever run again, for every aoprim loop in the process)."""
+
+    def __setattr__(cls, name, value):
+        if name in ("_run_once", "run_forever", "run_until_complete", "_check_running"):
+            raise ValueError(f"Can't patch loop of type {cls!r}: aoprim.aio.Loop flushes "
+                             f"its batched writes in _run_once (nest_asyncio is not supported)")
+        super().__setattr__(name, value)
+
+
+class Loop(asyncio.SelectorEventLoop, metaclass=_NoPatch):
     """An asyncio event loop (``asyncio.SelectorEventLoop``) whose TCP and Unix stream
     transports batch their writes: everything written during one iteration leaves at the
     end of that iteration, one ``sendmsg`` per transport, under one GIL release."""
 
     def __init__(self, selector=None):
-        super().__init__(selector)
         group = FlushGroup()
         group.notify = SocketTransport._aio_flushed
         self._aio_group = group
         self._aio_flush = group.flush
+        if selector is None:
+            selector = _Selector(group)
+        elif not hasattr(selector, "sleeping"):
+            selector.sleeping = False   # a caller's selector: writes never see a sleep
+        self._aio_selector = selector
+        super().__init__(selector)
         # the reusable read buffer: every plain (data_received) read goes here first; the
         # loop runs one callback at a time, so one buffer serves all its transports
         self._aio_rbuf = ReadBuffer(READ_BUFFER_SIZE)
@@ -57,13 +115,37 @@ class Loop(asyncio.SelectorEventLoop):
     # ---- asyncio hooks ----------------------------------------------------------------------
 
     def _run_once(self):
-        if len(self._aio_group):
-            self._aio_flush()           # written outside a callback: send before select()
-        _base_run_once(self)            # asyncio's: select(), then the ready callbacks
-        self._aio_flush()
+        group = self._aio_group
+        if len(group):
+            self._aio_flush_all()       # written outside a callback: send before select()
+        try:
+            _base_run_once(self)        # asyncio's: select(), then the ready callbacks
+        finally:
+            # also when a callback raised KeyboardInterrupt / SystemExit out of the loop
+            self._aio_flush()
+            if len(group):
+                self._aio_flush_all()   # a notification wrote again
+
+    def _aio_flush_all(self):
+        flush = self._aio_flush
+        group = self._aio_group
+        for _ in range(FLUSH_ROUNDS):
+            flush()
+            if not len(group):
+                return
+        self.call_soon(_noop)           # still dirty: the next select() must not sleep
+
+    def _aio_wake(self):
+        self._write_to_self()
+
+    def close(self):
+        if not self.is_running() and not self.is_closed() and len(self._aio_group):
+            self._aio_flush_all()       # deliver what was written before close()
+        super().close()
 
     def _make_socket_transport(self, sock, protocol, waiter=None, *, extra=None,
                                server=None):
+        self._ensure_fd_no_transport(sock)
         return SocketTransport(self, sock, protocol, waiter, extra, server)
 
     def _make_ssl_transport(self, rawsock, protocol, sslcontext, waiter=None, *,
@@ -73,6 +155,7 @@ class Loop(asyncio.SelectorEventLoop):
                             ssl_shutdown_timeout=_aconst.SSL_SHUTDOWN_TIMEOUT):
         # as asyncio's selector loop does it, over aoprim's socket transport: the TLS records
         # SSLProtocol writes during an iteration are batched like any other writes
+        self._ensure_fd_no_transport(rawsock)
         ssl_protocol = _sslproto.SSLProtocol(
             self, protocol, sslcontext, waiter, server_side, server_hostname,
             ssl_handshake_timeout=ssl_handshake_timeout,
@@ -98,9 +181,18 @@ class EventLoopPolicy(asyncio.DefaultEventLoopPolicy):
 
 
 def run(main, *, debug=None):
-    """``asyncio.run(main, debug=debug)`` on a new :class:`Loop`."""
-    with asyncio.Runner(debug=debug, loop_factory=new_event_loop) as runner:
-        return runner.run(main)
+    """``asyncio.run(main, debug=debug)`` on a new :class:`Loop`: like asyncio.run, the loop
+    is the policy's current loop while it runs (``asyncio.set_event_loop``), and none
+    after."""
+    def factory():
+        loop = Loop()
+        asyncio.set_event_loop(loop)
+        return loop
+    try:
+        with asyncio.Runner(debug=debug, loop_factory=factory) as runner:
+            return runner.run(main)
+    finally:
+        asyncio.set_event_loop(None)
 
 
 def install():

@@ -1,6 +1,25 @@
-"""aoprim's TCP / Unix stream transport: asyncio's ``_SelectorSocketTransport`` with its
-write side replaced by a compiled ``SendBatch`` and its plain read side reading into the
-loop's reusable buffer.
+"""aoprim's TCP / Unix stream transport: its own implementation of ``asyncio.Transport`` (as
+uvloop has its own), whose write side is a compiled ``SendBatch`` flushed by the loop's
+``FlushGroup`` and whose plain read side reads into the loop's reusable buffer.
+
+Private asyncio names this module still uses (checked on CPython 3.11.7, 3.12.1, 3.13.0):
+
+- ``asyncio.transports._FlowControlMixin`` -- the base class, only so that asyncio's own
+  ``loop.sendfile()`` fallback (``base_events._SendfileFallbackProtocol``, which refuses any
+  other transport) and code testing ``isinstance(t, _FlowControlMixin)`` accept this
+  transport; its ``__init__(extra, loop)``, ``set_write_buffer_limits`` and
+  ``get_write_buffer_limits`` are used, the rest is overridden here.
+- ``asyncio.trsock.TransportSocket`` -- what ``get_extra_info("socket")`` returns, as on
+  asyncio's loop (subclassed: ``shutdown()`` first flushes what the transport batched).
+- ``asyncio.constants._SendfileMode`` / ``LOG_THRESHOLD_FOR_CONNLOST_WRITES`` and the
+  ``_sendfile_compatible`` / ``_start_tls_compatible`` class attributes that
+  ``loop.sendfile()`` and ``loop.start_tls()`` read.
+- the loop's ``_add_reader`` / ``_remove_reader`` / ``_add_writer`` / ``_remove_writer`` and
+  ``_transports`` (asyncio's selector loop registers each transport's fd there so that
+  ``loop.add_reader(fd)`` refuses a transport's socket), and ``_sock`` / ``_sock_fd`` /
+  ``_make_empty_waiter`` / ``_reset_empty_waiter`` here, which the selector loop's native
+  ``sendfile`` uses.
+- ``Server._attach`` / ``Server._detach`` (no argument before 3.13, the transport from 3.13).
 
 Write side -- states of one transport::
 
@@ -15,25 +34,25 @@ Write side -- states of one transport::
 
 asyncio's semantics, and how they map here:
 
-- ``get_write_buffer_size()`` is the batch's ``pending_bytes`` (bytes written and not yet
-  accepted by the kernel).  ``pause_writing()`` is called when it goes above the high-water
-  mark (on the write that crosses it, as asyncio does); the batch is then *watched*, so the
+- ``get_write_buffer_size()`` is the batch's ``pending_bytes``.  A write that takes it above
+  the high-water mark first hands the batch to the kernel at once (asyncio's write() sends
+  at once too), so flow control counts what the kernel has not taken; ``pause_writing()``
+  is called only if the batch is still above the mark.  The batch is then *watched*: the
   group reports it after every flush and ``resume_writing()`` is called once it is at or
-  below the low-water mark.
+  below the low-water mark -- never once the transport is aborted or failed.
 - ``close()`` and ``write_eof()`` flush what is pending at once (then, if the kernel did not
-  take it all, through the writer as asyncio does); ``abort()`` drops it (the batch is
-  cleared: every referenced object is released at once).
+  take it all, through the writer as asyncio does).  ``abort()`` and fatal errors first
+  hand what this iteration wrote to the kernel once (asyncio's write() would already have
+  sent it) and drop only what the kernel does not take.
 - A write error reported by the flush is a fatal write error, as in asyncio.
-
-Private asyncio surface: subclassing ``selector_events._SelectorSocketTransport`` (pinned by
-``aoprim.aio.TESTED_PYTHONS``).
 """
 import os
 import socket
 
 from asyncio import constants as _constants
-from asyncio.protocols import BufferedProtocol as _BufferedProtocol
-from asyncio import selector_events as _selector_events
+from asyncio import protocols as _protocols
+from asyncio import transports as _transports
+from asyncio import trsock as _trsock
 from asyncio.log import logger
 
 from aoprim import SendBatch
@@ -42,25 +61,131 @@ IOV_MAX = 1024                   # segments one sendmsg takes (the kernel's UIO_
 
 __all__ = ["SocketTransport"]
 
-_Base = _selector_events._SelectorSocketTransport
 _BYTES_LIKE = (bytes, bytearray, memoryview)
+_BufferedProtocol = _protocols.BufferedProtocol
 
 
-class SocketTransport(_Base):
+def _server_takes_transport():
+    import asyncio.base_events as be
+    return be.Server._attach.__code__.co_argcount == 2     # 3.13+: _attach(self, transport)
+
+
+_SERVER_ARG = _server_takes_transport()
+
+
+def _set_result_unless_cancelled(fut, result):
+    if not fut.cancelled():
+        fut.set_result(result)
+
+
+def _set_nodelay(sock):
+    # as asyncio does for its TCP transports: writes leave without waiting for an ACK
+    if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+            and sock.proto == socket.IPPROTO_TCP):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _TransportSocket(_trsock.TransportSocket):
+    """asyncio's ``TransportSocket`` wrapper, whose ``shutdown()`` first hands the
+    transport's batched writes to the kernel (asyncio's write() had already sent them), so
+    that ``get_extra_info("socket").shutdown(SHUT_WR)`` after ``write()`` does not overtake
+    the data."""
+
+    __slots__ = ("_aio_batch",)
+
+    def __init__(self, sock, batch):
+        super().__init__(sock)
+        self._aio_batch = batch
+
+    def shutdown(self, how):
+        batch = self._aio_batch
+        if batch.pending_bytes:
+            try:
+                batch.flush()
+            except OSError:
+                pass                    # the transport's own flush reports it
+        return self._sock.shutdown(how)
+
+
+class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     """A stream transport (TCP or Unix socket) whose writes are batched per loop
     iteration."""
 
+    _start_tls_compatible = True
+    _sendfile_compatible = _constants._SendfileMode.TRY_NATIVE
+    max_size = 256 * 1024
+    _sock = None                    # for __del__ if __init__ failed early
+
     def __init__(self, loop, sock, protocol, waiter=None, extra=None, server=None):
-        # before the base __init__: it may schedule callbacks that write
+        super().__init__(extra, loop)
         batch = SendBatch(sock, max_msgs=IOV_MAX, auto_flush=False)
         self._batch = batch
         self._add = batch.add_copy       # asyncio copies what it buffers: so does add_copy
         self._group = loop._aio_group
+        self._sel = loop._aio_selector   # .sleeping: the loop is inside select()
         self._recv = loop._aio_rbuf.recv_bytes    # recv_bytes(sock): into the loop's buffer
         self._blocked = False            # writer registered, batch out of the group
         self._fast = True                # write() may take the short path (see _can_fast)
-        super().__init__(loop, sock, protocol, waiter, extra, server)
+        self._extra['socket'] = _TransportSocket(sock, batch)
+        try:
+            self._extra['sockname'] = sock.getsockname()
+        except OSError:
+            self._extra['sockname'] = None
+        if 'peername' not in self._extra:
+            try:
+                self._extra['peername'] = sock.getpeername()
+            except OSError:
+                self._extra['peername'] = None
+        self._sock = sock
+        self._sock_fd = sock.fileno()
+        self._protocol_connected = False
+        self._buffered = False
+        self.set_protocol(protocol)
+        self._server = server
+        self._conn_lost = 0              # set when the call to connection_lost is scheduled
+        self._closing = False            # set when close() is called
+        self._paused = False             # set when pause_reading() is called
+        self._eof = False
+        self._empty_waiter = None
+        if server is not None:
+            if _SERVER_ARG:
+                server._attach(self)
+            else:
+                server._attach()
+        loop._transports[self._sock_fd] = self
+        _set_nodelay(sock)
         self._group.attach(batch, self)
+        loop.call_soon(self._protocol.connection_made, self)
+        # start reading only once connection_made() has been called
+        loop.call_soon(self._add_reader, self._sock_fd, self._read_ready)
+        if waiter is not None:
+            loop.call_soon(_set_result_unless_cancelled, waiter, None)
+
+    def __repr__(self):
+        info = [self.__class__.__name__]
+        if self._sock is None:
+            info.append('closed')
+        elif self._closing:
+            info.append('closing')
+        info.append(f'fd={self._sock_fd}')
+        if self._sock is not None:
+            info.append('read=' + ('polling' if self.is_reading() else 'idle'))
+            info.append(f'write=<{"polling" if self._blocked else "idle"}, '
+                        f'bufsize={self.get_write_buffer_size()}>')
+        return '<{}>'.format(' '.join(info))
+
+    def __del__(self, _warn=__import__('warnings').warn):
+        if self._sock is not None:
+            _warn(f"unclosed transport {self!r}", ResourceWarning, source=self)
+            self._sock.close()
+            self._sock = None
+            server = self._server
+            if server is not None:
+                self._server = None
+                if _SERVER_ARG:
+                    server._detach(self)
+                else:
+                    server._detach()
 
     # ---- aoprim's extras ---------------------------------------------------------------------
 
@@ -70,16 +195,53 @@ class SocketTransport(_Base):
         would_block."""
         return self._batch.stats
 
+    # ---- protocol, state ---------------------------------------------------------------------
+
     def set_protocol(self, protocol):
-        self._buffered = isinstance(protocol, _BufferedProtocol)
-        if self._protocol_paused and not self._blocked and self._batch.pending_bytes:
+        if (self._protocol_connected and self._protocol_paused and not self._blocked
+                and self._batch.pending_bytes):
             # A protocol switch (start_tls) while the old protocol is paused by writes not
             # flushed yet.  asyncio would have sent them at write() time and, if the kernel
             # took them, never paused it: do the same now, so the old protocol gets its
             # resume_writing() and the new one never gets a resume it was not paused for.
             self._flush_now()
             self._maybe_resume_protocol()
-        super().set_protocol(protocol)
+        self._buffered = isinstance(protocol, _BufferedProtocol)
+        self._protocol = protocol
+        self._protocol_connected = True
+
+    def get_protocol(self):
+        return self._protocol
+
+    def is_closing(self):
+        return self._closing
+
+    def is_reading(self):
+        return not self._closing and not self._paused
+
+    def pause_reading(self):
+        if not self.is_reading():
+            return
+        self._paused = True
+        self._loop._remove_reader(self._sock_fd)
+        if self._loop.get_debug():
+            logger.debug("%r pauses reading", self)
+
+    def resume_reading(self):
+        if self._closing or not self._paused:
+            return
+        self._paused = False
+        self._add_reader(self._sock_fd, self._read_ready)
+        if self._loop.get_debug():
+            logger.debug("%r resumes reading", self)
+
+    def _add_reader(self, fd, callback):
+        if not self.is_reading():
+            return
+        self._loop._add_reader(fd, callback)
+
+    def can_write_eof(self):
+        return True
 
     # ---- write side --------------------------------------------------------------------------
 
@@ -89,7 +251,9 @@ class SocketTransport(_Base):
     def write(self, data):
         if self._fast and type(data) is bytes:
             if self._add(data) > self._high_water:
-                self._maybe_pause_protocol()
+                self._over_high()
+            if self._sel.sleeping:
+                self._loop._aio_wake()      # written from a signal handler or a thread
             return
         self._write_slow(data)
 
@@ -109,7 +273,9 @@ class SocketTransport(_Base):
             self._conn_lost += 1
             return
         if self._add(data) > self._high_water:
-            self._maybe_pause_protocol()
+            self._over_high()
+        if self._sel.sleeping:
+            self._loop._aio_wake()
 
     def writelines(self, list_of_data):
         items = list_of_data if type(list_of_data) is list else list(list_of_data)
@@ -125,25 +291,68 @@ class SocketTransport(_Base):
         for data in items:
             p = add(data)
         if p > self._high_water:
-            self._maybe_pause_protocol()
+            self._over_high()
+        if self._sel.sleeping:
+            self._loop._aio_wake()
 
     def get_write_buffer_size(self):
         return self._batch.pending_bytes
 
+    def set_write_buffer_limits(self, high=None, low=None):
+        self._set_write_buffer_limits(high=high, low=low)
+        if self._batch.pending_bytes > self._high_water:
+            self._over_high()
+
+    def _over_high(self):
+        # Above the high-water mark: hand the batch to the kernel now (asyncio's write()
+        # sends at once), then pause only if the kernel left it above the mark.
+        if not self._blocked and not self._conn_lost:
+            try:
+                self._batch.flush()
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as exc:
+                # no traceback: its frames (write()'s) would keep the written data alive
+                self._write_error(exc.with_traceback(None))
+                return
+        self._maybe_pause_protocol()
+
     def _maybe_pause_protocol(self):
-        super()._maybe_pause_protocol()
-        if self._protocol_paused and not self._batch.watch:
+        if self._batch.pending_bytes <= self._high_water:
+            return
+        if not self._protocol_paused:
+            self._protocol_paused = True
             self._batch.watch = True        # report after every flush until resumed
+            try:
+                self._protocol.pause_writing()
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as exc:
+                self._loop.call_exception_handler({
+                    'message': 'protocol.pause_writing() failed',
+                    'exception': exc, 'transport': self, 'protocol': self._protocol})
 
     def _maybe_resume_protocol(self):
-        super()._maybe_resume_protocol()
-        if not self._protocol_paused and self._batch.watch:
+        if (self._protocol_paused and not self._conn_lost
+                and self._batch.pending_bytes <= self._low_water):
+            self._protocol_paused = False
             self._batch.watch = False
+            try:
+                self._protocol.resume_writing()
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as exc:
+                self._loop.call_exception_handler({
+                    'message': 'protocol.resume_writing() failed',
+                    'exception': exc, 'transport': self, 'protocol': self._protocol})
 
     def _aio_flushed(self, status):
         """The loop's FlushGroup notify callback, called as ``notify(transport, status)`` for
         this transport after a flush: 1 = data left (block: writer), < 0 = -errno of a write
-        error, 0 = all sent and the batch is watched (the protocol is paused)."""
+        error, 0 = all sent and the batch is watched (the protocol is paused).  Nothing for
+        a transport aborted meanwhile (by an earlier notification of the same flush)."""
+        if self._conn_lost:
+            return
         try:
             if status > 0:
                 self._block()
@@ -161,7 +370,7 @@ class SocketTransport(_Base):
                     'exception': exc, 'transport': self, 'protocol': self._protocol})
 
     def _block(self):
-        if self._blocked or self._sock is None:
+        if self._blocked or self._conn_lost or self._sock is None:
             return
         self._blocked = True
         self._group.detach(self._batch)
@@ -201,11 +410,10 @@ class SocketTransport(_Base):
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as exc:
-            self._loop._remove_writer(self._sock_fd)
             self._write_error(exc)
             return
         self._maybe_resume_protocol()       # may write more
-        if not self._batch.pending_bytes:
+        if not self._batch.pending_bytes and not self._conn_lost:
             self._unblock()
             if self._empty_waiter is not None and not self._empty_waiter.done():
                 self._empty_waiter.set_result(None)
@@ -239,10 +447,32 @@ class SocketTransport(_Base):
             self._loop._remove_writer(self._sock_fd)
             self._loop.call_soon(self._call_connection_lost, None)
 
+    def abort(self):
+        self._force_close(None)
+
+    def _fatal_error(self, exc, message='Fatal error on transport'):
+        if isinstance(exc, OSError):
+            if self._loop.get_debug():
+                logger.debug("%r: %s", self, message, exc_info=True)
+        else:
+            self._loop.call_exception_handler({
+                'message': message, 'exception': exc,
+                'transport': self, 'protocol': self._protocol})
+        self._force_close(exc)
+
     def _force_close(self, exc):
         if self._conn_lost:
             return
-        self._batch.clear()                 # abort drops what is pending
+        batch = self._batch
+        if batch.pending_bytes and not self._blocked:
+            # written during this iteration: asyncio's write() would already have handed it
+            # to the kernel, so do that now; drop only what the kernel does not take
+            try:
+                batch.flush()
+            except OSError:
+                pass
+        batch.clear()
+        batch.watch = False
         if self._blocked:
             self._loop._remove_writer(self._sock_fd)
         if not self._closing:
@@ -262,7 +492,21 @@ class SocketTransport(_Base):
         w = self._empty_waiter
         if w is not None and w.done():
             self._empty_waiter = None       # already resolved: nothing to fail
-        super()._call_connection_lost(exc)
+        try:
+            if self._protocol_connected:
+                self._protocol.connection_lost(exc)
+        finally:
+            self._sock.close()
+            self._sock = None
+            self._protocol = None
+            self._loop = None
+            server = self._server
+            if server is not None:
+                self._server = None
+                if _SERVER_ARG:
+                    server._detach(self)
+                else:
+                    server._detach()
 
     # ---- sendfile (the loop's native path waits for the buffer to drain) ----------------------
 
@@ -284,7 +528,6 @@ class SocketTransport(_Base):
     # ---- read side ---------------------------------------------------------------------------
 
     def _read_ready(self):
-        # asyncio's _read_ready -> _read_ready_cb indirection, folded: one Python call per read
         if self._buffered:
             self._read_ready__get_buffer()
             return
@@ -310,6 +553,49 @@ class SocketTransport(_Base):
             self._fatal_error(
                 exc, 'Fatal error: protocol.data_received() call failed.')
 
-    def _read_ready__data_received(self):
-        if not self._buffered:
-            self._read_ready()
+    def _read_ready__get_buffer(self):
+        if self._conn_lost:
+            return
+        try:
+            buf = self._protocol.get_buffer(-1)
+            if not len(buf):
+                raise RuntimeError('get_buffer() returned an empty buffer')
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self._fatal_error(exc, 'Fatal error: protocol.get_buffer() call failed.')
+            return
+        try:
+            nbytes = self._sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self._fatal_error(exc, 'Fatal read error on socket transport')
+            return
+        if not nbytes:
+            self._read_ready__on_eof()
+            return
+        try:
+            self._protocol.buffer_updated(nbytes)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self._fatal_error(exc, 'Fatal error: protocol.buffer_updated() call failed.')
+
+    def _read_ready__on_eof(self):
+        if self._loop.get_debug():
+            logger.debug("%r received EOF", self)
+        try:
+            keep_open = self._protocol.eof_received()
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self._fatal_error(exc, 'Fatal error: protocol.eof_received() call failed.')
+            return
+        if keep_open:
+            # the protocol may still write, but nothing more can be read
+            self._loop._remove_reader(self._sock_fd)
+        else:
+            self.close()
