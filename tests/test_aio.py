@@ -8,15 +8,14 @@ and the peers are plain blocking sockets read with timeouts (or by a joined thre
 """
 import asyncio
 import gc
+import signal
 import socket
+import time
 import sys
 import threading
 import weakref
 
 import pytest
-
-if sys.version_info[:2] != (3, 11):
-    pytest.skip("aoprim.aio is pinned to Python 3.11", allow_module_level=True)
 
 import aoprim.aio  # noqa: E402
 from aoprim.aio import SocketTransport  # noqa: E402
@@ -586,3 +585,310 @@ def test_an_unknown_python_version_imports_with_a_warning_a_known_one_silently()
             assert "tested on Python 3.11, 3.12, 3.13; this is 3.99" in r.stderr
         else:
             assert r.returncode == 0, r.stderr
+
+
+# ---- issue 18 findings 1-10: each against the behaviour of asyncio's own loop -------------
+
+class Producer(asyncio.Protocol):
+    """The classic producer: writes chunks until pause_writing(), goes on in
+    resume_writing(); ``done`` resolves once all ``n`` chunks were written."""
+
+    def __init__(self, loop, n, chunk):
+        self.n, self.chunk, self.sent = n, chunk, 0
+        self.paused = False
+        self.done = loop.create_future()
+        self.lost = loop.create_future()
+
+    def connection_made(self, tr):
+        self.tr = tr
+        self.produce()
+
+    def produce(self):
+        while self.sent < self.n and not self.paused:
+            self.tr.write(self.chunk)
+            self.sent += 1
+        if self.sent == self.n and not self.done.done():
+            self.done.set_result(None)
+
+    def pause_writing(self):
+        self.paused = True
+
+    def resume_writing(self):
+        self.paused = False
+        self.produce()
+
+    def connection_lost(self, exc):
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+def _reader_thread(sock, n):
+    got = []
+    t = threading.Thread(target=lambda: got.append(len(recv_exactly(sock, n))))
+    t.start()
+    return t, got
+
+
+@pytest.mark.timeout(60)
+def test_producer_writing_from_resume_writing_does_not_stall(loop):
+    # finding 1: a write from resume_writing() during a flush must not sit in the batch
+    # while select() sleeps (asyncio: 40 x 70 kB in well under a second)
+    chunk = b"p" * 70000
+    pr = Producer(loop, 40, chunk)
+    tr, _, peer = connect_pair(loop, pr, socket.AF_INET, sndbuf=65536)
+    t, got = _reader_thread(peer, 40 * len(chunk))
+    t0 = time.monotonic()
+    loop.run_until_complete(asyncio.wait_for(pr.done, 30))
+    while tr.get_write_buffer_size():
+        loop.run_until_complete(asyncio.sleep(0.01))
+    t.join(30)
+    assert got == [40 * len(chunk)]
+    assert time.monotonic() - t0 < 5
+    tr.close()
+    loop.run_until_complete(pr.lost)
+    peer.close()
+
+
+@pytest.mark.timeout(60)
+def test_tls_producer_writing_from_resume_writing_does_not_stall(loop):
+    srv_ctx, cli_ctx = _tls_contexts()
+    chunk = b"t" * 70000
+    total = 40 * len(chunk)
+
+    async def main():
+        prod = []
+        got = loop.create_future()
+
+        def factory():
+            prod.append(Producer(loop, 40, chunk))
+            return prod[-1]
+        server = await loop.create_server(factory, "127.0.0.1", 0, ssl=srv_ctx)
+        port = server.sockets[0].getsockname()[1]
+        r, w = await asyncio.open_connection("127.0.0.1", port, ssl=cli_ctx)
+        n = 0
+        while n < total:
+            data = await asyncio.wait_for(r.read(1 << 20), 10)
+            assert data
+            n += len(data)
+        got.set_result(n)
+        w.close()
+        await w.wait_closed()
+        server.close()
+        await server.wait_closed()
+        return await got
+    t0 = time.monotonic()
+    assert loop.run_until_complete(main()) == total
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("how", ["abort", "raise"])
+def test_write_then_abort_or_fatal_error_delivers_the_write(loop, how):
+    # finding 2: asyncio's write() hands the bytes to the kernel before abort() / the fatal
+    # error, so the peer gets them
+    def on_data(tr, data):
+        tr.write(b"ERR bad command\r\n")
+        if how == "abort":
+            tr.abort()
+        else:
+            raise ValueError("bad command")
+    p = Rec(loop, on_data=on_data)
+    loop.set_exception_handler(lambda lp, ctx: None)
+    tr, _, peer = connect_pair(loop, p)
+    peer.sendall(b"bogus")
+    loop.run_until_complete(asyncio.wait_for(p.lost, 10))
+    assert recv_all(peer) == b"ERR bad command\r\n"
+    peer.close()
+
+
+def test_abort_during_a_flush_notification_leaves_no_writer(loop):
+    # finding 3: a transport aborted by an earlier notification of the same flush gets no
+    # writer registered; the next connection on the same fd number works
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_UNIX, sndbuf=4096)
+    fd = tr.get_extra_info("socket").fileno()
+    group = loop._aio_group
+    orig = group.notify
+
+    def notify(t, status):
+        if t is tr and status > 0:
+            tr.abort()              # as another transport's notification might
+        return orig(t, status)
+    group.notify = notify
+    try:
+        loop.call_soon(tr.write, b"z" * (4 << 20))      # the kernel cannot take it all
+        loop.run_until_complete(asyncio.wait_for(p.lost, 10))
+    finally:
+        group.notify = orig
+    assert loop._selector.get_map().get(fd) is None
+    peer.close()
+    q = Rec(loop)
+    tr2, _, peer2 = connect_pair(loop, q)
+    assert tr2.get_extra_info("socket").fileno() == fd     # the number is reused
+    peer2.sendall(b"ping")
+    while bytes(q.data) != b"ping":
+        loop.run_until_complete(asyncio.sleep(0.01))
+    tr2.write(b"pong")
+    loop.run_until_complete(asyncio.sleep(0))
+    assert recv_exactly(peer2, 4) == b"pong"
+    tr2.close()
+    loop.run_until_complete(q.lost)
+    peer2.close()
+
+
+def test_loop_close_delivers_pending_writes():
+    # finding 4a
+    lp = aoprim.aio.new_event_loop()
+    p = Rec(lp)
+    tr, _, peer = connect_pair(lp, p)
+    tr.write(b"written before close")
+    lp.close()
+    assert recv_exactly(peer, 20) == b"written before close"
+    tr._sock.close()                # the loop is closed: no connection_lost will run
+    tr._sock = None
+    peer.close()
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_keyboardinterrupt_after_a_write_delivers_it(loop, exc):
+    # finding 4b: the end-of-iteration flush runs when a callback raises out of the loop
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+
+    def cb():
+        tr.write(b"last words")
+        raise exc()
+    loop.call_soon(cb)
+    with pytest.raises(exc):
+        loop.run_forever()
+    assert recv_exactly(peer, 10) == b"last words"
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
+def test_no_resume_writing_after_abort(loop):
+    # finding 5: asyncio: pause_writing, then connection_lost, never a resume
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_UNIX, sndbuf=4096)
+
+    def cb():
+        tr.write(b"r" * (4 << 20))
+        assert p.events == ["made", "pause"]
+        tr.abort()
+    loop.call_soon(cb)
+    loop.run_until_complete(asyncio.wait_for(p.lost, 10))
+    for _ in range(3):
+        loop.run_until_complete(asyncio.sleep(0))
+    assert p.events == ["made", "pause", "lost"]
+    peer.close()
+
+
+def test_socket_shutdown_after_write_does_not_overtake_it(loop):
+    # finding 6: get_extra_info("socket").shutdown(SHUT_WR) right after write()
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+
+    def cb():
+        tr.write(b"before shutdown")
+        tr.get_extra_info("socket").shutdown(socket.SHUT_WR)
+    loop.call_soon(cb)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert recv_all(peer) == b"before shutdown"
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
+@pytest.mark.timeout(60)
+def test_high_water_zero_pauses_about_as_often_as_asyncio():
+    # finding 7: flow control counts what the kernel has not taken
+    def run(lp):
+        async def main():
+            a, b = socket.socketpair()
+            b.settimeout(10)
+            r, w = await asyncio.open_connection(sock=a)
+            proto = w.transport.get_protocol()
+            pauses = [0]
+            orig = proto.pause_writing
+
+            def counting():
+                pauses[0] += 1
+                orig()
+            proto.pause_writing = counting
+            w.transport.set_write_buffer_limits(high=0)
+            n = 5000
+            t, got = _reader_thread(b, n * 100)
+            for _ in range(n):
+                w.write(b"x" * 100)
+                await w.drain()
+            await lp.run_in_executor(None, t.join)
+            assert got == [n * 100]
+            w.close()
+            await w.wait_closed()
+            b.close()
+            return pauses[0]
+        try:
+            return lp.run_until_complete(main())
+        finally:
+            lp.close()
+    base = run(asyncio.SelectorEventLoop())
+    ours = run(aoprim.aio.new_event_loop())
+    assert ours <= 10 * max(base, 1), (ours, base)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("source", ["signal", "thread"])
+def test_write_while_the_loop_sleeps_wakes_it(loop, source):
+    # finding 8: a write from a signal.signal handler or another thread while the loop
+    # sleeps in select() is delivered at once (asyncio sends it from write())
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+    arrived = loop.create_future()
+    stamps = {}
+
+    def reader():
+        data = peer.recv(100)
+        stamps["recv"] = time.monotonic()
+        loop.call_soon_threadsafe(arrived.set_result, data)
+    t = threading.Thread(target=reader)
+    t.start()
+
+    def do_write(*_):
+        stamps["write"] = time.monotonic()
+        tr.write(b"wake")
+    if source == "signal":
+        old = signal.signal(signal.SIGALRM, do_write)
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+    else:
+        threading.Timer(0.1, do_write).start()
+    try:
+        assert loop.run_until_complete(asyncio.wait_for(arrived, 10)) == b"wake"
+    finally:
+        if source == "signal":
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+    t.join(10)
+    assert stamps["recv"] - stamps["write"] < 0.2
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
+def test_nest_asyncio_style_patching_is_refused(loop):
+    # finding 9: nest_asyncio replaces _run_once on the loop's class (no flush would ever
+    # run again); refused with uvloop's message
+    with pytest.raises(ValueError, match="Can't patch loop of type"):
+        type(loop)._run_once = lambda self: None
+    assert type(loop)._run_once is aoprim.aio.Loop.__dict__["_run_once"]
+    nest_asyncio = pytest.importorskip("nest_asyncio")
+    with pytest.raises(ValueError, match="Can't patch loop of type"):
+        nest_asyncio.apply(loop)
+
+
+def test_run_sets_the_policys_current_loop_like_asyncio_run():
+    # finding 10
+    async def main():
+        return asyncio.get_event_loop_policy().get_event_loop() is asyncio.get_running_loop()
+    assert asyncio.run(main()) is True
+    assert aoprim.aio.run(main()) is True
+    assert asyncio.run(main()) is True
