@@ -530,3 +530,21 @@ def test_raw_sends_take_and_refuse_the_same_types_on_every_thread(make_server, w
     assert recv_exact(c, 8) == b"\x01\x00\x00\x00ace!"
     assert results == [["TypeError"] * 4 + ["ok"] * 3]
     c.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_frames_held_back_by_back_pressure_are_delivered_after_it(make_server, workers):
+    """Inline: a reply over high_water pauses reading between two frames of one read; the
+    rest of that read must be delivered once the peer has drained the replies."""
+    class Big(Handler):
+        def on_read(self, session, data):
+            session.send(bytes(data) * 2000)     # 2000x the frame: over high_water at once
+
+    srv = make_server(Big(), framing="u32", workers=workers, high_water=4096, low_water=1024,
+                      max_pending=64 << 20)
+    c = socket.create_connection(srv.address, timeout=10)
+    frames = [b"%03d" % i for i in range(50)]
+    c.sendall(b"".join(frame(f, "u32") for f in frames))
+    for f in frames:
+        assert read_frame(c, "u32") == f * 2000
+    c.close()

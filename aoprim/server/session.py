@@ -352,7 +352,7 @@ class Session:
         if self._rx.paused & PAUSE_BACKPRESSURE and \
                 b.pending_bytes <= self._ctx.settings.low_water:
             if self._rx.resume(PAUSE_BACKPRESSURE):
-                self._update_interest()
+                self._reading_resumed()
         if self._wm is not None:
             self._check_wm()
         if not status and self._state == CLOSING and not self._lingering:
@@ -379,8 +379,23 @@ class Session:
             return
         if self._state != OPEN:
             return
-        if self._rx.pause(reason) if on else self._rx.resume(reason):
-            self._update_interest()
+        if on:
+            if self._rx.pause(reason):
+                self._update_interest()
+        elif self._rx.resume(reason):
+            self._reading_resumed()
+
+    def _reading_resumed(self):
+        """The last pause reason was cleared (loop thread)."""
+        self._update_interest()
+        if self._rx.receiver.pending:
+            # frames read before the pause and held back (the receiver stops between frames
+            # once held): no readiness event will come for them
+            self._loop.call_soon(self._deliver_held)
+
+    def _deliver_held(self):
+        if self._state == OPEN and not self._rx.paused:
+            self._reader()
 
     # -- hooks for the server's parts ---------------------------------------------------
     def start(self):
