@@ -21,6 +21,7 @@ ctypedef struct aop_fg_item:
     int fd                   # flush: the fd read before the GIL was released (-1: none)
     int status               # flush: what flush() reports: 0, 1 or -errno
     bint watch               # flush: the batch's `watch`, taken under its claim
+    PyObject *sock           # flush: the socket pinned for the write (strong ref), or NULL
     Py_ssize_t rel_a         # flush, out of memory only: fully written owned segments
     Py_ssize_t rel_b         #   [rel_a, rel_b) neither handed over nor committed yet
 

@@ -17,10 +17,14 @@ from aoprim.atomic_h cimport (
 )
 from aoprim._sendbatch cimport (
     SendBatch, _GroupBase, aop_sb_owner, aop_sb_would_block, SB_COPY, SB_BYTES,
-    _get, _add, _claim, _unclaim, _raise_busy, _release_owner, _positive,
+    _get, _add, _claim, _unclaim, _raise_busy, _release_owner, _positive, _sock_pin,
+    _sock_unpin,
 )
+cdef extern from "<sys/socket.h>" nogil:
+    enum: MSG_DONTWAIT
 cimport cython
 
+import socket as _socket
 # =========================================================================================
 # FlushGroup: flush every dirty batch once per loop iteration, one GIL release for all
 # =========================================================================================
@@ -137,12 +141,26 @@ ctypedef void (*_fg_write_t)(void *g, void *b, aop_fg_item *it) noexcept nogil
 cdef _fg_write_t _fg_write_p = <_fg_write_t>_fg_write
 
 
+cdef object _sock_gettimeout = _socket.socket.gettimeout   # the C method: no override runs
+
+
 cdef inline bint _lone_nonblocking(aop_fg_item *w, Py_ssize_t n) noexcept:
-    """The one entry to write (pass A found exactly one) targets a non-blocking socket."""
+    """The one entry to write (pass A found exactly one) targets a socket that is
+    non-blocking NOW (re-read here, not trusted from attach: it may have been switched to
+    blocking since -- issue 19 item 21).  Runs no Python code (socket.socket's own C
+    gettimeout).  The write then also uses MSG_DONTWAIT, so it cannot block even if the
+    mode changes after this check (another thread, free-threaded build)."""
     cdef Py_ssize_t i
+    cdef SendBatch b
     for i in range(n):
         if w[i].kind == FG_WRITE:
-            return (<SendBatch>w[i].batch).nonblocking
+            b = <SendBatch>w[i].batch
+            if not b.nonblocking or not b.has_sock or b.sock is None:
+                return False
+            try:
+                return _sock_gettimeout(b.sock) == 0.0
+            except BaseException:
+                return False
     return False
 
 
@@ -161,6 +179,14 @@ cdef class FlushGroup(_GroupBase):
     A group belongs to one thread (the event loop): flush() refuses a concurrent or
     reentrant call with RuntimeError.  Adding to attached batches from other threads is
     safe (queueing is locked), but a batch being flushed is busy like any SendBatch.
+
+    Closing from another thread: flush() pins every socket it writes before reading its
+    fd and unpins it after the GIL-free pass, so a ``socket.close()`` meanwhile is deferred
+    until then (that batch reports -EBADF if the close came before the pin); no batch's
+    bytes can reach a socket that reuses a closed number.  Not covered: ``os.close`` /
+    ``detach()`` of a socket's number during a flush, and int-fd targets.  A batch written
+    alone (no GIL release) must be non-blocking at that moment and is written with
+    MSG_DONTWAIT; otherwise the GIL is released for its write.
     """
 
     def __cinit__(self):
@@ -359,6 +385,7 @@ cdef class FlushGroup(_GroupBase):
             it.fd = -1
             it.status = 0
             it.watch = False
+            it.sock = NULL
             it.rel_a = it.rel_b = 0
             b = <SendBatch>it.batch
             if not _claim(b):
@@ -386,7 +413,17 @@ cdef class FlushGroup(_GroupBase):
             it.kind = FG_HELD
             if b.head == b.nseg:
                 continue                     # flushed or cleared since it was queued
-            fd = _fd_of(b)
+            if b.has_sock and b.sock is not None:
+                # pin before the fd is read: a close() from any thread is deferred until
+                # pass C, so the number cannot be reused under pass B's write (item 18)
+                it.sock = <PyObject *>b.sock
+                Py_INCREF(b.sock)
+                try:
+                    fd = _fd_of(b) if _sock_pin(b.sock) else -1
+                except BaseException:
+                    fd = -1                  # not a pinnable socket: treated as closed
+            else:
+                fd = _fd_of(b)
             if fd < 0:
                 it.status = -EBADF           # the socket is closed: data intact
                 continue
@@ -401,7 +438,11 @@ cdef class FlushGroup(_GroupBase):
             # re-taking the GIL would cost about as much as the syscall's user-space work
             for i in range(n):
                 if self.w[i].kind == FG_WRITE:
+                    b = <SendBatch>self.w[i].batch
+                    b.wflags = MSG_DONTWAIT      # never block with the GIL held
                     _fg_write_p(<void *>self, <void *>self.w[i].batch, &self.w[i])
+                    b.wflags = 0
+                    b = None
         elif nwrite:
             _add(&self.st_gil, 1)
             with nogil:
@@ -431,6 +472,13 @@ cdef class FlushGroup(_GroupBase):
             _unclaim(b)
         b = None
         try:
+            for i in range(n):
+                it = &self.w[i]
+                p = it.sock
+                if p != NULL:
+                    it.sock = NULL
+                    _sock_unpin(<object>p)      # a deferred close() happens here
+                    Py_DECREF(<object>p)
             self._release_taken()
             for i in range(n):
                 k = i + start

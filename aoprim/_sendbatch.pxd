@@ -24,7 +24,9 @@ intact).  c_flush retries EINTR without checking Python signal handlers.  When a
 completes messages added from Python that own objects (bytes, buffer exports, slots), it
 takes the GIL briefly to release them; a release may close the socket (and the number be
 reused), so before any further system call it re-reads the socket's fd and stops with
--EBADF if it changed (issue 11; an int-fd target is the caller's to keep open).
+-EBADF if it changed (issue 11; an int-fd target is the caller's to keep open).  Unlike
+flush() and FlushGroup.flush(), c_flush does not pin the socket (that needs the GIL): a
+socket.close() from another thread during a c_flush is the caller's to prevent.
 
 One thread at a time: every entry point (Python or C) claims the batch with one atomic
 exchange; a concurrent entry gets RuntimeError (Python) or -EBUSY (C), never corruption.
@@ -47,6 +49,7 @@ from aoprim.atomic_h cimport (
 cdef extern from "aop_sendbatch.h" nogil:
     enum: AOP_SB_IOV_MAX
     ssize_t aop_sb_write(int fd, iovec *iov, int cnt, int is_sock)
+    ssize_t aop_sb_write_flags(int fd, iovec *iov, int cnt, int is_sock, int flags)
     int aop_sb_would_block(int e)
 
 # What keeps one segment's memory alive (parallel to SendBatch.iov).
@@ -114,8 +117,10 @@ cdef class SendBatch:
     cdef object owner                # what the group reports with this batch (strong ref)
     cdef readonly bint queued        # the group holds exactly one queue entry for it
     cdef bint watched                # `watch`: reported after every group flush
-    cdef bint nonblocking            # the target was a non-blocking socket at attach: a
-                                     # group may write it alone without releasing the GIL
+    cdef bint nonblocking            # the target was a non-blocking socket at attach (a
+                                     # hint: a group re-checks the socket at write time)
+    cdef int wflags                  # extra send() flags for _write_once (a group's
+                                     # GIL-held write sets MSG_DONTWAIT), else 0
     cdef uint64_t flush_mark         # serial of the last group flush that claimed it
     cdef object __weakref__          # a session may hold its batch weakly
 
@@ -141,6 +146,7 @@ cdef class SendBatch:
     cdef int _sock_fd(self) except -2
     cdef int _target_fd(self) except -2
     cdef Py_ssize_t _flush_locked(self) except -1
+    cdef Py_ssize_t _flush_fd(self) except -1
     cdef int _add_obj(self, object data) except -1
     cdef int _add_buffer(self, object data, bint copy_all=*) except -1
     cdef int _add_slot(self, object s) except -1
@@ -183,5 +189,7 @@ cdef inline void _unclaim(SendBatch b) noexcept nogil:
 
 
 cdef int _raise_busy() except -1
+cdef int _sock_pin(object sock) except -1
+cdef void _sock_unpin(object sock) noexcept
 cdef void _release_owner(aop_sb_owner *o) noexcept
 cdef Py_ssize_t _positive(object v, str name) except -1

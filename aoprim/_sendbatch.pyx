@@ -100,6 +100,62 @@ cdef int _raise_busy() except -1:
                        "at a time)")
 
 
+# ---- pinning a socket across a GIL-free write (issue 19 item 18) --------------------------
+# socket.socket.close() closes the fd at once unless `_io_refs` > 0 (makefile()'s files):
+# then it only sets `_closed` and the last _decref_socketios() closes it.  A flush takes such
+# a reference before it reads the fd and drops it after its last write, so a close() from
+# any thread meanwhile is deferred until the write is done: the number cannot be reused by
+# another socket under the write.  Pin: _io_refs += 1, THEN read _closed; close(): _closed =
+# True, THEN read _io_refs -- whichever comes second sees the other (the GIL, or on a
+# free-threaded build the object's critical section, orders the four accesses), so either
+# close() defers or the pin sees _closed (and the flush writes nothing).  The attributes are
+# read and written with the generic (C) attribute functions: no Python code runs.  Not
+# covered: socket.detach() / os.close() of the number (the caller's to avoid).
+
+cdef extern from "Python.h":
+    object PyObject_GenericGetAttr(object o, object name)
+    int PyObject_GenericSetAttr(object o, object name, object v) except -1
+    void PyErr_WriteUnraisable(object o)
+
+cdef str _IO_REFS = "_io_refs"
+cdef str _CLOSED = "_closed"
+
+
+cdef bint _pin_on = True
+
+
+def _set_pinning(bint on):
+    """Benchmark hook: turn the pin off (True: on, the default).  Off, a close() from
+    another thread during a flush is NOT deferred (the behaviour before issue 19 item 18)."""
+    global _pin_on
+    _pin_on = on
+
+
+cdef int _sock_pin(object sock) except -1:
+    """Take a close-deferring reference on socket.socket `sock` (GIL held).  Returns 1, or
+    0 when it is already closing (pinned anyway: _sock_unpin must still be called)."""
+    if not _pin_on:
+        return 2
+    PyObject_GenericSetAttr(sock, _IO_REFS, PyObject_GenericGetAttr(sock, _IO_REFS) + 1)
+    return 0 if PyObject_GenericGetAttr(sock, _CLOSED) else 1
+
+
+cdef void _sock_unpin(object sock) noexcept:
+    """Drop the reference _sock_pin took; a close() that came meanwhile is done now
+    (socket.socket._decref_socketios' logic).  An error is reported as unraisable."""
+    cdef object n
+    if not _pin_on:
+        return
+    try:
+        n = PyObject_GenericGetAttr(sock, _IO_REFS)
+        if n > 0:
+            PyObject_GenericSetAttr(sock, _IO_REFS, n - 1)
+        if PyObject_GenericGetAttr(sock, _CLOSED):
+            sock.close()
+    except BaseException:
+        PyErr_WriteUnraisable(sock)
+
+
 cdef void _slot_release(object s) noexcept:
     # noexcept: an error from a slot's release() is reported as unraisable; the bytes were
     # sent and the batch must stay consistent whatever the slot says.
@@ -433,10 +489,10 @@ cdef class SendBatch:
                 k += 1
             saved = v[k].iov_len
             v[k].iov_len = self.write_limit - off
-            r = aop_sb_write(fd, v, <int>(k + 1), self.is_sock)
+            r = aop_sb_write_flags(fd, v, <int>(k + 1), self.is_sock, self.wflags)
             v[k].iov_len = saved
             return r
-        return aop_sb_write(fd, v, <int>cnt, self.is_sock)
+        return aop_sb_write_flags(fd, v, <int>cnt, self.is_sock, self.wflags)
 
     cdef Py_ssize_t _advance(self, size_t n) noexcept nogil:
         """Account for n written bytes: trim the first partly written segment in place and
@@ -518,6 +574,23 @@ cdef class SendBatch:
         return fd
 
     cdef Py_ssize_t _flush_locked(self) except -1:
+        """Write what is pending.  A socket target is pinned for the whole flush (see
+        _sock_pin): a close() from another thread meanwhile takes effect when it ends."""
+        cdef object sock
+        if self.head == self.nseg:
+            return 0
+        if not self.has_sock or self.sock is None:
+            return self._flush_fd()
+        if not _sock_pin(self.sock):
+            _sock_unpin(self.sock)
+            raise OSError(EBADF, "Bad file descriptor (the socket is closed)")
+        sock = self.sock                 # a GC clear of the batch cannot drop it under us
+        try:
+            return self._flush_fd()
+        finally:
+            _sock_unpin(sock)
+
+    cdef Py_ssize_t _flush_fd(self) except -1:
         cdef Py_ssize_t total = 0
         cdef Py_ssize_t h
         cdef Py_ssize_t old
@@ -526,8 +599,6 @@ cdef class SendBatch:
         cdef int err
         cdef int fd
         cdef bint again = False        # a syscall was issued (the GIL re-taken since)
-        if self.head == self.nseg:
-            return 0
         fd = self._target_fd()
         while self.head < self.nseg:
             if again:
@@ -535,7 +606,9 @@ cdef class SendBatch:
                 # and what ran meanwhile -- releases of sent objects, signal handlers, other
                 # threads -- may have closed the socket and reused its number.  Never write
                 # to a number read before that: re-read it, stop with EBADF if it moved.
-                if self.has_sock and self._sock_fd() != fd:
+                # (pinned, a close() is deferred, not done: stop on its `_closed` flag too)
+                if self.has_sock and (self._sock_fd() != fd or
+                                      PyObject_GenericGetAttr(self.sock, _CLOSED)):
                     raise OSError(EBADF, "Bad file descriptor (the socket was closed during "
                                          "the flush)")
             again = True
@@ -907,7 +980,14 @@ cdef class SendBatch:
         """Write what is pending; returns the bytes written by this call.  One system call
         (more only beyond IOV_MAX segments); a partial write keeps the unsent tail in
         order; a write that would block keeps everything and returns 0; EINTR is retried;
-        any other error raises OSError with the pending data intact."""
+        any other error raises OSError with the pending data intact.
+
+        Closing from another thread: a socket target is pinned for the flush (like a
+        makefile() file), so a ``socket.close()`` that comes meanwhile is deferred until the
+        flush ends and then done; the flush stops before its next system call (EBADF).  No
+        byte can reach another socket that takes the number.  Not covered: closing the
+        number by other means (``os.close``, ``detach()``) during a flush, and int-fd
+        targets (the caller keeps those open)."""
         cdef Py_ssize_t n
         if not _claim(self):
             _raise_busy()

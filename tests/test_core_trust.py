@@ -188,3 +188,130 @@ def test_add_frame_slot_bad_length_adds_nothing():
     assert isinstance(exc, ValueError) and bad.refs == 1
     exc, bad = _frames_after_failure(lambda: _SlotLike(bytes(40), length_seq=[2**70, 2**70]))
     assert isinstance(exc, (ValueError, OverflowError)) and bad.refs == 1
+
+
+# ---- item 18: a socket closed (and its number reused) during the GIL-free write ----------
+
+import select
+import threading
+
+
+def test_no_group_write_reaches_a_reused_fd_number():
+    """One group flush writes batch 1 (a blocking socket whose peer is not reading: the
+    write blocks, the GIL released) then batch 2.  Meanwhile another thread closes batch 2's
+    socket and opens sockets until one takes its fd number, then lets batch 1's write finish.
+    Batch 2's bytes must never reach the new socket (a cross-connection leak): the pin makes
+    that close wait until the flush is done."""
+    from aoprim import FlushGroup
+    s1, p1 = socket.socketpair()
+    s2, p2 = socket.socketpair()
+    s1.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    s1.setblocking(True)
+    s2.setblocking(False)
+    fd2 = s2.fileno()
+    g = FlushGroup()
+    b1 = SendBatch(s1, auto_flush=False)
+    b2 = SendBatch(s2, auto_flush=False)
+    g.attach(b1, "b1")
+    g.attach(b2, "b2")
+    big = b"B" * (1 << 20)
+    b1.add(big)                          # fills s1's buffer: the write blocks
+    b2.add(b"SECRET" * 10)
+    taken = []
+    got1 = bytearray()
+    done = threading.Event()
+
+    def closer():
+        # wait until the flush is inside batch 1's write (blocked: p1 has bytes waiting)
+        select.select([p1], [], [], 10)
+        s2.close()
+        for _ in range(8):
+            x, y = socket.socketpair()
+            taken.append((x, y))
+            if fd2 in (x.fileno(), y.fileno()):
+                break
+        p1.settimeout(10)
+        while len(got1) < len(big):
+            got1.extend(p1.recv(1 << 16))
+        done.set()
+
+    import select
+    t = threading.Thread(target=closer)
+    t.start()
+    g.flush()
+    t.join(30)
+    assert done.is_set()
+    leaked = 0
+    for x, y in taken:
+        for s in (x, y):
+            s.setblocking(False)
+            try:
+                leaked += len(s.recv(1 << 16))
+            except BlockingIOError:
+                pass
+            s.close()
+    assert leaked == 0
+    assert s2.fileno() == -1             # the deferred close happened after the flush
+    for s in (s1, p1, p2):
+        s.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["flush", "group"])
+def test_close_during_flush_is_deferred_then_done(kind):
+    """The pin's visible effect: a socket.close() that lands while a flush is writing takes
+    effect when the write returns; close() before the flush makes the flush EBADF."""
+    from aoprim import FlushGroup
+    a, b = socket.socketpair()
+    sb = SendBatch(a, auto_flush=False)
+    g = FlushGroup()
+    g.attach(sb, "o")
+    a.close()
+    sb.add(b"x")
+    if kind == "flush":
+        with pytest.raises(OSError):
+            sb.flush()
+    else:
+        import errno
+        assert g.flush() == [("o", -errno.EBADF)]
+    assert a.fileno() == -1
+    b.close()
+
+
+# ---- item 21: the lone-batch fast path must not block with the GIL held ------------------
+
+@pytest.mark.timeout(30, method="thread")     # a deadlock holds the GIL: signals cannot fire
+def test_group_flush_of_a_socket_switched_to_blocking_does_not_hold_the_gil():
+    """Attached while non-blocking (the group may then write it alone without releasing the
+    GIL), then switched to blocking: the write blocks until the reader thread -- which
+    needs the GIL -- drains the peer.  Holding the GIL across it was a deadlock."""
+    from aoprim import FlushGroup
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    a.setblocking(False)
+    g = FlushGroup()
+    sb = SendBatch(a, auto_flush=False)
+    g.attach(sb, "o")
+    a.setblocking(True)
+    data = b"z" * (1 << 20)
+    sb.add(data)
+    got = bytearray()
+
+    def reader():
+        b.settimeout(20)
+        while len(got) < len(data):
+            chunk = b.recv(1 << 16)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    r = g.flush()
+    while r is not None and sb.pending_bytes:
+        g.requeue(sb)
+        r = g.flush()
+    t.join(20)
+    assert bytes(got) == data
+    a.close()
+    b.close()

@@ -41,23 +41,31 @@
 /* EAGAIN and EWOULDBLOCK may or may not be the same number: test both, in C. */
 static inline int aop_sb_would_block(int e) { return e == EAGAIN || e == EWOULDBLOCK; }
 
-static inline ssize_t aop_sb_write(int fd, struct iovec *iov, int cnt, int is_sock)
+/* aop_sb_write with extra send flags for sockets (MSG_DONTWAIT: never block, whatever the
+ * fd's mode); `flags` is ignored for write()/writev(). */
+static inline ssize_t aop_sb_write_flags(int fd, struct iovec *iov, int cnt, int is_sock,
+                                         int flags)
 {
     ssize_t n;
     if (is_sock) {
         if (cnt == 1) {
-            n = send(fd, iov[0].iov_base, iov[0].iov_len, MSG_NOSIGNAL);
+            n = send(fd, iov[0].iov_base, iov[0].iov_len, MSG_NOSIGNAL | flags);
         } else {
             struct msghdr m;
             memset(&m, 0, sizeof m);
             m.msg_iov = iov;
             m.msg_iovlen = (size_t)cnt;
-            n = sendmsg(fd, &m, MSG_NOSIGNAL);
+            n = sendmsg(fd, &m, MSG_NOSIGNAL | flags);
         }
     } else {
         n = (cnt == 1) ? write(fd, iov[0].iov_base, iov[0].iov_len) : writev(fd, iov, cnt);
     }
     return n < 0 ? -(ssize_t)errno : n;
+}
+
+static inline ssize_t aop_sb_write(int fd, struct iovec *iov, int cnt, int is_sock)
+{
+    return aop_sb_write_flags(fd, iov, cnt, is_sock, 0);
 }
 
 #endif /* AOP_SENDBATCH_H */
