@@ -27,10 +27,14 @@ Rules (stated once; tests/test_proxy_protocol.py checks each)
   bytes); what follows the addresses (TLVs) is skipped, counted against the length, never
   stored.  LOCAL ignores the family and skips the whole block, as the spec says.
 - Results: ``(version, command, family, src, dst)``: version 1 or 2; command "PROXY" or
-  "LOCAL" (v1 is always "PROXY"); family "TCP4", "TCP6", "UDP4", "UDP6", "UNIX", "UNSPEC"
-  (v2 LOCAL and v2 UNSPEC) or "UNKNOWN" (v1); src/dst ``(host, port)`` for the IP families
-  (host in inet_ntop's canonical text, as socket.getpeername gives it), the socket path
-  (str, surrogateescape) for UNIX, None otherwise.
+  "LOCAL" (v1 is always "PROXY"); family "TCP4", "TCP6", "UDP4", "UDP6", "UNIX_STREAM"
+  (0x31), "UNIX_DGRAM" (0x32) -- the spec's names --, "UNSPEC" (v2 LOCAL and v2 UNSPEC) or
+  "UNKNOWN" (v1); src/dst ``(host, port)`` for the IP families (host in inet_ntop's
+  canonical text, as socket.getpeername gives it), the socket address (str, UTF-8 with
+  surrogateescape) for the UNIX families, None otherwise.  A UNIX address is the path up
+  to its first NUL; an abstract-namespace address (first byte NUL) is "\\x00" + its name
+  up to its last non-NUL byte (like Linux's abstract names in text form); an all-NUL
+  field (unnamed socket) is "".
 
 Memory: one parser keeps at most AOP_PP_KEEP (232) bytes, inline; the only allocations are
 the result (or the error string) when the header ends.
@@ -85,7 +89,18 @@ cdef inline unsigned int _be16(const unsigned char *q) noexcept:
 
 
 cdef inline object _path(const unsigned char *a, Py_ssize_t n):
-    cdef const unsigned char *z = <const unsigned char *>memchr(a, 0, n)
+    """A v2 UNIX address (n = 108 bytes, NUL-padded) as str (UTF-8, surrogateescape): a
+    filesystem path ends at its first NUL; an abstract-namespace name (leading NUL) is
+    "\\x00" + the name, up to its last non-NUL byte (the padding cannot be told from
+    trailing NULs of the name: they are dropped); an all-NUL field (unnamed) is ""."""
+    cdef const unsigned char *z
+    if n > 0 and a[0] == 0:
+        while n > 1 and a[n - 1] == 0:
+            n -= 1
+        if n == 1:
+            return ""
+        return "\x00" + (<bytes>a[1:n]).decode("utf-8", "surrogateescape")
+    z = <const unsigned char *>memchr(a, 0, n)
     if z != NULL:
         n = z - a
     return (<bytes>a[:n]).decode("utf-8", "surrogateescape")
@@ -237,6 +252,9 @@ cdef class ProxyParser:
         for i in range(2):
             if tlen[i] > 45:
                 return self._fail("PROXY v1 header: address too long")
+            if memchr(s + tok[i], 0, tlen[i]) != NULL:
+                # inet_pton would stop at the NUL and accept "1.2.3.4\0zz" as 1.2.3.4
+                return self._fail("PROXY v1 header: NUL byte in an address")
             memcpy(text, s + tok[i], tlen[i])
             text[tlen[i]] = 0
             if inet_pton(af, text, a[i]) != 1:
@@ -302,7 +320,8 @@ cdef class ProxyParser:
             self.result = (2, "PROXY", kind, (_ntop(AF_INET6, b + 16), _be16(b + 48)),
                            (_ntop(AF_INET6, b + 32), _be16(b + 50)))
         else:
-            self.result = (2, "PROXY", "UNIX", _path(b + 16, 108), _path(b + 124, 108))
+            self.result = (2, "PROXY", "UNIX_STREAM" if fam == 0x31 else "UNIX_DGRAM",
+                           _path(b + 16, 108), _path(b + 124, 108))
         self.state = AOP_PP_DONE
         return 0
 

@@ -38,7 +38,7 @@ def v1(family, src=None, dst=None, tail=""):
 
 
 _FAM = {"UNSPEC": 0x00, "TCP4": 0x11, "UDP4": 0x12, "TCP6": 0x21, "UDP6": 0x22,
-        "UNIX": 0x31}
+        "UNIX_STREAM": 0x31, "UNIX_DGRAM": 0x32}
 
 
 def v2(command="PROXY", family="TCP4", src=None, dst=None, tlvs=(), famcode=None,
@@ -49,7 +49,7 @@ def v2(command="PROXY", family="TCP4", src=None, dst=None, tlvs=(), famcode=None
     elif family in ("TCP6", "UDP6"):
         block = (socket.inet_pton(socket.AF_INET6, src[0]) +
                  socket.inet_pton(socket.AF_INET6, dst[0]) + struct.pack(">HH", src[1], dst[1]))
-    elif family == "UNIX":
+    elif family.startswith("UNIX"):
         block = src.encode().ljust(108, b"\0") + dst.encode().ljust(108, b"\0")
     else:
         block = b""
@@ -79,8 +79,14 @@ VALID = {
     "v2 PROXY TCP6 + TLVs": (v2("PROXY", "TCP6", C6, D6, TLVS), (2, "PROXY", "TCP6", C6, D6)),
     "v2 PROXY UDP4": (v2("PROXY", "UDP4", C4, D4), (2, "PROXY", "UDP4", C4, D4)),
     "v2 PROXY UNSPEC": (v2("PROXY", "UNSPEC"), (2, "PROXY", "UNSPEC", None, None)),
-    "v2 PROXY UNIX": (v2("PROXY", "UNIX", "/run/c.sock", "/run/s.sock"),
-                      (2, "PROXY", "UNIX", "/run/c.sock", "/run/s.sock")),
+    "v2 PROXY UNIX": (v2("PROXY", "UNIX_STREAM", "/run/c.sock", "/run/s.sock"),
+                      (2, "PROXY", "UNIX_STREAM", "/run/c.sock", "/run/s.sock")),
+    "v2 PROXY UNIX dgram": (v2("PROXY", "UNIX_DGRAM", "/run/c.sock", "/run/s.sock"),
+                            (2, "PROXY", "UNIX_DGRAM", "/run/c.sock", "/run/s.sock")),
+    "v2 PROXY UNIX abstract": (v2("PROXY", "UNIX_STREAM", "\0lb-client", "\0srv\0x"),
+                               (2, "PROXY", "UNIX_STREAM", "\0lb-client", "\0srv\0x")),
+    "v2 PROXY UNIX unnamed": (v2("PROXY", "UNIX_DGRAM", "", "/s"),
+                              (2, "PROXY", "UNIX_DGRAM", "", "/s")),
     "v2 LOCAL": (v2("LOCAL", "UNSPEC"), (2, "LOCAL", "UNSPEC", None, None)),
     "v2 LOCAL over IPv4 + TLVs": (v2("LOCAL", "TCP4", C4, D4, TLVS),
                                   (2, "LOCAL", "UNSPEC", None, None)),
@@ -110,6 +116,8 @@ MALFORMED = {
     "v1 TCP4 with IPv6": (b"PROXY TCP4 ::1 ::2 1 2\r\n", "not an IPv4 address"),
     "v1 TCP6 with IPv4": (b"PROXY TCP6 1.2.3.4 ::2 1 2\r\n", "not an IPv6 address"),
     "v1 bad address": (b"PROXY TCP4 1.2.3.256 5.6.7.8 1 2\r\n", "not an IPv4"),
+    "v1 NUL in source": (b"PROXY TCP4 1.2.3.4\x00zz 5.6.7.8 1 2\r\n", "NUL byte"),
+    "v1 NUL in destination": (b"PROXY TCP6 ::1 ::2\x00 1 2\r\n", "NUL byte"),
     "v1 port too big": (b"PROXY TCP4 1.2.3.4 5.6.7.8 65536 2\r\n", "a port"),
     "v1 port leading zero": (b"PROXY TCP4 1.2.3.4 5.6.7.8 01 2\r\n", "a port"),
     "v1 double space": (b"PROXY TCP4 1.2.3.4  5.6.7.8 1 2\r\n", "single spaces"),
@@ -220,7 +228,7 @@ def headers(draw):
         a, b = draw(_path), draw(_path)
         hdr = (V2_SIGNATURE + b"\x21\x31" + struct.pack(">H", 216) +
                a.encode("latin-1").ljust(108, b"\0") + b.encode("latin-1").ljust(108, b"\0"))
-        return hdr, (2, "PROXY", "UNIX", a.encode("latin-1").decode("utf-8", "surrogateescape"),
+        return hdr, (2, "PROXY", "UNIX_STREAM", a.encode("latin-1").decode("utf-8", "surrogateescape"),
                      b.encode("latin-1").decode("utf-8", "surrogateescape"))
     if kind == "v2 UNSPEC":
         return v2("PROXY", "UNSPEC", tlvs=tlvs), (2, "PROXY", "UNSPEC", None, None)
@@ -231,7 +239,7 @@ def headers(draw):
         src, dst = (draw(_ip4), 1), (draw(_ip4), 2)
     elif fam in ("TCP6", "UDP6"):
         src, dst = (draw(_ip6), 1), (draw(_ip6), 2)
-    elif fam == "UNIX":
+    elif fam.startswith("UNIX"):
         src, dst = "/a", "/b"
     return (v2("LOCAL", fam, src, dst, tlvs, famcode=famcode),
             (2, "LOCAL", "UNSPEC", None, None))
