@@ -12,7 +12,9 @@ slice and the buffer-protocol round trips.)
 Threads: ``recv_bytes`` claims the buffer with an atomic exchange (acquire) and frees it with
 a release store, so two threads can never receive into it at once (the second one gets
 RuntimeError and reads nothing); the GIL is not what protects it.  The GIL is not released
-during the call: the sockets are non-blocking, recv() does not wait.
+during the call: the recv() uses MSG_DONTWAIT, so it never waits, whatever the socket's
+mode -- on a blocking socket with nothing to read it raises BlockingIOError instead of
+blocking every thread (issue 19 item 24).
 """
 from libc.stdlib cimport malloc, free
 from libc.errno cimport errno, EINTR, EBADF
@@ -28,6 +30,7 @@ import socket as _socket
 
 cdef extern from "sys/socket.h" nogil:
     ssize_t recv(int fd, void *buf, size_t n, int flags)
+    enum: MSG_DONTWAIT
 
 # socket.socket's own C method, called as _fileno(sock): no Python code runs for a subclass
 # that overrides fileno() (as SendBatch reads it)
@@ -55,9 +58,10 @@ cdef class ReadBuffer:
         self.buf = NULL
 
     def recv_bytes(self, sock):
-        """One recv() from socket ``sock``: the bytes read, b'' at end of stream.  Errors
-        raise OSError as ``socket.recv`` raises them (BlockingIOError: nothing to read);
-        EINTR is retried after running signal handlers."""
+        """One non-blocking recv() (MSG_DONTWAIT, even on a blocking socket) from socket
+        ``sock``: the bytes read, b'' at end of stream.  Errors raise OSError as
+        ``socket.recv`` raises them (BlockingIOError: nothing to read now); EINTR is
+        retried after running signal handlers."""
         cdef ssize_t n
         cdef int fd = _fileno(sock)
         if fd < 0:
@@ -67,7 +71,7 @@ cdef class ReadBuffer:
             raise RuntimeError("ReadBuffer is in use by another thread")
         try:
             while True:
-                n = recv(fd, self.buf, self.cap, 0)
+                n = recv(fd, self.buf, self.cap, MSG_DONTWAIT)   # never waits, GIL held
                 if n >= 0:
                     break
                 if errno != EINTR:

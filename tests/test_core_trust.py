@@ -315,3 +315,22 @@ def test_group_flush_of_a_socket_switched_to_blocking_does_not_hold_the_gil():
     assert bytes(got) == data
     a.close()
     b.close()
+
+
+# ---- item 24: ReadBuffer never blocks with the GIL held -----------------------------------
+
+@pytest.mark.timeout(30, method="thread")     # a recv blocking with the GIL held hangs all
+def test_readbuffer_on_a_blocking_socket_does_not_block():
+    from aoprim._readbuf import ReadBuffer
+    rb = ReadBuffer(4096)
+    a, b = socket.socketpair()
+    a.setblocking(True)
+    try:
+        with pytest.raises(BlockingIOError):
+            rb.recv_bytes(a)                 # nothing to read: refused at once
+        b.sendall(b"hello")
+        assert rb.recv_bytes(a) == b"hello"
+        b.close()
+        assert rb.recv_bytes(a) == b""
+    finally:
+        a.close()
