@@ -114,7 +114,8 @@ cdef class Receiver:
     cdef int _cut_frames(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end,
                          PyObject **pbase) except -1
     cdef object _view(self, object buf, char *p, Py_ssize_t n)
-    cdef int _deliver(self, object buf, object base, char *p, Py_ssize_t n) except -1
+    cdef int _deliver(self, object buf, object base, char *p, Py_ssize_t n,
+                      Py_ssize_t *ppos, Py_ssize_t newpos) except -1
     cdef int _event(self, int code, object arg) except -1
     cdef int _settle(self, object buf, char *p, Py_ssize_t pos, Py_ssize_t end,
                      int why) except -1

@@ -576,9 +576,7 @@ cdef class Receiver:
                 why = CUT_MORE      # PROXY header unfinished or refused, or nothing after it
             elif self.hs == 0:      # raw: the chunk is the frame
                 n = pos             # (0, or where a PROXY header ended)
-                pos = end
-                self.frames_in += 1
-                self._deliver(buf, None, p + n, end - n)
+                self._deliver(buf, None, p + n, end - n, &pos, end)   # pos = end once built
                 why = CUT_MORE
             else:
                 why = self._cut(buf, p, &pos, end)
@@ -663,14 +661,16 @@ cdef class Receiver:
                 self.need = hs + <Py_ssize_t>n
                 return CUT_MORE
             pos += hs + <Py_ssize_t>n
-            ppos[0] = pos                  # consumed before the call (see BaseException)
-            self.frames_in += 1
             if not self.copy_frames and pbase[0] == NULL:
-                base = self._view(buf, p, end)
+                base = self._view(buf, p, end)   # a MemoryError here consumes nothing
                 Py_INCREF(base)              # owned by _cut's `base` from here
                 pbase[0] = <PyObject *>base
+            # _deliver consumes the frame (ppos, frames_in) once its object exists, before
+            # on_frame runs: a MemoryError building it keeps the frame, an exception from
+            # the handler (or a BaseException) does not deliver it twice
             if (self._deliver(buf, <object>pbase[0] if pbase[0] != NULL else None,
-                              p + pos - <Py_ssize_t>n, <Py_ssize_t>n) or self.closed):
+                              p + pos - <Py_ssize_t>n, <Py_ssize_t>n, ppos, pos)
+                    or self.closed):
                 return CUT_STOP
 
     cdef object _view(self, object buf, char *p, Py_ssize_t n):
@@ -684,10 +684,12 @@ cdef class Receiver:
         finally:
             fx.pin = NULL
 
-    cdef int _deliver(self, object buf, object base, char *p, Py_ssize_t n) except -1:
+    cdef int _deliver(self, object buf, object base, char *p, Py_ssize_t n,
+                      Py_ssize_t *ppos, Py_ssize_t newpos) except -1:
         """on_frame(owner, data): 0, or 1 after a handler exception (reported).  data is a
         bytes copy (copy_frames), a view registered on `base` re-pointed at p[0:n], or (no
-        base) a view of its own."""
+        base) a view of its own.  Once data exists (and only then) the frame is consumed:
+        *ppos = newpos, frames_in += 1 -- so a MemoryError building it loses nothing."""
         cdef object data
         cdef object exc = None
         cdef Py_buffer *v
@@ -709,6 +711,8 @@ cdef class Receiver:
             v.shape[0] = n
         else:
             data = self._view(buf, p, n)
+        ppos[0] = newpos
+        self.frames_in += 1
         try:
             self.on_frame(self.owner, data)
         except Exception as e:
