@@ -1209,3 +1209,64 @@ cdef class _GroupBase:
 
     cdef int _queue(self, SendBatch b) noexcept:
         return -1
+
+
+# ---- SendBatch's tp_traverse also visits its pending owners (issue 19 item 24) -----------
+# Cython generates traverse only for object fields; the slots (and buffer exporters) held by
+# pending segments are strong references in a C array, so a cycle through one -- a slot-like
+# object that refers back to its batch or session -- was never found.  The owners are read
+# under the batch's claim: a thread inside the batch may be reallocating the array (c_add_*
+# run without the GIL); when it is busy they are skipped, which only makes the GC see them
+# as referenced from outside (never collect anything live).  A FlushGroup's GIL-free pass
+# may move an owner out (to its rel array, obj set to NULL after the copy): NULL is skipped,
+# and a reference seen just before the move still exists (in rel), so the count is right.
+
+ctypedef int (*_visitproc)(PyObject *, void *) noexcept
+ctypedef int (*_traverseproc)(PyObject *, _visitproc, void *) noexcept
+
+cdef extern from "Python.h":
+    ctypedef struct _TypeSlots "PyTypeObject":
+        _traverseproc tp_traverse
+        unsigned long tp_flags
+    unsigned long Py_TPFLAGS_HAVE_GC
+    ctypedef struct _RawBuf "Py_buffer":
+        PyObject *obj                 # the exporter (a strong reference), or NULL
+
+cdef _traverseproc _sb_base_traverse = NULL
+
+
+cdef int _sb_traverse(SendBatch b, _visitproc visit, void *arg) noexcept:
+    cdef Py_ssize_t k
+    cdef int r = 0
+    cdef int kind
+    cdef PyObject *o
+    if _sb_base_traverse != NULL:
+        r = _sb_base_traverse(<PyObject *>b, visit, arg)
+        if r:
+            return r
+    if b.own == NULL or not _claim(b):
+        return 0
+    for k in range(b.head, b.nseg):
+        kind = b.own[k].kind
+        if kind != SB_SLOT and kind != SB_VIEW:
+            continue                  # copies, raw pointers, bytes (bytes hold nothing)
+        # SB_SLOT holds two references: its own (obj) and the export's (view.obj)
+        o = b.own[k].obj if kind == SB_SLOT else NULL
+        if o != NULL:
+            r = visit(o, arg)
+            if r:
+                break
+        o = (<_RawBuf *>&b.own[k].view).obj
+        if o != NULL:
+            r = visit(o, arg)
+            if r:
+                break
+    _unclaim(b)
+    return r
+
+
+cdef _TypeSlots *_sb_type = <_TypeSlots *>SendBatch
+if not (_sb_type.tp_flags & Py_TPFLAGS_HAVE_GC):
+    raise ImportError("aoprim._sendbatch: SendBatch was built without GC support")
+_sb_base_traverse = _sb_type.tp_traverse
+_sb_type.tp_traverse = <_traverseproc>_sb_traverse

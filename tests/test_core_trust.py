@@ -334,3 +334,45 @@ def test_readbuffer_on_a_blocking_socket_does_not_block():
         assert rb.recv_bytes(a) == b""
     finally:
         a.close()
+
+
+# ---- item 24: a cycle through a pending owner of a SendBatch is collected -----------------
+
+@pytest.mark.parametrize("target", ["batch", "session"])
+def test_gc_collects_a_cycle_through_a_pending_slot(target):
+    import gc
+    import weakref
+
+    class Session:
+        pass
+
+    class SlotLike(bytearray):
+        length = 100
+
+        def retain(self):
+            pass
+
+        def release(self):
+            pass
+
+    a, b = socket.socketpair()
+    try:
+        sb = SendBatch(a, auto_flush=False, copy_max=0)     # the slot goes by reference
+        s = SlotLike(b"x" * 100)
+        if target == "batch":
+            s.back = sb                                     # slot -> batch -> slot
+        else:
+            sess = Session()
+            sess.batch = sb
+            s.back = sess                                   # slot -> session -> batch -> slot
+            del sess
+        sb.add(s)
+        assert sb.pending_bytes == 100
+        wr = weakref.ref(sb)
+        ws = weakref.ref(s)
+        del sb, s
+        gc.collect()
+        assert wr() is None and ws() is None
+    finally:
+        a.close()
+        b.close()
