@@ -157,8 +157,10 @@ cdef void _sock_unpin(object sock) noexcept:
 
 
 cdef void _slot_release(object s) noexcept:
-    # noexcept: an error from a slot's release() is reported as unraisable; the bytes were
-    # sent and the batch must stay consistent whatever the slot says.
+    # noexcept: ANY exception from a slot's release() -- KeyboardInterrupt and SystemExit
+    # included -- goes to sys.unraisablehook and is not raised by the flush/clear that ran
+    # it: the bytes were sent and the batch must stay consistent whatever the slot says,
+    # and the releases of one flush all run (tests/test_core_trust.py checks this).
     s.release()
 
 

@@ -376,3 +376,45 @@ def test_gc_collects_a_cycle_through_a_pending_slot(target):
     finally:
         a.close()
         b.close()
+
+
+def test_slot_release_raising_keyboardinterrupt_is_reported_unraisable():
+    """Documented: a slot's release() that raises -- KeyboardInterrupt too -- is reported to
+    sys.unraisablehook; the flush completes, every other release runs, nothing is lost."""
+    import sys
+
+    class SlotLike(bytearray):
+        length = 50
+
+        def __init__(self, data, exc):
+            super().__init__(data)
+            self.exc = exc
+            self.released = 0
+
+        def retain(self):
+            pass
+
+        def release(self):
+            self.released += 1
+            if self.exc is not None:
+                raise self.exc
+
+    seen = []
+    old = sys.unraisablehook
+    sys.unraisablehook = lambda u: seen.append(u.exc_type)
+    a, b = socket.socketpair()
+    try:
+        sb = SendBatch(a, auto_flush=False, copy_max=0)
+        s1 = SlotLike(b"1" * 50, KeyboardInterrupt())
+        s2 = SlotLike(b"2" * 50, None)
+        sb.add(s1)
+        sb.add(s2)
+        assert sb.flush() == 100
+        assert s1.released == 1 and s2.released == 1 and sb.pending_bytes == 0
+        assert seen == [KeyboardInterrupt]
+        b.settimeout(5)
+        assert b.recv(1000) == b"1" * 50 + b"2" * 50
+    finally:
+        sys.unraisablehook = old
+        a.close()
+        b.close()
