@@ -458,8 +458,9 @@ cdef class Receiver:
 
     cdef int c_on_readable(self) except -1:
         cdef RxArena arena = self.arena
-        if self.closed or self.busy or self.failed or arena is None or arena.closed:
-            return 0
+        if (self.closed or self.busy or self.failed or self.hold or arena is None
+                or arena.closed):
+            return 0            # hold: the owner paused reading -- no recv, no delivery
         if self.on_frame is None:          # cleared by the GC
             return 0
         cdef int k = 0
@@ -486,15 +487,18 @@ cdef class Receiver:
     def on_readable(self):
         """One non-blocking recv (MSG_DONTWAIT, GIL held) into the scratch or the
         unfinished frame's buffer, then every complete frame to on_frame in stream order;
-        again while a recv fills its room (up to max_reads, unless ``hold``).  Would-block
-        is quiet; EOF, errors, a too-large header and handler exceptions go to on_event.
-        Does nothing once closed."""
+        again while a recv fills its room (up to max_reads).  Would-block is quiet; EOF,
+        errors, a too-large header and handler exceptions go to on_event.  Does nothing
+        once closed, or while ``hold`` is set (which also stops it between two frames)."""
         self.c_on_readable()
 
     @property
     def hold(self):
-        """Set by the owner while it has paused reading: on_readable makes no further recv
-        in the call that is running (the owner also stops calling it)."""
+        """Set by the owner while it has paused reading.  Takes effect at once, between
+        frames: once set (by on_frame, say), no further frame is delivered and no further
+        recv is made in the call that is running, and on_readable() does nothing while it
+        stays set.  Frames already received stay buffered (``pending``): after clearing it,
+        call on_readable() to deliver them -- the socket may have nothing new to report."""
         return self.hold
 
     @hold.setter
@@ -644,6 +648,11 @@ cdef class Receiver:
         cdef const unsigned char *q
         cdef object base
         while True:
+            if self.hold:
+                # the owner paused reading (in on_frame, or in the RX_PROXY handler): no
+                # further frame of these bytes is delivered; they stay pending until an
+                # on_readable() after hold is cleared (issue 19, for the server's pause)
+                return CUT_STOP
             avail = end - pos
             if avail < hs:
                 self.need = hs

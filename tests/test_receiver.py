@@ -1180,3 +1180,34 @@ def test_memory_error_while_cutting_frames_loses_no_frame(rigs, copy):
             assert got == frames, k
         assert r.rx.frames_in == len(got) + handler, k
         r.close()
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("hs", [2, 4])
+@pytest.mark.parametrize("copy", [False, True])
+def test_hold_set_by_the_handler_stops_delivery_between_frames(rigs, hs, copy):
+    """The server pauses a session (Rx.pause sets hold) from on_frame: no further frame of
+    the bytes already received is delivered until hold is cleared and on_readable() runs
+    again -- so a worker backlog limit cannot be overshot by one read's worth of frames."""
+    got = []
+
+    def on_frame(owner, data):
+        got.append(bytes(data))
+        if len(got) % 2 == 0:
+            owner.rx.hold = True
+
+    r = rigs(hs=hs, slot_size=256, max_reads=8, on_frame=on_frame, copy=copy)
+    frames = [bytes([i]) * (i + 1) for i in range(7)]
+    r.send(b"".join(enc(hs, f) for f in frames))
+    r.rx.on_readable()
+    assert got == frames[:2] and r.rx.pending and r.rx.reads == 1
+    r.rx.on_readable()                      # still held: nothing read, nothing delivered
+    assert got == frames[:2] and r.rx.reads == 1
+    for k in (4, 6, 7):
+        r.rx.hold = False
+        r.rx.on_readable()
+        assert got == frames[:k]
+    assert r.rx.reads == 1 and not r.rx.pending and r.rx.buffered == 0
+    r.rx.hold = False
+    r.send(enc(hs, b"after"))
+    r.rx.on_readable()
+    assert got[-1] == b"after" and r.pool.in_use == 1
+    r.close()
