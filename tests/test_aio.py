@@ -10,6 +10,7 @@ import asyncio
 import gc
 import signal
 import socket
+import subprocess
 import time
 import sys
 import threading
@@ -874,15 +875,29 @@ def test_write_while_the_loop_sleeps_wakes_it(loop, source):
     peer.close()
 
 
-def test_nest_asyncio_style_patching_is_refused(loop):
+def test_nest_asyncio_style_patching_is_refused(loop, tmp_path):
     # finding 9: nest_asyncio replaces _run_once on the loop's class (no flush would ever
     # run again); refused with uvloop's message
     with pytest.raises(ValueError, match="Can't patch loop of type"):
         type(loop)._run_once = lambda self: None
     assert type(loop)._run_once is aoprim.aio.Loop.__dict__["_run_once"]
-    nest_asyncio = pytest.importorskip("nest_asyncio")
-    with pytest.raises(ValueError, match="Can't patch loop of type"):
-        nest_asyncio.apply(loop)
+    pytest.importorskip("nest_asyncio")
+    # nest_asyncio.apply() patches asyncio itself (asyncio.run, get_event_loop, Task) before
+    # it reaches the loop, for the whole process: run it in a child so no later test meets a
+    # patched asyncio
+    code = (
+        "import nest_asyncio, aoprim.aio\n"
+        "loop = aoprim.aio.new_event_loop()\n"
+        "try:\n"
+        "    nest_asyncio.apply(loop)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+        "finally:\n"
+        "    loop.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)   # (not the checkout: no shadowing)
+    assert out.returncode == 0, out.stderr
+    assert "refused: Can't patch loop of type" in out.stdout, out.stdout + out.stderr
 
 
 def test_run_sets_the_policys_current_loop_like_asyncio_run():
