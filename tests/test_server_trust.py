@@ -550,9 +550,6 @@ def test_frames_held_back_by_back_pressure_are_delivered_after_it(make_server, w
     c.close()
 
 
-@pytest.mark.xfail(reason="needs the compiled Receiver to stop between two frames while "
-                   "hold is set (the core side of issue 19 item 6); the server side -- "
-                   "held frames delivered when reading resumes -- is in place", strict=False)
 @pytest.mark.timeout(60)
 def test_worker_backlog_is_bounded_within_one_read(make_server):
     """worker_backlog=4 let one read of 2000 small frames all queue for a blocked worker
@@ -573,10 +570,13 @@ def test_worker_backlog_is_bounded_within_one_read(make_server):
         c.sendall(b"".join(frame(f) for f in frames))
         wait_for(lambda: srv.sessions and srv.sessions[0].work.backlog, 10, "frames queued")
         s = srv.sessions[0]
-        time.sleep(0.3)                 # let the loop read and deliver all it would
-        seen = threading.Event()
-        srv.loop.call_soon_threadsafe(seen.set)     # ... and finish that iteration
-        assert seen.wait(10)
+        # loopback: every byte is in the server's receive queue once sendall() returned, so
+        # a few whole loop iterations give the receiver every chance to read and deliver
+        # all it would (an iteration ends when the callback below runs)
+        for _ in range(3):
+            seen = threading.Event()
+            srv.loop.call_soon_threadsafe(seen.set)
+            assert seen.wait(10)
         backlog = len(s.work.backlog)
         go.set()
         wait_for(lambda: len(got) == 2000, 20, "every frame")
