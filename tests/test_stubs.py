@@ -53,3 +53,46 @@ def test_stub_matches_runtime(mod):
         runtime = {n for n in vars(cls) if not n.startswith("_")}
         missing = runtime - stub_names
         assert not missing, f"{mod}.pyi lacks {cls_name}: {sorted(missing)}"
+
+
+def _bound_names(body):
+    """Names a module's top-level statements bind, as a type checker reads them: imports,
+    defs, classes and assignments, including those under ``if`` (``if TYPE_CHECKING:``) and
+    ``try``.  A name a module only produces from ``__getattr__`` at run time is not here."""
+    names = set()
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If):
+            names |= _bound_names(node.body) | _bound_names(node.orelse)
+        elif isinstance(node, ast.Try):
+            names |= _bound_names(node.body) | _bound_names(node.orelse)
+            for h in node.handlers:
+                names |= _bound_names(h.body)
+    return names
+
+
+PY_MODULES = sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("path", PY_MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_all_names_are_visible_to_type_checkers(path):
+    # a pure-Python module's annotations are its stub: a name in __all__ that only the
+    # module's __getattr__ makes (a lazy import) is missing for mypy and for
+    # `mypy.stubtest aoprim` (.ci/package) unless an `if TYPE_CHECKING:` import binds it
+    tree = ast.parse(path.read_text())
+    exported = None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "__all__"):
+            exported = ast.literal_eval(node.value)
+    if exported is None:
+        pytest.skip("no literal __all__")
+    unbound = sorted(set(exported) - _bound_names(tree.body))
+    assert not unbound, f"{path.relative_to(PKG)}: __all__ names no statement binds: {unbound}"

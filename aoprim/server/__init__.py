@@ -41,12 +41,19 @@ Example::
     ...
     srv.shutdown()
 """
+from typing import TYPE_CHECKING
+
 from .config import Settings
 from .framing import FRAMINGS, FrameDecoder, FrameTooLarge, Framing
 from .handler import Handler
 from .loop import BACKENDS, BackendUnavailable
 from .server import Server
 from .session import Session
+
+if TYPE_CHECKING:
+    # what a type checker (and mypy.stubtest) sees; at run time these two are loaded on
+    # first use by __getattr__ below
+    from .adapters.asyncio_protocol import ProtocolHandler, SessionTransport
 
 __all__ = ["Server", "Session", "Handler", "Settings", "serve_protocol", "Framing",
            "FrameDecoder", "FrameTooLarge", "FRAMINGS", "BACKENDS", "BackendUnavailable",
