@@ -53,6 +53,9 @@ def test_supported_pythons_agree(meta):
     assert meta["project"]["requires-python"] == f">={versions[0]}"
     wheels = sorted(b.split("-")[0] for b in meta["tool"]["cibuildwheel"]["build"])
     assert wheels == ["cp" + v.replace(".", "") for v in versions]
-    ci = (ROOT / ".ci" / "run").read_text()
+    ci_run = ROOT / ".ci" / "run"
+    if not ci_run.is_file():
+        pytest.skip("no .ci/run here (an unpacked sdist ships no CI scripts)")
+    ci = ci_run.read_text()
     m = re.search(r"^VERSIONS=\(([^)]*)\)", ci, re.M)
     assert m and m.group(1).split() == versions
