@@ -58,6 +58,7 @@ from libc.string cimport memcpy, memmove, strerror
 from libc.errno cimport EINTR, ENOTSOCK, ENOMEM, EBUSY, EBADF
 from posix.uio cimport iovec
 from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
+from cpython.object cimport PyTypeObject
 from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_GET_SIZE,
                             PyBytes_FromStringAndSize)
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
@@ -100,25 +101,57 @@ cdef int _raise_busy() except -1:
                        "at a time)")
 
 
-# ---- pinning a socket across a GIL-free write (issue 19 item 18) --------------------------
+# ---- pinning a socket across a GIL-free write (issue 19 items 18, 21) ----------------------
 # socket.socket.close() closes the fd at once unless `_io_refs` > 0 (makefile()'s files):
 # then it only sets `_closed` and the last _decref_socketios() closes it.  A flush takes such
 # a reference before it reads the fd and drops it after its last write, so a close() from
 # any thread meanwhile is deferred until the write is done: the number cannot be reused by
 # another socket under the write.  Pin: _io_refs += 1, THEN read _closed; close(): _closed =
-# True, THEN read _io_refs -- whichever comes second sees the other (the GIL, or on a
-# free-threaded build the object's critical section, orders the four accesses), so either
-# close() defers or the pin sees _closed (and the flush writes nothing).  The attributes are
-# read and written with the generic (C) attribute functions: no Python code runs.  Not
-# covered: socket.detach() / os.close() of the number (the caller's to avoid).
+# True, THEN read _io_refs.  The pin's read-modify-write and its read of _closed are ONE
+# critical section on the socket object (aop_sockpin.h: with the GIL, the GIL; on a
+# free-threaded build Py_BEGIN_CRITICAL_SECTION(sock), the mutex every store to a slot of
+# the socket holds, close()'s `_closed = True` included).  So two pins/unpins (two batches on
+# one socket, or a makefile()) never lose an update, and close()'s store lands wholly before
+# the section (the pin sees _closed: the flush writes nothing) or wholly after it (close()'s
+# later read of _io_refs sees the pin: it defers).  The slots are read and written directly
+# at socket.socket's own offsets; SendBatch.__init__ refuses a subclass whose attribute access
+# would not reach them.  Not covered: socket.detach() / os.close() of the number (the
+# caller's to avoid).
 
 cdef extern from "Python.h":
-    object PyObject_GenericGetAttr(object o, object name)
-    int PyObject_GenericSetAttr(object o, object name, object v) except -1
     void PyErr_WriteUnraisable(object o)
 
-cdef str _IO_REFS = "_io_refs"
-cdef str _CLOSED = "_closed"
+cdef extern from "aop_sockpin.h":
+    int aop_sockpin_init(object d_refs, object d_closed) except -1
+    int aop_sockpin_type_ok(PyTypeObject *t, PyObject *io_refs, PyObject *closed) noexcept
+    int aop_sock_pin(object sock) except -1
+    int aop_sock_unpin(object sock) except -1
+    bint aop_sock_closing(object sock) noexcept
+
+aop_sockpin_init(_socket.socket.__dict__["_io_refs"], _socket.socket.__dict__["_closed"])
+
+
+cdef object _mro_lookup(type t, str name):
+    """What attribute lookup on an instance of `t` finds for `name` in the type (None:
+    nothing): the first class of the MRO whose own dict has it."""
+    cdef object d
+    for k in t.__mro__:
+        d = k.__dict__
+        if name in d:
+            return d[name]
+    return None
+
+
+cdef bint _pinnable(object sock) except -1:
+    """socket.socket, or a subclass that reaches `_io_refs` / `_closed` through
+    socket.socket's own slots (what close() reads is what the pin writes)."""
+    cdef type t = type(sock)
+    cdef object refs, closed
+    if t is _socket.socket:
+        return True
+    refs = _mro_lookup(t, "_io_refs")
+    closed = _mro_lookup(t, "_closed")
+    return aop_sockpin_type_ok(<PyTypeObject *>t, <PyObject *>refs, <PyObject *>closed) != 0
 
 
 cdef bint _pin_on = True
@@ -126,31 +159,31 @@ cdef bint _pin_on = True
 
 def _set_pinning(bint on):
     """Benchmark hook: turn the pin off (True: on, the default).  Off, a close() from
-    another thread during a flush is NOT deferred (the behaviour before issue 19 item 18)."""
+    another thread during a flush is NOT deferred (the behaviour before issue 19 item 18).
+    A plain global: switch it only while no flush runs."""
     global _pin_on
     _pin_on = on
 
 
 cdef int _sock_pin(object sock) except -1:
-    """Take a close-deferring reference on socket.socket `sock` (GIL held).  Returns 1, or
-    0 when it is already closing (pinned anyway: _sock_unpin must still be called)."""
+    """Take a close-deferring reference on socket.socket `sock` (GIL held; one critical
+    section on `sock`, see above).  Returns 1 when pinned and open; 0 when pinned but close()
+    was already called (_sock_unpin must still be called, and nothing written); 2 when
+    pinning is turned off by _set_pinning(False) (nothing taken; _sock_unpin is then a
+    no-op too).  Raises (nothing taken) if `_io_refs` is unset or not an int."""
     if not _pin_on:
         return 2
-    PyObject_GenericSetAttr(sock, _IO_REFS, PyObject_GenericGetAttr(sock, _IO_REFS) + 1)
-    return 0 if PyObject_GenericGetAttr(sock, _CLOSED) else 1
+    return aop_sock_pin(sock)
 
 
 cdef void _sock_unpin(object sock) noexcept:
-    """Drop the reference _sock_pin took; a close() that came meanwhile is done now
-    (socket.socket._decref_socketios' logic).  An error is reported as unraisable."""
-    cdef object n
+    """Drop the reference _sock_pin took (one critical section on `sock`); if close() was
+    called meanwhile, call it again now (socket.socket._decref_socketios' logic: it closes
+    the fd unless another pin is still held).  An error is reported as unraisable."""
     if not _pin_on:
         return
     try:
-        n = PyObject_GenericGetAttr(sock, _IO_REFS)
-        if n > 0:
-            PyObject_GenericSetAttr(sock, _IO_REFS, n - 1)
-        if PyObject_GenericGetAttr(sock, _CLOSED):
+        if aop_sock_unpin(sock):
             sock.close()
     except BaseException:
         PyErr_WriteUnraisable(sock)
@@ -273,6 +306,9 @@ cdef class SendBatch:
                 # ssl.SSLSocket: bytes written to its fd would bypass the TLS layer
                 raise TypeError("SendBatch cannot write to a TLS socket (its fd carries "
                                 "encrypted records); batch into it with sendall() instead")
+            if not _pinnable(target):
+                raise TypeError("SendBatch cannot pin this socket.socket subclass across a "
+                                "write: it redefines _io_refs/_closed or attribute access")
             if target.fileno() < 0:
                 raise OSError(EBADF, "the socket is closed")
             self.sock = target
@@ -609,8 +645,7 @@ cdef class SendBatch:
                 # threads -- may have closed the socket and reused its number.  Never write
                 # to a number read before that: re-read it, stop with EBADF if it moved.
                 # (pinned, a close() is deferred, not done: stop on its `_closed` flag too)
-                if self.has_sock and (self._sock_fd() != fd or
-                                      PyObject_GenericGetAttr(self.sock, _CLOSED)):
+                if self.has_sock and (self._sock_fd() != fd or aop_sock_closing(self.sock)):
                     raise OSError(EBADF, "Bad file descriptor (the socket was closed during "
                                          "the flush)")
             again = True

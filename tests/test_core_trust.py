@@ -278,6 +278,146 @@ def test_close_during_flush_is_deferred_then_done(kind):
     b.close()
 
 
+PIN_SRC = """
+from aoprim._sendbatch cimport _sock_pin, _sock_unpin
+def pin(s):
+    return _sock_pin(s)
+def unpin(s):
+    _sock_unpin(s)
+"""
+
+
+def test_sock_pin_return_values_and_deferred_close(cybuild):
+    """_sock_pin's contract (its docstring): 1 pinned and open, 0 pinned but close() already
+    called, 2 pinning switched off (nothing taken); a failed pin changes nothing; the last
+    unpin after a close() closes the fd."""
+    import aoprim._sendbatch as sbm
+    m = cybuild("pinprobe", PIN_SRC)
+    a, b = socket.socketpair()
+    assert m.pin(a) == 1 and a._io_refs == 1
+    a.close()
+    assert a.fileno() >= 0               # deferred: pinned
+    assert m.pin(a) == 0 and a._io_refs == 2
+    m.unpin(a)
+    assert a.fileno() >= 0 and a._io_refs == 1
+    m.unpin(a)
+    assert a.fileno() == -1 and a._io_refs == 0
+    c, d = socket.socketpair()
+    c._io_refs = 0.5                     # not an int: refused, nothing stored
+    with pytest.raises(TypeError):
+        m.pin(c)
+    assert c._io_refs == 0.5
+    c._io_refs = 0
+    sbm._set_pinning(False)
+    try:
+        assert m.pin(c) == 2 and c._io_refs == 0
+        m.unpin(c)
+        assert c._io_refs == 0
+    finally:
+        sbm._set_pinning(True)
+    for s in (b, c, d):
+        s.close()
+
+
+class _RefsProperty(socket.socket):
+    """close() would read this property, not the slot a pin writes."""
+    @property
+    def _io_refs(self):
+        return 0
+
+    @_io_refs.setter
+    def _io_refs(self, v):
+        pass
+
+
+class _OwnSetattr(socket.socket):
+    def __setattr__(self, k, v):
+        object.__setattr__(self, k, v)
+
+
+class _PlainSub(socket.socket):
+    def describe(self):
+        return "a subclass that only adds methods"
+
+
+@pytest.mark.parametrize("cls", [_RefsProperty, _OwnSetattr])
+def test_socket_subclass_that_bypasses_the_pinned_slots_is_refused(cls):
+    """The pin writes socket.socket's `_io_refs` slot in one critical section; a subclass
+    whose close() would read something else (a property, its own __setattr__) cannot be
+    pinned, so the batch refuses it (before: accepted, and pinned through a property whose
+    Python code could let another thread in between the read and the write)."""
+    s = cls(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with pytest.raises(TypeError, match="pin"):
+            SendBatch(s)
+    finally:
+        socket.socket.close(s)
+
+
+def test_plain_socket_subclass_is_pinned():
+    a, b = socket.socketpair()
+    s = _PlainSub(fileno=a.detach())
+    sb = SendBatch(s, auto_flush=False)
+    sb.add(b"hello")
+    assert sb.flush() == 5 and b.recv(10) == b"hello"
+    assert s._io_refs == 0
+    s.close()
+    b.close()
+
+
+@pytest.mark.timeout(60)
+def test_pins_of_many_batches_on_one_socket_never_lose_an_update():
+    """Four threads, each with its own batch on ONE socket, flush concurrently (each flush
+    pins and unpins it) while a fifth thread makes and closes makefile() files on it (the
+    same counter, from Python).  Every byte arrives, and at the end `_io_refs` is 0 and
+    close() closes the fd at once: no increment or decrement was lost.  (With the GIL the
+    pin was already one step; on a free-threaded build this is what the pin's critical
+    section buys.)"""
+    a, b = socket.socketpair()
+    a.setblocking(True)
+    T, N, MSG = 4, 3000, b"0123456789abcdef"
+    got = [0]
+    stop = threading.Event()
+    errors = []
+
+    def reader():
+        want = T * N * len(MSG)
+        b.settimeout(30)
+        while got[0] < want:
+            got[0] += len(b.recv(1 << 16))
+
+    def writer():
+        try:
+            sb = SendBatch(a, auto_flush=False)
+            for _ in range(N):
+                sb.add(MSG)
+                sb.flush()
+                assert sb.pending_bytes == 0
+        except BaseException as e:       # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    def files():
+        while not stop.is_set():
+            a.makefile("wb").close()
+
+    ts = [threading.Thread(target=writer) for _ in range(T)]
+    rt = threading.Thread(target=reader)
+    ft = threading.Thread(target=files)
+    for t in ts + [rt, ft]:
+        t.start()
+    for t in ts:
+        t.join()
+    stop.set()
+    ft.join()
+    rt.join()
+    assert not errors
+    assert got[0] == T * N * len(MSG)
+    assert a._io_refs == 0
+    a.close()
+    assert a.fileno() == -1
+    b.close()
+
+
 # ---- item 21: the lone-batch fast path must not block with the GIL held ------------------
 
 @pytest.mark.timeout(30, method="thread")     # a deadlock holds the GIL: signals cannot fire
