@@ -85,7 +85,8 @@ Views handed out may be released in any thread: pins are atomic counts.
 """
 cimport cython
 from cpython.ref cimport PyObject, Py_INCREF
-from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.buffer cimport (PyBuffer_FillInfo, PyObject_GetBuffer, PyBuffer_Release,
+                             PyBUF_SIMPLE)
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.memoryview cimport PyMemoryView_FromObject
 from cpython.number cimport PyNumber_Index
@@ -138,6 +139,73 @@ cdef enum:
 
 # max_frame is clamped here: a frame buffer's size must fit Py_ssize_t with room to spare
 cdef uint64_t MAX_FRAME_CAP = (<uint64_t>1) << 62
+
+cdef enum:
+    FRAME_OK = 3        # _frame_at: a whole frame is there (its payload length in *n)
+
+
+cdef inline int _frame_at(const unsigned char *q, Py_ssize_t avail, Py_ssize_t hs,
+                          uint64_t max_frame, uint64_t *n, Py_ssize_t *need) noexcept nogil:
+    """THE frame cutter's step (issue 19: one cutter): the Receiver and _scan_frames (behind
+    aoprim.server.framing) both call it.  q[0:avail) is where a frame starts; hs is 2 or 4
+    (a big-endian length, then that many payload bytes).  Returns FRAME_OK with *n the
+    payload length when the whole frame is there; CUT_MORE with *need its total size once
+    complete (hs while the header itself is incomplete); CUT_TOO_LARGE with *n the announced
+    length when the header announces more than max_frame -- decided as soon as the header is
+    complete, before any payload byte is waited for or any memory reserved."""
+    cdef uint64_t k
+    if avail < hs:
+        need[0] = hs
+        return CUT_MORE
+    if hs == 2:
+        k = (<uint64_t>q[0] << 8) | q[1]
+    else:
+        k = ((<uint64_t>q[0] << 24) | (<uint64_t>q[1] << 16) |
+             (<uint64_t>q[2] << 8) | q[3])
+    n[0] = k
+    if k > max_frame:
+        return CUT_TOO_LARGE
+    if <uint64_t>(avail - hs) < k:
+        need[0] = hs + <Py_ssize_t>k        # k <= 2**32 - 1: no overflow
+        return CUT_MORE
+    return FRAME_OK
+
+
+cdef object _scan_frames(object buf, object pos, object end, object header_size,
+                         object max_frame):
+    """Receiver.scan_frames (see there): the one cutter's loop for Python callers."""
+    cdef Py_buffer view
+    cdef Py_ssize_t p, e, hs, nd = 0
+    cdef uint64_t mf, n = 0
+    cdef int r
+    cdef list spans = []
+    hs = _as_index(header_size, "header_size")
+    if hs != 2 and hs != 4:
+        raise ValueError(f"header_size must be 2 or 4, not {hs}")
+    if not PyLong_CheckExact(max_frame):
+        _as_index(max_frame, "max_frame")          # TypeError for a float or a non-integer
+        max_frame = PyNumber_Index(max_frame)
+    if max_frame < 1:
+        raise ValueError(f"max_frame must be >= 1, got {max_frame}")
+    mf = min(max_frame, 0xFFFFFFFF)     # no header announces more than 2**32 - 1
+    p = _as_index(pos, "pos")
+    e = _as_index(end, "end")
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        if p < 0 or p > e or e > view.len:
+            raise ValueError(f"need 0 <= pos <= end <= len(buf), got pos={p} end={e} "
+                             f"len={view.len}")
+        while p < e:
+            r = _frame_at(<const unsigned char *>view.buf + p, e - p, hs, mf, &n, &nd)
+            if r == CUT_TOO_LARGE:
+                return spans, p, hs, n
+            if r == CUT_MORE:
+                return spans, p, nd, None
+            spans.append((p + hs, p + hs + <Py_ssize_t>n))
+            p += hs + <Py_ssize_t>n
+        return spans, p, 0, None
+    finally:
+        PyBuffer_Release(&view)
 
 
 cdef inline Py_ssize_t _as_index(object v, str what) except? -1:
@@ -375,6 +443,19 @@ cdef class Receiver:
     bytes (see ProxyParser).  ``close()`` gives every buffer back.  See the module
     docstring for the buffer rules.  One thread.
     """
+
+    @staticmethod
+    def scan_frames(buf, pos, end, header_size, max_frame):
+        """The complete frames of ``buf[pos:end)`` cut by the receiver's own code, for
+        Python callers (``aoprim.server.framing``'s ``Framing.scan`` and ``FrameDecoder``).
+        Returns ``(spans, pos, need, too_large)``: ``spans`` the ``(start, stop)`` payload
+        offsets in stream order; ``pos`` where the first incomplete frame begins (``end``
+        when none); ``need`` its total size once complete (header included; the header size
+        while the header is incomplete; 0 when nothing is pending); ``too_large`` None, or
+        the length the header at ``pos`` announced above ``max_frame`` (nothing after it
+        was looked at).  ``buf``: any buffer, exported (not copied) for the call;
+        header_size 2 or 4; 0 <= pos <= end <= len(buf); max_frame >= 1."""
+        return _scan_frames(buf, pos, end, header_size, max_frame)
 
     def __cinit__(self, RxArena arena not None, fd, header_size, max_frame, on_frame,
                   on_event, owner, copy_frames=False, proxy=0, proxy_limit=4096,
@@ -643,9 +724,8 @@ cdef class Receiver:
                          PyObject **pbase) except -1:
         cdef Py_ssize_t pos = ppos[0]
         cdef Py_ssize_t hs = self.hs
-        cdef Py_ssize_t avail
-        cdef uint64_t n
-        cdef const unsigned char *q
+        cdef uint64_t n = 0
+        cdef int r
         cdef object base
         while True:
             if self.hold:
@@ -653,22 +733,13 @@ cdef class Receiver:
                 # further frame of these bytes is delivered; they stay pending until an
                 # on_readable() after hold is cleared (issue 19, for the server's pause)
                 return CUT_STOP
-            avail = end - pos
-            if avail < hs:
-                self.need = hs
+            r = _frame_at(<const unsigned char *>p + pos, end - pos, hs, self.max_frame, &n,
+                          &self.need)
+            if r == CUT_MORE:
                 return CUT_MORE
-            q = <const unsigned char *>p + pos
-            if hs == 2:
-                n = (<uint64_t>q[0] << 8) | q[1]
-            else:
-                n = ((<uint64_t>q[0] << 24) | (<uint64_t>q[1] << 16) |
-                     (<uint64_t>q[2] << 8) | q[3])
-            if n > self.max_frame:         # before any memory is reserved for it
+            if r == CUT_TOO_LARGE:         # before any memory is reserved for it
                 self.announced = n
                 return CUT_TOO_LARGE
-            if <uint64_t>(avail - hs) < n:
-                self.need = hs + <Py_ssize_t>n
-                return CUT_MORE
             pos += hs + <Py_ssize_t>n
             if not self.copy_frames and pbase[0] == NULL:
                 base = self._view(buf, p, end)   # a MemoryError here consumes nothing

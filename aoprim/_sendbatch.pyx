@@ -65,6 +65,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
 from cpython.number cimport PyNumber_Index
+from cpython.pyport cimport PY_SSIZE_T_MAX
 
 from aoprim.atomic_h cimport (
     aop_load_i64, aop_store_i64, aop_exchange_u32, aop_store_u32, AOP_RELAXED, AOP_ACQUIRE,
@@ -94,6 +95,36 @@ cdef int _c_queue(SendBatch b, int r) noexcept nogil:
     with gil:
         q = b.group._queue(b)
     return 1 if q < 0 else r
+
+
+# ---- the one frame-header encoder (issue 19) ----------------------------------------------
+# add_frame builds every header the server sends; SendBatch.frame_header gives the same
+# bytes to Python callers (aoprim.server.framing.Framing).  Both go through _put_header.
+
+cdef Py_ssize_t _header_size(object header_size) except -1:
+    if type(header_size) is not int:
+        raise TypeError("header_size must be an int (2 or 4)")
+    if header_size != 2 and header_size != 4:
+        raise ValueError(f"header_size must be 2 or 4, not {header_size}")
+    return header_size
+
+
+cdef int _put_header(unsigned char *hdr, Py_ssize_t hs, Py_ssize_t n) except -1:
+    """Write the hs-byte (2 or 4) big-endian length n into hdr; ValueError if n does not fit
+    (n >= 0: a byte count)."""
+    cdef Py_ssize_t limit = 0xFFFF if hs == 2 else 0xFFFFFFFF
+    if n > limit:
+        raise ValueError(f"payload of {n} bytes is too long for "
+                         f"{'u16' if hs == 2 else 'u32'} framing (at most {limit})")
+    if hs == 2:
+        hdr[0] = (n >> 8) & 0xFF
+        hdr[1] = n & 0xFF
+    else:
+        hdr[0] = (n >> 24) & 0xFF
+        hdr[1] = (n >> 16) & 0xFF
+        hdr[2] = (n >> 8) & 0xFF
+        hdr[3] = n & 0xFF
+    return 0
 
 
 cdef int _raise_busy() except -1:
@@ -284,6 +315,22 @@ cdef class SendBatch:
         self.segcap = SEG_INIT
         self.ccap = CBUF_INIT
         self.mcap = MSG_INIT
+
+    @staticmethod
+    def frame_header(n, header_size):
+        """The header ``add_frame(payload, header_size)`` puts before an ``n``-byte payload,
+        as bytes (the same code: aoprim.server.framing's Framing.header/encode use it).
+        ValueError if n is negative or too long for the header."""
+        cdef unsigned char hdr[4]
+        cdef Py_ssize_t hs = _header_size(header_size)
+        cdef Py_ssize_t k
+        if type(n) is not int:
+            n = PyNumber_Index(n)
+        if n < 0:
+            raise ValueError(f"a payload length must be >= 0, not {n}")
+        k = n if n <= PY_SSIZE_T_MAX else PY_SSIZE_T_MAX    # too long either way
+        _put_header(hdr, hs, k)
+        return PyBytes_FromStringAndSize(<char *>hdr, hs)
 
     def __init__(self, target, max_msgs=16, max_bytes=65536, auto_flush=True, *,
                  copy_max=None):
@@ -892,18 +939,12 @@ cdef class SendBatch:
         cdef bint sheld = False
         cdef Py_ssize_t hs
         cdef Py_ssize_t n = 0
-        cdef Py_ssize_t limit
         cdef unsigned char hdr[4]
         cdef int64_t p
         cdef object payload = data
         if self.owner_tid and PyThread_get_thread_ident() != self.owner_tid:
             return -1
-        if type(header_size) is not int:
-            raise TypeError("header_size must be an int (2 or 4)")
-        hs = header_size
-        if hs != 2 and hs != 4:
-            raise ValueError(f"header_size must be 2 or 4, not {hs}")
-        limit = 0xFFFF if hs == 2 else 0xFFFFFFFF
+        hs = _header_size(header_size)
         slot = _is_slot_like(data)
         if not slot:
             try:
@@ -928,18 +969,7 @@ cdef class SendBatch:
             if slot:
                 n = self._slot_prep(data, &sview)    # length read once; exported + retained
                 sheld = n > 0
-            if n > limit:
-                raise ValueError(f"payload of {n} bytes is too long for "
-                                 f"{'u16' if hs == 2 else 'u32'} framing (at most "
-                                 f"{limit})")
-            if hs == 2:
-                hdr[0] = (n >> 8) & 0xFF
-                hdr[1] = n & 0xFF
-            else:
-                hdr[0] = (n >> 24) & 0xFF
-                hdr[1] = (n >> 16) & 0xFF
-                hdr[2] = (n >> 8) & 0xFF
-                hdr[3] = n & 0xFF
+            _put_header(hdr, hs, n)
             if not slot and <size_t>(hs + n) <= self.copy_max:
                 if self._add_copy2(<char *>hdr, hs, <char *>view.buf, n) < 0:
                     raise MemoryError()

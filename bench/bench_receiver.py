@@ -1,5 +1,5 @@
-"""Receive path: Receiver.on_readable (one compiled recv + cut + deliver) vs the server's
-Python path (sock.recv_into + Framing.scan + one mv[a:b] slice per frame), same no-op
+"""Receive path: Receiver.on_readable (one compiled recv + cut + deliver) vs the Python
+path it replaced (sock.recv_into + a Python scan + one mv[a:b] slice per frame), same no-op
 handler.
 
 The cases (group receive-path) are aoprim/benchmarks/cases.py's, the same ones

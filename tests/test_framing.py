@@ -1,8 +1,9 @@
-"""framing.py is pure: bytes in, frames out.  Fed whole, one byte at a time, and split at
-every point, the result must be the same; a header above max_frame is refused before any
-payload memory is reserved."""
+"""Framing: the one compiled cutter (the Receiver's step, behind Framing.scan and
+FrameDecoder) and the one compiled encoder (SendBatch.add_frame's header code, behind
+Framing.header/encode) against the Python model of the framing, which lives only here.  Fed
+whole, one byte at a time, and split at every point, the result must be the same; a header
+above max_frame is refused before any payload memory is reserved."""
 import random
-import struct
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -10,10 +11,37 @@ from hypothesis import given, settings, strategies as st
 from aoprim.server.framing import FrameDecoder, FrameTooLarge, Framing
 
 KINDS = ["u16", "u32"]
+HS = {"u16": 2, "u32": 4}
+
+
+# -- the Python model of the framing: the only Python encoder and cutter ----------------------
+
+def model_frame(payload, hs):
+    """The framing model: big-endian byte count of the payload's C-order bytes, then them."""
+    body = memoryview(payload).tobytes()
+    if len(body) >= 1 << (8 * hs):
+        raise ValueError("too long")
+    return len(body).to_bytes(hs, "big") + body
+
+
+def model_scan(buf, pos, end, hs, max_frame):
+    """(spans, pos, need, too_large) -- what Framing.scan must find, written plainly."""
+    data = bytes(buf)
+    spans = []
+    while True:
+        if end - pos < hs:
+            return spans, pos, (hs if end > pos else 0), None
+        n = int.from_bytes(data[pos:pos + hs], "big")
+        if n > max_frame:
+            return spans, pos, hs, n
+        if end - pos - hs < n:
+            return spans, pos, hs + n, None
+        spans.append((pos + hs, pos + hs + n))
+        pos += hs + n
 
 
 def enc(kind, payload):
-    return struct.pack(">H" if kind == "u16" else ">I", len(payload)) + payload
+    return model_frame(payload, HS[kind])
 
 
 PAYLOADS = [b"", b"a", b"hello", bytes(range(256)) * 3, b"\x00" * 1000, b"z" * 65535]
@@ -78,7 +106,7 @@ def test_any_split_gives_the_same_frames(kind, payloads, cuts):
 def test_header_above_max_frame_is_refused_before_the_payload(kind):
     d = FrameDecoder(kind, max_frame=100)
     good = enc(kind, b"x" * 100)
-    bad_header = struct.pack(">H" if kind == "u16" else ">I", 101)
+    bad_header = (101).to_bytes(HS[kind], "big")
     # the bad header alone (no payload bytes at all) is enough to refuse it
     with pytest.raises(FrameTooLarge) as ei:
         d.feed(good + bad_header)
@@ -99,7 +127,7 @@ def test_scan_reports_spans_and_need():
     assert spans == [] and pos == 9 and need == 2
     spans, pos, need = fr.scan(buf, 0, 9)        # exactly at a boundary
     assert len(spans) == 2 and pos == 9 and need == 0
-    big = bytearray(struct.pack(">H", 1001))
+    big = bytearray((1001).to_bytes(2, "big"))
     with pytest.raises(FrameTooLarge) as ei:
         fr.scan(big, 0, 2)
     assert ei.value.spans == [] and ei.value.pos == 0
@@ -161,24 +189,61 @@ def test_random_streams_against_a_model():
         assert out == payloads
 
 
+# -- the one cutter (issue 19): Framing.scan is the compiled Receiver's step -------------------
+
+@settings(max_examples=300, deadline=None)
+@given(kind=st.sampled_from(KINDS),
+       payloads=st.lists(st.binary(max_size=200), max_size=12),
+       junk=st.binary(max_size=6),
+       max_frame=st.integers(1, 300) | st.just(2**70),
+       lo=st.integers(0, 3000), hi=st.integers(0, 3000))
+def test_scan_agrees_with_the_model(kind, payloads, junk, max_frame, lo, hi):
+    """Random streams (garbage included: a junk tail reads as some header), any window
+    [pos, end), any max_frame: spans, stop position, need and the too-large verdict are the
+    model's."""
+    hs = HS[kind]
+    stream = bytearray(b"".join(enc(kind, p) for p in payloads) + junk)
+    pos, end = sorted((lo % (len(stream) + 1), hi % (len(stream) + 1)))
+    want = model_scan(stream, pos, end, hs, max_frame)
+    fr = Framing(kind, max_frame)
+    try:
+        got = fr.scan(stream, pos, end) + (None,)
+    except FrameTooLarge as e:
+        got = (e.spans, e.pos, hs, e.length)
+    assert got == want
+
+
+def test_scan_rejects_a_bad_window_and_raw():
+    fr = Framing("u16")
+    for pos, end in ((-1, 2), (3, 2), (0, 5), (2**70, 2**70)):
+        with pytest.raises((ValueError, OverflowError)):
+            fr.scan(b"\x00\x01a", pos, end)
+    with pytest.raises(ValueError):
+        Framing("raw").scan(b"abc", 0, 3)
+    with pytest.raises(TypeError):
+        fr.scan("text", 0, 1)
+
+
+def test_scan_of_a_u32_header_at_the_limits():
+    fr = Framing("u32", 2**70)                 # no header can announce more than 2**32 - 1
+    spans, pos, need = fr.scan(b"\xff\xff\xff\xff", 0, 4)
+    assert spans == [] and pos == 0 and need == 4 + 2**32 - 1
+    with pytest.raises(FrameTooLarge) as ei:
+        Framing("u32", 2**32 - 2).scan(b"\xff\xff\xff\xff", 0, 4)
+    assert ei.value.length == 2**32 - 1
+
+
 # -- the one encoder (issue 19): the compiled SendBatch.add_frame against a Python model ---------
 # The server builds every frame header in add_frame: on the loop thread directly, and for a
-# send from another thread after tx.foreign_item copied/validated the payload there.  The
-# model below is the only Python encoder; both compiled paths must agree with it.
+# send from another thread after tx.foreign_item copied/validated the payload there;
+# Framing.header/encode use the same compiled code (_frame_header).  All must agree with the
+# model above.
 
 import array as _array                                                      # noqa: E402
 import socket as _socket                                                    # noqa: E402
 
 from aoprim import SendBatch, SlabPool                                       # noqa: E402
 from aoprim.server.tx import foreign_item, release_item                                   # noqa: E402
-
-
-def model_frame(payload, hs):
-    """The framing model: big-endian byte count of the payload's C-order bytes, then them."""
-    body = memoryview(payload).tobytes()
-    if len(body) >= 1 << (8 * hs):
-        raise ValueError("too long")
-    return len(body).to_bytes(hs, "big") + body
 
 
 def _compiled(payloads, hs, foreign):
@@ -239,6 +304,17 @@ def payloads(draw):
 @given(ps=st.lists(payloads(), max_size=6))
 def test_compiled_encoder_agrees_with_the_model(hs, foreign, ps):
     assert _compiled(ps, hs, foreign) == b"".join(model_frame(p, hs) for p in ps)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=100, deadline=None)
+@given(ps=st.lists(payloads(), max_size=6))
+def test_framing_encode_agrees_with_the_model(kind, ps):
+    fr = Framing(kind)
+    assert b"".join(fr.encode(p) for p in ps) == b"".join(model_frame(p, HS[kind]) for p in ps)
+    for p in ps:
+        n = len(memoryview(p).tobytes())
+        assert fr.header(n) == n.to_bytes(HS[kind], "big")
 
 
 @pytest.mark.parametrize("foreign", [False, True], ids=["loop-thread", "other-thread"])

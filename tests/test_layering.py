@@ -12,7 +12,7 @@ ALLOWED = {
     "loop": {"loop_selectors", "loop_epoll"},         # Layer 1 interface (+ its backends)
     "loop_selectors": {"loop"},                       # Layer 1 backend
     "loop_epoll": {"loop"},                           # Layer 1 backend (compiled core)
-    "framing": set(),                                 # pure
+    "framing": set(),                                 # over the compiled codec only
     "config": {"framing", "proxy"},
     "proxy": set(),                                   # PROXY protocol policy (pure)
     "workers": set(),                                 # generic completion-queue threads

@@ -31,6 +31,7 @@ import time
 
 from aoprim import (AtomicInt, BlockTable, MPMCQueue, RefCount, SendBatch, SlabPool,
                     SPSCQueue, SpinLock)
+from aoprim.server.framing import Framing
 
 __all__ = ["Case", "Group", "Unavailable", "GROUPS", "FAMILIES", "group", "pytest_params",
            "pytest_run", "LockedCounter", "bytearray_receive", "blocktable_receive"]
@@ -545,7 +546,7 @@ def receive_stream(seed=7, frames=2000, lo=1, hi=200, read=1400):
     across receives, as TCP does).  Returns (chunks, number of frames)."""
     rnd = random.Random(seed)
     payloads = [bytes([i % 256]) * rnd.randint(lo, hi) for i in range(frames)]
-    raw = b"".join(struct.pack(">H", len(p)) + p for p in payloads)
+    raw = b"".join(map(Framing("u16").encode, payloads))
     return [raw[i:i + read] for i in range(0, len(raw), read)], len(payloads)
 
 
@@ -941,7 +942,7 @@ group("flushgroup-100x4-flush-only", "flushgroup",
 
 RX_PAYLOAD = 64
 RX_PER_READ = 16
-RX_BURST = (struct.pack(">H", RX_PAYLOAD) + b"p" * RX_PAYLOAD) * RX_PER_READ
+RX_BURST = Framing("u16").encode(b"p" * RX_PAYLOAD) * RX_PER_READ
 
 
 def _rx_handler(owner, data):
@@ -965,13 +966,28 @@ def rx_socketpair():
         w.close()
 
 
+def py_scan_u16(buf, pos, end, unpack=struct.Struct(">H").unpack_from):
+    """The baseline's cutter, in Python: the u16 frame spans of buf[pos:end) and where the
+    unfinished tail starts.  Not aoprim's framing (that is the compiled Receiver's, behind
+    aoprim.server.framing): the loop a Python receive path runs, which the Receiver replaced."""
+    spans = []
+    while end - pos >= 2:
+        n = unpack(buf, pos)[0]
+        if end - pos - 2 < n:
+            break
+        spans.append((pos + 2, pos + 2 + n))
+        pos += 2 + n
+    return spans, pos
+
+
 def rx_python_path(sock, mv, scan, owner, reads):
-    """What aoprim/server/session.py does for a u16 read into the scratch slot: recv_into,
-    Framing.scan, one mv[a:b] slice per frame to the handler."""
+    """The Python receive path the compiled Receiver replaced, for a u16 read into a
+    scratch slot: recv_into, a Python scan (py_scan_u16), one mv[a:b] slice per frame to the
+    handler."""
     recv_into = sock.recv_into
     for _ in range(reads):
         n = recv_into(mv)
-        spans, pos, need = scan(mv, 0, n)
+        spans, pos = scan(mv, 0, n)
         for a, b in spans:
             _rx_handler(owner, mv[a:b])
 
@@ -979,13 +995,12 @@ def rx_python_path(sock, mv, scan, owner, reads):
 def _rx_python():
     @contextlib.contextmanager
     def setup(n):
-        from aoprim.server.framing import Framing
         reads = max(1, n // RX_PER_READ)
         with rx_socketpair() as (r, w):
             pool = SlabPool(len(RX_BURST), 2)
             slot = pool.acquire()
             mv = memoryview(slot)
-            scan = Framing("u16", 65536).scan
+            scan = py_scan_u16
             data = RX_BURST * reads
 
             def fn():
@@ -1035,7 +1050,7 @@ RX_FRAMES = 64 * RX_PER_READ      # frames per call: 64 reads of one 16-frame bu
 
 group("receive-path", "receiver",
       f"receive path: u16 {RX_PAYLOAD} B frames, {RX_PER_READ} per read, per frame", [
-          Case("recv_into + Framing.scan + slices (Python)", _rx_python(), RX_FRAMES,
+          Case("recv_into + scan + slices (Python)", _rx_python(), RX_FRAMES,
                "baseline", rounds=300),
           Case("Receiver.on_readable (views)", _rx_receiver(False), RX_FRAMES, rounds=300),
           Case("Receiver.on_readable (copy_frames)", _rx_receiver(True), RX_FRAMES,

@@ -13,7 +13,7 @@
     |          dispatch.py    inline or worker threads (workers.py), backlog     |
     |          listener.py    accept policy and limits                           |
     |          config.py      settings, validated once   stats.py  counters      |
-    |          framing.py     pure framing (clients, tools)                      |
+    |          framing.py     framing for clients, tools (the compiled codec)    |
     +----------------------------------------------------------------------------+
     | Layer 1  loop.py        the event-loop interface every backend implements  |
     |          loop_selectors.py  backend "selectors" (default; pure Python)     |

@@ -1,10 +1,14 @@
-"""Framing for clients and tools: cutting a byte stream into frames and building frames, in
-pure Python -- no sockets, no selectors, no I/O.
+"""Framing for clients and tools: cutting a byte stream into frames and building frames --
+no sockets, no selectors, no I/O.
 
-The server does not use this module's codec: it cuts frames in the compiled ``Receiver``
-(``_cut_frames``) and builds every header in ``SendBatch.add_frame`` -- one cutter and one
-encoder.  This module is the client side (``aoprim.tools.loadgen``, the benchmarks, your
-clients); ``FRAMINGS`` and ``DEFAULT_MAX_FRAME`` are the server's too.
+There is one cutter and one encoder, both compiled, and this module is their Python face:
+:meth:`Framing.scan` (and :class:`FrameDecoder`) cut with the compiled Receiver's own step
+(``Receiver.scan_frames``, over the step the server cuts every read with), and
+:meth:`Framing.header` / :meth:`Framing.encode` take their header from
+``SendBatch.frame_header``, the code ``SendBatch.add_frame`` builds every header the server
+sends with.  The Python model of the framing lives only in the tests
+(tests/test_framing.py), which check both against it.  ``FRAMINGS`` and
+``DEFAULT_MAX_FRAME`` are the server's settings too.
 
 Three framings:
 
@@ -12,7 +16,7 @@ Three framings:
 - ``u16``: a 2-byte big-endian length header, then that many payload bytes.
 - ``u32``: a 4-byte big-endian length header, then that many payload bytes.
 
-Rules (the session layer relies on them):
+Rules (the server's receiver follows the same ones):
 
 1. A length header is validated against ``max_frame`` as soon as its bytes are complete, and
    before any memory is reserved for its payload: a header above ``max_frame`` raises
@@ -31,15 +35,15 @@ Two interfaces:
 - :class:`FrameDecoder` -- ``feed(bytes) -> [bytes, ...]``, the same rules with its own
   buffer; convenient for clients, tests and tools.
 """
-import struct
+from aoprim import Receiver, SendBatch
+
+_scan_frames = Receiver.scan_frames
+_frame_header = SendBatch.frame_header
 
 __all__ = ["Framing", "FrameDecoder", "FrameTooLarge", "FRAMINGS", "DEFAULT_MAX_FRAME"]
 
 FRAMINGS = ("raw", "u16", "u32")
 DEFAULT_MAX_FRAME = 65536
-
-_U16 = struct.Struct(">H")
-_U32 = struct.Struct(">I")
 
 
 class FrameTooLarge(ValueError):
@@ -57,8 +61,7 @@ class FrameTooLarge(ValueError):
 class Framing:
     """One framing kind with its limit.  Immutable; share it between sessions."""
 
-    __slots__ = ("kind", "max_frame", "header_size", "max_payload", "_st", "_unpack_from",
-                 "_pack")
+    __slots__ = ("kind", "max_frame", "header_size", "max_payload")
 
     def __init__(self, kind="raw", max_frame=DEFAULT_MAX_FRAME):
         if kind not in FRAMINGS:
@@ -72,20 +75,17 @@ class Framing:
         if kind == "raw":
             self.header_size = 0
             self.max_payload = None
-            self._st = None
         else:
-            self._st = _U16 if kind == "u16" else _U32
-            self.header_size = self._st.size
+            self.header_size = 2 if kind == "u16" else 4
             self.max_payload = (1 << (8 * self.header_size)) - 1
-            self._unpack_from = self._st.unpack_from
-            self._pack = self._st.pack
 
     def __repr__(self):
         return f"Framing({self.kind!r}, max_frame={self.max_frame})"
 
     # -- decoding -------------------------------------------------------------------------
     def scan(self, buf, pos, end):
-        """Find the complete frames in ``buf[pos:end]``.
+        """Find the complete frames in ``buf[pos:end]`` (any buffer: bytes, bytearray,
+        memoryview, a Slot; not copied).
 
         Returns ``(spans, pos, need)``: ``spans`` is a list of ``(start, stop)`` payload
         offsets into ``buf`` in stream order, ``pos`` is where the first incomplete frame
@@ -93,52 +93,31 @@ class Framing:
         (header included) that the incomplete frame occupies once complete -- the header size
         while the header itself is incomplete, 0 when nothing is pending.  Raises
         :class:`FrameTooLarge` on a header above ``max_frame`` (rule 1); the frames complete
-        before it are in the exception's ``spans``.  Not for ``raw``.
+        before it are in the exception's ``spans``.  Not for ``raw``.  ``ValueError`` unless
+        ``0 <= pos <= end <= len(buf)``.
         """
-        hs = self.header_size
-        unpack = self._unpack_from
-        limit = self.max_frame
-        spans = []
-        while True:
-            avail = end - pos
-            if avail < hs:
-                return spans, pos, (hs if avail else 0)
-            n = unpack(buf, pos)[0]
-            if n > limit:
-                raise FrameTooLarge(n, limit, spans, pos)
-            if avail < hs + n:
-                return spans, pos, hs + n
-            spans.append((pos + hs, pos + hs + n))
-            pos += hs + n
-
-    def peek_need(self, buf, pos, end):
-        """Bytes (header included) the frame starting at ``pos`` needs; the header size while
-        the header is incomplete.  Validates the header (rule 1)."""
-        hs = self.header_size
-        if end - pos < hs:
-            return hs
-        n = self._unpack_from(buf, pos)[0]
-        if n > self.max_frame:
-            raise FrameTooLarge(n, self.max_frame)
-        return hs + n
+        if self.kind == "raw":
+            raise ValueError("raw framing has no frames to scan: every chunk is one frame")
+        spans, pos, need, too_large = _scan_frames(buf, pos, end, self.header_size,
+                                                   self.max_frame)
+        if too_large is not None:
+            raise FrameTooLarge(too_large, self.max_frame, spans, pos)
+        return spans, pos, need
 
     # -- encoding -------------------------------------------------------------------------
     def header(self, n):
         """The header for an ``n``-byte payload (``b""`` for raw)."""
-        if self._st is None:
+        if self.kind == "raw":
             return b""
-        if n > self.max_payload:
-            raise ValueError(f"payload of {n} bytes is too long for {self.kind} framing "
-                             f"(at most {self.max_payload})")
-        return self._pack(n)
+        return _frame_header(n, self.header_size)
 
     def encode(self, payload):
         """Header + payload as one bytes object; the header counts the payload's bytes (an
         ``array.array("I", [1, 2])`` is 8 of them), as the server's ``add_frame`` does."""
         body = payload if type(payload) is bytes else memoryview(payload).tobytes()
-        if self._st is None:
+        if self.kind == "raw":
             return body
-        return self.header(len(body)) + body
+        return _frame_header(len(body), self.header_size) + body
 
 
 class FrameDecoder:
