@@ -162,6 +162,52 @@ def test_listening_is_printed_only_once_every_child_listens(tmp_path):
         cleanup(p)
 
 
+STOP_WHILE_LOGGING = """
+import logging, os, signal
+from aoprim.server import Handler
+
+class _Signalling(logging.StreamHandler):
+    # SIGTERM arrives while the "listening" line is being written: inside StreamHandler's
+    # emit, whose `except Exception` reports a logging error and carries on
+    def format(self, record):
+        if "listening" in record.getMessage():
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().format(record)
+
+logging.getLogger("aoprim.server").addHandler(_Signalling())
+
+class Echo(Handler):
+    def on_read(self, session, data):
+        session.send(data)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_signal_during_start_up_is_not_swallowed(tmp_path):
+    """The race behind test_listening_is_printed_only_once_every_child_listens's flake: the
+    supervisor stops a sibling with SIGTERM while it is still starting (before
+    serve_forever's own handlers).  The start-up handler raised an Exception subclass, so
+    any `except Exception` it landed in -- logging's emit, here -- swallowed it: a "Logging
+    error" traceback, and the child served on until the supervisor killed it 15 s later.
+    Now the stop is a BaseException: the child exits 0 at once, quietly."""
+    (tmp_path / "stoplog.py").write_text(STOP_WHILE_LOGGING)
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
+                          "0", "stoplog:Echo"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    try:
+        try:
+            out, err = p.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            raise AssertionError(f"the stop was swallowed: the server kept serving\n{err}")
+        assert p.returncode == 0, err
+        assert "Traceback" not in err and "Logging error" not in err
+        assert "listening on" not in out
+    finally:
+        cleanup(p)
+
+
 def test_children_die_with_a_killed_supervisor():
     """SIGKILL of the supervisor left its children serving (orphans)."""
     p, port = serve("--procs", "2")

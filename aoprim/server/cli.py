@@ -53,8 +53,12 @@ class UsageError(Exception):
     """A mistake in the command line or in what it names: one ``aoprim: ...`` line, exit 2."""
 
 
-class _Stop(Exception):
-    pass
+class _Stop(BaseException):
+    """SIGINT/SIGTERM before the server installs its own handlers (start-up: loading the
+    handler, building and preparing the server).  A BaseException, like KeyboardInterrupt:
+    raised wherever the signal lands, it must not be caught by an ``except Exception`` on
+    the way -- logging's emit reported it as a logging error and the stop was lost (a
+    --procs sibling stopped while starting served on until it was killed)."""
 
 
 def _raise_stop(signum, frame):
