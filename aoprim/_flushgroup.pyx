@@ -346,6 +346,7 @@ cdef class FlushGroup(_GroupBase):
         cdef SendBatch b
         cdef uint64_t serial
         cdef int fd
+        cdef int pr
         cdef list out = None
         cdef PyObject *p
         _add(&self.st_flushes, 1)
@@ -416,12 +417,15 @@ cdef class FlushGroup(_GroupBase):
             if b.has_sock and b.sock is not None:
                 # pin before the fd is read: a close() from any thread is deferred until
                 # pass C, so the number cannot be reused under pass B's write (item 18)
-                it.sock = <PyObject *>b.sock
-                Py_INCREF(b.sock)
                 try:
-                    fd = _fd_of(b) if _sock_pin(b.sock) else -1
+                    pr = _sock_pin(b.sock)
                 except BaseException:
-                    fd = -1                  # not a pinnable socket: treated as closed
+                    pr = -1                  # not pinnable (_io_refs unset or not an int):
+                                             # nothing taken, treated as closed
+                if pr >= 0:
+                    it.sock = <PyObject *>b.sock     # pinned (also when closing): pass C
+                    Py_INCREF(b.sock)                # unpins it, and only then
+                fd = _fd_of(b) if pr > 0 else -1
             else:
                 fd = _fd_of(b)
             if fd < 0:

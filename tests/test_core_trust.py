@@ -365,6 +365,29 @@ def test_plain_socket_subclass_is_pinned():
     b.close()
 
 
+def test_group_does_not_unpin_a_socket_it_could_not_pin(capfd):
+    """A socket whose `_io_refs` is not an int cannot be pinned (nothing taken): the group
+    reports it EBADF and must not 'unpin' it afterwards -- that would drop a reference it
+    never held (another holder's: a makefile() file, another batch's pin); here it failed
+    again and was reported as an ignored exception."""
+    import errno
+    from aoprim import FlushGroup
+    a, b = socket.socketpair()
+    sb = SendBatch(a, auto_flush=False)
+    g = FlushGroup()
+    g.attach(sb, "o")
+    sb.add(b"x")
+    a._io_refs = 0.0                     # hostile: a float
+    capfd.readouterr()
+    assert g.flush() == [("o", -errno.EBADF)]
+    assert "Exception ignored" not in capfd.readouterr().err
+    assert a._io_refs == 0.0
+    a._io_refs = 0
+    assert sb.flush() == 1 and b.recv(10) == b"x"
+    a.close()
+    b.close()
+
+
 @pytest.mark.timeout(60)
 def test_pins_of_many_batches_on_one_socket_never_lose_an_update():
     """Four threads, each with its own batch on ONE socket, flush concurrently (each flush
