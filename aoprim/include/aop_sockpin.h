@@ -102,20 +102,20 @@ static int aop_sockpin_init(PyObject *d_refs, PyObject *d_closed)
 
 #define AOP_SP_SLOT(o, off) ((PyObject **)((char *)(o) + (off)))
 
-/* Pin: `_io_refs` += 1 and read `_closed`, in one critical section.  Returns 1 (pinned, open),
- * 0 (pinned, but close() was already called: unpin it all the same), -1 with an exception
- * (`_io_refs` unset or not an int: nothing changed). */
-static int aop_sock_pin(PyObject *sock)
+/* One step on `_io_refs` (delta +1: pin; -1: unpin, never below 0) and a read of `_closed`,
+ * in ONE critical section.  Returns 1 when `_closed` is True, 0 when not, -1 with an
+ * exception (`_io_refs` unset, not an int, or at PY_SSIZE_T_MAX: nothing changed). */
+static int aop_sock_refs_step(PyObject *sock, int delta)
 {
     PyObject **refs = AOP_SP_SLOT(sock, aop_sp_off_refs);
     PyObject **closed = AOP_SP_SLOT(sock, aop_sp_off_closed);
     PyObject *old, *nv = NULL;
-    Py_ssize_t n;
+    Py_ssize_t n = 0;
     int r = -1;
     /* Between the load and the store nothing runs that could release the GIL, block, or run
      * Python code: an exact int's value, one int allocation (ints are not GC-tracked, so no
      * collection can start).  The error branches may allocate an exception (and, on 3.11,
-     * start a collection), but they store nothing: a failed pin changes nothing. */
+     * start a collection), but they store nothing: a failed step changes nothing. */
     Py_BEGIN_CRITICAL_SECTION(sock);
     old = __atomic_load_n(refs, __ATOMIC_RELAXED);     /* relaxed: writers hold our mutex */
     if (old == NULL) {
@@ -124,12 +124,14 @@ static int aop_sock_pin(PyObject *sock)
         PyErr_SetString(PyExc_TypeError, "socket _io_refs is not an int");
     } else if ((n = PyLong_AsSsize_t(old)) == -1 && PyErr_Occurred()) {
         /* out of range: nothing changed */
-    } else if (n == PY_SSIZE_T_MAX) {
+    } else if (delta > 0 && n == PY_SSIZE_T_MAX) {
         PyErr_SetString(PyExc_OverflowError, "_io_refs");
-    } else if ((nv = PyLong_FromSsize_t(n + 1)) != NULL) {
-        /* release: pairs with PyMember_GetOne's lock-free load of the slot */
-        __atomic_store_n(refs, nv, __ATOMIC_RELEASE);
-        r = __atomic_load_n(closed, __ATOMIC_RELAXED) == Py_True ? 0 : 1;
+    } else if ((delta > 0 || n > 0) && (nv = PyLong_FromSsize_t(n + delta)) == NULL) {
+        /* no memory: nothing changed */
+    } else {
+        if (nv != NULL)      /* release: pairs with PyMember_GetOne's lock-free slot load */
+            __atomic_store_n(refs, nv, __ATOMIC_RELEASE);
+        r = __atomic_load_n(closed, __ATOMIC_RELAXED) == Py_True;
     }
     Py_END_CRITICAL_SECTION();
     if (nv != NULL)
@@ -137,33 +139,19 @@ static int aop_sock_pin(PyObject *sock)
     return r;
 }
 
-/* Unpin: `_io_refs` -= 1 (not below 0) and read `_closed`, in one critical section.
- * Returns 1 when close() was called meanwhile (the caller calls sock.close() now, outside
- * the section: it runs Python code), 0 otherwise, -1 with an exception. */
-static int aop_sock_unpin(PyObject *sock)
+/* Pin: returns 1 (pinned, open), 0 (pinned, but close() was already called: unpin it all
+ * the same), -1 with an exception (nothing taken). */
+static inline int aop_sock_pin(PyObject *sock)
 {
-    PyObject **refs = AOP_SP_SLOT(sock, aop_sp_off_refs);
-    PyObject **closed = AOP_SP_SLOT(sock, aop_sp_off_closed);
-    PyObject *old, *nv = NULL;
-    Py_ssize_t n;
-    int r = -1;
-    Py_BEGIN_CRITICAL_SECTION(sock);
-    old = __atomic_load_n(refs, __ATOMIC_RELAXED);     /* relaxed: writers hold our mutex */
-    if (old == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "_io_refs");
-    } else if (!PyLong_CheckExact(old)) {
-        PyErr_SetString(PyExc_TypeError, "socket _io_refs is not an int");
-    } else if ((n = PyLong_AsSsize_t(old)) == -1 && PyErr_Occurred()) {
-    } else if (n > 0 && (nv = PyLong_FromSsize_t(n - 1)) == NULL) {
-    } else {
-        if (nv != NULL)
-            __atomic_store_n(refs, nv, __ATOMIC_RELEASE);   /* release: as in aop_sock_pin */
-        r = __atomic_load_n(closed, __ATOMIC_RELAXED) == Py_True ? 1 : 0;
-    }
-    Py_END_CRITICAL_SECTION();
-    if (nv != NULL)
-        Py_DECREF(old);
-    return r;
+    int r = aop_sock_refs_step(sock, 1);
+    return r < 0 ? -1 : !r;
+}
+
+/* Unpin: returns 1 when close() was called meanwhile (the caller calls sock.close() now,
+ * outside the section: it runs Python code), 0 otherwise, -1 with an exception. */
+static inline int aop_sock_unpin(PyObject *sock)
+{
+    return aop_sock_refs_step(sock, -1);
 }
 
 /* `_closed` is True: close() was called (while pinned, the fd is still open).  One pointer
