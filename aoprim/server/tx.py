@@ -121,11 +121,11 @@ def release_item(item):
 
 
 def check_payload(n, header_size):
-    """ValueError for a payload of ``n`` bytes too long for the header, with add_frame's
-    message -- raised in the sending thread, before anything is queued."""
-    if header_size and n > (1 << (8 * header_size)) - 1:
-        raise ValueError(f"payload of {n} bytes is too long for u{8 * header_size} framing "
-                         f"(at most {(1 << (8 * header_size)) - 1})")
+    """ValueError for a payload of ``n`` bytes too long for the header -- the encoder's own
+    check and message (``SendBatch.frame_header``, add_frame's header code), raised in the
+    sending thread, before anything is queued."""
+    if header_size:
+        SendBatch.frame_header(n, header_size)
 
 
 def foreign_item(data, header_size):
