@@ -16,6 +16,7 @@ documented there).  This module adds threading.Lock's Python surface:
 """
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.number cimport PyNumber_Index
+from cpython.object cimport PyObject_IsTrue
 from libc.math cimport isnan
 from libc.stdint cimport int64_t, INT64_MAX
 
@@ -130,9 +131,17 @@ cdef bint _wait(SpinLock self, int64_t ns) except -1:
         PyErr_CheckSignals()   # a handler's exception (KeyboardInterrupt) -> except -1
 
 
+cdef extern from "Python.h":
+    # the interpreter this module is compiled for (the .so is built per CPython version)
+    const long PY_VERSION_HEX
+
+
 cdef bint _flag(object blocking) except -1:
-    """threading.Lock parses ``blocking`` as a C int: any integer (bool included) is fine,
-    anything else is a TypeError."""
+    """``blocking`` as the running interpreter's threading.Lock reads it: up to 3.11 a C int
+    (any integer, bool included; anything else is a TypeError), from 3.12 a truth value
+    (``"p"``: any object, ``bool(blocking)``; an exception from ``__bool__`` propagates)."""
+    if PY_VERSION_HEX >= 0x030C0000:
+        return PyObject_IsTrue(blocking)     # -1 with an exception set -> except -1
     return PyNumber_Index(blocking) != 0
 
 

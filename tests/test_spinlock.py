@@ -46,6 +46,22 @@ def test_context_manager():
     assert not lk.locked()
 
 
+class _BoolRaises:
+    def __bool__(self):
+        raise ZeroDivisionError("truth value refused")
+
+
+class _Index:
+    def __init__(self, v):
+        self.v = v
+
+    def __index__(self):
+        return self.v
+
+    def __bool__(self):
+        return not self.v      # the opposite of the integer: which one the lock reads shows
+
+
 def test_argument_rules_match_threading_lock():
     cases = [
         ((), {}), ((True,), {}), ((False,), {}), ((1,), {}), ((0,), {}),
@@ -54,6 +70,9 @@ def test_argument_rules_match_threading_lock():
         ((True, float("nan")), {}), ((True, threading.TIMEOUT_MAX * 2), {}),
         ((True, 10**30), {}), ((True, "1"), {}), ((True, None), {}), (("yes",), {}),
         ((1.5,), {}), ((), {"blocking": False, "timeout": 1}),
+        # 3.12+ reads `blocking` as a truth value, 3.11 as an integer: these split the two
+        ((None,), {}), (([],), {}), ((0.0,), {}), (("",), {}), (([], 1), {}),
+        ((_BoolRaises(),), {}), ((_Index(0),), {}), ((_Index(3), 0.01), {}),
     ]
     for args, kwargs in cases:
         outcome = []
