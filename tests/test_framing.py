@@ -324,6 +324,10 @@ def test_compiled_encoder_slot_and_limits(foreign):
     memoryview(slot)[:5] = b"hello"
     slot.length = 5
     assert _compiled([slot], 2, foreign) == model_frame(b"hello", 2)
+    # Framing.encode (clients, tools) frames the same bytes: the slot's first `length`, not
+    # the whole slot (it encoded all 70000, stale bytes included)
+    assert Framing("u16").encode(slot) == _compiled([slot], 2, foreign)
+    assert Framing("raw").encode(slot) == b"hello"
     slot.length = 65536                       # too long for u16: refused, nothing retained
     with pytest.raises(ValueError, match="too long for u16"):
         _compiled([slot], 2, foreign)

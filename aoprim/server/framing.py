@@ -35,6 +35,8 @@ Two interfaces:
 - :class:`FrameDecoder` -- ``feed(bytes) -> [bytes, ...]``, the same rules with its own
   buffer; convenient for clients, tests and tools.
 """
+import operator
+
 from aoprim import Receiver, SendBatch
 
 _scan_frames = Receiver.scan_frames
@@ -56,6 +58,21 @@ class FrameTooLarge(ValueError):
         self.spans = list(spans)   # complete frames before the bad header (scan)
         self.pos = pos             # where the bad header starts (scan)
         self.frames = []           # complete frames before the bad header (FrameDecoder)
+
+
+def _payload_bytes(payload):
+    """The bytes add_frame / Session.send take from ``payload``: a Slot (or slot-like: retain,
+    release and length) gives its first ``length`` bytes, anything else all its bytes in C
+    order."""
+    if type(payload) is bytes:
+        return payload
+    mv = memoryview(payload)
+    if hasattr(payload, "retain") and hasattr(payload, "release") and hasattr(payload, "length"):
+        n = operator.index(payload.length)
+        if n < 0 or n > mv.nbytes:
+            raise ValueError(f"slot.length {n} is outside 0..{mv.nbytes}")
+        return mv.cast("B")[:n].tobytes()
+    return mv.tobytes()
 
 
 class Framing:
@@ -112,9 +129,10 @@ class Framing:
         return _frame_header(n, self.header_size)
 
     def encode(self, payload):
-        """Header + payload as one bytes object; the header counts the payload's bytes (an
-        ``array.array("I", [1, 2])`` is 8 of them), as the server's ``add_frame`` does."""
-        body = payload if type(payload) is bytes else memoryview(payload).tobytes()
+        """Header + payload as one bytes object, the bytes the server's ``add_frame`` sends:
+        the header counts the payload's bytes (an ``array.array("I", [1, 2])`` is 8 of them),
+        and a ``Slot`` gives its first ``length`` bytes (not the whole slot)."""
+        body = _payload_bytes(payload)
         if self.kind == "raw":
             return body
         return _frame_header(len(body), self.header_size) + body
