@@ -11,8 +11,10 @@
     that takes it drains its backlog alone before letting go (``SpinLock``-guarded flag,
     held for a few bytecodes, never while dropping a reference);
   * a backlog of ``worker_backlog`` frames pauses the session's reading; it resumes once the
-    worker has brought it down to a quarter (frames already read in the same burst are still
-    queued, so the backlog can exceed the limit by what one read burst holds);
+    worker has brought it down to a quarter.  The pause takes effect between two frames: the
+    compiled receiver delivers no further frame of the bytes it already read (they stay in
+    its buffer until reading resumes), so the backlog stays at the limit, however many
+    frames one read brought;
   * a session closed from its worker (a hook raised, ``close()``, ``abort()``) gets no more
     ``on_read``: the frames still queued for it are dropped;
   * the loop thread never blocks on a full completion queue: a session that does not fit
