@@ -486,7 +486,14 @@ cdef class EpollCore:
             self._running = False
             if r >= 0:
                 self._sigfd = -1
-                signal.set_wakeup_fd(old)
+                try:
+                    signal.set_wakeup_fd(old)
+                except (OSError, ValueError) as e:
+                    # the fd set before run() was closed meanwhile (EBADF): set none and
+                    # say so -- our pipe is closed below either way, never left installed
+                    signal.set_wakeup_fd(-1)
+                    log.warning("event loop: could not put back the signal wake-up fd %d "
+                                "(%s); none is set", old, e)
                 epoll_ctl(self._epfd, EPOLL_CTL_DEL, r, &ev)
                 os.close(r)
                 os.close(w)

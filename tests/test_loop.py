@@ -411,3 +411,128 @@ def test_a_callback_that_grows_the_fd_table_and_unregisters_a_ready_fd(loop):
         os.close(high)
         for s in (*a, *b, hr, hw):
             s.close()
+
+
+# -- adversarial review (issue 19): each test failed on one backend before its fix ----------
+
+def test_a_read_callback_that_drops_the_writer_stops_it_in_the_same_dispatch(loop):
+    # fd both readable and writable; the read callback forgets the fd (a session closing):
+    # selectors still called the writer it had read before (epoll re-reads it)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.send(b"x")
+    calls = []
+
+    def on_read():
+        calls.append("R")
+        a.recv(10)
+        loop.remove(a.fileno())
+        loop.stop()
+
+    loop.set_callbacks(a.fileno(), on_read, lambda: calls.append("W"))
+    try:
+        loop.run()
+    finally:
+        a.close()
+        b.close()
+    assert calls == ["R"]
+
+
+@pytest.mark.timeout(30)
+def test_a_signal_handler_calling_call_soon_threadsafe_inside_the_loops_section(loop):
+    # The server's SIGINT/SIGTERM handler calls call_soon_threadsafe on the loop's (main)
+    # thread.  Python runs it between any two bytecodes -- selectors' loop could be inside
+    # its `with _lock:` (clearing _wake_pending) and the handler's acquire deadlocked.  A
+    # trace hook raises the signal exactly there (a no-op on epoll, whose section is C).
+    import signal
+    import sys
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers run on the main thread")
+    fired = []
+
+    def handler(signum, frame):
+        loop.call_soon_threadsafe(loop.stop)
+
+    def tracer(frame, event, arg):
+        if event == "line" and frame.f_code.co_name == "_run" and not fired:
+            import linecache
+            if "_wake_pending = False" in linecache.getline(frame.f_code.co_filename,
+                                                            frame.f_lineno):
+                fired.append(1)
+                signal.raise_signal(signal.SIGUSR1)
+                for _ in range(3):      # a backward jump: the handler runs here
+                    pass
+        return tracer
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    done = threading.Event()
+    # a watchdog: without the fix the loop thread is stuck in lock.acquire for good
+    threading.Thread(target=lambda: done.wait(5) or os.kill(os.getpid(), signal.SIGUSR1),
+                     daemon=True).start()
+    loop.call_soon(lambda: None)
+    if loop.backend == "epoll":
+        loop.call_soon(loop.stop)       # nothing of it is Python: the hook never fires
+    sys.settrace(tracer)
+    try:
+        loop.run()
+    finally:
+        sys.settrace(None)
+        done.set()
+        signal.signal(signal.SIGUSR1, old)
+    assert fired or loop.backend == "epoll"
+
+
+def test_an_unclosed_loop_collected_by_the_gc_leaks_no_fd():
+    import gc
+    for backend in BACKENDS:
+        n0 = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            lp = create_loop(backend)
+            lp.call_soon(lambda lp=lp: None)   # a cycle through the ready queue
+            del lp
+        gc.collect()
+        assert len(os.listdir("/proc/self/fd")) == n0, backend
+
+
+def test_run_puts_no_wakeup_fd_back_that_was_closed_meanwhile(loop, caplog):
+    # the wake-up fd set before run() is closed by a callback: putting it back fails
+    # (EBADF); run() raised that and leaked its signal pipe, left installed as the wake-up fd
+    import signal
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("the signal wake-up fd is the main thread's")
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    prev = signal.set_wakeup_fd(a.fileno())
+    try:
+        n0 = len(os.listdir("/proc/self/fd"))
+
+        def cb():
+            a.close()
+            loop.stop()
+        loop.call_soon(cb)
+        loop.run()                      # returns normally; the failure is logged
+        assert len(os.listdir("/proc/self/fd")) == n0 - 1     # a, and nothing of ours
+        assert signal.set_wakeup_fd(-1) == -1
+        assert "wake-up fd" in caplog.text
+    finally:
+        signal.set_wakeup_fd(prev)
+        a.close()
+        b.close()
+
+
+def test_deadlines_and_fds_are_numbers_on_both_backends(loop):
+    # selectors took float("1.5") for a deadline and a socket object for an fd (keyed by
+    # the object: never dispatched, while epoll reported it ready every wait)
+    for bad in ("1.5", b"1"):
+        with pytest.raises(TypeError):
+            loop.call_at(bad, print)
+        with pytest.raises(TypeError):
+            loop.call_later(bad, print)
+    a, b = socket.socketpair()
+    try:
+        with pytest.raises(TypeError):
+            loop.set_callbacks(a, print, None)
+        assert loop.reader_of(a.fileno()) is None
+    finally:
+        a.close()
+        b.close()

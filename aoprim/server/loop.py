@@ -131,6 +131,8 @@ class EventLoop(abc.ABC):
     def call_later(self, delay, callback, *args):
         """``call_at(clock() + delay)``; a negative delay counts as 0, NaN raises
         ``ValueError``, ``inf`` never fires."""
+        if isinstance(delay, (str, bytes, bytearray)):     # float() would parse them
+            raise TypeError(f"must be real number, not {type(delay).__name__}")
         delay = float(delay)
         if delay != delay:
             raise ValueError("a timer's delay must not be NaN")

@@ -22,6 +22,7 @@ Invariants:
 import collections
 import heapq
 import logging
+import operator
 import os
 import select
 import selectors
@@ -49,6 +50,26 @@ EVENT_WRITE = selectors.EVENT_WRITE
 
 def _no_hook():
     pass
+
+
+def _restore_wakeup_fd(old):
+    """Put back the signal wake-up fd that was set before run(); if that fd was closed
+    meanwhile (set_wakeup_fd refuses it: EBADF), set none and log it -- run()'s own pipe
+    is closed either way, and is never left installed.  (EpollCore does the same.)"""
+    try:
+        signal.set_wakeup_fd(old)
+    except (OSError, ValueError) as e:
+        signal.set_wakeup_fd(-1)
+        log.warning("event loop: could not put back the signal wake-up fd %d (%s); "
+                    "none is set", old, e)
+
+
+def _as_double(x):
+    """``x`` as a float, by the rule of a C ``double`` argument (EpollCore's): a number
+    (``__float__`` or ``__index__``), never a str or bytes as ``float()`` would take."""
+    if isinstance(x, (str, bytes, bytearray)):
+        raise TypeError(f"must be real number, not {type(x).__name__}")
+    return float(x)
 
 
 class _Timer(Timer):
@@ -88,7 +109,12 @@ class SelectorsLoop(EventLoop):
         self._hooks = []
         self._hook = _no_hook              # the hooks as one callable
         self._wake_pending = False
-        self._lock = threading.Lock()      # call_soon_threadsafe's section vs close()
+        # call_soon_threadsafe's section vs close() and the loop's clear of _wake_pending.
+        # Re-entrant: a Python signal handler runs on the main thread between any two
+        # bytecodes, also inside a `with self._lock:` of that thread, and the server's
+        # handler calls call_soon_threadsafe -- with a plain Lock that acquire deadlocked.
+        # Every section is consistent when another one nests in it on the same thread.
+        self._lock = threading.RLock()
         self._sigfd = -1                   # the signal wake-up pipe while run() runs
         self._running = False
         self._stopping = False
@@ -109,7 +135,8 @@ class SelectorsLoop(EventLoop):
         return time.monotonic()
 
     def call_at(self, when, callback, *args):
-        when = float(when)
+        if type(when) is not float:
+            when = _as_double(when)
         if when != when:
             raise ValueError("a timer's deadline must not be NaN")
         self._seq += 1
@@ -180,6 +207,11 @@ class SelectorsLoop(EventLoop):
     def set_callbacks(self, fd, on_read, on_write):
         if self._closed:
             raise RuntimeError("the event loop is closed")
+        if type(fd) is not int:
+            # an fd number, as EpollCore's C int: a socket object would be registered
+            # with the selector under its fileno() but keyed here by the object -- never
+            # dispatched, and reported ready by every wait
+            fd = operator.index(fd)
         events = (EVENT_READ if on_read is not None else 0) | \
                  (EVENT_WRITE if on_write is not None else 0)
         cbs = self._cbs
@@ -260,10 +292,27 @@ class SelectorsLoop(EventLoop):
             self._running = False
             if sig_r >= 0:
                 self._sigfd = -1
-                signal.set_wakeup_fd(old)
+                _restore_wakeup_fd(old)
                 self.remove(sig_r)
                 os.close(sig_r)
                 os.close(sig_w)
+
+    def __del__(self, _close=os.close):
+        # an unclosed loop collected by the GC: the eventfd is a bare int nobody else
+        # closes, and the selector's epoll fd was seen to outlive a collected loop -- close
+        # both, as EpollCore's dealloc does.  No producer can be inside
+        # call_soon_threadsafe: it would hold a reference to the loop.
+        fd = self.__dict__.get("_rfd", -1)
+        if fd >= 0 and not self._closed:
+            self._closed = True
+            try:
+                self._sel.close()
+            except Exception:
+                pass
+            try:
+                _close(fd)
+            except OSError:
+                pass
 
     def _drain_sigfd(self):
         try:
@@ -314,6 +363,12 @@ class SelectorsLoop(EventLoop):
                         continue
                     if ev & NOT_OUT and rcb is not None:
                         rcb()
+                        # re-read: the read callback may have dropped or replaced the
+                        # writer, or forgotten the fd (a session closing) -- the old
+                        # writer must not run on it
+                        wcb = cbs.get(fd, (None, None))[1]
+                        if wcb is None:
+                            continue
                     if ev & NOT_IN:
                         wcb()
                 except Exception as e:
