@@ -59,7 +59,7 @@ way) is saved.  Only when nothing is ready and the loop may sleep does it releas
 block.  EINTR runs the signal handlers (PyErr_CheckSignals): a handler that raises -- SIGINT's
 KeyboardInterrupt -- ends run(); otherwise the wait is retried with a recomputed timeout.
 On the main thread, run() also sets Python's signal wake-up fd to a pipe it watches (and puts
-the previous one back when it returns), so a signal that arrives just before the wait -- or
+the previous one back when it returns -- or none, logged, if that fd was closed meanwhile), so a signal that arrives just before the wait -- or
 is delivered to another thread -- still wakes the loop and runs its handler at once.
 
 GC.  Tracked, and ``no_gc_clear``: the loop is in cycles all the time (fd table -> a bound
@@ -346,8 +346,8 @@ cdef class EpollCore:
 
     cdef void _wake(self) noexcept nogil:
         cdef uint64_t one = 1
-        # EAGAIN: the counter is full, so a wake-up is pending anyway; EBADF cannot happen
-        # (the eventfd lives until __dealloc__)
+        # EAGAIN: the counter is full, so a wake-up is pending anyway.  EBADF cannot happen:
+        # close() closes the eventfd only once no producer is inside (_inflight is 0)
         c_write(self._evfd, &one, 8)
 
     cdef void _drain_wakeup(self) noexcept nogil:
@@ -366,7 +366,8 @@ cdef class EpollCore:
     # -- file descriptors -------------------------------------------------------------------
     def set_callbacks(self, int fd, on_read, on_write):
         """Register ``fd``'s readiness callbacks at once (None = not interested; both None
-        unregisters).  Replacing a callback with another costs no syscall."""
+        unregisters).  Replacing a callback with another costs no syscall.  On a closed
+        loop: RuntimeError; a negative fd or the loop's own eventfd: ValueError."""
         if self._epfd < 0:
             raise RuntimeError("the event loop is closed")
         if fd < 0:

@@ -4,10 +4,28 @@ Layer 2 (sessions, listener, dispatch, flush) uses a loop only through the metho
 :class:`EventLoop` below.  A backend is a subclass that implements them; two ship:
 
 - ``selectors`` (:mod:`aoprim.server.loop_selectors`, the default): pure Python over
-  ``selectors.DefaultSelector`` -- readable, portable, the reference;
+  ``selectors.DefaultSelector`` and an eventfd -- readable, the reference;
 - ``epoll`` (:mod:`aoprim.server.loop_epoll`, Linux): the same contract with the iteration
   compiled (:class:`aoprim._eloop.EpollCore`) -- the wait, the per-fd dispatch, the timer heap
   and the hooks run in C, so Layer 1 adds no bytecode to a read burst.
+
+**Two implementations, on purpose** (issue 19's decision).  Both write the whole contract --
+timer heap, cancellation and compaction, the wake-up protocol, ``run_ready``, ``close``, the
+signal wake-up fd -- once each; only the wait and the dispatch differ in kind.  The selectors
+backend does *not* become a thin "portable fallback" over the compiled core's heap, queue and
+wake-up, because: (1) there is nothing to fall back to -- aoprim is Linux-only, and on Linux
+``DefaultSelector`` *is* epoll (both backends also need ``eventfd``), so a shared core would
+leave one implementation with two names; (2) its independence is what makes it useful: it
+is the readable statement of the contract, and :file:`tests/test_loop_differential.py` runs
+random schedules on both and demands identical traces -- an oracle only while the two do not
+share the code under test (it found two divergences, and the review after it found two more
+that were each in one backend only: a stale writer called after its read callback dropped
+it, and a deadlock of the non-reentrant lock under a signal handler; a shared core would
+have put any such bug in both, where no differential test sees it); (3) the public contract
+(API.md) names it the default, pure-Python backend.  What keeps two implementations from
+drifting is this docstring (the one contract), :file:`tests/test_loop.py` (every contract
+test on every backend) and the differential test (hypothesis; a short run in CI).  The cost
+is the selectors backend's CPU per message (docs/server.md gives the measured ratios).
 
 A further backend (say, io_uring) implements the same methods and joins :data:`BACKENDS`;
 Layers 2 and 3 do not change.
@@ -44,7 +62,8 @@ The contract every backend keeps:
 - **Signals**: while :meth:`run` runs on the main thread, it sets Python's signal wake-up fd
   to a pipe it watches (the previous one is back when it returns): a signal that arrives
   just before the wait, or is delivered to another thread, wakes the loop at once and its
-  Python handler runs on the loop's thread.  A handler that raises ``KeyboardInterrupt`` or
+  Python handler runs on the loop's thread (if the previous fd was closed meanwhile, none is
+  set back, and that is logged).  A handler that raises ``KeyboardInterrupt`` or
   ``SystemExit`` ends :meth:`run`; where an ``Exception`` from a handler surfaces (inside a
   callback, reported like its own; or from the wait, ending :meth:`run`) depends on which
   bytecode the interpreter was at -- do not rely on it.

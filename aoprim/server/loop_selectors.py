@@ -1,16 +1,22 @@
-"""Layer 1 backend ``selectors``: the :class:`~aoprim.server.loop.EventLoop` interface on
-``selectors.DefaultSelector`` (epoll on Linux), an eventfd wake-up and a timer heap.
+"""Layer 1 backend ``selectors``: the :class:`~aoprim.server.loop.EventLoop` interface in pure
+Python on ``selectors.DefaultSelector`` (epoll on Linux), an eventfd wake-up (``os.eventfd``:
+Linux) and a ``heapq`` timer heap.  It is the reference implementation of the contract, kept
+independent of the compiled ``EpollCore`` on purpose (why: :mod:`aoprim.server.loop`).
 
 Invariants:
 
 - Only the loop thread touches the selector, the timer heap and the hook list.  The one
   thread-safe entry is :meth:`SelectorsLoop.call_soon_threadsafe` (and ``stop``, built on
-  it): under ``_lock`` it checks ``_closed``, appends to a ``collections.deque`` and, unless a
-  wake-up is already pending, writes to an eventfd.  ``close()`` sets ``_closed`` under the
-  same lock before it closes the eventfd, so no write reaches an fd number reused since.  ``_wake_pending`` is cleared by the loop *before* it drains
-  the deque, so a callback appended after the drain always finds the flag clear and writes
-  the eventfd again; and the loop never blocks while its deque is non-empty (it polls with a
-  zero timeout), so no wake-up is lost (at worst one is spurious).
+  it): under ``_lock`` it checks ``_closed``, appends to a ``collections.deque`` and, unless
+  a wake-up is already pending, writes to an eventfd.  ``close()`` sets ``_closed`` under
+  the same lock before it closes the eventfd, so no write reaches an fd number reused since
+  (issue 19 item 7).  The lock is re-entrant: a Python signal handler runs on the main
+  thread between any two bytecodes, also inside one of that thread's own sections, and the
+  server's SIGINT/SIGTERM handler calls ``call_soon_threadsafe``.
+- No lost wake-up: ``_wake_pending`` is cleared (under ``_lock``) by the loop *before* it
+  drains the deque, and by ``run_ready()``, so a callback appended after the drain always
+  finds the flag clear and writes the eventfd again; and the loop never blocks while its
+  deque is non-empty (it polls with a zero timeout).  At worst a wake-up is spurious.
 - Timers: a heap of :class:`_Timer` ordered by (when, seq).  The timer phase runs only the
   timers with ``seq`` at most the last one issued when the phase began (a timer scheduled by
   a timer waits for the next iteration).  Cancelled timers stay in the heap until popped, or
