@@ -11,7 +11,8 @@ may ``run_ready()`` or ``close()``.  Actions (nested: a callback or timer runs i
   the queue does not depend on the scheduler); timers with delay 0, negative, ``-inf``,
   ``inf``, NaN (refused), equal deadlines, one in the past, one far away; cancellations;
 - readers and writers on socketpairs (add, remove, bytes sent, fired with level triggering);
-- ``stop()``, ``close()`` (refused while running), a callback raising ``Exception`` (logged)
+- ``stop()``, ``close()``, ``run()``, ``run_ready()`` (each refused while running; a
+  ``run_ready()`` outside ``run()`` drains, nested in another one too), a callback raising ``Exception`` (logged)
   or a ``BaseException`` (ends ``run()``), after close: ``run()``, ``call_soon_threadsafe``.
 
 The trace is every callback that ran with its iteration number (``iterations`` counted from
@@ -149,6 +150,11 @@ class Driver:
             L.stop()
         elif op == "close":
             self.call("close")
+        elif op == "run":               # re-entrant: refused while running
+            if self.it0 is not None:    # outside run() it would start a loop nobody stops
+                self.call("run")
+        elif op == "run_ready":         # refused while running; outside run() it drains
+            self.call("run_ready")
         elif op == "raise":
             raise ValueError("a callback's exception: logged, the loop goes on")
         elif op == "boom":
@@ -247,6 +253,8 @@ leaf = st.one_of(
     st.tuples(st.just("remove_writer"), pair),
     st.tuples(st.just("stop")),
     st.tuples(st.just("close")),
+    st.tuples(st.just("run")),
+    st.tuples(st.just("run_ready")),
     st.tuples(st.just("raise")),
     st.tuples(st.just("boom")),
 )
