@@ -536,3 +536,34 @@ def test_deadlines_and_fds_are_numbers_on_both_backends(loop):
     finally:
         a.close()
         b.close()
+
+
+def test_an_fd_closed_without_remove_and_reused_can_be_forgotten_and_registered(loop):
+    # selectors kept its table entry when the selector's modify failed (ENOENT: the old file
+    # is gone from epoll), so unregistering raised KeyError for good; epoll recovers
+    a, b = socket.socketpair()
+    fd = a.fileno()
+    loop.set_callbacks(fd, print, None)
+    a.close()                                   # no remove(): a caller's bug
+    c, d = socket.socketpair()
+    if c.fileno() != fd:
+        c, d = d, c
+    try:
+        assert c.fileno() == fd
+        with pytest.raises(OSError):
+            loop.set_callbacks(fd, print, print)    # MOD of a file epoll never had
+        loop.set_callbacks(fd, None, None)          # forgotten
+        assert loop.reader_of(fd) is None
+        got = []
+
+        def on_read():
+            got.append(c.recv(10))
+            loop.stop()
+        loop.set_callbacks(fd, on_read, None)       # registered afresh: it works
+        d.send(b"hi")
+        loop.run()
+        assert got == [b"hi"]
+        loop.remove(fd)
+    finally:
+        for s in (b, c, d):
+            s.close()

@@ -87,7 +87,9 @@ class Timer(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self):
-        """Do not run the callback (loop thread; harmless after it ran)."""
+        """Do not run the callback (loop thread; harmless after it ran, and twice).  Not for
+        other threads -- it may rebuild the loop's heap under a running timer phase: from
+        there, ``loop.call_soon_threadsafe(timer.cancel)``."""
 
     when: float
 

@@ -228,12 +228,17 @@ class SelectorsLoop(EventLoop):
                 cbs[fd] = (on_read, on_write)
             return
         if not events:
-            self._sel.unregister(fd)
             del cbs[fd]
+            try:
+                self._sel.unregister(fd)
+            except (KeyError, ValueError):
+                # the selector dropped it already (a modify that failed on an fd closed
+                # without remove() and reused): forgotten anyway, as EpollCore's DEL
+                pass
             return
-        cbs[fd] = (on_read, on_write)
         if (old[0] is None) != (on_read is None) or (old[1] is None) != (on_write is None):
-            self._sel.modify(fd, events)
+            self._sel.modify(fd, events)    # raises: the table keeps the old pair (EpollCore)
+        cbs[fd] = (on_read, on_write)
 
     def reader_of(self, fd):
         return self._cbs.get(fd, (None, None))[0]
