@@ -567,3 +567,30 @@ def test_an_fd_closed_without_remove_and_reused_can_be_forgotten_and_registered(
     finally:
         for s in (b, c, d):
             s.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_loop_that_cannot_be_created_leaves_no_fd_behind(backend):
+    # selectors: os.eventfd failing (EMFILE) left the selector's epoll fd open until the GC
+    import errno
+    import gc
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    gc.collect()
+    gc.disable()
+    hold = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        with pytest.raises(OSError) as ei:     # fill the table: every fd number taken
+            while True:
+                hold.append(os.open(os.devnull, os.O_RDONLY))
+        assert ei.value.errno == errno.EMFILE
+        os.close(hold.pop())                   # exactly one free: the epoll fd, no eventfd
+        with pytest.raises(OSError):
+            create_loop(backend)
+        hold.append(os.open(os.devnull, os.O_RDONLY))    # the slot is free again
+    finally:
+        for fd in hold:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        gc.enable()

@@ -129,9 +129,21 @@ class SelectorsLoop(EventLoop):
         self.iterations = 0
         self.errors = 0                    # callbacks that raised (logged)
         self._now = time.monotonic()
-        self._wfd = self._rfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._cbs = {}                     # fd -> (read callback, write callback)
-        self.set_callbacks(self._rfd, self._drain_wakeup, None)
+        try:
+            # a failure (EMFILE, ENOSPC at max_user_watches) closes what was opened, as
+            # EpollCore's dealloc does -- else it waited for the GC (the loop is in a cycle)
+            self._wfd = self._rfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            try:
+                self.set_callbacks(self._rfd, self._drain_wakeup, None)
+            except BaseException:
+                os.close(self._rfd)
+                del self._rfd, self._wfd
+                raise
+        except BaseException:
+            self._sel.close()
+            self._closed = True
+            raise
 
     # -- time and timers --------------------------------------------------------------
     def time(self):
