@@ -1,15 +1,11 @@
 """Real asyncio applications, unchanged, on aoprim.aio: an aiohttp web application and a
 websockets server, each serving its own library's client (``test`` extras)."""
 import asyncio
-import sys
 
 import pytest
 
-if sys.version_info[:2] != (3, 11):
-    pytest.skip("aoprim.aio is pinned to Python 3.11", allow_module_level=True)
-
-import aoprim.aio  # noqa: E402
-from aoprim.aio import SocketTransport  # noqa: E402
+import aoprim.aio
+from aoprim.aio import SocketTransport
 
 pytestmark = pytest.mark.timeout(60)
 
