@@ -76,6 +76,7 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.math cimport ceil
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.ref cimport PyObject
+from cpython.number cimport PyNumber_Index
 from aoprim.atomic_h cimport (aop_atomic_u32, aop_load_u32, aop_store_u32, aop_exchange_u32,
                               aop_fetch_add_u32, aop_fetch_sub_u32, aop_yield,
                               AOP_ACQUIRE, AOP_RELEASE, AOP_SEQ_CST)
@@ -364,12 +365,16 @@ cdef class EpollCore:
         self._hooks.append(hook)
 
     # -- file descriptors -------------------------------------------------------------------
-    def set_callbacks(self, int fd, on_read, on_write):
+    def set_callbacks(self, fd_number, on_read, on_write):
         """Register ``fd``'s readiness callbacks at once (None = not interested; both None
         unregisters).  Replacing a callback with another costs no syscall.  On a closed
-        loop: RuntimeError; a negative fd or the loop's own eventfd: ValueError."""
+        loop: RuntimeError; a negative fd or the loop's own eventfd: ValueError; an fd that
+        is not an integer (a float, a socket object): TypeError, as on the selectors
+        backend (a C ``int`` parameter would truncate 3.0 to 3)."""
+        cdef int fd
         if self._epfd < 0:
             raise RuntimeError("the event loop is closed")
+        fd = PyNumber_Index(fd_number)
         if fd < 0:
             raise ValueError(f"invalid file descriptor {fd}")
         if fd == self._evfd:
