@@ -4,7 +4,7 @@ idle and frame timeouts.
 
 The per-read and per-frame work is all in ``aoprim.Receiver``: the loop's read callback *is*
 ``Receiver.on_readable``, which calls the frame callback (the handler's ``on_read``, or the
-worker dispatcher's ``post``) directly from C.  This module decides only policy:
+worker dispatcher's ``post_frame``) directly from C.  This module decides only policy:
 
 - a readiness event reads until the socket has no more (a recv that fills its buffer is
   followed by another, up to ``Settings.rx_reads``), so a message larger than a slot costs one
@@ -17,7 +17,8 @@ worker dispatcher's ``post``) directly from C.  This module decides only policy:
   frame (no frame completed since the sweep first saw bytes buffered) for longer than
   ``frame_timeout`` is cut.  Both are exact to within one sweep period.  Neither clock runs
   while the server itself keeps the session from being read (``pause_reading``, a full
-  worker backlog, shutdown, or back-pressure while the peer still takes our bytes): a frame
+  worker backlog, shutdown, the peer's EOF while its frames still wait for a worker, or
+  back-pressure while the peer still takes our bytes): a frame
   cannot complete while we do not read it.  Back-pressure from a peer that takes nothing
   does not stop them (that peer is the one stalling).  With the PROXY protocol the header
   has its own deadline, ``proxy_header_timeout``, from the connection's start.
