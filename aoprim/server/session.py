@@ -459,8 +459,9 @@ class Session:
             log.error("session %d: handler on_close raised", self.id, exc_info=e)
 
     def frames_done(self, reason, level, cause):
-        """Worker thread: every frame before a close the input asked for has been
-        handled (see _close_after_frames)."""
+        """Worker thread (or the loop thread, once the completion queue is closed): every
+        frame before a close the input asked for has been handled (see
+        _close_after_frames)."""
         self._loop.call_soon_threadsafe(self._close, reason, None, level, cause)
 
     def handler_failed(self, hook, exc):
@@ -641,9 +642,10 @@ class Session:
         rc.decref()                     # the loop's reference (_on_zero may drop _rc)
 
     def _on_zero(self):
-        """The last reference is gone (exactly once).  Break the session's own reference
-        cycles (its RefCount and hand-off queue hold bound methods of it), so a closed
-        session is freed by reference counting, not left for the cyclic GC."""
+        """The last reference is gone (exactly once).  Break the session's last reference
+        cycle (its RefCount holds this bound method; the hand-off queue and the receiver
+        dropped theirs at teardown), so a closed session is freed by reference counting,
+        not left for the cyclic GC."""
         self._rx.close()
         self._ctx.session_gone(self)
         self._rc = None
