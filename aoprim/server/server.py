@@ -410,7 +410,7 @@ class Server:
 
     @property
     def sessions(self):
-        """The open sessions (a snapshot list)."""
+        """The open and closing sessions (a snapshot list; a closing one drops sends)."""
         return list(self._sessions.values())
 
     @property
