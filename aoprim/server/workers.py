@@ -2,8 +2,8 @@
 completions in batches (``get_many``) and run them.
 
 This module is generic: an item is whatever the producer posts, and ``dispatch(item)`` is the
-producer's function.  Per-session ordering is the session layer's business (it posts a session
-at most once at a time, see session.py).  ``close()`` closes the queue: the threads drain
+producer's function.  Per-session ordering is the dispatch layer's business (it posts a session
+at most once at a time, see dispatch.py).  ``close()`` closes the queue: the threads drain
 what is left, then exit; each exiting thread calls ``on_exit()``.
 """
 import logging
