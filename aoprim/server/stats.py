@@ -19,7 +19,7 @@ class Stats:
         self.reads = 0                  # recv calls that returned data (closed sessions)
         self.bytes_in = 0
         self.frames_in = 0
-        self.frames_out = 0             # loop-thread sends (closed sessions)
+        self.frames_out = 0             # loop-thread sends (closed sessions) and broadcasts
         self.frames_out_x = AtomicInt(0)    # sends from other threads
         self.eofs = 0                   # recv calls that returned EOF
         self.handler_errors = AtomicInt(0)
