@@ -48,7 +48,8 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def parse_mode(v):
-    """``proxy_protocol`` -> 0..3 (ValueError for anything else)."""
+    """``proxy_protocol`` -> 0..3 (TypeError for a non-string, ValueError for another
+    string)."""
     if v is not None and not isinstance(v, str):
         raise TypeError(f"proxy_protocol must be None, 'v1', 'v2' or 'any', not "
                         f"{type(v).__name__}")
