@@ -1,7 +1,8 @@
 """Settings: every server argument validated once, into one frozen object the parts share.
 
-Nothing else in the server validates arguments; nothing changes a ``Settings`` after it is
-built (``dataclasses.replace`` makes a new one).
+Every setting is validated here and nowhere else (the server checks only what is not a
+setting: the handler's hooks, ``port``); nothing changes a ``Settings`` after it is built
+(``dataclasses.replace`` makes a new one).
 """
 import dataclasses
 import math
