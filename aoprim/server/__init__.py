@@ -75,7 +75,7 @@ def serve_protocol(protocol_factory, host="127.0.0.1", port=0, *, forever=False,
     ``protocol_factory()`` is called once per connection, as with ``loop.create_server``.
     Returns the started :class:`Server` (serving in a background thread; ``srv.address``,
     ``srv.shutdown()``), or with ``forever=True`` serves in the calling thread until
-    SIGINT/SIGTERM.  Other keyword arguments go to :class:`Server` (framing is ``raw``).
+    ``shutdown()`` or SIGINT/SIGTERM, then returns the stopped server.  Other keyword arguments go to :class:`Server` (framing is ``raw``).
     """
     from .adapters.asyncio_protocol import ProtocolHandler
     kwargs.setdefault("framing", "raw")
