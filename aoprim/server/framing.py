@@ -76,7 +76,8 @@ def _payload_bytes(payload):
 
 
 class Framing:
-    """One framing kind with its limit.  Immutable; share it between sessions."""
+    """One framing kind with its limit.  Not changed after construction (nothing enforces it:
+    do not assign its attributes); share it between decoders and connections."""
 
     __slots__ = ("kind", "max_frame", "header_size", "max_payload")
 
