@@ -11,7 +11,8 @@ Buffers (who owns what; the invariants are argued at the top of _receiver.pyx)
   pool was exhausted); every Receiver of the arena reads into it while it holds no
   unfinished frame.  Exported frame views pin it; the arena swaps in a fresh scratch after
   a burst that left views behind, and the old one goes back when its last view dies.
-- A Receiver owns at most one buffer, ``own``, while a frame is unfinished: a pool Slot, a
+- A Receiver owns at most one buffer, ``own``, while a frame is unfinished or received
+  frames wait undelivered (``pending``): a pool Slot, a
   heap buffer of slot size (pool exhausted) or a heap buffer of exactly one frame (a frame
   larger than a slot).  It holds one reference; close()/dealloc give it back (deferred
   while views of it live).
@@ -50,8 +51,8 @@ cdef class _RxExporter:
     # that call's getbuffer; each exported view then pins `pin` by itself (a view count on
     # it plus a strong reference in Py_buffer.internal), so the exporter holds nothing.
     cdef PyObject *pin           # borrowed for the one getbuffer: the Slot or _HeapBuf
-    cdef char *ptr               # first byte of the frame
-    cdef Py_ssize_t len          # frame length
+    cdef char *ptr               # first byte of the view (a frame, or a burst's window)
+    cdef Py_ssize_t len          # bytes in the view
 
 
 cdef class RxArena:
@@ -96,10 +97,12 @@ cdef class Receiver:
     cdef bint copy_frames        # deliver bytes copies instead of pinned views
     cdef bint closed             # close() ran
     cdef bint busy               # inside on_readable (a nested call does nothing)
-    cdef bint failed             # RX_TOO_LARGE seen: the stream lost its framing
+    cdef bint failed             # RX_TOO_LARGE, RX_PROXY_ERROR or RX_ERROR ENOMEM seen:
+                                 #   nothing more is read
     cdef bint pending            # own[pos:end) may hold complete, undelivered frames
     cdef bint filled             # the last recv filled all the room it was offered
-    cdef bint hold               # the owner paused reading: no further recv this call
+    cdef bint hold               # the owner paused reading: no further frame or recv this
+                                 #   call, and on_readable() does nothing while set
     cdef int max_reads           # recv calls per on_readable while each fills its room
     cdef int64_t reads           # recv calls that returned data
     cdef int64_t bytes_in        # bytes received

@@ -309,7 +309,8 @@ cdef class _HeapBuf:
 @cython.final
 @cython.no_gc
 cdef class _RxExporter:
-    """Exports the frame that Receiver._deliver set just before (see _receiver.pxd)."""
+    """Exports the window that Receiver._view set just before (pin, ptr, len; see
+    _receiver.pxd)."""
 
     def __init__(self, *args, **kwargs):
         raise TypeError("internal to Receiver")
@@ -570,7 +571,9 @@ cdef class Receiver:
         unfinished frame's buffer, then every complete frame to on_frame in stream order;
         again while a recv fills its room (up to max_reads).  Would-block is quiet; EOF,
         errors, a too-large header and handler exceptions go to on_event.  Does nothing
-        once closed, or while ``hold`` is set (which also stops it between two frames)."""
+        once closed, once the stream failed (RX_TOO_LARGE, RX_PROXY_ERROR, RX_ERROR ENOMEM),
+        once the arena is closed, or while ``hold`` is set (which also stops it between two
+        frames)."""
         self.c_on_readable()
 
     @property
@@ -949,8 +952,9 @@ cdef class Receiver:
 
     @property
     def pending(self):
-        """True while complete frames wait (left by a handler exception) for the next
-        on_readable(), which delivers them before reading."""
+        """True while received bytes wait -- left by a handler exception, a BaseException,
+        or ``hold`` set between frames -- for the next on_readable(), which delivers them
+        before reading."""
         return self.pending
 
     @property
