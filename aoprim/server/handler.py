@@ -20,7 +20,8 @@ Rules for handlers:
   worker lives on.  On the loop thread (``workers=0``) a ``BaseException`` that is not an
   ``Exception`` stops the server (every session aborted, every buffer back) and propagates
   out of ``serve_forever()``; SIGINT itself never raises ``KeyboardInterrupt`` in a serving
-  ``serve_forever()`` (it shuts down cleanly).
+  ``serve_forever()`` (it shuts down cleanly).  ``on_close`` is the exception: whatever it
+  raises, on any thread, is logged and nothing else happens (its session is closed already).
 """
 
 __all__ = ["Handler"]
