@@ -2,8 +2,9 @@
 
 Hot counters live where they are bumped for free (the compiled receiver counts reads, bytes
 and frames; each send batch counts syscalls, messages and bytes; a session counts the frames
-it sent on the loop thread); a closing session folds its figures into :class:`Stats`, and a
-snapshot adds the open sessions' figures to the folded ones.
+it sent on the loop thread); a session folds its figures into :class:`Stats` at teardown
+(once closed, not while closing), and a snapshot adds the figures of the sessions not torn
+down yet (open and closing) to the folded ones.
 """
 from aoprim import AtomicInt
 
