@@ -7,8 +7,9 @@ other threads, and the per-iteration flush of every dirty batch.
   queues itself in the group when it becomes dirty.  At the end of every loop iteration
   :class:`Flusher` flushes the whole group with one GIL release -- all replies one read
   burst produced leave in one ``sendmsg`` per session (more only beyond ``IOV_MAX``
-  messages; at most ``flush_budget`` bytes per session per iteration) -- and hands the few batches that need
-  attention (would block, a budget used up, an error, or watched) to their sessions.
+  messages; a session's writes stop for this iteration once ``flush_budget`` bytes are
+  out) -- and hands the few batches that need attention (would block, a budget used up, an
+  error, or watched) to their sessions.
 - Sends from other threads go through :class:`ForeignSends`: one item per ``send`` (the
   payload as one ``bytes`` copy, or a retained ``Slot``; see :func:`foreign_item`), framed
   on the loop thread by ``add_frame`` as it drains them, so another thread's send can never
