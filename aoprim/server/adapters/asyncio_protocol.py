@@ -5,8 +5,9 @@ Each session gets one protocol instance (from the factory) and one :class:`Sessi
 ``Protocol.data_received`` gets ``bytes`` (asyncio's contract: the protocol may keep them).
 A ``BufferedProtocol`` gets its bytes through ``get_buffer``/``buffer_updated``: they were
 received into pool slots by Layer 2 and are copied once, straight from the slot, into the
-buffer the protocol hands out (with ``workers=N`` from the frame's ``bytes`` copy instead).  The transport's write buffer is the session's ``SendBatch``:
-``get_write_buffer_size()`` is its unsent bytes, and the protocol's ``pause_writing`` /
+buffer the protocol hands out (with ``workers=N`` from the frame's ``bytes`` copy instead).
+The transport's write buffer is the session's ``SendBatch``: ``get_write_buffer_size()`` is
+its unsent bytes, and the protocol's ``pause_writing`` /
 ``resume_writing`` are called when it crosses the limits of ``set_write_buffer_limits``.
 
 Differences from asyncio worth knowing: the peer's EOF closes the session (``eof_received``
