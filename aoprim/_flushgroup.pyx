@@ -33,13 +33,17 @@ import socket as _socket
 # with pending data and it is not queued yet: O(1), in C, no Python call.  flush() then:
 #
 #   A  (GIL held, no Python code runs)  take the whole queue (swap q and w under qlock),
-#      claim each batch (`busy`), mark it unqueued, take its owner, read its fd;
-#   B  (GIL released ONCE)  write every batch: one system call each (more only beyond
+#      claim each batch (`busy`), mark it unqueued, take its owner, pin its socket (a
+#      close() from any thread is deferred until C: item 18), then read its fd;
+#   B  (GIL released ONCE -- or not at all when exactly one batch is to be written and its
+#      socket is non-blocking now: that write uses MSG_DONTWAIT)  write every batch: one
+#      system call each (more only beyond
 #      IOV_MAX segments), up to `budget` bytes; the owners of fully written segments
 #      (bytes, exports, slots) are moved out of the batch into `rel`, so the batch is
 #      committed and may go on writing without the GIL;
-#   C  (GIL held)  compute each status, unclaim each batch, and only then release `rel`
-#      (the one place arbitrary Python code runs: a slot's release(), a __del__) and build
+#   C  (GIL held)  compute each status, unclaim each batch, unpin the sockets (a deferred
+#      close() runs there), and only then release `rel` (with the unpins, the place
+#      arbitrary Python code runs: a slot's release(), a __del__) and build
 #      the report.  No system call follows: issue 11's rule -- never write to an fd number
 #      read before a GIL re-acquisition -- holds because the fds are read in A, with no
 #      Python code between the first read and the writes (fileno() is socket.socket's own C
@@ -541,8 +545,9 @@ cdef class FlushGroup(_GroupBase):
             old = b.owner                    # dropped after the claim: may run __del__
             b.owner = owner
             b.group = self
-            # a write to a non-blocking socket never blocks, so a flush with only this
-            # batch to write need not release the GIL (see c_flush_all, pass B)
+            # a first filter for pass B's GIL-held single write: a socket blocking now
+            # never takes it; a non-blocking one is re-checked at write time
+            # (_lone_nonblocking), as its mode may change after attach
             b.nonblocking = b.has_sock and b.sock.gettimeout() == 0.0
             if not b.queued and b.head < b.nseg:
                 if self._queue(b) < 0:
