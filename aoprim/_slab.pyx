@@ -26,11 +26,13 @@ State word of a Slot (one atomic 64-bit word, so that "last release" and "new vi
 race): bits 0-30 references, bit 31 DEFER, bits 32-63 exported buffer views.
 - getbuffer adds a view only while references > 0;
 - release() refuses (BufferError) to drop the last reference while views > 0;
-- c_release_deferred() (BlockTable) drops it anyway and sets DEFER: the slot goes back to the
+- c_release_deferred() (BlockTable, Receiver) drops it anyway and sets DEFER: the slot goes back to the
   pool when the last view is released.  Either way no view ever outlives its slot's tenure.
-Ordering: as Rust's Arc -- increments relaxed (a new reference is made from an existing one),
-decrements acq_rel (each holder's writes are released; the one reaching 0 acquires them all
-before the index goes back into the free ring, published by a release store).
+Ordering: as Rust's Arc -- reference increments relaxed (a new reference is made from an
+existing one), decrements acq_rel (each holder's writes are released; the one reaching 0
+acquires them all before the index goes back into the free ring, published by a release
+store).  A view is added with acquire (it reads what holders wrote) and dropped acq_rel (its
+writes reach whoever gives the slot back; on the DEFER path that is the view's releaser).
 """
 cimport cython
 from cpython.ref cimport PyObject, Py_INCREF
