@@ -113,7 +113,8 @@ cdef class ProxyParser:
 
     ``accept``: 1 (v1 only), 2 (v2 only) or 3 (either).  ``limit``: the longest header
     accepted, 232..65551 bytes (v1 lines are at most 107 whatever the limit).  Not
-    GC-tracked: it holds only a tuple of strings or a string.  One thread."""
+    GC-tracked: it holds only the result (a tuple of ints, strings, None and (host, port)
+    tuples) or an error string -- nothing that can refer back to it.  One thread."""
 
     def __cinit__(self, accept=3, limit=4096):
         if isinstance(accept, bool) or not isinstance(accept, int):
