@@ -13,8 +13,8 @@
   * a backlog of ``worker_backlog`` frames pauses the session's reading; it resumes once the
     worker has brought it down to a quarter.  The pause takes effect between two frames: the
     compiled receiver delivers no further frame of the bytes it already read (they stay in
-    its buffer until reading resumes), so the backlog stays at the limit, however many
-    frames one read brought;
+    its buffer until reading resumes), so the backlog stays at the limit (plus at most the
+    session's EOF and close marks), however many frames one read brought;
   * a session closed from its worker (a hook raised, ``close()``, ``abort()``) gets no more
     ``on_read``: the frames still queued for it are dropped;
   * the loop thread never blocks on a full completion queue: a session that does not fit
@@ -180,7 +180,9 @@ class WorkerDispatch:
             session.unref()
 
     def stop(self):
-        """Close the completion queue: workers drain what is queued, then exit."""
+        """Close the completion queue: workers drain what is queued, then exit; the
+        sessions still waiting in the overflow list run here, on the calling (loop)
+        thread."""
         self.closed = True
         self._pool.close()
         ov = self._overflow
