@@ -48,9 +48,9 @@ class Server:
     ``flush_budget``, ``backlog``, ``reuse_port``, ``rx_slot_size``, ``rx_slots``, ``rx_reads``,
     ``tx_slot_size``, ``tx_slots``, ``close_linger``, ``shutdown_timeout``,
     ``worker_backlog``, ``worker_queue``, ``accept_batch``, ``proxy_protocol``,
-    ``trusted_proxies``, ``proxy_max_header`` (behind a load balancer: see
-    :mod:`~.proxy`).  ``sock``: serve on an already bound and listening socket instead of
-    ``host``/``port``.
+    ``trusted_proxies``, ``proxy_max_header``, ``proxy_header_timeout`` (behind a load
+    balancer: see :mod:`~.proxy`).  ``sock``: serve on an already bound and listening socket
+    instead of ``host``/``port``.
     """
 
     def __init__(self, handler, host="127.0.0.1", port=0, framing="raw", *, sock=None,
