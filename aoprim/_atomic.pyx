@@ -7,9 +7,10 @@ Invariants
   never with a plain load or store, so no access is torn and none is reordered past another.
 - Every Python-level AtomicInt operation is sequentially consistent (API.md): one total order
   of all of them exists that every thread agrees on.
-- ``RefCount.cell`` >= 0 always.  Increments and decrements are CAS loops that refuse to move
-  the count away from 0, so 0 is terminal and the 1 -> 0 transition happens exactly once:
-  exactly one thread (the one whose CAS performed it) runs ``on_zero``.
+- 0 <= ``RefCount.cell`` <= 2**63-1 always.  Increments and decrements are CAS loops that
+  refuse to move the count away from 0 (and an increment past 2**63-1: it raises
+  OverflowError having stored nothing), so 0 is terminal and the 1 -> 0 transition happens
+  exactly once: exactly one thread (the one whose CAS performed it) runs ``on_zero``.
 """
 cimport cython
 from cpython.long cimport PyLong_CheckExact, PyLong_AsLongLong
