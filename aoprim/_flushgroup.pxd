@@ -4,7 +4,8 @@
 A SendBatch attached to a group queues itself there when an add leaves it with pending
 data (the C adds included: see aoprim/_sendbatch.pxd).  ``c_flush_all()`` is ``flush()``
 without the Python call; it needs the GIL (it takes and drops references and reads
-fileno() from socket objects) and releases it once for all the system calls.
+fileno() from socket objects) and releases it at most once for all the system calls (not
+at all when the one batch to write targets a non-blocking socket: MSG_DONTWAIT).
 """
 from libc.stdint cimport uint64_t
 from cpython.ref cimport PyObject

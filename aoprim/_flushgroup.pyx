@@ -172,7 +172,7 @@ cdef inline bint _lone_nonblocking(aop_fg_item *w, Py_ssize_t n) noexcept:
 cdef class FlushGroup(_GroupBase):
     """FlushGroup(budget=262144)
 
-    Flushes every dirty SendBatch once per loop iteration with a single GIL release.
+    Flushes every dirty SendBatch once per loop iteration with at most one GIL release.
     ``attach(b, owner)`` makes ``b`` queue itself here whenever an add leaves it with pending
     data; ``flush()`` writes every queued batch (one system call each) and returns None, or
     a list of ``(owner, status)`` for the batches that need attention: 1 = data still pending
@@ -600,7 +600,8 @@ cdef class FlushGroup(_GroupBase):
         return self.c_requeue(b) == 1
 
     def flush(self):
-        """Flush every queued batch: all system calls with the GIL released once.  Returns
+        """Flush every queued batch: all system calls with the GIL released at most once
+        (not at all when one batch is written, to a non-blocking socket).  Returns
         None when nothing needs attention, else a list of (owner, status) in flush order:
         1 = data still pending, -errno = the write failed, 0 = all sent (watched batch).
 
