@@ -8,7 +8,9 @@
     with nogil:
         aop_fetch_add_i64(&a.cell, 1, AOP_SEQ_CST)
 
-The Python methods use sequentially consistent order throughout (API.md); C callers choose.
+AtomicInt's Python methods use sequentially consistent order throughout (API.md); RefCount's
+use Rust Arc's orders (relaxed increments, acq_rel decrements: see _atomic.pyx); C callers
+of the aop_* calls choose.
 """
 from libc.stdint cimport int64_t
 from aoprim.atomic_h cimport aop_atomic_i64

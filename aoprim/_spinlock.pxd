@@ -16,5 +16,5 @@ callers and vice versa.
 from aoprim.atomic_h cimport aop_spinlock_t
 
 cdef class SpinLock:
-    cdef aop_spinlock_t lock     # the lock word: 0 free, 1 held, 2 held with parked waiters
+    cdef aop_spinlock_t lock     # the lock word: 0 free, 1 held, 2 held and a waiter may be parked
     cdef object __weakref__      # weak references work, as on threading.Lock
