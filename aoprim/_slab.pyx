@@ -200,12 +200,14 @@ cdef class SlabPool:
 
     @property
     def high_water(self):
-        """Most slots ever held at once."""
+        """Most slots ever held at once: exact single-threaded and once the pool ran dry;
+        with concurrent acquires a lower bound (see aop_slab.h)."""
         return aop_load_i64(&self.slab.high_water, AOP_RELAXED)   # relaxed: statistic
 
     @property
     def failed_acquires(self):
-        """How many acquires (acquire, try_acquire, C-level, BlockTable) found no free slot."""
+        """How many acquires (acquire, try_acquire, C-level, BlockTable, RxArena/Receiver)
+        found no free slot."""
         return aop_load_i64(&self.slab.failed, AOP_RELAXED)   # relaxed: statistic
 
     @property
