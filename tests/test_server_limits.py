@@ -147,6 +147,28 @@ def test_max_pending_cuts_a_flooded_session(make_server, connect, logs):
     assert recv_exact(other, len(blob)) == blob
 
 
+@pytest.mark.parametrize("high_water", [None, 1 << 30])
+def test_max_pending_holds_when_high_water_is_above_it(make_server, connect, logs, high_water):
+    # max_pending was checked only once pending bytes passed high_water: with high_water
+    # above max_pending a loop-thread sender piled up 4.4 MB under max_pending=64 KiB
+    blob = b"z" * (64 << 10)
+
+    class Amplify(Handler):
+        def on_read(self, session, data):
+            for _ in range(len(data)):
+                session.send(blob)
+
+    kw = {} if high_water is None else {"high_water": high_water}
+    srv = make_server(Amplify(), max_pending=64 << 10, **kw)
+    victim, other = connect(srv, rcvbuf=4096), connect(srv)
+    wait_for(lambda: srv.stats()["connections"] == 2)
+    victim.sendall(b"x" * 64)                 # asks for 4 MiB at once
+    wait_for(lambda: srv.stats()["connections"] == 1, what="the flooded session to close")
+    assert "max_pending exceeded" in logs.text
+    other.sendall(b"a")
+    assert recv_exact(other, len(blob)) == blob
+
+
 def test_thousand_concurrent_connections(make_server):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = 2 * 1000 + 200

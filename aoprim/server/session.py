@@ -95,7 +95,9 @@ class Session:
         self._batch = ctx.flusher.new_batch(sock, self)
         self._batch.owner_thread = loop.thread_id   # sends from other threads: -1 (slow path)
         self._hs = ctx.settings.header_size
-        self._hw = ctx.settings.high_water  # -1 while write limits are set (see _over_high)
+        # a send above this takes _over_high: the high-water mark, or max_pending if lower
+        # (both are checked there); -1 while write limits are set
+        self._hw = min(ctx.settings.high_water, ctx.settings.max_pending)
         self._nout = 0                      # frames sent on the loop thread
         self._foreign = ForeignSends(loop, self._drain_foreign)
         d = ctx.dispatch
@@ -300,16 +302,18 @@ class Session:
 
     # -- back-pressure and the flush (loop thread) --------------------------------------
     def _over_high(self):
-        """A send left more than ``_hw`` bytes pending: the server's high-water mark, or -1
-        while write limits are set (so that every send checks them)."""
+        """A send left more than ``_hw`` bytes pending: the lower of the server's high-water
+        mark and ``max_pending``, or -1 while write limits are set (so that every send
+        checks them).  ``max_pending`` is checked first and on its own: a high-water mark
+        set above it must not disable it."""
         p = self._batch.pending_bytes
         st = self._ctx.settings
+        if p > st.max_pending:
+            self._abort(f"max_pending exceeded ({p} unsent bytes > {st.max_pending}): "
+                        "the peer does not read", level=logging.WARNING,
+                        cause="max_pending")
+            return
         if p > st.high_water:
-            if p > st.max_pending:
-                self._abort(f"max_pending exceeded ({p} unsent bytes > {st.max_pending}): "
-                            "the peer does not read", level=logging.WARNING,
-                            cause="max_pending")
-                return
             if self._rx.pause(PAUSE_BACKPRESSURE):
                 self._update_interest()
             self._sync_watch()
