@@ -35,8 +35,9 @@ Who owns which buffer
 When a slot returns
 - Our own reference is dropped with Slot.c_release_deferred: at once if no view of the slot
   is alive, otherwise when the last view is released (Slot's DEFER bit).  That happens on
-  close(), on deallocation, when the kept bytes are all delivered, and when they move to
-  another buffer.  The arena's scratch likewise, on close() and on a swap.
+  close(), on deallocation, when the kept bytes are all delivered, when they move to
+  another buffer, and when the stream fails (RX_TOO_LARGE, ENOMEM).  The arena's scratch
+  likewise, on close() and on a swap.
 
 Why no view ever sees rewritten memory
 - Memory is written only by recv and by the memmove/memcpy that keeps an unfinished tail.
@@ -610,8 +611,10 @@ cdef class Receiver:
             end = self.end
             room = (self.want if self.want else self.ocap) - end
             if room <= 0:
-                do_read = False     # never: kept bytes always leave room (see _settle);
-                                    # a 0-byte recv would read as EOF
+                do_read = False     # only a buffer of pending frames can be full, and those
+                                    # are delivered by a non-reading burst first; an
+                                    # unfinished frame always leaves room (see _settle).
+                                    # A 0-byte recv would read as EOF
         else:
             if not do_read:
                 self.pending = False
