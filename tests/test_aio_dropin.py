@@ -220,15 +220,22 @@ def tls_files(tmp_path_factory):
     return str(cert), str(key)
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind", kinds())
-def test_producer_in_resume_writing_tls(loop_of, kind, tls_files):
+def tls_contexts(tls_files):
+    """(server context, client context) trusting the self-signed certificate."""
     import ssl
     cert, key = tls_files
     sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     sctx.load_cert_chain(cert, key)
     cctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     cctx.load_verify_locations(cert)
+    return sctx, cctx
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", kinds())
+def test_producer_in_resume_writing_tls(loop_of, kind, tls_files):
+    import ssl
+    sctx, cctx = tls_contexts(tls_files)
     loop = loop_of(kind)
     result = {}
 
@@ -542,12 +549,7 @@ def test_buffered_protocol_with_a_small_buffer(loop_of, kind):
 
 @pytest.mark.parametrize("kind", kinds())
 def test_tls_echo_of_8_mib_both_directions_under_back_pressure(loop_of, kind, tls_files):
-    import ssl
-    cert, key = tls_files
-    sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    sctx.load_cert_chain(cert, key)
-    cctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    cctx.load_verify_locations(cert)
+    sctx, cctx = tls_contexts(tls_files)
     loop = loop_of(kind)
     blob = os.urandom(1 << 20) * 8
 
@@ -586,12 +588,7 @@ def test_tls_echo_of_8_mib_both_directions_under_back_pressure(loop_of, kind, tl
 
 @pytest.mark.parametrize("kind", kinds())
 def test_start_tls_on_both_ends(loop_of, kind, tls_files):
-    import ssl
-    cert, key = tls_files
-    sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    sctx.load_cert_chain(cert, key)
-    cctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    cctx.load_verify_locations(cert)
+    sctx, cctx = tls_contexts(tls_files)
     loop = loop_of(kind)
 
     async def handle(r, w):
