@@ -12,6 +12,17 @@ from aoprim.aio import SocketTransport
 pytestmark = pytest.mark.timeout(60)
 
 
+
+async def serve_app(app):
+    """Start an aiohttp ``app`` on a free local port: (its runner, the port)."""
+    from aiohttp import web
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 def test_aiohttp_app_serves_its_client():
     aiohttp = pytest.importorskip("aiohttp")
     from aiohttp import web
@@ -51,11 +62,7 @@ def test_aiohttp_app_serves_its_client():
         app.router.add_get("/stream", stream)
         app.router.add_get("/large", large)
         app.router.add_get("/ws", ws)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await serve_app(app)
         base = f"http://127.0.0.1:{port}"
         try:
             conn = aiohttp.TCPConnector(limit=4)
@@ -211,11 +218,7 @@ def test_httpx_client_against_aiohttp_server(loop):
         app = web.Application(client_max_size=64 << 20)
         app.router.add_get("/hi/{n}", hello)
         app.router.add_post("/echo", echo)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await serve_app(app)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
                                          timeout=30) as c:
