@@ -12,7 +12,6 @@ from aoprim.aio import SocketTransport
 pytestmark = pytest.mark.timeout(60)
 
 
-
 async def serve_app(app):
     """Start an aiohttp ``app`` on a free local port: (its runner, the port)."""
     from aiohttp import web
