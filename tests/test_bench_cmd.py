@@ -185,3 +185,50 @@ def test_a_server_that_cannot_start_is_reported_not_fatal():
     from aoprim.benchmarks import servers
     with pytest.raises(servers.ServerUnavailable, match="did not start"):
         servers.run_one("aoprim-nosuchbackend", "raw-1k-10", duration=0.2)
+
+
+# ---- the tls groups (issue 21) -------------------------------------------------------------
+
+def test_tls_groups_are_listed_and_selected_by_family():
+    r = bench("--list")
+    assert r.returncode == 0, r.stderr
+    listed = {line.split()[0]: line for line in r.stdout.splitlines() if line.strip()}
+    for gid in ("tls-u16-64x16-10", "tls-raw-1k-10", "tls-handshake"):
+        assert gid in listed and " tls " in listed[gid], r.stdout
+        assert "(only when named)" not in listed[gid]          # a default group
+    assert [g.id for g in suite.plan("full", ["tls"])] == ["tls-u16-64x16-10", "tls-raw-1k-10",
+                                                           "tls-handshake"]
+    # the test suite's --tiny run of everything leaves them out (they run when named)
+    assert not any(g.family == "tls" for g in suite.plan("tiny"))
+
+
+def test_tls_groups_run_a_tiny_round(tmp_path):
+    path = tmp_path / "tls.json"
+    r = bench("--tiny", "--no-progress", "--only", "tls", "--json", str(path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(path.read_text())
+    assert schema.validate(doc) == []
+    groups = {g["id"]: g for g in doc["groups"]}
+    assert set(groups) == {"tls-u16-64x16-10", "tls-raw-1k-10", "tls-handshake"}
+    assert "records/msg" in r.stdout and "wire B/msg" in r.stdout
+    for gid, g in groups.items():
+        assert g["kind"] == "server" and g["family"] == "tls"
+        assert g["baseline"] == "asyncio"
+        names = {e["name"] for e in g["entries"]}
+        assert "asyncio" in names, (gid, g["skipped"])
+        # aoprim is measured when its server takes ssl=, else listed with the reason
+        for name in ("aoprim",):
+            assert name in names or any(s["name"] == name and s["reason"]
+                                        for s in g["skipped"]), (gid, g["skipped"])
+        for e in g["entries"]:
+            m = e["metrics"]
+            assert m["msgs_per_s"]["median"] > 0, (gid, e["name"])
+            assert {"records_per_msg", "wire_bytes_per_msg"} <= set(m), (gid, e["name"])
+    u16 = {e["name"]: e["metrics"] for e in groups["tls-u16-64x16-10"]["entries"]}
+    # asyncio writes each 66-byte frame as its own record: one record, 66 + 22 bytes each
+    assert 0.9 <= u16["asyncio"]["records_per_msg"]["median"] <= 1.1
+    assert 85 <= u16["asyncio"]["wire_bytes_per_msg"]["median"] <= 95
+    if "aoprim" in u16:         # one record per flush: 16 frames read together leave together
+        assert u16["aoprim"]["records_per_msg"]["median"] <= 0.5, u16["aoprim"]
+    hs = {e["name"]: e["metrics"] for e in groups["tls-handshake"]["entries"]}
+    assert hs["asyncio"]["records_per_msg"]["median"] >= 3       # a whole handshake each

@@ -8,6 +8,8 @@ run, on this machine.
                    the progress bar
     servers.py     the server groups: aoprim's server, asyncio, uvloop (and aoprim.aio, other
                    Layer 1 backends when present) under the project's load generator
+    tls.py         the tls groups: the same servers speaking TLS, under a TLS client that
+                   counts records and bytes on the wire (also the client, run by path)
     echo_asyncio.py / echo_floor.py   the baseline servers those groups start
     machine.py     the header: CPU, cores, Python, aoprim version, compiler
     report.py      tables, --compare

@@ -1,12 +1,15 @@
 """The asyncio baseline echo servers, written the way users write them.
 
     python echo_asyncio.py --port 0 --framing raw|u16 [--loop asyncio|uvloop|aio] [--uvloop]
+                           [--certfile F --keyfile F]
 
 ``raw``: ``data_received`` -> ``transport.write(data)``.
 ``u16``: ``data_received`` appends to a buffer, cuts out every complete u16-framed message
 and calls ``transport.write`` once per frame (as game servers do).
 ``--loop``: the event loop it runs on -- asyncio's default, uvloop, or aoprim's asyncio loop
 (``aoprim.aio.new_event_loop()``); ``--uvloop`` is ``--loop uvloop``.
+``--certfile/--keyfile``: serve TLS (``create_server(ssl=ctx)``, ``ctx`` from
+``ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)`` with that key and certificate).
 Prints ``listening on HOST:PORT``; SIGINT/SIGTERM stop it (exit 0).
 
 Run as a script (by path): it imports nothing from aoprim unless ``--loop aio``.
@@ -14,6 +17,7 @@ Run as a script (by path): it imports nothing from aoprim unless ``--loop aio``.
 import argparse
 import asyncio
 import signal
+import ssl
 import struct
 import sys
 
@@ -55,7 +59,11 @@ def write_frames(buf, write):
 async def main(args):
     loop = asyncio.get_running_loop()
     proto = Echo if args.framing == "raw" else FramedEcho
-    server = await loop.create_server(proto, args.host, args.port)
+    ctx = None
+    if args.certfile:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(args.certfile, args.keyfile)
+    server = await loop.create_server(proto, args.host, args.port, ssl=ctx)
     host, port = server.sockets[0].getsockname()[:2]
     print(f"listening on {host}:{port}", flush=True)
     stop = asyncio.Event()
@@ -73,6 +81,8 @@ def cli(argv=None):
     p.add_argument("--framing", choices=("raw", "u16"), default="raw")
     p.add_argument("--loop", choices=("asyncio", "uvloop", "aio"), default="asyncio")
     p.add_argument("--uvloop", action="store_true", help="the same as --loop uvloop")
+    p.add_argument("--certfile", help="serve TLS with this certificate (PEM)")
+    p.add_argument("--keyfile", help="the certificate's private key (PEM)")
     a = p.parse_args(argv)
     if a.uvloop:
         a.loop = "uvloop"

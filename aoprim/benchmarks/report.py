@@ -70,9 +70,13 @@ def render_group(g):
     ents = sorted(g["entries"], key=lambda e: e["median"], reverse=(g["better"] == "higher"))
     w = max([len(e["name"]) for e in ents] + [len("entry")]) + 11
     if kind == "server":
-        lines.append(f"  {'server':<{w}} {'CPU us/msg':>10} {'spread':>13} {'ratio':>7} "
+        uw = max(10, len(g["unit"]))
+        # the tls groups also carry TLS records and wire bytes (server to client) per message
+        tls = any("records_per_msg" in e.get("metrics", {}) for e in ents)
+        lines.append(f"  {'server':<{w}} {g['unit']:>{uw}} {'spread':>13} {'ratio':>7} "
                      f"{'msgs/s':>8} {'ratio':>7} {'p50 us':>7} {'p99 us':>7} "
-                     f"{'syscalls/msg':>12} {'user':>6} {'sys':>6}")
+                     f"{'syscalls/msg':>12} {'user':>6} {'sys':>6}"
+                     + (f" {'records/msg':>11} {'wire B/msg':>10}" if tls else ""))
         base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
         bm = base["metrics"].get("msgs_per_s", {}).get("median") if base else None
         for e in ents:
@@ -84,12 +88,15 @@ def render_group(g):
             name = ("* " if e["winner"] else "  ") + e["name"] + \
                 ("  (baseline)" if e["role"] == "baseline" else "")
             sc = med("syscalls_per_msg")
+            rpm = med("records_per_msg")
             lines.append(
-                f"{name:<{w + 2}} {_num(e['median']):>10} "
+                f"{name:<{w + 2}} {_num(e['median']):>{uw}} "
                 f"{_num(e['min']) + '-' + _num(e['max']):>13} {_ratio(e['ratio']):>7} "
                 f"{_num(med('msgs_per_s')):>8} {_ratio(mr):>7} {_num(med('p50_us')):>7} "
                 f"{_num(med('p99_us')):>7} {'-' if sc is None else f'{sc:.3f}':>12} "
-                f"{_num(med('user_us_per_msg')):>6} {_num(med('sys_us_per_msg')):>6}")
+                f"{_num(med('user_us_per_msg')):>6} {_num(med('sys_us_per_msg')):>6}"
+                + (f" {'-' if rpm is None else f'{rpm:.3f}':>11} "
+                   f"{_num(med('wire_bytes_per_msg')):>10}" if tls else ""))
     else:
         extra = kind == "contention"
         lines.append(f"  {'entry':<{w}} {'median':>9} {'spread (min-max)':>19} {'ratio':>8}"

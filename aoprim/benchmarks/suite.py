@@ -8,11 +8,15 @@ JSON document (schema.py).  Modes:
   quick  the same groups, 5 rounds (2 threaded, smaller); servers: 4 scenarios, 1 round of
          1 s                                                                 (< 1 minute)
   tiny   for the test suite only (``--tiny``): everything, as small as still runs end to end
+         (the tls groups only when named: ``--only tls``)
+
+The ``tls`` groups (tls.py) run the servers with TLS, with the server groups' rounds and
+durations.
 """
 import fnmatch
 import time
 
-from . import cases, contention, machine, runner, servers
+from . import cases, contention, machine, runner, servers, tls
 from .schema import SCHEMA_ID
 
 __all__ = ["MODES", "SERVER_SERIES", "plan", "run", "selectors", "UnknownSelection"]
@@ -75,9 +79,28 @@ class ServerGroup:
             self.series.append("server-pipelined")
 
 
+class TLSGroup:
+    """A TLS scenario (tls.SCENARIOS) as a server group, measured by tls.run_one."""
+    kind = "server"
+    family = "tls"
+    compete = True
+
+    def __init__(self, scenario, default=True):
+        sc = tls.SCENARIOS[scenario]
+        self.scenario = scenario
+        self.id = scenario
+        self.title = tls.TITLES[scenario]
+        self.params = dict(sc)
+        self.series = []
+        self.default = default
+        self.unit = "CPU us/handshake" if sc["mode"] == "handshake" else "CPU us/msg"
+        self.run_one = tls.run_one
+
+
 def _all_groups(mode):
     return (list(cases.GROUPS) + contention.groups() +
-            [ServerGroup(s) for s in MODES[mode]["server"]["scenarios"]])
+            [ServerGroup(s) for s in MODES[mode]["server"]["scenarios"]] +
+            [TLSGroup(s, default=(mode != "tiny")) for s in tls.SCENARIOS])
 
 
 def selectors():
@@ -145,8 +168,9 @@ def _server_group(g, names, m, progress, skipped_servers, count_syscalls):
             if progress:
                 progress.step(0, f"{g.id}: {name} (round {r + 1}/{s['rounds']})")
             try:
-                res = servers.run_one(name, g.scenario, s["duration"], warmup=s["warmup"],
-                                      syscalls=count_syscalls and r == 0)
+                run_one = getattr(g, "run_one", servers.run_one)
+                res = run_one(name, g.scenario, s["duration"], warmup=s["warmup"],
+                              syscalls=count_syscalls and r == 0)
             except servers.ServerUnavailable as e:
                 skipped_servers[name] = str(e)
                 res = None
@@ -180,7 +204,9 @@ def _server_group(g, names, m, progress, skipped_servers, count_syscalls):
                          ("user_us_per_msg", lambda x: x["server_cpu"]["user_us_per_msg"]),
                          ("sys_us_per_msg", lambda x: x["server_cpu"]["sys_us_per_msg"]),
                          ("syscalls_per_msg", lambda x: x.get("syscalls_per_msg")),
-                         ("send_syscalls_per_msg", lambda x: x.get("send_syscalls_per_msg"))):
+                         ("send_syscalls_per_msg", lambda x: x.get("send_syscalls_per_msg")),
+                         ("records_per_msg", lambda x: x.get("records_per_msg")),
+                         ("wire_bytes_per_msg", lambda x: x.get("wire_bytes_per_msg"))):
             vals = [v for v in map(get, rs) if v is not None]
             if vals:
                 metrics[key] = runner.summarize(vals)
@@ -210,10 +236,11 @@ def run(groups, mode="full", progress=None, only=None):
     if progress:
         progress.total = max(1, steps(groups, mode, len(server_names)))
     out = []
-    skipped_servers = {}
+    skipped_servers = {}          # family -> {server: why it cannot run}
     for g in groups:
         if g.kind == "server":
-            out.append(_server_group(g, server_names, m, progress, skipped_servers,
+            out.append(_server_group(g, server_names, m, progress,
+                                     skipped_servers.setdefault(g.family, {}),
                                      method is not None))
         else:
             res = runner.measure_group(g, cont if g.kind == "contention" else micro, progress)
