@@ -43,6 +43,7 @@ def test_runs_end_to_end_with_header_tables_and_progress(tiny):
     for g in doc["groups"]:
         assert f"[{g['id']}]" in out                # one table per group
     assert "(baseline)" in out and "x1.00" in out
+    assert "syscalls/msg" in out and "faults/msg" in out     # the server tables' columns
     assert "\n* " in out                            # a winner is marked
     # the progress bar went to stderr, and reached the end
     assert "[" in r.stderr and "100%" in r.stderr and "done" in r.stderr
@@ -70,8 +71,9 @@ def test_json_follows_the_documented_schema(tiny):
     names = {e["name"] for e in srv["entries"]}
     assert {"aoprim", "asyncio"} <= names
     for e in srv["entries"]:
-        assert {"msgs_per_s", "p50_us", "p99_us"} <= set(e["metrics"])
+        assert {"msgs_per_s", "p50_us", "p99_us", "faults_per_msg"} <= set(e["metrics"])
         assert e["metrics"]["msgs_per_s"]["median"] > 0
+        assert e["metrics"]["faults_per_msg"]["median"] >= 0
     # what could not run is listed with a reason (another backend, aoprim.aio, ...)
     assert all(s["reason"] for s in doc["skipped"])
 
@@ -159,6 +161,32 @@ def test_plan_selection_rules():
     assert "sendbatch-cutoff-00256B" in [g.id for g in suite.plan("full", ["sendbatch-cutoff"])]
     servers = [g.id for g in suite.plan("full", ["server"])]
     assert "server-raw-1k-1000" in servers and "server-raw-64k-10" in servers
+    # the size curve runs up to 1 MiB (issue 20): 64 B ... 64 KiB, 256 KiB, 1 MiB
+    sizes = sorted(g.params["size"] for g in suite.plan("full", ["server"])
+                   if "server-sizes" in g.series)
+    assert sizes == [64, 1024, 16384, 65536, 262144, 1 << 20]
+
+
+def test_loadgen_counts_the_server_page_faults_and_builds_large_messages_fast():
+    import time
+
+    from aoprim.tools import loadgen
+    # the same bytes as ever (byte i of variant k), built without a per-byte Python loop
+    for k, size in ((0, 300), (5, 70001), (63, 65536 * 2 + 17)):
+        want = bytes(((k * 131 + i * 7) ^ (i >> 8)) & 0xFF for i in range(size))
+        assert loadgen._payload(k, size) == want
+    t = time.monotonic()
+    msgs = loadgen._messages(1 << 20, "raw")
+    assert len(msgs) == 64 and all(len(m) == 1 << 20 for m in msgs)
+    assert time.monotonic() - t < 20             # was ~30 s of Python per-byte loops
+    # field 10 of /proc/PID/stat: touching 64 fresh pages faults at least 64 times
+    f0 = loadgen.proc_faults(os.getpid())
+    import mmap
+    m = mmap.mmap(-1, 64 * 4096)
+    for i in range(0, 64 * 4096, 4096):
+        m[i] = 1
+    m.close()
+    assert loadgen.proc_faults(os.getpid()) - f0 >= 64
 
 
 def test_new_loops_and_backends_join_the_server_groups_when_they_exist(monkeypatch):

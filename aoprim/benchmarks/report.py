@@ -75,7 +75,7 @@ def render_group(g):
         tls = any("records_per_msg" in e.get("metrics", {}) for e in ents)
         lines.append(f"  {'server':<{w}} {g['unit']:>{uw}} {'spread':>13} {'ratio':>7} "
                      f"{'msgs/s':>8} {'ratio':>7} {'p50 us':>7} {'p99 us':>7} "
-                     f"{'syscalls/msg':>12} {'user':>6} {'sys':>6}"
+                     f"{'syscalls/msg':>12} {'faults/msg':>10} {'user':>6} {'sys':>6}"
                      + (f" {'records/msg':>11} {'wire B/msg':>10}" if tls else ""))
         base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
         bm = base["metrics"].get("msgs_per_s", {}).get("median") if base else None
@@ -88,12 +88,14 @@ def render_group(g):
             name = ("* " if e["winner"] else "  ") + e["name"] + \
                 ("  (baseline)" if e["role"] == "baseline" else "")
             sc = med("syscalls_per_msg")
+            fl = med("faults_per_msg")
             rpm = med("records_per_msg")
             lines.append(
                 f"{name:<{w + 2}} {_num(e['median']):>{uw}} "
                 f"{_num(e['min']) + '-' + _num(e['max']):>13} {_ratio(e['ratio']):>7} "
                 f"{_num(med('msgs_per_s')):>8} {_ratio(mr):>7} {_num(med('p50_us')):>7} "
                 f"{_num(med('p99_us')):>7} {'-' if sc is None else f'{sc:.3f}':>12} "
+                f"{'-' if fl is None else f'{fl:.2f}':>10} "
                 f"{_num(med('user_us_per_msg')):>6} {_num(med('sys_us_per_msg')):>6}"
                 + (f" {'-' if rpm is None else f'{rpm:.3f}':>11} "
                    f"{_num(med('wire_bytes_per_msg')):>10}" if tls else ""))
@@ -205,9 +207,10 @@ def markdown_summary(doc):
 
 def markdown_servers(doc):
     """A Markdown table of the server groups: per scenario and server, messages/s, server
-    CPU per message (user + sys), syscalls per message, p99, and the ratios to the baseline."""
-    out = ["| scenario | server | msgs/s | CPU us/msg (user + sys) | syscalls/msg | p99 us | "
-           "CPU ratio | msgs/s ratio |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    CPU per message (user + sys), syscalls and minor page faults per message, p99, and the
+    ratios to the baseline."""
+    out = ["| scenario | server | msgs/s | CPU us/msg (user + sys) | syscalls/msg | faults/msg | "
+           "p99 us | CPU ratio | msgs/s ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     any_row = False
     for g in doc["groups"]:
         if g["kind"] != "server":
@@ -218,6 +221,7 @@ def markdown_servers(doc):
         for e in sorted(g["entries"], key=lambda e: e["median"]):
             m = {k: v["median"] for k, v in e.get("metrics", {}).items()}
             sc = m.get("syscalls_per_msg")
+            fl = m.get("faults_per_msg")
             name = f"**{e['name']}**" if e["winner"] else e["name"]
             if e["role"] == "baseline":
                 name += " (baseline)"
@@ -225,7 +229,7 @@ def markdown_servers(doc):
                 f"| {g['title'] if first else ''} | {name} | {_num(m.get('msgs_per_s'))} | "
                 f"{_num(e['median'])} ({_num(m.get('user_us_per_msg'))} + "
                 f"{_num(m.get('sys_us_per_msg'))}) | {'-' if sc is None else f'{sc:.2f}'} | "
-                f"{_num(m.get('p99_us'))} | {_ratio(e['ratio'])} | "
+                f"{'-' if fl is None else f'{fl:.2f}'} | {_num(m.get('p99_us'))} | {_ratio(e['ratio'])} | "
                 f"{_ratio(m['msgs_per_s'] / bm if bm and m.get('msgs_per_s') else None)} |")
             first = False
             any_row = True

@@ -21,7 +21,9 @@ a start-up artefact, not asyncio's cost.
 
 Figures per run (``run_one``): messages/s, latency p50/p99 (send of a message to the arrival
 of its last byte), server CPU per message (user+sys of the server process over the measured
-window, from /proc/PID/stat), and syscalls per message: ``perf stat -e
+window, from /proc/PID/stat), minor page faults per message (field 10 of the same file, over
+the same window: ~0 when the server's buffers stay resident; a page per page of message
+when memory is handed back to the kernel and touched afresh), and syscalls per message: ``perf stat -e
 raw_syscalls:sys_enter -p PID`` counts every system call the server makes over a window
 inside the measured one (it starts once the server holds every connection of the load --
 its /proc/PID/fd count says so -- plus the generator's warm-up and a tenth of the window, and
@@ -61,6 +63,8 @@ SCENARIOS = {
     "raw-64-10": dict(framing="raw", size=64, conns=10, pipeline=1),
     "raw-16k-10": dict(framing="raw", size=16384, conns=10, pipeline=1),
     "raw-64k-10": dict(framing="raw", size=65536, conns=10, pipeline=1),
+    "raw-256k-10": dict(framing="raw", size=262144, conns=10, pipeline=1),
+    "raw-1m-10": dict(framing="raw", size=1048576, conns=10, pipeline=1),
 }
 # where each aoprim variant is imported from: None = this interpreter's aoprim; a path = a
 # checkout with an in-place build (echo_compare's --tree / --baseline-tree)
@@ -199,7 +203,7 @@ def warm_up(port, framing, size, messages=8):
     """Bring a fresh server to its steady state: one connection that exchanges ``messages``
     echoes of the scenario's size and framing, one at a time, then closes (and is seen
     closed: the server's EOF handling runs before the measured load starts)."""
-    payload = bytes(i & 0xFF for i in range(size))
+    payload = (bytes(range(256)) * (size // 256 + 1))[:size]
     msg = payload if framing == "raw" else struct.pack(">H", size) + payload
     with socket.create_connection((HOST, port), timeout=10) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -288,6 +292,9 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
         if not out.strip():
             raise RuntimeError(f"loadgen failed against {server}: {err}")
         res = json.loads(out)
+        fl = (res.get("server_cpu") or {}).get("faults_per_msg")
+        if fl is not None:
+            res["faults_per_msg"] = fl
         if counted.get("n") is not None and res.get("msgs_per_s"):
             res["syscalls_per_msg"] = counted["n"] / (res["msgs_per_s"] * window)
         elif syscalls:

@@ -28,7 +28,7 @@ MODES = {
                  server=dict(rounds=3, duration=2.0, warmup=0.5,
                              scenarios=["raw-1k-10", "u16-64x16-10", "raw-1k-100",
                                         "raw-1k-1000", "raw-64-10", "raw-16k-10",
-                                        "raw-64k-10"])),
+                                        "raw-64k-10", "raw-256k-10", "raw-1m-10"])),
     "quick": dict(micro=dict(rounds=5, heavy_rounds=2, sample_s=0.01, scale=1.0,
                              heavy_scale=0.05),
                   contention_scale=0.2, contention_rounds=2,
@@ -44,7 +44,8 @@ MODES = {
 # the server curves: series -> (the parameter that varies, scenarios in order)
 SERVER_SERIES = {
     "server-conns": ("conns", ["raw-1k-10", "raw-1k-100", "raw-1k-1000"]),
-    "server-sizes": ("size", ["raw-64-10", "raw-1k-10", "raw-16k-10", "raw-64k-10"]),
+    "server-sizes": ("size", ["raw-64-10", "raw-1k-10", "raw-16k-10", "raw-64k-10",
+                              "raw-256k-10", "raw-1m-10"]),
 }
 SERVER_TITLES = {
     "raw": "raw ping-pong echo, {size} B, {conns} connections",
@@ -204,6 +205,7 @@ def _server_group(g, names, m, progress, skipped_servers, count_syscalls):
                          ("user_us_per_msg", lambda x: x["server_cpu"]["user_us_per_msg"]),
                          ("sys_us_per_msg", lambda x: x["server_cpu"]["sys_us_per_msg"]),
                          ("syscalls_per_msg", lambda x: x.get("syscalls_per_msg")),
+                         ("faults_per_msg", lambda x: x.get("faults_per_msg")),
                          ("send_syscalls_per_msg", lambda x: x.get("send_syscalls_per_msg")),
                          ("records_per_msg", lambda x: x.get("records_per_msg")),
                          ("wire_bytes_per_msg", lambda x: x.get("wire_bytes_per_msg"))):

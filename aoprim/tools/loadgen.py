@@ -12,7 +12,9 @@ one ``epoll`` per process, ``recv_into`` one reused buffer, verification with on
 ``bytearray.startswith`` per read, messages of a read answered with one ``send``, latencies
 kept per send group (not per message), and ``--procs N`` processes splitting the
 connections.  ``--cpu-pid PID`` also reports that process's CPU time over the window (from
-``/proc/PID/stat``), divided per message -- how the benchmarks measure a server.
+``/proc/PID/stat``), divided per message -- how the benchmarks measure a server -- and its
+minor page faults over the window (field 10, ``minflt``: a page first touched, or touched
+again after the allocator gave it back to the kernel).
 """
 import argparse
 import json
@@ -26,7 +28,7 @@ from collections import deque
 
 from aoprim.server.framing import Framing
 
-__all__ = ["run", "main", "proc_cpu"]
+__all__ = ["run", "main", "proc_cpu", "proc_faults"]
 
 _CLK = os.sysconf("SC_CLK_TCK")
 _VARIANTS = 64
@@ -41,13 +43,40 @@ def proc_cpu(pid):
     return int(fields[11]) / _CLK, int(fields[12]) / _CLK
 
 
+def proc_faults(pid):
+    """Minor page faults of process ``pid`` so far (its threads included): field 10 of
+    /proc/PID/stat (``minflt``)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    return int(data[data.rindex(b")") + 2:].split()[7])
+
+
+def _proc_sample(pid):
+    """(user_s, sys_s, minflt) of ``pid`` now."""
+    return proc_cpu(pid) + (proc_faults(pid),)
+
+
+def _cpu_delta(a, b):
+    return {"user_s": b[0] - a[0], "sys_s": b[1] - a[1], "minflt": b[2] - a[2]}
+
+
+def _payload(k, size):
+    """Variant k's payload: byte i is ((k * 131 + i * 7) ^ (i >> 8)) & 0xFF -- built with one
+    translate and one big-integer XOR, so a 1 MiB message costs milliseconds, not seconds."""
+    if not size:
+        return b""
+    ramp = bytes((i * 7) & 0xFF for i in range(256))        # (i * 7) & 0xFF repeats every 256
+    a = (k * 131) & 0xFF
+    added = (ramp * (size // 256 + 1))[:size].translate(bytes((a + v) & 0xFF
+                                                                for v in range(256)))
+    # (i >> 8) & 0xFF: 256 copies of each byte value in turn
+    high = (b"".join(bytes((j,)) * 256 for j in range(256)) * (size // 65536 + 1))[:size]
+    return (int.from_bytes(added, "big") ^ int.from_bytes(high, "big")).to_bytes(size, "big")
+
+
 def _messages(size, framing):
     fr = Framing(framing, max(size, 1))
-    out = []
-    for k in range(_VARIANTS):
-        payload = bytes(((k * 131 + i * 7) ^ (i >> 8)) & 0xFF for i in range(size))
-        out.append(fr.encode(payload))
-    return out
+    return [fr.encode(_payload(k, size)) for k in range(_VARIANTS)]
 
 
 class _Conn:
@@ -116,11 +145,11 @@ def run(host="127.0.0.1", port=0, conns=10, size=1024, pipeline=1, duration=5.0,
     while open_conns:
         now = time.monotonic()
         if cpu_pid is not None and cpu0 is None and now >= t0:
-            cpu0 = proc_cpu(cpu_pid)
+            cpu0 = _proc_sample(cpu_pid)
         if not stopping and now >= t1:
             stopping = True
             if cpu_pid is not None:
-                cpu1 = proc_cpu(cpu_pid)
+                cpu1 = _proc_sample(cpu_pid)
         if stopping:
             # drain what is in flight (bounded), then stop
             if now >= t1 + 5 or all(not c.expected for c in cs.values()):
@@ -186,7 +215,7 @@ def run(host="127.0.0.1", port=0, conns=10, size=1024, pipeline=1, duration=5.0,
             if not stopping:
                 queue_msgs(c, k, t)
     if cpu_pid is not None and cpu0 is not None and not stopping:
-        cpu1 = proc_cpu(cpu_pid)
+        cpu1 = _proc_sample(cpu_pid)
     for c in cs.values():
         c.sock.close()
     ep.close()
@@ -194,7 +223,7 @@ def run(host="127.0.0.1", port=0, conns=10, size=1024, pipeline=1, duration=5.0,
            "pipeline": pipeline, "framing": framing, "message_bytes": mlen,
            "errors": errors, "hist": hist}
     if cpu_pid is not None and cpu0 is not None:
-        res["server_cpu"] = {"user_s": cpu1[0] - cpu0[0], "sys_s": cpu1[1] - cpu0[1]}
+        res["server_cpu"] = _cpu_delta(cpu0, cpu1)
     return res
 
 
@@ -224,6 +253,8 @@ def summarize(res):
         cpu["user_us_per_msg"] = cpu["user_s"] / msgs * 1e6
         cpu["sys_us_per_msg"] = cpu["sys_s"] / msgs * 1e6
         cpu["cpu_us_per_msg"] = (cpu["user_s"] + cpu["sys_s"]) / msgs * 1e6
+        if "minflt" in cpu:
+            cpu["faults_per_msg"] = cpu["minflt"] / msgs
     return out
 
 
@@ -297,9 +328,9 @@ def main(args):
         cpu0 = cpu1 = None
         if args.cpu_pid is not None:
             time.sleep(max(0.0, t0 - time.monotonic()))
-            cpu0 = proc_cpu(args.cpu_pid)
+            cpu0 = _proc_sample(args.cpu_pid)
             time.sleep(max(0.0, t0 + args.duration - time.monotonic()))
-            cpu1 = proc_cpu(args.cpu_pid)
+            cpu1 = _proc_sample(args.cpu_pid)
         results = []
         for ch in children:
             out, _ = ch.communicate(timeout=args.duration + 60)
@@ -309,7 +340,7 @@ def main(args):
             results.append(json.loads(out))
         res = _merge(results)
         if cpu0 is not None:
-            res["server_cpu"] = {"user_s": cpu1[0] - cpu0[0], "sys_s": cpu1[1] - cpu0[1]}
+            res["server_cpu"] = _cpu_delta(cpu0, cpu1)
         res["procs"] = len(per)
     out = summarize(res)
     if args.json:
