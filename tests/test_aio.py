@@ -710,16 +710,24 @@ def test_abort_during_a_flush_notification_leaves_no_writer(loop):
     group = loop._aio_group
     orig = group.notify
 
+    seen = []
+
     def notify(t, status):
         if t is tr and status > 0:
+            seen.append(status)
             tr.abort()              # as another transport's notification might
         return orig(t, status)
     group.notify = notify
     try:
-        loop.call_soon(tr.write, b"z" * (4 << 20))      # the kernel cannot take it all
+        # below the high-water mark (a write above it is sent at once and blocks without a
+        # notification), more than the 4 KiB send buffer takes: the iteration's flush
+        # leaves data and notifies with status 1
+        assert len(b"z" * 60_000) < tr.get_write_buffer_limits()[1]
+        loop.call_soon(tr.write, b"z" * 60_000)
         loop.run_until_complete(asyncio.wait_for(p.lost, 10))
     finally:
         group.notify = orig
+    assert seen == [1]              # the flush-notification path ran
     assert loop._selector.get_map().get(fd) is None
     peer.close()
     q = Rec(loop)

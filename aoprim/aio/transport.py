@@ -28,7 +28,8 @@ Write side -- states of one transport::
                that makes the batch dirty queues it in the group, and the loop flushes the
                whole group at the end of the iteration (one sendmsg per transport).
     blocked    the kernel did not take everything (a flush reported status 1: would block,
-               a short write, or the group's per-flush budget used up).  The batch leaves
+               a short write, or the group's per-flush budget used up; or the at-once flush
+               of a write above the high-water mark left data).  The batch leaves
                the group and a writer is registered; _write_ready() flushes the batch itself
                when the socket is writable and re-attaches it once it is empty.
 
@@ -36,10 +37,11 @@ asyncio's semantics, and how they map here:
 
 - ``get_write_buffer_size()`` is the batch's ``pending_bytes``.  A write that takes it above
   the high-water mark first hands the batch to the kernel at once (asyncio's write() sends
-  at once too), so flow control counts what the kernel has not taken; ``pause_writing()``
-  is called only if the batch is still above the mark.  The batch is then *watched*: the
-  group reports it after every flush and ``resume_writing()`` is called once it is at or
-  below the low-water mark -- never once the transport is aborted or failed.
+  at once too) and blocks if data is left, so flow control counts what the kernel has not
+  taken; ``pause_writing()`` is called only if the batch is still above the mark.  Once
+  paused, ``resume_writing()`` is called when the batch is at or below the low-water mark
+  -- checked after each writer flush while blocked, and after each group flush (the batch
+  is *watched*) while attached -- never once the transport is aborted or failed.
 - ``close()`` and ``write_eof()`` flush what is pending at once (then, if the kernel did not
   take it all, through the writer as asyncio does).  ``abort()`` and fatal errors first
   hand what this iteration wrote to the kernel once (asyncio's write() would already have
@@ -305,7 +307,9 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
 
     def _over_high(self):
         # Above the high-water mark: hand the batch to the kernel now (asyncio's write()
-        # sends at once), then pause only if the kernel left it above the mark.
+        # sends at once); what the kernel leaves goes through the writer (block), as
+        # asyncio's write() registers its writer -- not retried by this iteration's group
+        # flush.  Then pause only if the batch is still above the mark.
         if not self._blocked and not self._conn_lost:
             try:
                 self._batch.flush()
@@ -315,6 +319,8 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                 # no traceback: its frames (write()'s) would keep the written data alive
                 self._write_error(exc.with_traceback(None))
                 return
+            if self._batch.pending_bytes:
+                self._block()
         self._maybe_pause_protocol()
 
     def _maybe_pause_protocol(self):
