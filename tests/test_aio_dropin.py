@@ -588,6 +588,104 @@ def test_tls_echo_of_8_mib_both_directions_under_back_pressure(loop_of, kind, tl
     assert run_on(loop, main(), timeout=50) is True
 
 
+class SlowReaderProducer(asyncio.Protocol):
+    """Writes ``blob`` in 64 KiB chunks until paused, goes on in resume_writing, closes after
+    the last chunk; ``paused`` (a threading.Event) is set at the first pause_writing."""
+
+    def __init__(self, loop, blob):
+        self.blob = blob
+        self.pos = 0
+        self.pauses = 0
+        self.is_paused = False
+        self.paused = threading.Event()
+        self.lost = loop.create_future()
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self._produce()
+
+    def _produce(self):
+        while not self.is_paused and self.pos < len(self.blob):
+            self.transport.write(self.blob[self.pos:self.pos + 65536])
+            self.pos += 65536
+        if self.pos >= len(self.blob) and not self.transport.is_closing():
+            self.transport.close()
+
+    def pause_writing(self):
+        self.is_paused = True
+        self.pauses += 1
+        self.paused.set()
+
+    def resume_writing(self):
+        self.is_paused = False
+        self._produce()
+
+    def connection_lost(self, exc):
+        self.paused.set()                    # never leave the client waiting
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", kinds())
+def test_tls_16_mib_to_a_slow_reader_with_a_small_receive_buffer(loop_of, kind, tls_files):
+    """The server writes 16 MiB over TLS to a client whose SO_RCVBUF is small and which
+    reads only once the server has been paused: every byte arrives, in order, then EOF."""
+    import ssl
+    sctx, cctx = tls_contexts(tls_files)
+    loop = loop_of(kind)
+    blob = os.urandom(16 << 20)
+    protos = []
+    result = {}
+
+    def client(port):
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # before connect
+        raw.settimeout(20)
+        raw.connect(("127.0.0.1", port))
+        with cctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            # late: only once the server's writes have backed up to a pause
+            if not protos_ready.wait(20) or not protos[0].paused.wait(20):
+                result["err"] = "the server never paused"
+                return
+            got = bytearray()
+            while True:
+                try:
+                    chunk = s.recv(1 << 16)
+                except (OSError, ssl.SSLError) as exc:
+                    result["err"] = repr(exc)
+                    break
+                if not chunk:
+                    break
+                got += chunk
+            result["got"] = bytes(got)
+
+    protos_ready = threading.Event()
+
+    async def main():
+        def factory():
+            protos.append(SlowReaderProducer(loop, blob))
+            protos_ready.set()
+            return protos[-1]
+        server = await loop.create_server(factory, "127.0.0.1", 0, ssl=sctx)
+        port = server.sockets[0].getsockname()[1]
+        t = threading.Thread(target=client, args=(port,), daemon=True)
+        t.start()
+        await loop.run_in_executor(None, t.join, 90)
+        assert not t.is_alive(), "client did not finish"
+        exc = await asyncio.wait_for(asyncio.shield(protos[0].lost), 10)
+        server.close()
+        await server.wait_closed()
+        return exc
+    exc = run_on(loop, main(), timeout=100)
+    assert result.get("err") is None
+    got = result["got"]
+    assert len(got) == len(blob)
+    assert got == blob
+    assert len(protos) == 1 and protos[0].pauses >= 1 and protos[0].pos >= len(blob)
+    assert exc is None
+
+
 @pytest.mark.parametrize("kind", kinds())
 def test_start_tls_on_both_ends(loop_of, kind, tls_files):
     sctx, cctx = tls_contexts(tls_files)
