@@ -107,6 +107,9 @@ cdef class Receiver:
     cdef int64_t reads           # recv calls that returned data
     cdef int64_t bytes_in        # bytes received
     cdef int64_t frames_in       # frames delivered (handed to on_frame)
+    cdef object source           # None: recv from fd; else source(view) fills a writable
+                                 #   view of the room and returns the bytes written, 0 at
+                                 #   EOF, None when nothing is there, -errno on an error
     cdef ProxyParser pp          # PROXY protocol: the header still expected, or None (off,
                                  #   or the header is done); its bytes never reach `own`
 
@@ -124,4 +127,5 @@ cdef class Receiver:
                      int why) except -1
     cdef int _adopt(self, object b, char *p, Py_ssize_t cap) except -1
     cdef int _drop_own(self) except -1
+    cdef ssize_t _pull(self, char *p, Py_ssize_t room, int *err) except -2
     cdef int _proxy(self, char *p, Py_ssize_t *ppos, Py_ssize_t end) except -1

@@ -89,13 +89,14 @@ from cpython.ref cimport PyObject, Py_INCREF
 from cpython.buffer cimport (PyBuffer_FillInfo, PyObject_GetBuffer, PyBuffer_Release,
                              PyBUF_SIMPLE)
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.memoryview cimport PyMemoryView_FromObject
+from cpython.memoryview cimport PyMemoryView_FromObject, PyMemoryView_FromMemory
+from cpython.buffer cimport PyBUF_WRITE
 from cpython.number cimport PyNumber_Index
 from cpython.long cimport PyLong_CheckExact, PyLong_AsSsize_t
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memmove
-from libc.errno cimport errno, EAGAIN, EINTR, ENOMEM
+from libc.errno cimport errno, EAGAIN, EINTR, ENOMEM, EIO
 from libc.limits cimport INT_MAX
 
 from aoprim.atomic_h cimport (
@@ -591,6 +592,24 @@ cdef class Receiver:
         self.hold = bool(v)
 
     @property
+    def source(self):
+        """None (the default): each read is a non-blocking recv() on ``fd``.  Else a
+        callable ``source(view)`` that does the read instead (the server's TLS sessions:
+        ciphertext from the fd, decrypted into the slot): it fills the writable memoryview
+        ``view`` (the room offered: the scratch or the unfinished frame's buffer) from the
+        front and returns the bytes written, 0 at the end of the stream, None when nothing
+        is there now, or -errno for an error (given to on_event as RX_ERROR).  The view is
+        released when it returns; it must not be kept.  The source may close the receiver.
+        A PROXY header (``proxy``) is looked for in what the source returns."""
+        return self.source
+
+    @source.setter
+    def source(self, v):
+        if v is not None and not callable(v):
+            raise TypeError("source must be callable or None")
+        self.source = v
+
+    @property
     def max_reads(self):
         """recv calls one on_readable may make while each fills the room offered."""
         return self.max_reads
@@ -637,9 +656,14 @@ cdef class Receiver:
             # the GIL held -- releasing and re-taking the GIL around a non-blocking syscall
             # costs about as much as the syscall's own user-space work (a mutex and a condvar
             # signal each way: ~1000 instructions, measured with callgrind)
-            n = recv(self.fd, p + end, <size_t>room, MSG_DONTWAIT)
-            if n < 0:
-                err = errno
+            if self.source is None:
+                n = recv(self.fd, p + end, <size_t>room, MSG_DONTWAIT)
+                if n < 0:
+                    err = errno
+            else:
+                n = self._pull(p + end, room, &err)     # (TLS: decrypted bytes)
+                if self.closed:
+                    return 0    # the source closed us (nothing of buf is ours any more)
             if n <= 0:
                 if n == 0:
                     if self.pp is not None and self.pp.c_eof():   # inside a PROXY header
@@ -683,6 +707,35 @@ cdef class Receiver:
         elif fail:
             self._event(AOP_RX_ERROR, ENOMEM)
         return 0
+
+    cdef ssize_t _pull(self, char *p, Py_ssize_t room, int *err) except -2:
+        """recv() from ``source`` instead of the fd: source(view) with a writable view of
+        p[0:room) (released right after: the source must not keep it).  Returns the bytes
+        written (0: EOF), or -1 with *err set: EAGAIN for None, the errno for -errno, EIO
+        for an exception of the source (reported to sys.unraisablehook)."""
+        cdef object v = PyMemoryView_FromMemory(p, room, PyBUF_WRITE)
+        cdef object r
+        cdef Py_ssize_t n
+        try:
+            r = self.source(v)
+        except Exception as e:
+            _report(e)
+            err[0] = EIO
+            return -1
+        finally:
+            v.release()
+        if r is None:
+            err[0] = EAGAIN
+            return -1
+        n = r
+        if n < 0:
+            err[0] = <int>-n
+            return -1
+        if n > room:
+            _report(ValueError(f"Receiver source returned {n} > {room} bytes offered"))
+            err[0] = EIO
+            return -1
+        return n
 
     cdef int _proxy(self, char *p, Py_ssize_t *ppos, Py_ssize_t end) except -1:
         """Feed p[pos:end) to the PROXY parser.  0: the header is done and frames start at
@@ -902,6 +955,7 @@ cdef class Receiver:
             return
         self.closed = True
         self.pp = None              # (a PROXY header still expected: no longer)
+        self.source = None
         try:
             self._drop_own()
         finally:

@@ -66,6 +66,8 @@ from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
 from cpython.number cimport PyNumber_Index
 from cpython.pyport cimport PY_SSIZE_T_MAX
+from cpython.memoryview cimport PyMemoryView_FromMemory
+from cpython.buffer cimport PyBUF_READ
 
 from aoprim.atomic_h cimport (
     aop_load_i64, aop_store_i64, aop_exchange_u32, aop_store_u32, AOP_RELAXED, AOP_ACQUIRE,
@@ -1063,6 +1065,45 @@ cdef class SendBatch:
         finally:
             _unclaim(self)
         return n
+
+    def take_view(self):
+        """For a caller that writes the pending bytes somewhere other than the target (the
+        server's TLS flush encrypts them): a read-only memoryview of the first unsent
+        segment (a run of coalesced small messages is one segment; a message larger than
+        ``copy_max`` is its own), or None when nothing is pending.  The view does not pin
+        the batch's memory: it is valid only until the next call on this batch -- release
+        it before then (``consume`` first, or ``view.release()``)."""
+        cdef object v
+        if not _claim(self):
+            _raise_busy()
+        try:
+            if self.head == self.nseg:
+                return None
+            v = PyMemoryView_FromMemory(<char *>self.iov[self.head].iov_base,
+                                        <Py_ssize_t>self.iov[self.head].iov_len, PyBUF_READ)
+        finally:
+            _unclaim(self)
+        return v
+
+    def consume(self, n):
+        """Account for the first ``n`` pending bytes as written elsewhere (after
+        ``take_view``): as a flush that wrote them -- messages completed, owners released,
+        ``stats`` bytes/messages counted -- without a system call.  ValueError if ``n`` is
+        negative or more than is pending."""
+        cdef Py_ssize_t k = PyNumber_Index(n)
+        cdef Py_ssize_t old, h
+        if not _claim(self):
+            _raise_busy()
+        try:
+            if k < 0 or k > _get(&self.pend_bytes):
+                raise ValueError(f"consume({k}): {self.pending_bytes} bytes are pending")
+            if k:
+                old = self.head
+                h = self._advance(<size_t>k)
+                self._release_range(old, h)
+                self._commit_head(h)
+        finally:
+            _unclaim(self)
 
     def clear(self):
         """Drop everything pending (retained slots are released)."""

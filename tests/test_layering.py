@@ -23,7 +23,8 @@ ALLOWED = {
     "dispatch": {"workers"},
     "session": {"dispatch", "proxy", "rx", "tx"},
     "server": {"config", "dispatch", "framing", "listener", "loop", "proxy", "session", "stats",
-               "tx"},
+               "tx", "tls"},
+    "tls": {"session"},                               # TLS sessions (Session subclasses)
     "handler": set(),                                 # Layer 3: nothing below by import
     "apps": {"handler"},
     "adapters/asyncio_protocol": {"handler"},
@@ -43,6 +44,7 @@ FORBIDDEN_STDLIB = {
     "rx": {"socket", "selectors", "select"},
     "tx": {"socket", "selectors", "select"},
     "dispatch": {"socket", "selectors", "select"},
+    "tls": {"socket", "selectors", "select"},
 }
 
 

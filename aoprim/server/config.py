@@ -76,6 +76,10 @@ class Settings:
     trusted_proxies: tuple = DEFAULT_TRUSTED
     proxy_max_header: int = DEFAULT_MAX_HEADER
     proxy_header_timeout: float = DEFAULT_HEADER_TIMEOUT    # from the connection's start
+    # TLS (tls.py): a server-side ssl.SSLContext, or None (plain TCP); the handshake's limit
+    # in seconds from the accept (the PROXY header, when on, included)
+    ssl: object = None
+    handshake_timeout: float = 10.0
 
     def __post_init__(self):
         if self.framing not in FRAMINGS:
@@ -125,6 +129,8 @@ class Settings:
         _int("proxy_max_header", self.proxy_max_header, 232)
         set_(self, "proxy_header_timeout",
              _seconds("proxy_header_timeout", self.proxy_header_timeout))
+        set_(self, "handshake_timeout",
+             _seconds("handshake_timeout", self.handshake_timeout, allow_none=False))
         if self.proxy_max_header > 16 + 65535:
             raise ValueError(f"proxy_max_header must be <= {16 + 65535} (the longest "
                              f"header the format can announce), not {self.proxy_max_header}")

@@ -46,10 +46,14 @@ class Rx:
     __slots__ = ("receiver", "paused", "_seen_bytes", "_ft_mark", "_ft_since", "last_active",
                  "_born", "_swept")
 
-    def __init__(self, arena, fd, settings, on_frame, on_event, owner, copy_frames, now):
+    def __init__(self, arena, fd, settings, on_frame, on_event, owner, copy_frames, now,
+                 proxy=True):
+        # proxy: the receiver reads the PROXY header (when on); False for a TLS session,
+        # which reads it itself, before the handshake
         self.receiver = Receiver(arena, fd, settings.header_size, settings.max_frame,
                                  on_frame, on_event, owner, copy_frames,
-                                 settings.proxy_mode, settings.proxy_max_header,  # PROXY
+                                 settings.proxy_mode if proxy else 0,
+                                 settings.proxy_max_header,                      # PROXY
                                  settings.rx_reads)
         self.paused = 0             # bit set of PAUSE_* reasons; reading while 0
         self._seen_bytes = 0        # receiver.bytes_in when the sweep last looked

@@ -49,7 +49,8 @@ class Server:
     ``tx_slot_size``, ``tx_slots``, ``close_linger``, ``shutdown_timeout``,
     ``worker_backlog``, ``worker_queue``, ``accept_batch``, ``proxy_protocol``,
     ``trusted_proxies``, ``proxy_max_header``, ``proxy_header_timeout`` (behind a load
-    balancer: see :mod:`~.proxy`).  ``sock``: serve on an already bound and listening socket
+    balancer: see :mod:`~.proxy`), ``ssl`` (a server-side ``ssl.SSLContext``: TLS, see
+    :mod:`~.tls`), ``handshake_timeout``.  ``sock``: serve on an already bound and listening socket
     instead of ``host``/``port``.
     """
 
@@ -59,6 +60,9 @@ class Server:
             if not callable(getattr(handler, hook, None)):
                 raise TypeError(f"handler must have a callable {hook}() (subclass Handler)")
         st = Settings(framing=framing, **settings)
+        if st.ssl is not None:
+            from .tls import check_context      # (imports ssl only when TLS is used)
+            check_context(st.ssl)
         self.settings = st
         self.handler = handler
         self.framing = st.framing
@@ -131,15 +135,23 @@ class Server:
         ctx.stats = self._stats
         ctx.session_closed = self._session_closed
         ctx.session_gone = self._live.discard
+        ctx.tls = None
         self._ctx = ctx
         self._session_cls = RawSession if st.framing == "raw" else Session
+        flush = self._flusher.flush
+        if st.ssl is not None:
+            from .tls import RawTLSSession, TLSFlush, TLSSession
+            ctx.tls = TLSFlush()
+            flush = ctx.tls.flush       # every batch is a TLS session's: none in the group
+            self._session_cls = RawTLSSession if st.framing == "raw" else TLSSession
         self._listener = Listener(loop, self._lsock, st, self._accept, self._has_room)
         self._dispatch.start(loop)
-        loop.add_iteration_hook(self._flusher.flush)
+        loop.add_iteration_hook(flush)
         self._fallbacks_seen = 0
         loop.call_later(st.sweep_every or 1.0, self._sweep)
-        log.info("aoprim server listening on %s (framing=%s, workers=%d, backend=%s)",
-                 describe_address(self.address), st.framing, st.workers, self.backend)
+        log.info("aoprim server listening on %s (framing=%s, workers=%d, backend=%s%s)",
+                 describe_address(self.address), st.framing, st.workers, self.backend,
+                 ", TLS" if st.ssl is not None else "")
 
     def start(self):
         """Serve in a background thread; returns once the server accepts connections."""
@@ -250,8 +262,8 @@ class Server:
         except OSError as e:    # epoll_ctl: ENOSPC (max_user_watches), ENOMEM
             s.fail_start(f"cannot register with the event loop: {e}")
             return
-        if self._trusted is not None:
-            return      # PROXY protocol: on_connect runs once the header is read
+        if self._trusted is not None or self._ctx.tls is not None:
+            return      # PROXY protocol / TLS: on_connect once the header / handshake is done
         try:
             self.handler.on_connect(s)
         except Exception as e:

@@ -59,7 +59,7 @@ class SessionContext:
     """What a session needs from its server, as public attributes (filled by Server)."""
 
     __slots__ = ("server", "loop", "settings", "flusher", "arena", "dispatch", "stats",
-                 "session_closed", "session_gone")
+                 "session_closed", "session_gone", "tls")
 
 
 class Session:
@@ -92,7 +92,8 @@ class Session:
         self._reason = None
         self._exc = None
         self._rc = RefCount(1, self._on_zero)
-        self._batch = ctx.flusher.new_batch(sock, self)
+        # (a TLS session's batch stays out of the FlushGroup: TLSFlush encrypts it)
+        self._batch = ctx.flusher.new_batch(sock, self, ctx.tls is None)
         self._batch.owner_thread = loop.thread_id   # sends from other threads: -1 (slow path)
         self._hs = ctx.settings.header_size
         # a send above this takes _over_high: the high-water mark, or max_pending if lower
@@ -103,7 +104,7 @@ class Session:
         d = ctx.dispatch
         self.work = WorkState() if d.copy_frames else None
         self._rx = Rx(ctx.arena, self._fd, ctx.settings, d.frame_callback(self),
-                      self._rx_event, self, d.copy_frames, loop.time())
+                      self._rx_event, self, d.copy_frames, loop.time(), self._rx_proxy)
         self._reader = self._rx.receiver.on_readable
         self._writing = False               # write interest armed (the socket would block)
         self._wm = None                     # (high, low, on_high, on_low): set_write_limits
@@ -119,6 +120,9 @@ class Session:
         # and no broadcasts): the PROXY protocol until the header is read, a failed start()
         self._proxy_wait = ctx.settings.proxy_protocol is not None
         self._sent_seen = 0                 # bytes written when the sweep last looked
+
+    # the Receiver looks for the PROXY header (a TLS session reads it before the handshake)
+    _rx_proxy = True
 
     def __repr__(self):
         st = ("open", "closing", "closed")[self._state]
@@ -144,6 +148,17 @@ class Session:
         """The connection's socket, for inspection and socket options.  Close the session
         with close()/abort(), never the socket itself: the loop owns its fd."""
         return self._sock
+
+    def get_extra_info(self, name, default=None):
+        """As asyncio's transports: ``"peername"`` (the client's address: ``peer``, the
+        PROXY header's when the PROXY protocol is on), ``"sockname"``; TLS sessions also
+        answer ``"ssl_object"``, ``"peercert"``, ``"cipher"``, ``"selected_alpn_protocol"``.
+        Anything else: ``default``."""
+        if name == "peername":
+            return self.peer
+        if name == "sockname":
+            return self.sockname
+        return default
 
     @property
     def sockname(self):
@@ -306,7 +321,7 @@ class Session:
         mark and ``max_pending``, or -1 while write limits are set (so that every send
         checks them).  ``max_pending`` is checked first and on its own: a high-water mark
         set above it must not disable it."""
-        p = self._batch.pending_bytes
+        p = self.pending_bytes
         st = self._ctx.settings
         if p > st.max_pending:
             self._abort(f"max_pending exceeded ({p} unsent bytes > {st.max_pending}): "
@@ -322,7 +337,7 @@ class Session:
 
     def _check_wm(self):
         high, low, on_high, on_low = self._wm
-        p = self._batch.pending_bytes
+        p = self.pending_bytes
         if not self._wm_paused:
             if p > high:
                 self._wm_paused = True
@@ -346,7 +361,6 @@ class Session:
             self._abort(f"send failed: {os.strerror(e)}",
                         cause="reset" if e in _RESET_ERRNOS else "send error")
             return
-        b = self._batch
         if status and not self._writing:
             self._writing = True
             self._update_interest()
@@ -354,7 +368,7 @@ class Session:
             self._writing = False
             self._update_interest()
         if self._rx.paused & PAUSE_BACKPRESSURE and \
-                b.pending_bytes <= self._ctx.settings.low_water:
+                self.pending_bytes <= self._ctx.settings.low_water:
             if self._rx.resume(PAUSE_BACKPRESSURE):
                 self._reading_resumed()
         if self._wm is not None:
@@ -366,7 +380,15 @@ class Session:
 
     def _on_writable(self):
         if self._state != CLOSED:
-            self._ctx.flusher.requeue(self._batch)   # flushed at the end of this iteration
+            self._requeue()                     # flushed at the end of this iteration
+
+    def _requeue(self):
+        """Have this session's batch flushed at the end of this iteration."""
+        self._ctx.flusher.requeue(self._batch)
+
+    def _owes_output(self):
+        """Something is still to be written before the write side may be shut."""
+        return self._batch.pending_msgs
 
     def _update_interest(self):
         if self._state == CLOSED:
@@ -512,17 +534,22 @@ class Session:
         if code == RX_PROXY_ERROR:
             self._close(f"PROXY protocol: {arg}", None, logging.WARNING, "proxy")
             return
-        peer = self.peer
-        balancer = tuple(peer[:2]) if type(peer) is tuple else peer    # (AF_UNIX: a path)
-        self.proxy_peer = balancer
-        self.peer = client_address(arg, balancer)
+        self._proxy_peer_is(arg)
         self._proxy_wait = False
-        log.debug("session %d: PROXY v%d %s %s from %s", self.id, arg[0], arg[1], arg[2],
-                  balancer)
         try:
             self._ctx.dispatch.handler.on_connect(self)
         except Exception as e:
             self.handler_failed("on_connect", e)
+
+    def _proxy_peer_is(self, arg):
+        """The PROXY header ``arg`` was read: the client's address becomes ``peer``, the
+        balancer's ``proxy_peer``."""
+        peer = self.peer
+        balancer = tuple(peer[:2]) if type(peer) is tuple else peer    # (AF_UNIX: a path)
+        self.proxy_peer = balancer
+        self.peer = client_address(arg, balancer)
+        log.debug("session %d: PROXY v%d %s %s from %s", self.id, arg[0], arg[1], arg[2],
+                  balancer)
 
     def _peer_closed(self):
         self._ctx.stats.eofs += 1
@@ -554,10 +581,9 @@ class Session:
         self._rx.pause(PAUSE_CLOSING)
         self._rx.close()                # no frame after this one; buffers go back
         self._update_interest()
-        b = self._batch
-        if b.pending_msgs:
+        if self._owes_output():
             self._sync_watch()          # the flush reports back; at 0 pending we finish
-            self._ctx.flusher.requeue(b)
+            self._requeue()
             self._timer = self._loop.call_later(
                 self._ctx.settings.close_linger, self._abort,
                 "close linger timeout: unsent data dropped", None, logging.WARNING, "linger")

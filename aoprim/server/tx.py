@@ -39,12 +39,13 @@ class Flusher:
         self._batch_bytes = max(settings.flush_budget, 65536)
         self.flush = self.group.flush       # the iteration hook: C, no Python frame
 
-    def new_batch(self, sock, owner):
+    def new_batch(self, sock, owner, attach=True):
         """A session's batch: its target is the socket (``fileno()`` is read at each flush,
         so a socket closed behind the session's back fails with EBADF instead of writing to
         whatever connection reuses the number)."""
         b = SendBatch(sock, max_msgs=IOV_MAX, max_bytes=self._batch_bytes, auto_flush=False)
-        self.group.attach(b, owner)
+        if attach:
+            self.group.attach(b, owner)
         return b
 
     def forget(self, batch):

@@ -1,0 +1,347 @@
+"""TLS on aoprim.server (issue 21): echo over TLS 1.2 and 1.3 (framed and raw), the handshake
+before on_connect, get_extra_info, client certificates, handshake_timeout, close_notify on
+close(), back-pressure, PROXY header before the ClientHello, workers, broadcast -- on both
+backends, every slot and fd back after every test (make_server's teardown checks).
+Hostile peers, openssl s_client, HAProxy and the bench live in the tlstest suites."""
+import logging
+import socket
+import ssl
+import struct
+import threading
+
+import pytest
+
+from aoprim.server import Handler, Server
+from aoprim.server.apps import Echo
+from aoprim.server.loop import BACKENDS
+
+from tlscerts import CLIENT_CN, tls_certs  # noqa: F401  (fixture)
+from test_server_support import (HOST, assert_no_leaks, frame, make_server,  # noqa: F401
+                                 open_fds, recv_exact, wait_for)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def tls_connect(srv, ctx, hostname="localhost", timeout=10.0):
+    raw = socket.create_connection(srv.address, timeout=timeout)
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        return ctx.wrap_socket(raw, server_hostname=hostname)
+    except BaseException:
+        raw.close()
+        raise
+
+
+def read_u16(s):
+    n = struct.unpack(">H", recv_exact(s, 2))[0]
+    return recv_exact(s, n)
+
+
+class Recorder(Echo):
+    def __init__(self):
+        self.connected = []
+        self.closed = []
+        self.info = {}
+
+    def on_connect(self, session):
+        self.connected.append(session)
+        self.info[session.id] = {k: session.get_extra_info(k) for k in (
+            "peername", "sockname", "ssl_object", "peercert", "cipher",
+            "selected_alpn_protocol")}
+
+    def on_close(self, session, exc):
+        self.closed.append(session.id)
+
+
+@pytest.mark.parametrize("version", ["1.2", "1.3"])
+def test_u16_echo_pipelined(make_server, tls_certs, version):
+    srv = make_server(Echo(), framing="u16", ssl=tls_certs.server_ctx())
+    with tls_connect(srv, tls_certs.client_ctx(version=version)) as s:
+        assert s.version() == {"1.2": "TLSv1.2", "1.3": "TLSv1.3"}[version]
+        payloads = [bytes([i]) * (i * 37 % 3000) for i in range(200)]
+        s.sendall(b"".join(frame(p) for p in payloads))
+        for p in payloads:
+            assert read_u16(s) == p
+    wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
+
+
+@pytest.mark.parametrize("version", ["1.2", "1.3"])
+def test_raw_echo_large(make_server, tls_certs, version):
+    srv = make_server(Echo(), ssl=tls_certs.server_ctx())
+    blob = bytes(range(256)) * 4096         # 1 MiB: many records, many slots
+    with tls_connect(srv, tls_certs.client_ctx(version=version)) as s:
+        got = bytearray()
+
+        def reader():
+            while len(got) < len(blob):
+                d = s.recv(1 << 16)
+                if not d:
+                    break
+                got.extend(d)
+        t = threading.Thread(target=reader)
+        t.start()
+        s.sendall(blob)
+        t.join(30)
+        assert bytes(got) == blob
+
+
+def test_extra_info_and_on_connect_after_handshake(make_server, tls_certs):
+    h = Recorder()
+    srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx(alpn=["x-aoprim", "h2"]))
+    ctx = tls_certs.client_ctx(alpn=["x-aoprim"])
+    with tls_connect(srv, ctx) as s:
+        s.sendall(frame(b"hi"))
+        assert read_u16(s) == b"hi"
+        info = h.info[h.connected[0].id]
+        assert info["peername"] == s.getsockname()
+        assert info["sockname"] == s.getpeername()
+        assert isinstance(info["ssl_object"], ssl.SSLObject)
+        assert info["cipher"][0] == s.cipher()[0]
+        assert info["selected_alpn_protocol"] == "x-aoprim"
+        assert not info["peercert"]             # no client certificate asked for
+        assert h.connected[0].get_extra_info("nope", 7) == 7
+
+
+@pytest.mark.parametrize("mode", ["required", "optional"])
+def test_client_cert(make_server, tls_certs, mode):
+    h = Recorder()
+    srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx(client_cert=mode))
+    with tls_connect(srv, tls_certs.client_ctx(with_cert=True)) as s:
+        s.sendall(frame(b"x"))
+        assert read_u16(s) == b"x"
+    cert = h.info[h.connected[0].id]["peercert"]
+    assert dict(x[0] for x in cert["subject"])["commonName"] == CLIENT_CN
+    if mode == "optional":
+        with tls_connect(srv, tls_certs.client_ctx()) as s:
+            s.sendall(frame(b"y"))
+            assert read_u16(s) == b"y"
+        assert not h.info[h.connected[1].id]["peercert"]
+
+
+def test_client_cert_required_missing_or_foreign_closes_that_one(make_server, tls_certs,
+                                                                  caplog):
+    h = Recorder()
+    srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx(client_cert="required"))
+    for ctx in (tls_certs.client_ctx(version="1.2"),
+                tls_certs.client_ctx(other_cert=True, version="1.2")):
+        with pytest.raises((ssl.SSLError, OSError)):
+            with tls_connect(srv, ctx) as s:
+                s.sendall(frame(b"x"))
+                read_u16(s)
+    wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
+    assert h.connected == [] and h.closed == []      # the handler never met them
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    with tls_connect(srv, tls_certs.client_ctx(with_cert=True)) as s:   # others still served
+        s.sendall(frame(b"ok"))
+        assert read_u16(s) == b"ok"
+
+
+def test_handshake_timeout(make_server, tls_certs, caplog):
+    h = Recorder()
+    srv = make_server(h, ssl=tls_certs.server_ctx(), handshake_timeout=0.3)
+    with socket.create_connection(srv.address) as raw:
+        raw.settimeout(10)
+        raw.sendall(b"\x16\x03\x01")        # a ClientHello that never completes
+        assert raw.recv(100) == b""         # cut by the server
+    wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
+    assert h.connected == [] and h.closed == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_plaintext_instead_of_client_hello(make_server, tls_certs, caplog):
+    srv = make_server(Echo(), ssl=tls_certs.server_ctx())
+    with socket.create_connection(srv.address) as raw:
+        raw.settimeout(10)
+        raw.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        try:
+            while raw.recv(100):
+                pass                        # (an alert, then EOF)
+        except ConnectionResetError:
+            pass
+    wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+class CloseAfterReply(Handler):
+    def on_read(self, session, data):
+        session.send(data)
+        session.close()
+
+
+def test_close_sends_close_notify_after_the_reply(make_server, tls_certs):
+    srv = make_server(CloseAfterReply(), framing="u16", ssl=tls_certs.server_ctx())
+    with tls_connect(srv, tls_certs.client_ctx()) as s:
+        s.sendall(frame(b"bye"))
+        assert read_u16(s) == b"bye"
+        # close_notify: a clean TLS EOF (recv returns b""), not SSLEOFError / a reset
+        assert s.recv(10) == b""
+    wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
+
+
+def test_shutdown_sends_close_notify(backend, tls_certs):
+    srv = Server(Echo(), HOST, 0, framing="u16", backend=backend,
+                 ssl=tls_certs.server_ctx()).start()
+    try:
+        with tls_connect(srv, tls_certs.client_ctx()) as s:
+            s.sendall(frame(b"a"))
+            assert read_u16(s) == b"a"
+            threading.Thread(target=srv.shutdown).start()
+            assert s.recv(10) == b""
+    finally:
+        srv.shutdown()
+    assert_no_leaks(srv)
+
+
+class TwoBursts(Handler):
+    """200 KiB at once, then 200 KiB more once the first was encrypted (a loop timer): only
+    the ciphertext still unsent makes the second burst exceed max_pending (300 KiB)."""
+    def on_connect(self, session):
+        session.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+    def on_read(self, session, data):
+        session.send(b"z" * (200 << 10))
+        session.server.loop.call_later(0.3, session.send, b"y" * (200 << 10))
+
+
+def test_max_pending_counts_unsent_ciphertext(make_server, tls_certs, caplog):
+    srv = make_server(TwoBursts(), ssl=tls_certs.server_ctx(), max_pending=300 << 10)
+    s = tls_connect(srv, tls_certs.client_ctx())
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"go")
+        wait_for(lambda: srv.stats()["connections"] == 0, 20, "cut for max_pending")
+    finally:
+        s.close()
+    assert any("max_pending" in r.getMessage() for r in caplog.records)
+
+
+class Chatty(Echo):
+    def on_read(self, session, data):
+        if bytes(data) == b"all":
+            session.server.broadcast(b"B" * 5000)   # larger than copy_max: by reference
+        else:
+            session.send(data)
+
+
+def test_broadcast_to_tls_sessions(make_server, tls_certs):
+    srv = make_server(Chatty(), framing="u16", ssl=tls_certs.server_ctx())
+    socks = [tls_connect(srv, tls_certs.client_ctx()) for _ in range(3)]
+    try:
+        for s in socks:
+            s.sendall(frame(b"ping"))
+            assert read_u16(s) == b"ping"
+        socks[0].sendall(frame(b"all"))
+        for s in socks:
+            assert read_u16(s) == b"B" * 5000
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_workers(make_server, tls_certs):
+    srv = make_server(Echo(), framing="u16", ssl=tls_certs.server_ctx(), workers=2)
+    with tls_connect(srv, tls_certs.client_ctx()) as s:
+        payloads = [bytes([i]) * 100 for i in range(100)]
+        s.sendall(b"".join(frame(p) for p in payloads))
+        for p in payloads:
+            assert read_u16(s) == p
+
+
+def test_proxy_header_then_handshake(make_server, tls_certs):
+    h = Recorder()
+    srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx(), proxy_protocol="v1")
+    raw = socket.create_connection(srv.address, timeout=10)
+    raw.sendall(b"PROXY TCP4 203.0.113.7 192.0.2.1 4242 443\r\n")
+    with tls_certs.client_ctx().wrap_socket(raw, server_hostname="localhost") as s:
+        s.sendall(frame(b"via proxy"))
+        assert read_u16(s) == b"via proxy"
+        sess = h.connected[0]
+        assert sess.peer == ("203.0.113.7", 4242)
+        assert sess.get_extra_info("peername") == ("203.0.113.7", 4242)
+
+
+def test_many_handshakes_slots_back(make_server, tls_certs):
+    srv = make_server(Echo(), framing="u16", ssl=tls_certs.server_ctx())
+    ctx = tls_certs.client_ctx()
+    for i in range(30):
+        with tls_connect(srv, ctx) as s:
+            s.sendall(frame(b"%d" % i))
+            assert read_u16(s) == b"%d" % i
+    wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
+    st = srv.stats()
+    assert st["connections_total"] == 30
+    wait_for(lambda: srv.stats()["rx_slots_in_use"] <= 1, what="slots back")
+
+
+def test_ssl_setting_validated():
+    with pytest.raises(TypeError):
+        Server(Echo(), HOST, 0, ssl=object())
+    with pytest.raises(ValueError):
+        Server(Echo(), HOST, 0, ssl=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+    with pytest.raises(ValueError):
+        Server(Echo(), HOST, 0, ssl=None, handshake_timeout=0)
+
+
+# -- the two compiled hooks TLS uses --------------------------------------------------------
+
+def test_sendbatch_take_view_and_consume():
+    from aoprim import SendBatch
+    a, b = socket.socketpair()
+    try:
+        sb = SendBatch(a, auto_flush=False)
+        assert sb.take_view() is None
+        sb.add_frame(b"abc", 2)
+        sb.add_frame(b"de", 2)
+        big = b"x" * 5000                   # larger than copy_max: its own segment
+        sb.add(big)
+        v = sb.take_view()
+        assert bytes(v) == b"\x00\x03abc\x00\x02de"     # coalesced: one segment
+        v.release()
+        sb.consume(4)
+        assert sb.pending_bytes == 5005 and sb.pending_msgs == 3
+        sb.consume(5)
+        assert sb.pending_msgs == 1
+        v = sb.take_view()
+        assert bytes(v) == big
+        v.release()
+        with pytest.raises(ValueError):
+            sb.consume(5001)
+        sb.consume(5000)
+        assert sb.pending_bytes == 0 and sb.take_view() is None
+        assert sb.stats["bytes"] == 9 + 5000 and sb.stats["messages"] == 3
+    finally:
+        a.close()
+        b.close()
+
+
+def test_receiver_source_fills_the_slot_and_frames_are_cut():
+    from aoprim import Receiver, RxArena, SlabPool, RX_EOF
+    chunks = [frame(b"hello") + frame(b"wor"), frame(b"!")[:1],
+              frame(b"!")[1:], None, 0]
+    got, events = [], []
+
+    def source(view):
+        c = chunks.pop(0)
+        if c is None or c == 0:
+            return c
+        view[:len(c)] = c
+        return len(c)
+    pool = SlabPool(4096, 4)
+    arena = RxArena(pool)
+    rx = Receiver(arena, 0, 2, 1000, lambda o, d: got.append(bytes(d)),
+                  lambda o, c, a: events.append(c), None)
+    rx.source = source
+    for _ in range(5):
+        rx.on_readable()
+    assert got == [b"hello", b"wor", b"!"]
+    assert events == [RX_EOF]
+    rx.close()
+    arena.close()
+    assert pool.in_use == 0
+    with pytest.raises(TypeError):
+        rx.source = 3
