@@ -345,3 +345,51 @@ def test_receiver_source_fills_the_slot_and_frames_are_cut():
     assert pool.in_use == 0
     with pytest.raises(TypeError):
         rx.source = 3
+
+
+# -- the CLI ---------------------------------------------------------------------------------
+
+def _cli_echo(port, ctx):
+    raw = socket.create_connection((HOST, port), timeout=10)
+    with ctx.wrap_socket(raw, server_hostname="localhost") as s:
+        s.sendall(frame(b"over tls"))
+        assert read_u16(s) == b"over tls"
+        return s.version()
+
+
+@pytest.mark.parametrize("procs", ["1", "2"])
+def test_cli_serves_tls_with_client_certs(tls_certs, procs):
+    import signal
+    import test_cli as cli_t
+    c = tls_certs
+    p, port = cli_t.start_server("--app", "echo", "--framing", "u16", "--procs", procs,
+                                 "--certfile", c.server_cert, "--keyfile", c.server_key,
+                                 "--ca-certs", c.ca_cert, "--client-cert", "required",
+                                 "--handshake-timeout", "5")
+    try:
+        assert _cli_echo(port, c.client_ctx(with_cert=True)) == "TLSv1.3"
+        assert _cli_echo(port, c.client_ctx(with_cert=True, version="1.2")) == "TLSv1.2"
+        with pytest.raises((ssl.SSLError, OSError)):
+            _cli_echo(port, c.client_ctx(version="1.2"))       # no client certificate
+        rc, out, err = cli_t.stop(p, signal.SIGINT)
+        assert rc == 0, err
+        assert "Traceback" not in err and " ERROR " not in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--keyfile", "k.pem"], "need --certfile"),
+    (["--certfile", "/nonexistent/cert.pem"], "TLS: "),
+    (["--certfile", "CERT", "--client-cert", "required"], "needs --ca-certs"),
+])
+def test_cli_tls_usage_errors(tls_certs, args, message):
+    import subprocess
+    import sys
+    args = [tls_certs.server_cert if a == "CERT" else a for a in args]
+    r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port", "0",
+                        *args], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr and "Traceback" not in r.stderr

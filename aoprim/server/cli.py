@@ -240,6 +240,19 @@ def build_parser(only=None):
           default=DEFAULTS["proxy_header_timeout"], text=_seconds_text,
           help="seconds a connection has, from its accept, to complete its PROXY header; "
                "'none' for no limit (default: %(default)s)")
+    o.add("--certfile", default=None, metavar="F",
+          help="TLS: serve TLS with this PEM certificate chain (default: plain TCP)")
+    o.add("--keyfile", default=None, metavar="F",
+          help="TLS: the certificate's PEM private key (default: in --certfile)")
+    o.add("--ca-certs", default=None, metavar="F",
+          help="TLS: PEM CA certificates that client certificates are verified against "
+               "(default: none)")
+    o.add("--client-cert", choices=("none", "optional", "required"), default="none",
+          help="TLS: ask for a client certificate (verified with --ca-certs) "
+               "(default: %(default)s)")
+    o.add("--handshake-timeout", type=float, default=DEFAULTS["handshake_timeout"],
+          help="TLS: seconds from the accept to a completed handshake (the PROXY header, "
+               "when on, included) (default: %(default)s)")
     o.add("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
           help="stderr log level (default: %(default)s)")
     o.add("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # a supervised child
@@ -278,7 +291,25 @@ def _settings(a):
                 proxy_max_header=a.proxy_max_header,
                 proxy_header_timeout=a.proxy_header_timeout,
                 trusted_proxies=(tuple(a.trusted_proxy) if a.trusted_proxy
-                                 else DEFAULTS["trusted_proxies"]))
+                                 else DEFAULTS["trusted_proxies"]),
+                ssl=_ssl_context(a), handshake_timeout=a.handshake_timeout)
+
+
+def _ssl_context(a):
+    """The TLS options as a server ``ssl.SSLContext`` (None without --certfile); a usage
+    error for options that do not go together or files that do not load."""
+    if a.certfile is None:
+        if a.keyfile or a.ca_certs or a.client_cert != "none":
+            raise UsageError("--keyfile, --ca-certs and --client-cert need --certfile")
+        return None
+    if a.client_cert != "none" and not a.ca_certs:
+        raise UsageError(f"--client-cert {a.client_cert} needs --ca-certs (the CAs client "
+                         "certificates are verified against)")
+    from .tls import server_context
+    try:
+        return server_context(a.certfile, a.keyfile, a.ca_certs, a.client_cert)
+    except (OSError, ValueError) as e:      # (ssl.SSLError is an OSError)
+        raise UsageError(f"TLS: {e}") from None
 
 
 def _check_settings(a):

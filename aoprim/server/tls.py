@@ -45,7 +45,7 @@ from aoprim import ProxyParser
 
 from .session import OPEN, CLOSED, Session
 
-__all__ = ["TLSFlush", "TLSSession", "RawTLSSession", "check_context"]
+__all__ = ["TLSFlush", "TLSSession", "RawTLSSession", "check_context", "server_context"]
 
 log = logging.getLogger("aoprim.server")
 
@@ -64,6 +64,19 @@ def check_context(ctx):
                          "client one")
     ctx.options |= getattr(ssl, "OP_NO_RENEGOTIATION", 0)
     return ctx
+
+
+def server_context(certfile, keyfile=None, ca_certs=None, client_cert="none"):
+    """The CLI's context: ``ssl.create_default_context(Purpose.CLIENT_AUTH)`` (TLS 1.2+,
+    OpenSSL's default ciphers) with the certificate chain; ``client_cert`` "optional" or
+    "required" verifies client certificates against ``ca_certs``."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(certfile, keyfile)
+    if ca_certs:
+        ctx.load_verify_locations(ca_certs)
+    ctx.verify_mode = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL,
+                       "required": ssl.CERT_REQUIRED}[client_cert]
+    return check_context(ctx)
 
 
 class TLSFlush:
