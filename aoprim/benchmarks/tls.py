@@ -11,7 +11,8 @@ Scenarios (``SCENARIOS``):
                     The figure is server CPU per handshake; "msgs/s" is handshakes/s
 
 Figures per run (``run_one``), besides the load's messages/s, latency p50/p99 and the
-server's CPU per message (user+sys from /proc/PID/stat over the measured window):
+server's CPU per message (user+sys from /proc/PID/stat over the measured window) and its
+minor page faults per message (the same file):
 ``records_per_msg`` -- TLS records the server sent per message (every record header in the
 server-to-client byte stream is counted, handshake and session-ticket records included) --
 and ``wire_bytes_per_msg`` -- server-to-client bytes on the wire (ciphertext, record headers
@@ -143,7 +144,16 @@ def aoprim_tls_support():
     except (TypeError, ValueError):
         params = {}
     if "ssl" not in params:
-        return "aoprim.server.Server has no ssl= parameter yet (issue 21)"
+        # Server(..., **settings): the keyword arguments are aoprim.server.config.Settings
+        try:
+            import dataclasses
+
+            from aoprim.server.config import Settings
+            has_ssl = any(f.name == "ssl" for f in dataclasses.fields(Settings))
+        except (ImportError, TypeError):
+            has_ssl = False
+        if not has_ssl:
+            return "aoprim.server.Server has no ssl= parameter yet (issue 21)"
     try:
         serve = build_parser("serve")._subparsers._group_actions[0].choices["serve"]
         ok = any("--certfile" in a.option_strings for a in serve._actions)
@@ -284,11 +294,12 @@ _VARIANTS = 64
 
 
 def proc_cpu(pid):
-    """(user_seconds, system_seconds) used so far by process ``pid``, from /proc/PID/stat."""
+    """(user_seconds, system_seconds, minor page faults) of process ``pid`` so far (its
+    threads included), from /proc/PID/stat (fields 14, 15 and 10)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         data = f.read()
     fields = data[data.rindex(b")") + 2:].split()
-    return int(fields[11]) / _CLK, int(fields[12]) / _CLK
+    return int(fields[11]) / _CLK, int(fields[12]) / _CLK, int(fields[7])
 
 
 class _Records:
@@ -413,11 +424,13 @@ def _summary(msgs, duration, hist, errors, cpu, rec, extra):
         out["records_per_msg"] = rec[0] / msgs
         out["wire_bytes_per_msg"] = rec[1] / msgs
         if cpu is not None:
-            user, sys_ = cpu
-            out["server_cpu"] = {"user_s": user, "sys_s": sys_,
+            user, sys_, minflt = cpu
+            out["server_cpu"] = {"user_s": user, "sys_s": sys_, "minflt": minflt,
                                  "user_us_per_msg": user / msgs * 1e6,
                                  "sys_us_per_msg": sys_ / msgs * 1e6,
-                                 "cpu_us_per_msg": (user + sys_) / msgs * 1e6}
+                                 "cpu_us_per_msg": (user + sys_) / msgs * 1e6,
+                                 "faults_per_msg": minflt / msgs}
+            out["faults_per_msg"] = minflt / msgs
     return out
 
 
@@ -468,11 +481,11 @@ def load_echo(port, conns=10, size=64, pipeline=16, framing="u16", duration=2.0,
     while live:
         now = time.monotonic()
         if cpu0 is None and now >= t0:
-            cpu0 = proc_cpu(cpu_pid) if cpu_pid else (0.0, 0.0)
+            cpu0 = proc_cpu(cpu_pid) if cpu_pid else (0.0, 0.0, 0)
             rec0 = rec_totals()
         if now >= t1:
             if cpu1 is None:
-                cpu1 = proc_cpu(cpu_pid) if cpu_pid else (0.0, 0.0)
+                cpu1 = proc_cpu(cpu_pid) if cpu_pid else (0.0, 0.0, 0)
                 rec1 = rec_totals()
             if now >= t1 + 5 or all(not c.expected for c in live.values()):
                 break
@@ -519,12 +532,13 @@ def load_echo(port, conns=10, size=64, pipeline=16, framing="u16", duration=2.0,
             if t < t1:
                 queue(c, k, t)
     if cpu1 is None and cpu0 is not None:
-        cpu1 = proc_cpu(cpu_pid) if cpu_pid else (0.0, 0.0)
+        cpu1 = proc_cpu(cpu_pid) if cpu_pid else (0.0, 0.0, 0)
         rec1 = rec_totals()
     for c in cs.values():
         c.close()
     ep.close()
-    cpu = (cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]) if cpu_pid and cpu0 is not None else None
+    cpu = (tuple(b - a for a, b in zip(cpu0, cpu1)) if cpu_pid and cpu0 is not None
+           else None)
     rec = (rec1[0] - rec0[0], rec1[1] - rec0[1]) if rec0 is not None else (0, 0)
     return _summary(counted, duration, hist, errors, cpu, rec,
                     {"conns": conns, "size": size, "pipeline": pipeline, "framing": framing,
@@ -587,7 +601,7 @@ def load_handshakes(port, threads=4, size=64, duration=2.0, warmup=0.5, cpu_pid=
     cpu1 = proc_cpu(cpu_pid) if cpu_pid else None
     for th in ths:
         th.join(30)
-    cpu = (cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]) if cpu_pid else None
+    cpu = tuple(b - a for a, b in zip(cpu0, cpu1)) if cpu_pid else None
     return _summary(state["n"], duration, state["hist"], state["errors"], cpu,
                     tuple(state["rec"]),
                     {"conns": threads, "size": size, "framing": "u16", "mode": "handshake"})
