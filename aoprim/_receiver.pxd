@@ -67,7 +67,15 @@ cdef class RxArena:
                                  #   of another receiver must swap before reading)
 
     # Replace the scratch (the old one goes back when its last view dies).
+    cdef SlabPool raw_pool       # raw receivers' read slots (issue 20), or None
+    cdef object big              # the raw_pool slot raw receivers read into (a _HeapBuf of
+                                 # bsize when raw_pool was exhausted), one reference of
+                                 # ours; None without raw_pool or once closed
+    cdef char *bptr              # first byte of big (NULL when none)
+    cdef Py_ssize_t bsize        # raw_pool.slot_size (0: raw receivers read into scratch)
+    cdef bint bbusy              # as busy, for big
     cdef int _swap(self) except -1
+    cdef int _swap_big(self) except -1
     # A buffer of slot size: a pool slot, else a heap buffer (counted in fallbacks).
     cdef object _slot_or_heap(self)
 

@@ -12,6 +12,15 @@ Who owns which buffer
   was exhausted).  A receiver with no unfinished frame reads into it, cuts every complete
   frame out of it, and moves an unfinished tail into a buffer of its own.  So between calls
   the scratch holds nothing anybody needs: the next read of any receiver may overwrite it.
+- With a ``raw_pool`` (issue 20: a SlabPool of large slots -- pool memory the project owns,
+  never handed back to the kernel, so no page is faulted in again), the arena also holds
+  one slot of it, the *big* buffer.  Raw receivers (header_size 0) read into it instead of
+  the scratch -- one recv takes a whole large message, as asyncio's 256 KiB recv does --
+  under the same rules as the scratch: a busy mark, and a fresh slot swapped in after a
+  burst that left a view of it alive (a frame view a send holds by reference: the old
+  slot goes back to raw_pool when that send is done).  Raw receivers never keep bytes, so
+  it holds nothing between calls.  Framed receivers never use it: their reads stay
+  slot-sized, so what a session keeps is bounded as before.
 - A receiver owns at most one buffer (``own``), and only while bytes are kept in it (an
   unfinished frame, or frames a handler exception left undelivered): a pool Slot, a heap
   buffer of slot size (pool exhausted; counted in arena.fallbacks) or, for a frame larger
@@ -339,18 +348,35 @@ cdef class _RxExporter:
 @cython.final
 @cython.no_gc
 cdef class RxArena:
-    """RxArena(pool): the scratch buffer every Receiver of one event-loop thread reads into.
+    """RxArena(pool, raw_pool=None): the scratch buffer every Receiver of one event-loop
+    thread reads into.
 
     Acquires one slot of ``pool`` at construction (an idle server shows 1 slot in use).
-    ``close()`` gives it back (deferred while views of it live); idempotent.  Receivers of a
-    closed arena return from on_readable() without reading.  One thread.
+    ``raw_pool``: a SlabPool of large slots; the arena also holds one of them, which raw
+    receivers read into, so a large raw message is one recv (not one per slot).
+    ``close()`` gives them back (deferred while views of them live); idempotent.  Receivers
+    of a closed arena return from on_readable() without reading.  One thread.
     """
 
-    def __cinit__(self, SlabPool pool not None):
+    def __cinit__(self, SlabPool pool not None, SlabPool raw_pool=None):
         self.pool = pool
         self.scratch = pool.acquire()            # PoolExhausted: no arena without one
         self.sptr = (<Slot>self.scratch).ptr
         self.size = pool.slab.slot_size
+        self.bbusy = False
+        self.bsize = 0
+        self.bptr = NULL
+        if raw_pool is not None:
+            try:
+                self.big = raw_pool.acquire()
+            except BaseException:
+                _bgive(self.scratch)
+                self.scratch = None
+                self.sptr = NULL
+                raise
+            self.raw_pool = raw_pool
+            self.bptr = (<Slot>self.big).ptr
+            self.bsize = raw_pool.slab.slot_size
         self.swaps = 0
         self.fallbacks = 0
         self.closed = False
@@ -360,6 +386,14 @@ cdef class RxArena:
         cdef object s = self.scratch
         self.scratch = None
         self.sptr = NULL
+        if s is not None:
+            try:
+                _bgive(s)
+            except Exception:
+                pass
+        s = self.big
+        self.big = None
+        self.bptr = NULL
         if s is not None:
             try:
                 _bgive(s)
@@ -385,12 +419,40 @@ cdef class RxArena:
         _bgive(old)         # goes back when its last view dies
         return 0
 
+    cdef int _swap_big(self) except -1:
+        """A fresh big buffer: another raw_pool slot (a heap buffer of that size when the
+        pool is exhausted: counted in fallbacks); the old one goes back with its last
+        view."""
+        cdef object old = self.big
+        cdef object new
+        cdef int64_t i
+        if self.closed:
+            return 0
+        i = aop_slab_take(self.raw_pool.slab)
+        if i >= 0:
+            new = self.raw_pool._bind(i)
+        else:
+            self.fallbacks += 1
+            new = _heap(self.bsize)
+        self.big = new
+        self.bptr = _bptr(new)
+        self.swaps += 1
+        self.bbusy = False
+        _bgive(old)
+        return 0
+
     def close(self):
-        """Give the scratch back (when its last view dies, if views are alive).  Idempotent."""
-        cdef object s
+        """Give the scratch and the big buffer back (each when its last view dies, if views
+        are alive).  Idempotent."""
+        cdef object s, b
         if self.closed:
             return
         self.closed = True
+        b = self.big
+        self.big = None
+        self.bptr = NULL
+        if b is not None:
+            _bgive(b)
         s = self.scratch
         self.scratch = None
         self.sptr = NULL
@@ -407,8 +469,20 @@ cdef class RxArena:
         return self.size
 
     @property
+    def raw_pool(self):
+        """The SlabPool raw receivers read into (None: they read into the scratch)."""
+        return self.raw_pool
+
+    @property
+    def raw_read_size(self):
+        """Bytes per recv of a raw receiver: raw_pool's slot size, or slot_size without
+        raw_pool."""
+        return self.bsize if self.bsize else self.size
+
+    @property
     def scratch_swaps(self):
-        """Times the scratch was replaced because a frame view of it escaped."""
+        """Times the scratch (or the big buffer) was replaced because a frame view of it
+        escaped."""
         return self.swaps
 
     @property
@@ -459,6 +533,13 @@ cdef class Receiver:
         was looked at).  ``buf``: any buffer, exported (not copied) for the call;
         header_size 2 or 4; 0 <= pos <= end <= len(buf); max_frame >= 1."""
         return _scan_frames(buf, pos, end, header_size, max_frame)
+
+    @staticmethod
+    def is_frame_view(obj):
+        """True if ``obj`` is a frame view a Receiver handed out (or one made from it): a
+        read-only memoryview whose memory is never written while any export of it lives --
+        so a sender may hold an export of it instead of copying it (issue 20)."""
+        return type(obj) is memoryview and type(obj.obj) is _RxExporter
 
     def __cinit__(self, RxArena arena not None, fd, header_size, max_frame, on_frame,
                   on_event, owner, copy_frames=False, proxy=0, proxy_limit=4096,
@@ -623,6 +704,7 @@ cdef class Receiver:
         cdef int err = 0, why, fail
         cdef object err_obj
         cdef bint in_own = self.own != NULL
+        cdef bint in_big = False       # reading into arena.big (a raw receiver)
         if in_own:
             buf = <object>self.own
             p = self.optr
@@ -642,15 +724,26 @@ cdef class Receiver:
                 # closed by a handler earlier in this on_readable (its scratch is None):
                 # read nothing, take nothing for it (issue 19 item 19)
                 return 0
-            buf = arena.scratch
-            if arena.busy or _bviews(buf) != 0:
-                # a burst further up the stack (a handler reading another receiver) is
-                # still parsing it, or a view of it lives: never read over it
-                arena._swap()
+            if self.hs == 0 and arena.bsize:
+                # raw: one recv of up to raw_read_size bytes into the big buffer (issue 20),
+                # under the scratch's rules
+                in_big = True
+                buf = arena.big
+                if arena.bbusy or _bviews(buf) != 0:
+                    arena._swap_big()
+                    buf = arena.big
+                p = arena.bptr
+                room = arena.bsize
+            else:
                 buf = arena.scratch
-            p = arena.sptr
+                if arena.busy or _bviews(buf) != 0:
+                    # a burst further up the stack (a handler reading another receiver) is
+                    # still parsing it, or a view of it lives: never read over it
+                    arena._swap()
+                    buf = arena.scratch
+                p = arena.sptr
+                room = arena.size
             pos = end = 0
-            room = arena.size
         if do_read:
             # MSG_DONTWAIT: this recv never blocks, whatever the fd's mode, so it runs with
             # the GIL held -- releasing and re-taking the GIL around a non-blocking syscall
@@ -682,7 +775,9 @@ cdef class Receiver:
             end += n
         self.pending = False
         _bhold(buf)                 # the burst's own reference: nobody returns buf under us
-        if not in_own:
+        if in_big:
+            arena.bbusy = True      # (one flag per big buffer: _swap_big clears it)
+        elif not in_own:
             arena.busy = True       # (one flag per scratch: _swap clears it)
         why = CUT_STOP              # what a BaseException leaves: the rest is kept pending
         fail = 0
@@ -699,7 +794,10 @@ cdef class Receiver:
             try:
                 fail = self._settle(buf, p, pos, end, why)
             finally:
-                if not in_own and arena.scratch is buf:
+                if in_big:
+                    if arena.big is buf:
+                        arena.bbusy = False
+                elif not in_own and arena.scratch is buf:
                     arena.busy = False
                 _bgive(buf)
         if why == CUT_TOO_LARGE:
@@ -942,8 +1040,12 @@ cdef class Receiver:
                     self.want = need if need > arena.size else 0
             if why == CUT_STOP and not fail:
                 self.pending = True
-        if not in_own and arena.scratch is buf and _bviews(buf) != 0:
-            arena._swap()       # a view escaped: never read over it again
+        if not in_own and _bviews(buf) != 0:
+            # a view escaped: never read over it again
+            if arena.scratch is buf:
+                arena._swap()
+            elif arena.big is buf:
+                arena._swap_big()
         return fail
 
     # ---- API -----------------------------------------------------------------------------------

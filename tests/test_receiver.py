@@ -1211,3 +1211,163 @@ def test_hold_set_by_the_handler_stops_delivery_between_frames(rigs, hs, copy):
     r.rx.on_readable()
     assert got[-1] == b"after" and r.pool.in_use == 1
     r.close()
+
+
+# ---- raw_pool: raw receivers read into large pool slots (issue 20) ----------------------
+
+def test_raw_large_message_is_one_recv_into_a_raw_pool_slot(rigs):
+    pool = SlabPool(1024, 4)
+    raw = SlabPool(256 << 10, 2)
+    arena = RxArena(pool, raw)
+    assert arena.raw_read_size == 256 << 10 and arena.slot_size == 1024
+    assert arena.raw_pool is raw and pool.in_use == 1 and raw.in_use == 1
+    g = rigs(hs=0, pool=pool, arena=arena, max_reads=8)
+    g.r.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    g.w.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    msg = bytes(range(256)) * 256                 # 64 KiB
+    g.send(msg)
+    g.rx.on_readable()
+    # one recv took all of it (1 KiB slots would need 64), and since it did not fill the
+    # 256 KiB offered, no second (empty) recv followed
+    assert g.rx.reads == 1 and g.frames == [msg]
+    assert arena.scratch_swaps == 0 and pool.in_use == 1 and raw.in_use == 1
+    g.close()
+    assert raw.in_use == 0
+
+
+def test_without_raw_pool_raw_reads_are_slot_sized(rigs):
+    pool = SlabPool(1024, 4)
+    arena = RxArena(pool)
+    assert arena.raw_read_size == 1024 and arena.raw_pool is None
+    g = rigs(hs=0, pool=pool, arena=arena, max_reads=64)
+    g.send(b"z" * 4096)
+    g.rx.on_readable()
+    assert g.rx.reads == 4 and b"".join(g.frames) == b"z" * 4096
+    g.close()
+    with pytest.raises(TypeError):
+        RxArena(pool, 4096)
+
+
+def test_framed_receivers_never_read_into_the_raw_pool(rigs):
+    # a u16 frame larger than a slot still goes through the slot-sized first read and its
+    # own exact buffer: what a framed session keeps stays bounded by max_frame + a slot
+    pool = SlabPool(256, 8)
+    raw = SlabPool(64 << 10, 2)
+    arena = RxArena(pool, raw)
+    g = rigs(hs=2, pool=pool, arena=arena, max_reads=1)
+    g.send(enc(2, b"a" * 1000))
+    g.rx.on_readable()
+    assert g.rx.reads == 1 and g.frames == [] and g.rx.buffered == 256
+    g.pump()
+    assert g.frames == [b"a" * 1000] and raw.in_use == 1
+    g.close()
+
+
+def test_a_view_escaping_the_raw_slot_swaps_it_and_it_returns_with_the_view(rigs):
+    kept = []
+
+    def on_frame(owner, data):
+        if not kept:
+            kept.append(data[1:])                 # a sub-view: pins the raw slot
+
+    pool = SlabPool(256, 4)
+    raw = SlabPool(8192, 3)
+    arena = RxArena(pool, raw)
+    g = rigs(hs=0, pool=pool, arena=arena, on_frame=on_frame)
+    g.send(b"K" + b"k" * 4000)
+    g.rx.on_readable()
+    assert arena.scratch_swaps == 1 and raw.in_use == 2
+    for i in range(20):
+        g.send(bytes([i]) * 5000)
+        g.rx.on_readable()
+        assert bytes(kept[0]) == b"k" * 4000     # never read over
+    assert arena.scratch_swaps == 1 and pool.in_use == 1 and raw.in_use == 2
+    del kept[:]
+    assert raw.in_use == 1                        # back with its last view
+    g.close()
+    assert raw.in_use == 0
+
+
+def test_raw_pool_exhausted_falls_back_to_a_heap_buffer(rigs):
+    kept = []
+
+    def on_frame(owner, data):
+        kept.append(data[:1])                     # every frame pins what it was read into
+
+    pool = SlabPool(256, 4)
+    raw = SlabPool(4096, 2)
+    arena = RxArena(pool, raw)
+    g = rigs(hs=0, pool=pool, arena=arena, on_frame=on_frame)
+    for i in range(4):
+        g.send(bytes([65 + i]) * 3000)
+        g.rx.on_readable()
+    assert [bytes(k) for k in kept] == [b"A", b"B", b"C", b"D"]
+    assert arena.scratch_swaps == 4 and arena.fallbacks >= 2 and raw.in_use == 2
+    del kept[:]
+    assert raw.in_use <= 1
+    g.close()
+    assert raw.in_use == 0
+
+
+def test_nested_raw_reads_of_one_arena_use_a_fresh_raw_slot(rigs):
+    # a handler of receiver A reads receiver B of the same arena: B must not read over the
+    # bytes A's burst is still delivering
+    pool = SlabPool(256, 8)
+    raw = SlabPool(8192, 4)
+    arena = RxArena(pool, raw)
+    seen = []
+    b = rigs(hs=0, pool=pool, arena=arena)
+
+    def on_frame_a(owner, data):
+        before = bytes(data)
+        b.rx.on_readable()
+        seen.append((before, bytes(data)))
+
+    a = rigs(hs=0, pool=pool, arena=arena, on_frame=on_frame_a)
+    b.send(b"B" * 3000)
+    a.send(b"A" * 3000)
+    a.rx.on_readable()
+    assert seen == [(b"A" * 3000, b"A" * 3000)] and b.frames == [b"B" * 3000]
+    assert arena.scratch_swaps == 1
+    a.rx.close()
+    b.close()                                     # (closes the arena too)
+    assert raw.in_use == 0
+
+
+def test_arena_close_gives_the_raw_slot_back_and_raw_receivers_read_nothing(rigs):
+    pool = SlabPool(256, 4)
+    raw = SlabPool(8192, 2)
+    arena = RxArena(pool, raw)
+    g = rigs(hs=0, pool=pool, arena=arena)
+    g.send(b"x" * 100)
+    g.rx.on_readable()
+    arena.close()
+    arena.close()
+    assert pool.in_use == 0 and raw.in_use == 0
+    g.send(b"y" * 100)
+    g.rx.on_readable()
+    assert g.frames == [b"x" * 100] and g.rx.reads == 1
+    g.rx.close()
+    # an arena that cannot get its raw slot is not made, and leaks nothing
+    full = SlabPool(8192, 1)
+    hold = full.acquire()
+    with pytest.raises(Exception):
+        RxArena(pool, full)
+    assert pool.in_use == 0
+    hold.release()
+
+
+def test_is_frame_view_tells_receive_memory_from_any_other_buffer(rigs):
+    seen = []
+
+    def on_frame(owner, data):
+        seen.append((Receiver.is_frame_view(data), Receiver.is_frame_view(data[1:]),
+                     data.readonly))
+
+    g = rigs(hs=2, on_frame=on_frame)
+    g.send(enc(2, b"hello"))
+    g.rx.on_readable()
+    assert seen == [(True, True, True)]
+    for other in (b"x", bytearray(b"x"), memoryview(b"x"), memoryview(bytearray(3)), None):
+        assert not Receiver.is_frame_view(other)
+    g.close()

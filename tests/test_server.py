@@ -100,6 +100,56 @@ def test_frames_larger_than_a_slot(make_server, connect):
         assert read_frame(s, "u32") == p
 
 
+def test_raw_large_message_is_one_read_not_one_per_slot(make_server, connect):
+    # issue 20: raw sessions read into rx_read_size slots, so a 64 KiB message takes about
+    # one recv (16 KiB slots alone: at least four)
+    srv = make_server(Echo(), framing="raw")
+    s = connect(srv)
+    msg = bytes(range(256)) * 256
+    s.sendall(msg)
+    assert recv_exact(s, len(msg)) == msg
+    wait_for(lambda: srv.stats()["bytes_out"] == len(msg), what="the warm-up counted")
+    before = srv.stats()["recv_syscalls"]
+    for i in range(20):
+        m = bytes([i]) * len(msg)
+        s.sendall(m)
+        assert recv_exact(s, len(m)) == m
+    reads = srv.stats()["recv_syscalls"] - before
+    assert reads < 20 * 3, reads
+
+
+def test_raw_large_echoes_by_reference_every_byte_and_every_slot_back(make_server, connect):
+    # large echoes go out by reference from the read slot (issue 20): with 8 clients each
+    # sending distinct 256 KiB messages, no reply may show another read's bytes; clients
+    # that vanish with replies unsent give their slots back
+    srv = make_server(Echo(), framing="raw", rx_read_slots=4)     # few: the heap fallback too
+    rng = random.Random(20)
+    errors = []
+
+    def client(k):
+        try:
+            c = connect(srv)
+            for j in range(6):
+                m = rng.randbytes(256 << 10) if j % 2 else bytes([k, j]) * (128 << 10)
+                c.sendall(m)
+                got = recv_exact(c, len(m))
+                if got != m:
+                    errors.append((k, j))
+        except Exception as e:          # reported below
+            errors.append((k, repr(e)))
+    run_threads([lambda k=k: client(k) for k in range(8)])
+    assert errors == []
+    # a peer that sends 1 MiB and resets without reading: its by-reference sends are dropped
+    for _ in range(3):
+        c = connect(srv, rcvbuf=4096)
+        c.sendall(b"r" * (1 << 20))
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.close()
+    wait_for(lambda: srv.stats()["connections"] == 8, what="the resets seen")
+    wait_for(lambda: srv.stats()["rx_raw_slots_in_use"] == 1,
+             what="every raw read slot back but the arena's")
+
+
 def test_replies_of_one_read_burst_leave_in_one_syscall(make_server, connect):
     srv = make_server(Echo(), framing="u16")
     s = connect(srv)

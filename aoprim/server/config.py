@@ -63,6 +63,9 @@ class Settings:
     rx_slot_size: int = 16384
     rx_slots: int = 1024
     rx_reads: int = 8               # recvs per readiness event while each fills its buffer
+    rx_read_size: int = 256 << 10   # raw framing: bytes per recv (slots of the raw read pool;
+                                    # not above rx_slot_size: no pool, slot-sized reads)
+    rx_read_slots: int = 32         # raw framing: slots of that pool (pre-faulted at start)
     tx_slot_size: int = 16384
     tx_slots: int = 256
     close_linger: float = 5.0       # a closing session's unsent data / unread input
@@ -99,6 +102,10 @@ class Settings:
         _int("rx_reads", self.rx_reads, 1)
         if self.rx_reads > 1024:
             raise ValueError("rx_reads must be <= 1024")
+        _int("rx_read_size", self.rx_read_size, 0)
+        if self.rx_read_size > 1 << 30:
+            raise ValueError("rx_read_size must be <= 2**30")
+        _int("rx_read_slots", self.rx_read_slots, 2)
         _int("tx_slot_size", self.tx_slot_size, 64)
         _int("tx_slots", self.tx_slots, 1)
         _seconds("close_linger", self.close_linger, allow_none=False)

@@ -37,6 +37,20 @@ log = logging.getLogger("aoprim.server")
 _COPY_MAX = 2048
 
 
+def _prefault(pool):
+    """Write every slot of a fresh ``pool`` once, so its pages are resident before the first
+    recv (the pool keeps its memory until it is freed: no page is faulted in twice)."""
+    slots = [pool.acquire() for _ in range(pool.slots)]
+    zero = bytes(pool.slot_size)
+    try:
+        for s in slots:
+            with memoryview(s) as mv:
+                mv[:] = zero
+    finally:
+        for s in slots:
+            s.release()
+
+
 class Server:
     """A three-layer server: ``Server(handler, host, port, framing, **settings)``.
 
@@ -46,7 +60,7 @@ class Server:
     defaults): ``max_frame``, ``max_connections``, ``max_pending``, ``idle_timeout``,
     ``frame_timeout``, ``workers``, ``backend``, ``high_water``, ``low_water``,
     ``flush_budget``, ``backlog``, ``reuse_port``, ``rx_slot_size``, ``rx_slots``, ``rx_reads``,
-    ``tx_slot_size``, ``tx_slots``, ``close_linger``, ``shutdown_timeout``,
+    ``rx_read_size``, ``rx_read_slots``, ``tx_slot_size``, ``tx_slots``, ``close_linger``, ``shutdown_timeout``,
     ``worker_backlog``, ``worker_queue``, ``accept_batch``, ``proxy_protocol``,
     ``trusted_proxies``, ``proxy_max_header``, ``proxy_header_timeout`` (behind a load
     balancer: see :mod:`~.proxy`), ``ssl`` (a server-side ``ssl.SSLContext``: TLS, see
@@ -71,6 +85,14 @@ class Server:
         self.backend = self._loop.backend
         self._rx_pool = SlabPool(st.rx_slot_size, st.rx_slots)
         self._tx_pool = SlabPool(st.tx_slot_size, st.tx_slots)
+        # raw framing (issue 20): raw sessions read up to rx_read_size bytes per recv into
+        # slots of this pool (a 64 KiB message is one recv, not four slot-sized ones and an
+        # empty one), and a large echo is sent by reference from that slot.  Its memory is
+        # the project's, touched once here: no page of it is ever faulted in again.
+        self._raw_pool = None
+        if st.framing == "raw" and st.rx_read_size > st.rx_slot_size:
+            self._raw_pool = SlabPool(st.rx_read_size, st.rx_read_slots)
+            _prefault(self._raw_pool)
         self._arena = None
         self._stats = Stats()
         self._sessions = {}             # id -> Session (open or closing)
@@ -123,7 +145,7 @@ class Server:
             self._dispatch = WorkerDispatch(self.handler, st, on_exit=self._worker_exited)
         else:
             self._dispatch = InlineDispatch(self.handler)
-        self._arena = RxArena(self._rx_pool)
+        self._arena = RxArena(self._rx_pool, self._raw_pool)
         self._flusher = Flusher(st, Session.flushed)
         ctx = SessionContext()
         ctx.server = self
@@ -450,6 +472,7 @@ class Server:
         arena = self._arena
         extra = {
             "rx_slots_in_use": self._rx_pool.in_use,
+            "rx_raw_slots_in_use": self._raw_pool.in_use if self._raw_pool is not None else 0,
             "tx_slots_in_use": self._tx_pool.in_use,
             "rx_pool_fallbacks": arena.fallbacks if arena is not None else 0,
             "rx_scratch_swaps": arena.scratch_swaps if arena is not None else 0,

@@ -31,7 +31,7 @@ import socket
 import threading
 import traceback
 
-from aoprim import RefCount, Slot
+from aoprim import Receiver, RefCount, Slot
 
 from .dispatch import CLOSE_MARK, EOF_MARK, WorkState
 from .proxy import client_address
@@ -46,6 +46,10 @@ log = logging.getLogger("aoprim.server")
 
 OPEN, CLOSING, CLOSED = 0, 1, 2
 _get_ident = threading.get_ident
+# raw sends of a receive frame view at least this long go by reference (issue 20): see
+# Session._send_raw
+_BYREF_MIN = 32768
+_is_frame_view = Receiver.is_frame_view
 _RESET_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ECONNABORTED}
 _LINGER_READS = 16          # reads of unread input per lingering-close callback
 _DISCARD = 65536
@@ -195,12 +199,22 @@ class Session:
         if self._state:
             self._send_slow(data)
             return
-        # add_copy copies a view or bytearray (the memory under a frame view is reused
-        # after on_read), keeps bytes by reference, retains a Slot; -1: another thread
-        p = self._batch.add_copy(data)
-        if p < 0:
-            self._send_slow(data)
-            return
+        if (type(data) is memoryview and data.nbytes >= _BYREF_MIN and _is_frame_view(data)
+                and _get_ident() == self._loop.thread_id):
+            # a large frame view of receive memory (issue 20): read-only, and its memory
+            # is pinned -- never read over -- while any export of it lives, so the batch
+            # holds an export of it (add()) instead of a copy; the receiver swaps in a
+            # fresh read slot, and this one goes back to its pool once the send is done
+            b = self._batch
+            b.add(data)
+            p = b.pending_bytes
+        else:
+            # add_copy copies a view or bytearray (the memory under a frame view is reused
+            # after on_read), keeps bytes by reference, retains a Slot; -1: another thread
+            p = self._batch.add_copy(data)
+            if p < 0:
+                self._send_slow(data)
+                return
         self._nout += 1
         if p > self._hw:
             self._over_high()
