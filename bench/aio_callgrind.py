@@ -1,13 +1,24 @@
 """Deterministic user-space cost per message of the three loops: instructions counted by
 valgrind's callgrind in the server process, immune to the machine's noise.
 
-    python bench/aio_callgrind.py [--app raw|proto-u16] [--n 2000] [--tree CHECKOUT]
+    python bench/aio_callgrind.py [--app raw|proto-u16] [--size 1024] [--n 2000]
+                                  [--tree CHECKOUT]
+                                  [--base-tree CHECKOUT] [--loop L ...] [--by-function K]
 
 For each loop, bench/aio_servers.py runs under ``valgrind --tool=callgrind`` twice: one
-connection exchanges N messages, then 2N (one at a time, 1 KiB raw or 16 pipelined u16
-frames of 64 B per burst); the difference of the two totals divided by N is the
+connection exchanges N messages, then 2N (one at a time, raw messages of ``--size`` bytes,
+1 KiB by default, or 16 pipelined u16 frames of 64 B per burst); the difference of the two totals divided by N is the
 instructions per message, with start-up, warm-up and shutdown cancelled out.  Kernel work is
 not counted (callgrind sees user space only).
+
+``--by-function K`` also prints, per loop, the K C functions with the most instructions per
+message, inclusive (the function and all it calls) and self, from ``callgrind_annotate`` of
+the same two runs (subtracted, divided by N).  Python code shows up as the interpreter's
+own functions (``_PyEval_EvalFrameDefault`` self cost is the bytecode executed); compiled
+modules' functions (``__pyx_...``) show by name.
+
+``--base-tree CHECKOUT`` adds ``aoprim-base``: aoprim.aio imported from another in-place build
+(the code before a change), counted in the same run.
 """
 import argparse
 import os
@@ -21,27 +32,48 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOOPS = ("asyncio", "uvloop", "aoprim")
+BASE_TREE = None
 
 
-def _client(port, app, n):
+def _client(port, app, n, size=1024):
     s = socket.create_connection(("127.0.0.1", port), timeout=120)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if app == "raw":
-        msg, per = b"x" * 1024, 1
+        msg, per = b"x" * size, 1
     else:
         msg, per = (struct.pack(">H", 64) + b"y" * 64) * 16, 16
     for _ in range(n // per):
         s.sendall(msg)
         got = 0
         while got < len(msg):
-            chunk = s.recv(65536)
+            chunk = s.recv(1 << 20)
             if not chunk:
                 raise RuntimeError("server closed")
             got += len(chunk)
     s.close()
 
 
-def instructions(loop, app, n, tree):
+def by_function(out_file, inclusive):
+    """{function: instructions} from callgrind_annotate of one output file."""
+    r = subprocess.run(["callgrind_annotate", f"--inclusive={'yes' if inclusive else 'no'}",
+                        "--threshold=100", out_file], capture_output=True, text=True)
+    res = {}
+    for ln in r.stdout.splitlines():
+        m = re.match(r"\s*([\d,]+)\s+(?:\([^)]*\)\s+)?(\S.*)$", ln)
+        if m and ":" in m.group(2):
+            name = re.sub(r"\s*\[[^\]]*\]\s*$", "", m.group(2)).strip()
+            name = name.split(":", 1)[1] if not name.startswith("???") else name
+            name = re.sub(r"\s*\([\d,]+x\)$", "", name)          # call count
+            if not inclusive:                   # recursion levels: one function
+                name = re.sub(r"'\d+$", "", name)
+            res[name] = res.get(name, 0) + int(m.group(1).replace(",", ""))
+    return res
+
+
+def instructions(loop, app, n, tree, keep=False, size=1024):
+    """Instructions the server ran for N messages (and, with keep, its output file)."""
+    if loop == "aoprim-base":
+        loop, tree = "aoprim", BASE_TREE
     out = tempfile.mktemp(prefix="aio_cg_")
     env = dict(os.environ)
     if tree:
@@ -54,13 +86,16 @@ def instructions(loop, app, n, tree):
     if not line.startswith("listening on"):
         p.kill()
         raise RuntimeError(f"{loop} did not start: {line!r} {p.stderr.read()}")
-    _client(int(line.rsplit(":", 1)[1]), app, n)
+    _client(int(line.rsplit(":", 1)[1]), app, n, size)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=300)
     m = re.search(r"Collected : (\d+)", err)
-    os.unlink(out)
     if not m:
+        os.unlink(out)
         raise RuntimeError(f"no callgrind total for {loop}: {err[-2000:]}")
+    if keep:
+        return int(m.group(1)), out
+    os.unlink(out)
     return int(m.group(1))
 
 
@@ -68,16 +103,43 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--app", choices=("raw", "proto-u16"), default="raw")
     ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--size", type=int, default=1024, help="raw message bytes")
     ap.add_argument("--tree")
+    ap.add_argument("--base-tree", help="also count aoprim.aio from this checkout "
+                                        "('aoprim-base')")
+    ap.add_argument("--loop", action="append", choices=LOOPS)
+    ap.add_argument("--by-function", type=int, default=0, metavar="K")
     a = ap.parse_args()
+    loops = tuple(a.loop or LOOPS)
+    if a.base_tree:
+        global BASE_TREE
+        BASE_TREE = os.path.abspath(a.base_tree)
+        loops += ("aoprim-base",)
     res = {}
-    for lp in LOOPS:
-        i1 = instructions(lp, a.app, a.n, a.tree)
-        i2 = instructions(lp, a.app, 2 * a.n, a.tree)
+    for lp in loops:
+        keep = a.by_function > 0
+        r1 = instructions(lp, a.app, a.n, a.tree, keep, a.size)
+        r2 = instructions(lp, a.app, 2 * a.n, a.tree, keep, a.size)
+        if keep:
+            (i1, f1), (i2, f2) = r1, r2
+        else:
+            i1, i2 = r1, r2
         res[lp] = (i2 - i1) / a.n
-        print(f"{a.app:<10} {lp:<8} {res[lp]:>10.0f} instructions/message", flush=True)
-    print(f"aoprim vs asyncio x{res['aoprim'] / res['asyncio']:.2f}, "
-          f"vs uvloop x{res['aoprim'] / res['uvloop']:.2f}")
+        label = f"{a.app}-{a.size if a.app == 'raw' else 64}"
+        print(f"{label:<10} {lp:<11} {res[lp]:>10.0f} instructions/message", flush=True)
+        if keep:
+            for inclusive in (True, False):
+                b1, b2 = by_function(f1, inclusive), by_function(f2, inclusive)
+                per = {k: (b2.get(k, 0) - b1.get(k, 0)) / a.n for k in b2}
+                top = sorted(per.items(), key=lambda kv: -kv[1])[:a.by_function]
+                print(f"  {'inclusive' if inclusive else 'self'}, instructions/message:")
+                for k, v in top:
+                    print(f"    {v:>9.0f}  {k}")
+            os.unlink(f1)
+            os.unlink(f2)
+    for lp in loops:
+        if lp != "aoprim" and "aoprim" in res:
+            print(f"aoprim vs {lp} x{res['aoprim'] / res[lp]:.2f}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 (bench/aio_servers.py) on the three loops, the same load generators, in one run.
 
     python bench/aio_compare.py [--duration 3] [--rounds 3] [--scenario NAME ...]
-                                [--tree CHECKOUT] [--syscalls] [--json out.json]
+                                [--tree CHECKOUT] [--base-tree CHECKOUT] [--syscalls]
+                                [--json out.json]
 
 Scenarios:
   proto-u16    u16-framed 64 B messages pipelined 16 deep on 10 connections; the server is
@@ -10,13 +11,20 @@ Scenarios:
   streams-u16  the same load; the server uses streams: writer.write per frame, await
                writer.drain() per read                            (python -m aoprim loadgen)
   raw-1k       raw 1 KiB ping-pong on 10 connections              (python -m aoprim loadgen)
+  raw-64k, raw-256k, raw-1m
+               raw 64 KiB / 256 KiB / 1 MiB ping-pong on 10 connections (issue 20)
   http         aiohttp, GET / "Hello, World!", HTTP/1.1 keep-alive, 50 connections  (wrk)
 
 Method (as bench/echo_compare.py, whose warm-up and median it reuses): each server runs in its
 own fresh process, is warmed by one connection (a few messages, then closed) before the
 load starts, and its CPU time (user+sys, /proc/PID/stat) over the measured window is divided
-by the messages (requests) served.  Rounds are interleaved (asyncio, uvloop, aoprim, asyncio,
+by the messages (requests) served; minor page faults per message (/proc/PID/stat field 10)
+are counted over the whole load generator run (its warm-up window included) and divided by
+the messages that window would serve at the measured rate.  Rounds are interleaved (asyncio, uvloop, aoprim, asyncio,
 ...) and the median of each figure is reported; ratios are taken within the run only.
+
+``--base-tree CHECKOUT`` adds a fourth server, ``aoprim-base``: aoprim.aio imported from
+another in-place build (the code before a change), measured in the same interleaved rounds.
 
 ``--syscalls`` adds one pass per server under ``strace -f -c`` (attached after the warm-up,
 for the whole load, which then runs without its own warm-up window): system calls per
@@ -44,12 +52,18 @@ SCENARIOS = {
     "proto-u16": dict(app="proto-u16", framing="u16", size=64, conns=10, pipeline=16),
     "streams-u16": dict(app="streams-u16", framing="u16", size=64, conns=10, pipeline=16),
     "raw-1k": dict(app="raw", framing="raw", size=1024, conns=10, pipeline=1),
+    "raw-64k": dict(app="raw", framing="raw", size=65536, conns=10, pipeline=1),
+    "raw-256k": dict(app="raw", framing="raw", size=262144, conns=10, pipeline=1),
+    "raw-1m": dict(app="raw", framing="raw", size=1 << 20, conns=10, pipeline=1),
     "http": dict(app="aiohttp", conns=50),
 }
 TARGETS = {   # aoprim's CPU per message at most this times the other loop's (issue 12)
     "proto-u16": {"asyncio": 0.4, "uvloop": 0.4},
     "streams-u16": {"asyncio": 0.4, "uvloop": 0.4},
     "raw-1k": {"asyncio": 1.0},
+    "raw-64k": {"asyncio": 1.0},
+    "raw-256k": {"asyncio": 1.0},
+    "raw-1m": {"asyncio": 1.0},
     "http": {"asyncio": 1.0},
 }
 SEND = ("sendmsg", "sendto", "write", "writev", "send")
@@ -62,6 +76,16 @@ def proc_cpu(pid):
     return _pc(pid)
 
 
+def proc_minflt(pid):
+    """Minor page faults of process ``pid`` so far (/proc/PID/stat field 10)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    return int(data[data.rindex(b")") + 2:].split()[7])
+
+
+BASE_TREE = None                  # --base-tree: where the aoprim-base server imports from
+
+
 def _env(tree):
     env = dict(os.environ)
     if tree:
@@ -70,6 +94,8 @@ def _env(tree):
 
 
 def start_server(loop, app, tree):
+    if loop == "aoprim-base":
+        loop, tree = "aoprim", BASE_TREE
     p = subprocess.Popen([sys.executable, os.path.join(HERE, "aio_servers.py"), "--loop", loop,
                           "--app", app, "--host", HOST, "--port", "0"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=CWD,
@@ -104,12 +130,14 @@ def warm_http(port, requests=4):
 
 
 def load_echo(sc, port, pid, duration, tree, warmup=0.5):
+    f0 = proc_minflt(pid) if pid else None
     lg = subprocess.run(
         [sys.executable, "-m", "aoprim", "loadgen", "--host", HOST, "--port", str(port),
          "--conns", str(sc["conns"]), "--size", str(sc["size"]), "--pipeline",
          str(sc["pipeline"]), "--framing", sc["framing"], "--duration", str(duration),
          "--warmup", str(warmup), "--json"] + (["--cpu-pid", str(pid)] if pid else []),
         capture_output=True, text=True, timeout=duration + 120, cwd=CWD, env=_env(tree))
+    f1 = proc_minflt(pid) if pid else None
     if not lg.stdout.strip():
         raise RuntimeError(f"loadgen failed: {lg.stderr}")
     r = json.loads(lg.stdout)
@@ -119,7 +147,8 @@ def load_echo(sc, port, pid, duration, tree, warmup=0.5):
     if pid:
         c = r["server_cpu"]
         out.update(cpu_us_per_msg=c["cpu_us_per_msg"], user_us_per_msg=c["user_us_per_msg"],
-                   sys_us_per_msg=c["sys_us_per_msg"])
+                   sys_us_per_msg=c["sys_us_per_msg"],
+                   faults_per_msg=(f1 - f0) / (r["msgs"] * (duration + warmup) / duration))
     return out
 
 
@@ -139,7 +168,7 @@ def load_http(sc, port, pid, duration):
     if pid:
         u, s = c1[0] - c0[0], c1[1] - c0[1]
         out.update(cpu_us_per_msg=(u + s) / n * 1e6, user_us_per_msg=u / n * 1e6,
-                   sys_us_per_msg=s / n * 1e6)
+                   sys_us_per_msg=s / n * 1e6, faults_per_msg=float("nan"))
     return out
 
 
@@ -207,25 +236,28 @@ def compare(scenario, duration, rounds, tree, loops=LOOPS, log=print):
             log(f"    round {rnd + 1} {lp:<8} {r['msgs_per_s']:>9.0f}/s "
                 f"{r['cpu_us_per_msg']:>7.2f} us/msg")
     return {lp: {k: _median([r[k] for r in rs]) for k in
-                 ("msgs_per_s", "cpu_us_per_msg", "user_us_per_msg", "sys_us_per_msg")}
+                 ("msgs_per_s", "cpu_us_per_msg", "user_us_per_msg", "sys_us_per_msg",
+                  "faults_per_msg")}
             for lp, rs in runs.items()}
 
 
 def report(scenario, res, sysc=None, log=print):
     unit = "req" if scenario == "http" else "msg"
     log(f"\n[{scenario}] {SCENARIOS[scenario]}")
-    log(f"  {'loop':<9} {unit + '/s':>10} {'CPU us/' + unit:>11} {'user':>7} {'sys':>7}"
+    log(f"  {'loop':<11} {unit + '/s':>10} {'CPU us/' + unit:>11} {'user':>7} {'sys':>7} "
+        f"{'flt/' + unit:>8}"
         + (f" {'send/' + unit:>9} {'recv/' + unit:>9} {'poll/' + unit:>9} {'all/' + unit:>8}"
            if sysc else ""))
     for lp, r in res.items():
-        line = (f"  {lp:<9} {r['msgs_per_s']:>10.0f} {r['cpu_us_per_msg']:>11.2f} "
-                f"{r['user_us_per_msg']:>7.2f} {r['sys_us_per_msg']:>7.2f}")
+        line = (f"  {lp:<11} {r['msgs_per_s']:>10.0f} {r['cpu_us_per_msg']:>11.2f} "
+                f"{r['user_us_per_msg']:>7.2f} {r['sys_us_per_msg']:>7.2f} "
+                f"{r['faults_per_msg']:>8.2f}")
         if sysc and lp in sysc:
             s = sysc[lp]
             line += f" {s['send']:>9.3f} {s['recv']:>9.3f} {s['poll']:>9.3f} {s['total']:>8.3f}"
         log(line)
     a = res["aoprim"]
-    for base in ("asyncio", "uvloop"):
+    for base in ("asyncio", "uvloop", "aoprim-base"):
         if base in res:
             b = res[base]
             log(f"  aoprim vs {base}: CPU/{unit} x{a['cpu_us_per_msg'] / b['cpu_us_per_msg']:.2f}, "
@@ -248,6 +280,8 @@ def main():
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--scenario", action="append", choices=list(SCENARIOS))
+    ap.add_argument("--base-tree", help="also run aoprim.aio from this checkout (in-place "
+                                        "build) as 'aoprim-base', in the same rounds")
     ap.add_argument("--loop", action="append", choices=LOOPS,
                     help="only these loops (default: all three)")
     ap.add_argument("--tree", help="import aoprim from this checkout (in-place build) instead "
@@ -259,6 +293,10 @@ def main():
     if a.tree:
         sys.path.insert(0, os.path.abspath(a.tree))     # for loadgen's proc_cpu, in-process
     loops = tuple(a.loop or LOOPS)
+    if a.base_tree:
+        global BASE_TREE
+        BASE_TREE = os.path.abspath(a.base_tree)
+        loops += ("aoprim-base",)
     commit = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, Python "
