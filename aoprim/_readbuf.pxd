@@ -1,5 +1,6 @@
 # cython: language_level=3
 """ReadBuffer, for ``cimport``: one reusable receive buffer (aoprim.aio's loop owns one)."""
+from cpython.ref cimport PyObject
 from aoprim.atomic_h cimport aop_atomic_i64, aop_atomic_u32
 
 cdef class ReadBuffer:
@@ -8,3 +9,8 @@ cdef class ReadBuffer:
     cdef aop_atomic_u32 busy     # 1 while a thread is inside recv_bytes() (claimed by exchange)
     cdef aop_atomic_i64 st_reads # recv() calls that returned data or EOF (relaxed: a counter)
     cdef aop_atomic_i64 st_bytes # bytes received (relaxed)
+    cdef aop_atomic_i64 st_pooled # reads handed out as a pool slot, no copy (relaxed)
+    cdef size_t big              # a read of at least this many bytes is handed out as its slot
+    cdef int npool               # slots created so far (0 .. POOL_MAX)
+    cdef PyObject *pool[16]      # the slots: bytes objects of cap bytes, one reference each
+    cdef PyObject *_free_slot(self) noexcept

@@ -1,25 +1,43 @@
 # cython: language_level=3, freethreading_compatible=True
-"""ReadBuffer: receive into one reusable buffer and get exactly the bytes read.
+"""ReadBuffer: receive into reused, resident memory and get exactly the bytes read.
 
 aoprim.aio's loop owns one ReadBuffer and every plain (``data_received``) read of its stream
-transports goes through it: one ``recv()`` into memory that is reused, then one ``bytes`` of
-the size received.  asyncio's own transports call ``sock.recv(262144)`` instead: a fresh
-256 KiB allocation per read, shrunk afterwards -- above glibc's initial mmap threshold, so a
-fresh process pays mmap + munmap on every read.  (``sock.recv_into`` a bytearray followed by
-``bytes(view[:n])`` does the same in Python, but costs ~0.3-0.4 us more per read: the view
-slice and the buffer-protocol round trips.)
+transports goes through it.  asyncio's own transports call ``sock.recv(262144)`` instead: a
+fresh 256 KiB allocation per read, shrunk afterwards.
 
-Threads: ``recv_bytes`` claims the buffer with an atomic exchange (acquire) and frees it with
-a release store, so two threads can never receive into it at once (the second one gets
-RuntimeError and reads nothing); the GIL is not what protects it.  The GIL is not released
-during the call: the recv() uses MSG_DONTWAIT, so it never waits, whatever the socket's
-mode -- on a blocking socket with nothing to read it raises BlockingIOError instead of
-blocking every thread (issue 19 item 24).
+Where a read lands (``recv_bytes``):
+
+- **a pool slot**: up to ``POOL_MAX`` ``bytes`` objects of ``size`` bytes, created (and
+  pre-faulted) the first times a large read arrives and kept for the buffer's life, so
+  their pages stay resident.  A slot is free when this buffer holds the only reference to
+  it (reference count 1: nothing else can see it, so its contents may be overwritten).  The
+  recv() goes straight into a free slot.  A read of at least ``size // 4`` bytes is handed
+  out as the slot itself -- its length set to the bytes read, its cached hash reset: no
+  copy, no allocation; the slot is free again once the protocol (and the write batch that
+  sends it on) drop it.  A smaller read is copied out into a new ``bytes`` of its size, and
+  the slot stays free.  A handed-out slot holds ``size`` bytes of memory for a read of at
+  least a quarter of that; a protocol keeping many of them keeps at most ``POOL_MAX``.
+- **the buffer's own memory**, when no slot is free (none created yet: only small reads so
+  far, or every slot still held): one recv() there, then one ``bytes`` of the size
+  received; a large read so made also creates a new slot if fewer than ``POOL_MAX`` exist,
+  and is handed out as that slot.
+
+On a free-threaded build the pool is off (a reference count of 1 read by one thread does
+not prove another thread is not about to take a reference): every read is copied out.
+
+Threads: ``recv_bytes`` claims the buffer (and its pool) with an atomic exchange (acquire)
+and frees it with a release store, so two threads can never receive into it at once (the
+second one gets RuntimeError and reads nothing); the GIL is not what protects it.  The GIL is
+not released during the call: the recv() uses MSG_DONTWAIT, so it never waits, whatever the
+socket's mode -- on a blocking socket with nothing to read it raises BlockingIOError instead
+of blocking every thread (issue 19 item 24).
 """
 from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy, memset
 from libc.errno cimport errno, EINTR, EBADF
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.exc cimport PyErr_SetFromErrno, PyErr_CheckSignals
+from cpython.ref cimport PyObject, Py_INCREF
 
 from aoprim.atomic_h cimport (
     aop_exchange_u32, aop_store_u32, aop_load_i64, aop_store_i64, AOP_ACQUIRE, AOP_RELEASE,
@@ -32,16 +50,67 @@ cdef extern from "sys/socket.h" nogil:
     ssize_t recv(int fd, void *buf, size_t n, int flags)
     enum: MSG_DONTWAIT
 
+cdef extern from *:
+    """
+    /* The pool needs the GIL's guarantee that a reference count of 1 stays 1 while this
+       thread holds the buffer: off on a free-threaded build. */
+    #ifdef Py_GIL_DISABLED
+    #define AOP_RB_POOL_MAX 0
+    #else
+    #define AOP_RB_POOL_MAX 16
+    #endif
+    /* A slot handed out as the bytes of one read: length n (its memory still holds the
+       slot's full size, which PyObject_Free does not need to know), NUL-terminated as every
+       bytes object is, hash not yet computed (a previous owner may have hashed it). */
+    static inline void aop_rb_shrink(PyObject *o, Py_ssize_t n) {
+        Py_SET_SIZE(o, n);
+        ((PyBytesObject *)o)->ob_sval[n] = '\\0';
+    #if defined(__GNUC__)
+    #pragma GCC diagnostic push
+    #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    #endif
+        ((PyBytesObject *)o)->ob_shash = -1;
+    #if defined(__GNUC__)
+    #pragma GCC diagnostic pop
+    #endif
+    }
+    """
+    enum: AOP_RB_POOL_MAX
+    void aop_rb_shrink(PyObject *o, Py_ssize_t n)
+    Py_ssize_t Py_REFCNT(PyObject *o)
+    Py_ssize_t Py_SIZE(PyObject *o)
+    void Py_SET_SIZE(PyObject *o, Py_ssize_t n)
+    char *PyBytes_AS_STRING_P "PyBytes_AS_STRING"(PyObject *o)
+    void Py_XDECREF(PyObject *o)
+
+#: the most pool slots one ReadBuffer keeps (0 on a free-threaded build)
+POOL_MAX = AOP_RB_POOL_MAX
+
 # socket.socket's own C method, called as _fileno(sock): no Python code runs for a subclass
 # that overrides fileno() (as SendBatch reads it)
 cdef object _fileno = _socket.socket.fileno
 
 
+cdef inline ssize_t _recv_into(int fd, char *buf, size_t cap) except -1:
+    """One recv() of at most cap bytes, EINTR retried after the signal handlers ran."""
+    cdef ssize_t n
+    while True:
+        n = recv(fd, buf, cap, MSG_DONTWAIT)   # never waits, GIL held
+        if n >= 0:
+            return n
+        if errno != EINTR:
+            PyErr_SetFromErrno(OSError)
+            return -1
+        PyErr_CheckSignals()
+
+
 cdef class ReadBuffer:
     """ReadBuffer(size=262144)
 
-    One reusable receive buffer: ``recv_bytes(sock)`` reads at most ``size`` bytes from a
-    socket into it and returns them as ``bytes`` (``b''`` at end of stream)."""
+    Reused receive memory: ``recv_bytes(sock)`` reads at most ``size`` bytes from a socket
+    and returns them as ``bytes`` (``b''`` at end of stream); a read of at least
+    ``size // 4`` bytes is returned without a copy, as one of the buffer's pooled,
+    resident ``bytes`` objects (see the module's docstring)."""
 
     def __cinit__(self, size=262144):
         if isinstance(size, bool) or not isinstance(size, int):
@@ -52,10 +121,30 @@ cdef class ReadBuffer:
         if self.buf == NULL:
             raise MemoryError()
         self.cap = <size_t>size
+        self.big = self.cap // 4 if self.cap >= 4 else 1
+        self.npool = 0
 
     def __dealloc__(self):
+        cdef int i
         free(self.buf)
         self.buf = NULL
+        for i in range(self.npool):
+            Py_XDECREF(self.pool[i])
+            self.pool[i] = NULL
+        self.npool = 0
+
+    cdef PyObject *_free_slot(self) noexcept:
+        """A pool slot nothing else references (reset to the full size; borrowed), or
+        NULL."""
+        cdef int i
+        cdef PyObject *s
+        for i in range(self.npool):
+            s = self.pool[i]
+            if Py_REFCNT(s) == 1:           # the pool's own reference only
+                if <size_t>Py_SIZE(s) != self.cap:
+                    Py_SET_SIZE(s, <Py_ssize_t>self.cap)
+                return s
+        return NULL
 
     def recv_bytes(self, sock):
         """One non-blocking recv() (MSG_DONTWAIT, even on a blocking socket) from socket
@@ -63,6 +152,9 @@ cdef class ReadBuffer:
         ``socket.recv`` raises them (BlockingIOError: nothing to read now); EINTR is
         retried after running signal handlers."""
         cdef ssize_t n
+        cdef PyObject *slot
+        cdef object new
+        cdef char *data
         cdef int fd = _fileno(sock)
         if fd < 0:
             raise OSError(EBADF, "Bad file descriptor")
@@ -70,21 +162,34 @@ cdef class ReadBuffer:
         if aop_exchange_u32(&self.busy, 1, AOP_ACQUIRE) != 0:
             raise RuntimeError("ReadBuffer is in use by another thread")
         try:
-            while True:
-                n = recv(fd, self.buf, self.cap, MSG_DONTWAIT)   # never waits, GIL held
-                if n >= 0:
-                    break
-                if errno != EINTR:
-                    PyErr_SetFromErrno(OSError)
-                PyErr_CheckSignals()
+            slot = self._free_slot() if self.npool else NULL
+            data = PyBytes_AS_STRING_P(slot) if slot != NULL else self.buf
+            n = _recv_into(fd, data, self.cap)
             # relaxed load + store, not an RMW: only the claimer writes the counters
             aop_store_i64(&self.st_reads, aop_load_i64(&self.st_reads, AOP_RELAXED) + 1,
                           AOP_RELAXED)
             aop_store_i64(&self.st_bytes, aop_load_i64(&self.st_bytes, AOP_RELAXED) + n,
                           AOP_RELAXED)
-            return PyBytes_FromStringAndSize(self.buf, n)
+            if <size_t>n < self.big:        # small (or EOF): a copy of its own size
+                return PyBytes_FromStringAndSize(data, n)
+            if slot == NULL:
+                if self.npool >= AOP_RB_POOL_MAX:
+                    return PyBytes_FromStringAndSize(data, n)     # every slot is held
+                # a new slot: its pages faulted in once here (the copy, then the memset of
+                # the rest), and kept resident for the buffer's life
+                new = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>self.cap)
+                slot = <PyObject *>new
+                memcpy(PyBytes_AS_STRING_P(slot), data, <size_t>n)
+                memset(PyBytes_AS_STRING_P(slot) + n, 0, self.cap - <size_t>n)
+                Py_INCREF(new)              # the pool's reference
+                self.pool[self.npool] = slot
+                self.npool += 1
+            aop_rb_shrink(slot, n)
+            aop_store_i64(&self.st_pooled,
+                          aop_load_i64(&self.st_pooled, AOP_RELAXED) + 1, AOP_RELAXED)
+            return <object>slot             # a new reference for the caller
         finally:
-            # release: publishes the buffer (and the counters) to the next claimer
+            # release: publishes the buffer, its pool (and the counters) to the next claimer
             aop_store_u32(&self.busy, 0, AOP_RELEASE)
 
     @property
@@ -98,3 +203,14 @@ cdef class ReadBuffer:
         thread is inside recv_bytes() (relaxed atomics: never torn)."""
         return {"reads": aop_load_i64(&self.st_reads, AOP_RELAXED),
                 "bytes": aop_load_i64(&self.st_bytes, AOP_RELAXED)}
+
+    @property
+    def pool_stats(self):
+        """slots (pool slots created so far, at most POOL_MAX), free (slots nothing else
+        references now), handed_out (reads returned as a slot, without a copy)."""
+        cdef int i, nfree = 0
+        for i in range(self.npool):
+            if Py_REFCNT(self.pool[i]) == 1:     # the pool's own reference only
+                nfree += 1
+        return {"slots": self.npool, "free": nfree,
+                "handed_out": aop_load_i64(&self.st_pooled, AOP_RELAXED)}

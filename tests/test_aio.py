@@ -239,6 +239,133 @@ def test_read_buffer_is_one_thread_at_a_time():
         ReadBuffer(0)
 
 
+# ---- issue 20: large reads land in the buffer's pooled, resident bytes objects -----------
+
+def test_large_reads_allocate_nothing_in_the_steady_state():
+    """A read of at least size/4 bytes is handed out as a pooled slot: once the slot exists,
+    reading (and dropping) large messages allocates no new memory for them (asyncio's
+    recv(), and this buffer before issue 20, allocate one bytes object per read)."""
+    import tracemalloc
+    from aoprim._readbuf import ReadBuffer
+    rb = ReadBuffer(256 * 1024)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    msg = bytes(range(256)) * 256                   # 64 KiB
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+
+    def read_one():
+        b.sendall(msg)
+        got = rb.recv_bytes(a)
+        assert got == msg
+        return len(got)
+
+    read_one()                                      # creates the slot
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        total = sum(read_one() for _ in range(50))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert total == 50 * len(msg)
+    assert peak - base < len(msg) // 2, (base, peak)
+    assert rb.pool_stats["slots"] == 1 and rb.pool_stats["handed_out"] == 51
+    a.close()
+    b.close()
+
+
+def test_pooled_reads_bytes_order_hash_and_held_slots():
+    """Every read's bytes are right and stay right while held, whatever is read after
+    them: a held slot is never reused, a dropped one is (its length and hash reset);
+    small reads are copies; at most POOL_MAX slots exist, reads beyond them are copies."""
+    from aoprim._readbuf import ReadBuffer, POOL_MAX
+    rb = ReadBuffer(64)                             # slots of 64 bytes, handed out from 16
+    a, b = socket.socketpair()
+    a.setblocking(False)
+
+    def read(payload):
+        b.sendall(payload)
+        got = rb.recv_bytes(a)
+        assert type(got) is bytes and got == payload
+        return got
+
+    x = read(b"x" * 40)
+    assert hash(x) == hash(b"x" * 40)               # hash cached in the slot
+    y = read(b"y" * 30)
+    assert rb.pool_stats == {"slots": 2, "free": 0, "handed_out": 2}
+    assert x == b"x" * 40                           # held: not overwritten by the 2nd read
+    del x
+    assert rb.pool_stats["free"] == 1
+    z = read(b"z" * 64)                             # reuses x's slot, full length
+    assert rb.pool_stats["slots"] == 2
+    assert hash(z) == hash(b"z" * 64) and len(z) == 64 and z[-1:] == b"z"
+    del z
+    w = read(b"w" * 17)                             # reuses it again, shorter
+    assert hash(w) == hash(b"w" * 17) and w + b"!" == b"w" * 17 + b"!"
+    s = read(b"s" * 5)                              # small: a copy, the slot stays free
+    assert rb.pool_stats["handed_out"] == 4
+    held = [read(bytes([65 + i]) * (16 + i)) for i in range(POOL_MAX + 4)]
+    assert rb.pool_stats["slots"] == POOL_MAX
+    assert [h for h in held] == [bytes([65 + i]) * (16 + i) for i in range(POOL_MAX + 4)]
+    assert y == b"y" * 30 and w == b"w" * 17 and s == b"sssss"
+    del held, y, w
+    assert rb.pool_stats["free"] == POOL_MAX
+    b.close()
+    assert rb.recv_bytes(a) == b""
+    a.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("keep", [False, True])
+def test_large_echo_all_bytes_in_order(loop, keep):
+    """asyncio's echo protocol shape on aoprim's loop, 4 MiB each way in 1 MiB messages:
+    every byte comes back in order, whether the protocol keeps each data_received bytes
+    (holding pool slots) or passes it to write() and drops it."""
+    kept = []
+    done = loop.create_future()
+    msgs = [bytes([i]) * 7 + bytes(range(256)) * 4096 + bytes([i]) * 9 for i in range(4)]
+    total = sum(map(len, msgs))
+
+    def on_data(tr, data):
+        if keep:
+            kept.append(data)
+        tr.write(data)
+        if len(p.data) >= total and not done.done():
+            done.set_result(None)
+
+    p = Rec(loop, on_data=on_data)
+    tr, _, peer = connect_pair(loop, p, socket.AF_INET)
+    got = bytearray()
+
+    def client():
+        for m in msgs:
+            peer.sendall(m)
+
+    def reader():
+        while len(got) < total:
+            chunk = peer.recv(1 << 20)
+            if not chunk:
+                break
+            got.extend(chunk)
+
+    ts = [threading.Thread(target=client), threading.Thread(target=reader)]
+    for t in ts:
+        t.start()
+
+    loop.run_until_complete(asyncio.wait_for(done, 40))
+    for t in ts:
+        t.join(40)
+    assert bytes(got) == b"".join(msgs) == bytes(p.data)
+    if keep:
+        assert b"".join(kept) == b"".join(msgs)
+    assert loop._aio_rbuf.pool_stats["handed_out"] >= 1
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
 # ---- flow control, partial writes ---------------------------------------------------------
 
 def test_backpressure_pause_resume_at_limits_with_partial_writes(loop):

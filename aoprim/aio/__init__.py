@@ -12,8 +12,10 @@ The loop is asyncio's own selector loop (``asyncio.SelectorEventLoop``) with two
   ``SSLProtocol`` over the socket transport) are :class:`aoprim.aio.transport.SocketTransport`:
   ``write()`` appends to the transport's compiled ``SendBatch`` (small writes copied and
   coalesced, large ``bytes`` by reference) and returns; reads go into one reusable buffer
-  owned by the loop (``aoprim._readbuf.ReadBuffer``: one ``recv()`` into reused memory,
-  then one ``bytes`` of the size read), never a fresh 256 KiB ``recv`` per read;
+  owned by the loop (``aoprim._readbuf.ReadBuffer``: one ``recv()`` into reused memory; a
+  read of 64 KiB or more lands in one of the buffer's pooled, resident ``bytes`` objects
+  and is handed to ``data_received`` as it is, a smaller one is copied into a ``bytes`` of
+  its size), never a fresh 256 KiB ``recv`` per read;
   ``BufferedProtocol.get_buffer()`` is served as asyncio serves it.
 - At the end of every loop iteration (after the ready callbacks ran) the loop flushes its
   ``FlushGroup``: every transport written to during that iteration is written with one

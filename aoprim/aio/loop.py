@@ -100,8 +100,9 @@ class Loop(asyncio.SelectorEventLoop, metaclass=_NoPatch):
             selector.sleeping = False   # a caller's selector: writes never see a sleep
         self._aio_selector = selector
         super().__init__(selector)
-        # the reusable read buffer: every plain (data_received) read goes here first; the
-        # loop runs one callback at a time, so one buffer serves all its transports
+        # the reusable read memory: every plain (data_received) read lands in its buffer or
+        # in one of its pooled bytes slots (large reads); the loop runs one callback at a
+        # time, so one ReadBuffer serves all its transports
         self._aio_rbuf = ReadBuffer(READ_BUFFER_SIZE)
 
     # ---- aoprim's public extras -----------------------------------------------------------

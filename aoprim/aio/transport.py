@@ -125,7 +125,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self._add = batch.add_copy       # asyncio copies what it buffers: so does add_copy
         self._group = loop._aio_group
         self._sel = loop._aio_selector   # .sleeping: the loop is inside select()
-        self._recv = loop._aio_rbuf.recv_bytes    # recv_bytes(sock): into the loop's buffer
+        self._recv = loop._aio_rbuf.recv_bytes    # recv_bytes(sock): the loop's read memory
         self._blocked = False            # writer registered, batch out of the group
         self._fast = True                # write() may take the short path (see _can_fast)
         self._extra['socket'] = _TransportSocket(sock, batch)
