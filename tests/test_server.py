@@ -150,6 +150,38 @@ def test_raw_large_echoes_by_reference_every_byte_and_every_slot_back(make_serve
              what="every raw read slot back but the arena's")
 
 
+def test_a_backlog_the_same_flush_drains_costs_no_registration_change():
+    # issue 20: a large echo crosses high_water on most read bursts; when the iteration's
+    # flush takes the backlog to low_water, reading resumes without unregistering and
+    # re-registering the fd (two epoll_ctl calls per burst before)
+    srv = Server(Echo(), HOST, 0, framing="raw", backend="selectors", high_water=32 << 10,
+                 low_water=8 << 10)
+    calls = []
+    sel = srv.loop._sel
+    for name in ("register", "unregister", "modify"):
+        orig = getattr(sel, name)
+        setattr(sel, name, lambda *a, _o=orig, _n=name: (calls.append(_n), _o(*a))[1])
+    srv.start()
+    try:
+        s = socket.create_connection(srv.address, timeout=10)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        msg = bytes(range(256)) * 512               # 128 KiB: fits the client's buffers
+        s.sendall(msg)
+        assert recv_exact(s, len(msg)) == msg
+        wait_for(lambda: srv.stats()["bytes_out"] == len(msg), what="the first echo")
+        n0 = len(calls)
+        for i in range(20):
+            m = bytes([i]) * len(msg)
+            s.sendall(m)
+            assert recv_exact(s, len(m)) == m
+        changes = len(calls) - n0
+        s.close()
+    finally:
+        srv.shutdown(timeout=15)
+    assert_no_leaks(srv)
+    assert changes <= 6, (changes, calls[n0:][:20])
+
+
 def test_replies_of_one_read_burst_leave_in_one_syscall(make_server, connect):
     srv = make_server(Echo(), framing="u16")
     s = connect(srv)

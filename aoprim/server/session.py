@@ -343,8 +343,12 @@ class Session:
                         cause="max_pending")
             return
         if p > st.high_water:
-            if self._rx.pause(PAUSE_BACKPRESSURE):
-                self._update_interest()
+            # stop reading at once (hold: no further recv or frame in this burst), but let
+            # this iteration's flush report (flushed(), watched from here) decide about the
+            # fd's read interest: a flush that takes the backlog to low_water resumes with
+            # no epoll_ctl at all -- a large echo crosses the mark on most read bursts, and
+            # unregistering and re-registering cost two syscalls each time (issue 20)
+            self._rx.pause(PAUSE_BACKPRESSURE)
             self._sync_watch()
         if self._wm is not None:
             self._check_wm()
@@ -381,10 +385,14 @@ class Session:
         elif not status and self._writing:
             self._writing = False
             self._update_interest()
-        if self._rx.paused & PAUSE_BACKPRESSURE and \
-                self.pending_bytes <= self._ctx.settings.low_water:
-            if self._rx.resume(PAUSE_BACKPRESSURE):
-                self._reading_resumed()
+        if self._rx.paused & PAUSE_BACKPRESSURE:
+            if self.pending_bytes <= self._ctx.settings.low_water:
+                if self._rx.resume(PAUSE_BACKPRESSURE):
+                    self._reading_resumed()
+            else:
+                # still backed up after a flush: stop the read events too (see _over_high;
+                # a no-op when they are stopped already)
+                self._update_interest()
         if self._wm is not None:
             self._check_wm()
         if not status and self._state == CLOSING and not self._lingering:
