@@ -393,3 +393,9 @@ def test_cli_tls_usage_errors(tls_certs, args, message):
                         *args], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_signature_names_ssl_and_handshake_timeout():
+    import inspect
+    params = inspect.signature(Server).parameters
+    assert params["ssl"].default is None and params["handshake_timeout"].default == 10.0

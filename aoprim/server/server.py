@@ -69,11 +69,12 @@ class Server:
     """
 
     def __init__(self, handler, host="127.0.0.1", port=0, framing="raw", *, sock=None,
-                 **settings):
+                 ssl=None, handshake_timeout=10.0, **settings):
         for hook in ("on_connect", "on_read", "on_close"):
             if not callable(getattr(handler, hook, None)):
                 raise TypeError(f"handler must have a callable {hook}() (subclass Handler)")
-        st = Settings(framing=framing, **settings)
+        st = Settings(framing=framing, ssl=ssl, handshake_timeout=handshake_timeout,
+                      **settings)
         if st.ssl is not None:
             from .tls import check_context      # (imports ssl only when TLS is used)
             check_context(st.ssl)

@@ -109,7 +109,7 @@ class TLSSession(Session):
     """A session of a server with ``ssl=``: the Session API, over TLS."""
 
     __slots__ = ("_sslobj", "_inc", "_out", "_ct", "_tls", "_hs_done", "_hs_timer", "_pp",
-                 "_more", "_rx_end", "_dirty", "_notified", "_tls_reason")
+                 "_more", "_rx_end", "_dirty", "_notified", "_tls_reason", "_drained")
 
     _rx_proxy = False           # the PROXY header is read here, before the handshake
 
@@ -126,6 +126,7 @@ class TLSSession(Session):
         self._pp = (ProxyParser(st.proxy_mode, st.proxy_max_header)
                     if st.proxy_protocol is not None else None)
         self._more = False          # the last read filled its room: more may wait in OpenSSL
+        self._drained = False       # this readiness event's recv found the socket empty
         self._rx_end = None         # what the source returns from now on (0 EOF, -errno)
         self._dirty = False         # in TLSFlush.dirty
         self._notified = False      # close_notify written
@@ -155,9 +156,20 @@ class TLSSession(Session):
         return super().get_extra_info(name, default)
 
     def send(self, data):
-        Session.send(self, data)
+        # Session.send, then the session is marked for TLSFlush (inline: the hot path)
+        if self._state:
+            self._send_slow(data)
+            return
+        p = self._batch.add_frame(data, self._hs)
+        if p < 0:
+            self._send_slow(data)
+            return
+        self._nout += 1
+        if p > self._hw:
+            self._over_high()
         if not self._dirty:
-            self._tls.mark(self)
+            self._dirty = True
+            self._tls.dirty.append(self)
 
     def send_broadcast(self, item):
         if Session.send_broadcast(self, item):
@@ -280,6 +292,7 @@ class TLSSession(Session):
 
     # -- receive (loop thread) ------------------------------------------------------------
     def _tls_readable(self):
+        self._drained = False
         self._rx.receiver.on_readable()
         if self._out.pending and not self._dirty:
             self._tls.mark(self)        # a read made the TLS layer write (KeyUpdate, alert)
@@ -292,15 +305,20 @@ class TLSSession(Session):
         if end is not None:
             return end
         obj = self._sslobj
+        inc = self._inc
         room = len(view)
         k = 0
         while k < room:
+            # ciphertext first when OpenSSL holds nothing (no SSLWantReadError to raise and
+            # catch on every burst), and no recv once this event found the socket empty
+            if not inc.pending and not obj.pending() and (self._drained or not self._pull()):
+                break
             try:
                 got = obj.read(room - k, view[k:] if k else view)
-            except ssl.SSLWantReadError:
-                if self._pull():
-                    continue
-                break
+            except ssl.SSLWantReadError:        # a partial record: more ciphertext needed
+                if self._drained or not self._pull():
+                    break
+                continue
             except ssl.SSLZeroReturnError:      # close_notify
                 self._rx_end = 0
                 break
@@ -329,12 +347,15 @@ class TLSSession(Session):
         try:
             n = self._sock.recv_into(tls.scratch)
         except (BlockingIOError, InterruptedError):
+            self._drained = True
             return False
         except OSError as e:
             self._rx_end = -(e.errno or errno.EIO)
             return False
         if n:
             inc.write(tls.view[:n])
+            # a short read emptied the socket: the next recv of this event would be EAGAIN
+            self._drained = n < _SCRATCH
         else:
             inc.write_eof()
         return True
@@ -342,38 +363,40 @@ class TLSSession(Session):
     # -- send (loop thread, from TLSFlush.flush) ------------------------------------------
     def _tls_flush(self):
         """TLSFlush.flush's work for this session (loop thread)."""
+        if self._state == CLOSED:
+            return
         try:
-            self._encrypt_and_send()
+            status = self._encrypt_and_send()
         except Exception as e:          # this session's failure must not stop the others
             self._abort(f"TLS send failed: {type(e).__name__}: {e}", level=logging.WARNING,
                         cause="send error")
+            return
+        if status or self._batch.watch:
+            self.flushed(status)
 
     def _encrypt_and_send(self):
-        if self._state == CLOSED:
-            return
-        status = self._send_ct()
-        if status == 0 and self._hs_done and not self._notified:
-            b = self._batch
-            if b.pending_bytes:
-                write = self._sslobj.write
-                out = self._out
-                budget = self._ctx.settings.flush_budget
-                while out.pending < budget:
-                    v = b.take_view()
-                    if v is None:
-                        break
-                    try:
-                        n = write(v)
-                    finally:
-                        v.release()
-                    b.consume(n)
-            if self._state != OPEN and not b.pending_bytes:
-                self._close_notify()
+        """Encrypt what is pending (within the budget) and send: the flush status."""
+        b = self._batch
+        status = self._send_ct() if self._ct is not None else 0    # what is left, first
+        if status == 0:
+            if self._hs_done and not self._notified:
+                if b.pending_bytes:
+                    write = self._sslobj.write
+                    out = self._out
+                    budget = self._ctx.settings.flush_budget
+                    while b.pending_bytes and out.pending < budget:
+                        v = b.take_view()
+                        try:
+                            n = write(v)        # records of up to 16 KiB
+                        finally:
+                            v.release()
+                        b.consume(n)
+                if self._state != OPEN and not b.pending_bytes:
+                    self._close_notify()
             status = self._send_ct()
             if status == 0 and b.pending_bytes:
                 status = 1          # the budget was used up: go on when writable
-        if status or self._batch.watch:
-            self.flushed(status)
+        return status
 
     def _send_ct(self):
         """Send the ciphertext owed with one send: 0 all sent, 1 some left, -errno."""
@@ -410,6 +433,17 @@ class RawTLSSession(TLSSession):
     __slots__ = ()
 
     def send(self, data):
-        self._send_raw(data)
+        # Session._send_raw, then the session is marked for TLSFlush (inline: the hot path)
+        if self._state:
+            self._send_slow(data)
+            return
+        p = self._batch.add_copy(data)
+        if p < 0:
+            self._send_slow(data)
+            return
+        self._nout += 1
+        if p > self._hw:
+            self._over_high()
         if not self._dirty:
-            self._tls.mark(self)
+            self._dirty = True
+            self._tls.dirty.append(self)
