@@ -1,4 +1,4 @@
-from typing import Any, Callable, final
+from typing import Any, Callable, Optional, final
 from typing_extensions import Self
 
 from aoprim._slab import SlabPool
@@ -43,6 +43,7 @@ class Receiver:
     def scan_frames(buf: Any, pos: int, end: int, header_size: int, max_frame: int
                     ) -> tuple[list[tuple[int, int]], int, int, int | None]: ...
     hold: bool
+    source: Optional[Callable[[memoryview], Optional[int]]]
     @property
     def max_reads(self) -> int: ...
     def close(self) -> None: ...

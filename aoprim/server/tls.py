@@ -433,17 +433,7 @@ class RawTLSSession(TLSSession):
     __slots__ = ()
 
     def send(self, data):
-        # Session._send_raw, then the session is marked for TLSFlush (inline: the hot path)
-        if self._state:
-            self._send_slow(data)
-            return
-        p = self._batch.add_copy(data)
-        if p < 0:
-            self._send_slow(data)
-            return
-        self._nout += 1
-        if p > self._hw:
-            self._over_high()
+        self._send_raw(data)
         if not self._dirty:
             self._dirty = True
             self._tls.dirty.append(self)
