@@ -167,6 +167,19 @@ def test_plan_selection_rules():
     assert sizes == [64, 1024, 16384, 65536, 262144, 1 << 20]
 
 
+def test_u32_large_frame_point_runs_on_asyncio_and_aoprim():
+    # issue 20 item 3: u32 frames of 1 MiB, aoprim served with --max-frame 1 MiB
+    from aoprim.benchmarks import servers
+    assert "u32-1m-10" in [g.scenario for g in suite.plan("full", ["server"])]
+    cmd = servers.server_cmd("aoprim-epoll", "u32", 1 << 20)
+    assert cmd[cmd.index("--max-frame") + 1] == str(1 << 20)
+    assert "--max-frame" not in servers.server_cmd("asyncio", "u32", 1 << 20)
+    for name in ("asyncio", "aoprim"):
+        res = servers.run_one(name, "u32-1m-10", duration=0.4, warmup=0.1)
+        assert res["errors"] == [] and res["msgs"] > 0, (name, res["errors"])
+        assert res["faults_per_msg"] >= 0
+
+
 def test_loadgen_counts_the_server_page_faults_and_builds_large_messages_fast():
     import time
 

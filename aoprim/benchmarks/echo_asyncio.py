@@ -1,11 +1,12 @@
 """The asyncio baseline echo servers, written the way users write them.
 
-    python echo_asyncio.py --port 0 --framing raw|u16 [--loop asyncio|uvloop|aio] [--uvloop]
+    python echo_asyncio.py --port 0 --framing raw|u16|u32 [--loop asyncio|uvloop|aio] [--uvloop]
                            [--certfile F --keyfile F]
 
 ``raw``: ``data_received`` -> ``transport.write(data)``.
 ``u16``: ``data_received`` appends to a buffer, cuts out every complete u16-framed message
-and calls ``transport.write`` once per frame (as game servers do).
+and calls ``transport.write`` once per frame (as game servers do).  ``u32``: the same with a
+4-byte length (the large-frame echo of issue 20).
 ``--loop``: the event loop it runs on -- asyncio's default, uvloop, or aoprim's asyncio loop
 (``aoprim.aio.new_event_loop()``); ``--uvloop`` is ``--loop uvloop``.
 ``--certfile/--keyfile``: serve TLS (``create_server(ssl=ctx)``, ``ctx`` from
@@ -22,6 +23,7 @@ import struct
 import sys
 
 _U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
 
 
 class Echo(asyncio.Protocol):
@@ -33,32 +35,41 @@ class Echo(asyncio.Protocol):
 
 
 class FramedEcho(asyncio.Protocol):
+    header = _U16
+
     def connection_made(self, transport):
         self.transport = transport
         self.buf = bytearray()
 
     def data_received(self, data):
         self.buf += data
-        write_frames(self.buf, self.transport.write)
+        write_frames(self.buf, self.transport.write, self.header)
 
 
-def write_frames(buf, write):
-    """Cut every complete u16 frame (header included) off the front of ``buf`` and
-    ``write`` each one separately -- one write per frame, as such servers are written."""
+class FramedEcho32(FramedEcho):
+    header = _U32
+
+
+def write_frames(buf, write, header=_U16):
+    """Cut every complete frame (``header``: the length's struct, u16 or u32; header
+    included) off the front of ``buf`` and ``write`` each one separately -- one write per
+    frame, as such servers are written."""
     pos = 0
     end = len(buf)
-    while end - pos >= 2:
-        (n,) = _U16.unpack_from(buf, pos)
-        if end - pos - 2 < n:
+    hs = header.size
+    unpack = header.unpack_from
+    while end - pos >= hs:
+        (n,) = unpack(buf, pos)
+        if end - pos - hs < n:
             break
-        write(bytes(buf[pos:pos + 2 + n]))
-        pos += 2 + n
+        write(bytes(buf[pos:pos + hs + n]))
+        pos += hs + n
     del buf[:pos]
 
 
 async def main(args):
     loop = asyncio.get_running_loop()
-    proto = Echo if args.framing == "raw" else FramedEcho
+    proto = {"raw": Echo, "u16": FramedEcho, "u32": FramedEcho32}[args.framing]
     ctx = None
     if args.certfile:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -78,7 +89,7 @@ def cli(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--framing", choices=("raw", "u16"), default="raw")
+    p.add_argument("--framing", choices=("raw", "u16", "u32"), default="raw")
     p.add_argument("--loop", choices=("asyncio", "uvloop", "aio"), default="asyncio")
     p.add_argument("--uvloop", action="store_true", help="the same as --loop uvloop")
     p.add_argument("--certfile", help="serve TLS with this certificate (PEM)")

@@ -65,6 +65,8 @@ SCENARIOS = {
     "raw-64k-10": dict(framing="raw", size=65536, conns=10, pipeline=1),
     "raw-256k-10": dict(framing="raw", size=262144, conns=10, pipeline=1),
     "raw-1m-10": dict(framing="raw", size=1048576, conns=10, pipeline=1),
+    # u32 frames of 1 MiB, ping-pong (aoprim: --max-frame 1 MiB)
+    "u32-1m-10": dict(framing="u32", size=1048576, conns=10, pipeline=1, max_frame=1048576),
 }
 # where each aoprim variant is imported from: None = this interpreter's aoprim; a path = a
 # checkout with an in-place build (echo_compare's --tree / --baseline-tree)
@@ -97,8 +99,9 @@ def _backend_of(server):
     return m.group(1) if m and m.group(1) != "base" else None
 
 
-def server_cmd(server, framing):
-    """The argv that starts ``server`` (see the module docstring) on a free port."""
+def server_cmd(server, framing, max_frame=None):
+    """The argv that starts ``server`` (see the module docstring) on a free port;
+    ``max_frame``: aoprim's --max-frame (the asyncio servers take any frame)."""
     if server == "floor":
         return [sys.executable, os.path.join(HERE, "echo_floor.py"), "--host", HOST,
                 "--port", "0", "--framing", framing]
@@ -107,6 +110,8 @@ def server_cmd(server, framing):
                "--port", "0", "--framing", framing, "--log-level", "WARNING"]
         if _backend_of(server):
             cmd += ["--backend", _backend_of(server)]
+        if max_frame is not None:
+            cmd += ["--max-frame", str(max_frame)]
         return cmd
     loop = {"asyncio": "asyncio", "uvloop": "uvloop", "aoprim.aio": "aio"}[server]
     return [sys.executable, os.path.join(HERE, "echo_asyncio.py"), "--host", HOST, "--port",
@@ -204,7 +209,8 @@ def warm_up(port, framing, size, messages=8):
     echoes of the scenario's size and framing, one at a time, then closes (and is seen
     closed: the server's EOF handling runs before the measured load starts)."""
     payload = (bytes(range(256)) * (size // 256 + 1))[:size]
-    msg = payload if framing == "raw" else struct.pack(">H", size) + payload
+    msg = payload if framing == "raw" else \
+        struct.pack(">H" if framing == "u16" else ">I", size) + payload
     with socket.create_connection((HOST, port), timeout=10) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(messages):
@@ -249,7 +255,8 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
     tree = TREES[server] if server in TREES else (TREES.get("aoprim") if _backend_of(server)
                                                   else None)
     env = _env(tree)
-    p = subprocess.Popen(server_cmd(server, sc["framing"]), stdout=subprocess.PIPE,
+    p = subprocess.Popen(server_cmd(server, sc["framing"], sc.get("max_frame")),
+                         stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=CWD, env=env)
     try:
         line = p.stdout.readline()

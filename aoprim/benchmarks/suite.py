@@ -28,7 +28,8 @@ MODES = {
                  server=dict(rounds=3, duration=2.0, warmup=0.5,
                              scenarios=["raw-1k-10", "u16-64x16-10", "raw-1k-100",
                                         "raw-1k-1000", "raw-64-10", "raw-16k-10",
-                                        "raw-64k-10", "raw-256k-10", "raw-1m-10"])),
+                                        "raw-64k-10", "raw-256k-10", "raw-1m-10",
+                                        "u32-1m-10"])),
     "quick": dict(micro=dict(rounds=5, heavy_rounds=2, sample_s=0.01, scale=1.0,
                              heavy_scale=0.05),
                   contention_scale=0.2, contention_rounds=2,
@@ -51,6 +52,8 @@ SERVER_TITLES = {
     "raw": "raw ping-pong echo, {size} B, {conns} connections",
     "u16": "u16-framed {size} B messages pipelined {pipeline} deep, {conns} connections "
            "(one reply per frame)",
+    "u32": "u32-framed {size} B messages, ping-pong, {conns} connections (max_frame "
+           "{max_frame})",
 }
 WARMUP_TEXT = ("every server, baseline or not, is measured warm: before the load starts one "
                "connection exchanges 8 messages of the scenario and closes (a fresh asyncio "
