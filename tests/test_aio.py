@@ -453,6 +453,33 @@ def test_set_write_buffer_limits_counts_what_the_kernel_has_not_taken(loop):
     peer.close()
 
 
+def test_write_is_compiled_and_follows_the_transports_state(loop):
+    # write() runs without a Python frame (aoprim._aiowrite.TransportWriter) and sees what
+    # the transport changes: the high-water mark, then write_eof (asyncio's RuntimeError)
+    import types
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+    assert type(tr.write) is types.BuiltinMethodType
+    tr.set_write_buffer_limits(high=100)
+    assert tr._writer.high == 100
+
+    def burst():
+        tr.write(b"b" * 50)                      # below the mark: batched
+        assert tr.get_write_buffer_size() == 50
+        SocketTransport.write(tr, b"c" * 60)     # through the class: the same path
+        assert tr.get_write_buffer_size() == 0   # above it: handed to the kernel at once
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert recv_exactly(peer, 110) == b"b" * 50 + b"c" * 60
+    tr.write_eof()
+    with pytest.raises(RuntimeError, match="write_eof"):
+        tr.write(b"late")
+    tr.close()
+    loop.run_until_complete(p.lost)
+    assert p.events == ["made", "lost"]
+    peer.close()
+
+
 def test_writelines_type_error_writes_nothing(loop):
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p)

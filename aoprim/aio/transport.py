@@ -58,6 +58,7 @@ from asyncio import trsock as _trsock
 from asyncio.log import logger
 
 from aoprim import SendBatch
+from aoprim._aiowrite import TransportWriter
 
 IOV_MAX = 1024                   # segments one sendmsg takes (the kernel's UIO_MAXIOV)
 
@@ -119,15 +120,19 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     _sock = None                    # for __del__ if __init__ failed early
 
     def __init__(self, loop, sock, protocol, waiter=None, extra=None, server=None):
-        super().__init__(extra, loop)
         batch = SendBatch(sock, max_msgs=IOV_MAX, auto_flush=False)
         self._batch = batch
         self._add = batch.add_copy       # asyncio copies what it buffers: so does add_copy
-        self._group = loop._aio_group
         self._sel = loop._aio_selector   # .sleeping: the loop is inside select()
+        # write(): the compiled fast path (aoprim._aiowrite), its `fast` flag set (the
+        # short path allowed, see _can_fast); made before the base __init__, which sets the
+        # write buffer limits it keeps a copy of
+        self._writer = TransportWriter(self, self._add, self._sel)
+        self.write = self._writer.write
+        super().__init__(extra, loop)
+        self._group = loop._aio_group
         self._recv = loop._aio_rbuf.recv_bytes    # recv_bytes(sock): the loop's read memory
         self._blocked = False            # writer registered, batch out of the group
-        self._fast = True                # write() may take the short path (see _can_fast)
         self._extra['socket'] = _TransportSocket(sock, batch)
         try:
             self._extra['sockname'] = sock.getsockname()
@@ -250,14 +255,20 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     def _can_fast(self):
         return not self._eof and self._empty_waiter is None and not self._conn_lost
 
+    @property
+    def _fast(self):
+        """write() may take the short path: the compiled writer's flag."""
+        return self._writer.fast
+
+    @_fast.setter
+    def _fast(self, value):
+        self._writer.fast = value
+
     def write(self, data):
-        if self._fast and type(data) is bytes:
-            if self._add(data) > self._high_water:
-                self._over_high()
-            if self._sel.sleeping:
-                self._loop._aio_wake()      # written from a signal handler or a thread
-            return
-        self._write_slow(data)
+        # what an instance's `write` is replaced by in __init__, for a call through the
+        # class: bytes go to the batch (above the high-water mark, to the kernel at once),
+        # a sleeping loop is woken; anything else takes _write_slow (asyncio's checks)
+        self._writer.write(data)
 
     def _write_slow(self, data):
         if not isinstance(data, _BYTES_LIKE):
@@ -304,6 +315,10 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self._set_write_buffer_limits(high=high, low=low)
         if self._batch.pending_bytes > self._high_water:
             self._over_high()
+
+    def _set_write_buffer_limits(self, high=None, low=None):
+        super()._set_write_buffer_limits(high=high, low=low)
+        self._writer.high = self._high_water     # the compiled write()'s copy
 
     def _over_high(self):
         # Above the high-water mark: hand the batch to the kernel now (asyncio's write()
