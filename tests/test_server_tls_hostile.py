@@ -545,3 +545,225 @@ def test_ten_thousand_handshakes_in_a_row_memory_flat(make_server, tls_certs, lo
     assert rss1 - rss0 < RSS_GROWTH_KIB, f"RSS grew {rss1 - rss0} KiB over {HANDSHAKES}"
     st = settle(srv, h, good, fds, logs, connects=1 + warm + HANDSHAKES)
     assert st["connections_total"] == 1 + warm + HANDSHAKES
+
+
+# -- nothing in clear before the handshake; shutdown with handshakes in flight ------------------
+
+class Broadcaster(Counting):
+    """Every frame goes to every session (Server.broadcast), its sender included."""
+
+    def on_read(self, session, data):
+        session.server.broadcast(bytes(data))
+
+
+def test_broadcasts_never_reach_a_connection_whose_handshake_is_not_done(make_server,
+                                                                         tls_certs, logs):
+    """Connections that never sent a ClientHello, or sent half of one, get no byte of the
+    broadcasts (in clear or otherwise) and no on_connect; the TLS clients get every one."""
+    h = Broadcaster()
+    srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx(), handshake_timeout=10.0)
+    fds = open_fds()
+    hello = client_hello(tls_certs.client_ctx())
+    lurkers = []
+    for i in range(10):
+        s = socket.create_connection(srv.address, timeout=10)
+        if i % 2:
+            s.sendall(hello[:len(hello) // 2])
+        lurkers.append(s)
+    wait_for(lambda: srv.stats()["connections"] == 10, 5, "the lurkers' connections")
+    good = [Good(srv, tls_certs) for _ in range(2)]
+    try:
+        wait_for(lambda: h.connects == 2, 5, "the TLS clients' on_connect")
+        msgs = [b"secret %d " % i + b"s" * (i * 300) for i in range(40)]
+        for m in msgs:
+            good[0].s.sendall(frame(m))
+        for g in good:
+            for m in msgs:
+                assert read_frame(g.s) == m
+        srv.broadcast(b"secret from the server thread")
+        for g in good:
+            assert read_frame(g.s) == b"secret from the server thread"
+        for s in lurkers:
+            s.setblocking(False)
+            try:
+                got = s.recv(1 << 16)
+            except BlockingIOError:
+                got = b""
+            assert b"secret" not in got and not got, got[:100]
+    finally:
+        for s in lurkers:
+            s.close()
+        for g in good:
+            g.close()
+    wait_for(lambda: srv.stats()["connections"] == 0, 15, "the sessions to close")
+    wait_for(lambda: srv.stats()["rx_slots_in_use"] == IDLE_RX, 5, "the receive slots")
+    assert srv.stats()["tx_slots_in_use"] == 0
+    wait_for(lambda: open_fds() == fds, 5, "the fd count")
+    assert not error_lines(logs), error_lines(logs)[:5]
+    assert h.connects == 2
+
+
+def test_shutdown_with_handshakes_in_flight(make_server, tls_certs, logs):
+    """shutdown() closes silent and half-handshaken connections at once (it does not wait
+    for handshake_timeout), sends close_notify to the established ones, and gives every
+    slot and fd back (make_server's teardown checks)."""
+    h = Counting()
+    srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx(), handshake_timeout=60.0)
+    hello = client_hello(tls_certs.client_ctx())
+    socks, est = [], []
+    try:
+        for i in range(60):
+            s = socket.create_connection(srv.address, timeout=10)
+            if i % 3 == 1:
+                s.sendall(hello[:len(hello) // 2])
+            elif i % 3 == 2:
+                s.sendall(hello)                 # the server's flight, never answered
+            socks.append(s)
+        ctx = tls_certs.client_ctx()
+        for _ in range(5):
+            raw = socket.create_connection(srv.address, timeout=10)
+            est.append(ctx.wrap_socket(raw, server_hostname="localhost",
+                                       suppress_ragged_eofs=False))
+        for s in est:
+            s.sendall(frame(b"hi"))
+            assert read_frame(s) == b"hi"
+        wait_for(lambda: srv.stats()["connections"] == 65, 5, "every connection")
+        t0 = time.monotonic()
+        srv.shutdown(timeout=30)
+        took = time.monotonic() - t0
+        assert took < 10.0, f"shutdown took {took:.1f} s"
+        for s in est:
+            s.settimeout(5)
+            assert s.recv(10) == b"", "expected close_notify from the shutdown"
+        for s in socks:
+            recv_until_closed(s, timeout=5)
+    finally:
+        for s in socks + est:
+            s.close()
+    assert not error_lines(logs), error_lines(logs)[:5]
+    assert h.connects == 5
+
+
+# -- worker threads and a broadcasting thread, many TLS clients at once -----------------------
+
+def test_workers_and_cross_thread_broadcasts_lose_nothing(make_server, tls_certs, logs):
+    """workers=2 (on_read on worker threads, so every echo is a send from a foreign thread)
+    and a third thread broadcasting: 8 TLS clients each get all of their echoes in order and
+    every broadcast in order, nothing lost or duplicated (each item counted)."""
+    h = Counting()
+    srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx(), workers=2)
+    fds = open_fds()
+    nclients, nframes, nticks = 8, 1500, 300
+    ctx = tls_certs.client_ctx()
+    clients = []
+    for _ in range(nclients):
+        raw = socket.create_connection(srv.address, timeout=20)
+        clients.append(ctx.wrap_socket(raw, server_hostname="localhost"))
+    wait_for(lambda: h.connects == nclients, 10, "every handshake")
+    errors = []
+    results = {}
+
+    def client(i, s):
+        try:
+            sent = [b"c%d-%d:" % (i, k) + bytes([k & 0xFF]) * ((k * 31 + i) % 2000)
+                    for k in range(nframes)]
+            echoes, ticks = [], []
+            # one thread per SSL socket (OpenSSL objects must not be used by two threads at
+            # once): 50 frames out, then their 50 echoes back (broadcasts in between)
+            for k in range(0, nframes, 50):
+                s.sendall(b"".join(frame(m) for m in sent[k:k + 50]))
+                while len(echoes) < min(k + 50, nframes):
+                    m = read_frame(s, timeout=30)
+                    (ticks if m.startswith(b"tick ") else echoes).append(m)
+            while len(ticks) < nticks:
+                m = read_frame(s, timeout=30)
+                (ticks if m.startswith(b"tick ") else echoes).append(m)
+            results[i] = (echoes == sent,
+                          ticks == [b"tick %d" % t for t in range(nticks)])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"client {i}: {type(e).__name__}: {e}")
+
+    def ticker():
+        for t in range(nticks):
+            srv.broadcast(b"tick %d" % t)
+            if t % 50 == 0:
+                time.sleep(0.001)
+
+    ths = [threading.Thread(target=client, args=(i, s)) for i, s in enumerate(clients)]
+    ths.append(threading.Thread(target=ticker))
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(120)
+    try:
+        assert not errors, errors
+        assert all(not t.is_alive() for t in ths), "a client did not finish"
+        assert results == {i: (True, True) for i in range(nclients)}, results
+    finally:
+        for s in clients:
+            s.close()
+    wait_for(lambda: srv.stats()["connections"] == 0, 15, "the sessions to close")
+    wait_for(lambda: srv.stats()["rx_slots_in_use"] == IDLE_RX, 5, "the receive slots")
+    assert srv.stats()["tx_slots_in_use"] == 0
+    wait_for(lambda: open_fds() == fds, 5, "the fd count")
+    assert not error_lines(logs), error_lines(logs)[:5]
+
+
+# -- PROXY protocol in front of TLS ----------------------------------------------------------------
+
+def _v2(src, dst):
+    sig = b"\r\n\r\n\x00\r\nQUIT\n"
+    block = (socket.inet_aton(src[0]) + socket.inet_aton(dst[0]) +
+             struct.pack(">HH", src[1], dst[1]))
+    return sig + b"\x21\x11" + struct.pack(">H", len(block)) + block
+
+
+def test_proxy_header_then_tls_edge_cases(make_server, tls_certs, logs):
+    """With proxy_protocol: the header and the ClientHello in one segment, or the whole
+    first flight a byte per send, both work (peer from the header); a header followed by
+    plain text is closed at once; a header followed by silence is cut by handshake_timeout;
+    plain text instead of the header is refused -- and none of them log an ERROR."""
+    class Peers(Counting):
+        def __init__(self):
+            super().__init__()
+            self.peers = []
+
+        def on_connect(self, session):
+            super().on_connect(session)
+            self.peers.append(session.peer)
+
+    h = Peers()
+    srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx(), proxy_protocol="v2",
+                      handshake_timeout=HS_TIMEOUT)
+    fds = open_fds()
+    ctx = tls_certs.client_ctx()
+    dst = ("198.51.100.1", 443)
+    for k, trickle in enumerate([False, True, False, True]):
+        src = ("203.0.113.%d" % (k + 1), 40000 + k)
+        t = RawTLS(srv.address, ctx).handshake(prefix=_v2(src, dst), trickle=trickle)
+        try:
+            assert t.echo(b"via the balancer %d" % k) == b"via the balancer %d" % k
+        finally:
+            t.sock.close()
+        wait_for(lambda: len(h.peers) == k + 1, 5, "on_connect")
+        assert h.peers[k] == src
+    # a header, then plain text where the ClientHello belongs: closed at once
+    with socket.create_connection(srv.address, timeout=10) as s:
+        s.sendall(_v2(("203.0.113.9", 1), dst) + b"GET / HTTP/1.1\r\n\r\n")
+        _, dt = closed_within(s, 5.0)
+        assert dt < HS_TIMEOUT, f"closed after {dt:.2f} s"
+    # a header, then nothing: cut by handshake_timeout
+    with socket.create_connection(srv.address, timeout=10) as s:
+        s.sendall(_v2(("203.0.113.10", 1), dst))
+        _, dt = closed_within(s, HS_TIMEOUT + SLACK + 5)
+        assert 0.8 * HS_TIMEOUT <= dt <= HS_TIMEOUT + SLACK, f"cut after {dt:.2f} s"
+    # a ClientHello where the PROXY header belongs: refused
+    with socket.create_connection(srv.address, timeout=10) as s:
+        s.sendall(client_hello(ctx))
+        closed_within(s, 5.0)
+    wait_for(lambda: srv.stats()["connections"] == 0, 15, "the sessions to close")
+    wait_for(lambda: srv.stats()["rx_slots_in_use"] == IDLE_RX, 5, "the receive slots")
+    assert srv.stats()["tx_slots_in_use"] == 0
+    wait_for(lambda: open_fds() == fds, 5, "the fd count")
+    assert not error_lines(logs), error_lines(logs)[:5]
+    assert h.connects == 4

@@ -35,19 +35,42 @@ class RawTLS:
         self.inc, self.out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.obj = ctx.wrap_bio(self.inc, self.out, server_hostname="localhost")
 
-    def handshake(self):
+    def handshake(self, prefix=b"", trickle=False):
+        """Complete the handshake.  ``prefix`` (a PROXY header, say) goes out in front of
+        the ClientHello, in the same send; ``trickle``: every byte of the client's first
+        flight in its own send instead."""
+        first = True
         while True:
             try:
                 self.obj.do_handshake()
                 break
             except ssl.SSLWantReadError:
-                self.sock.sendall(self.out.read())
+                out = self.out.read()
+                if first:
+                    out, first = prefix + out, False
+                    if trickle:
+                        for i in range(len(out)):
+                            self.sock.send(out[i:i + 1])
+                        out = b""
+                self.sock.sendall(out)
                 data = self.sock.recv(1 << 16)
                 if not data:
                     raise ConnectionError("closed during the handshake")
                 self.inc.write(data)
         self.sock.sendall(self.out.read())
         return self
+
+    def echo(self, payload):
+        """One u16 frame out, its echo back (decrypted); returns the echoed payload."""
+        msg = len(payload).to_bytes(2, "big") + payload
+        self.sock.sendall(self.record(msg))
+        got = bytearray()
+        while len(got) < len(msg):
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("closed before the echo")
+            got += self.plaintext(chunk)
+        return bytes(got[2:])
 
     def record(self, data):
         """``data`` encrypted as this connection's next record(s), not sent."""
