@@ -105,19 +105,20 @@ class Counting(Handler):
 class Good:
     """A well-behaved TLS client: one u16 echo per ping(), every reply checked."""
 
-    def __init__(self, srv, certs, with_cert=False):
+    def __init__(self, srv, certs, with_cert=False, framing="u16"):
         raw = socket.create_connection(srv.address, timeout=10)
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.s = certs.client_ctx(with_cert=with_cert).wrap_socket(
             raw, server_hostname="localhost")
+        self.kind = framing
         self.n = 0
         self.worst = 0.0
 
     def ping(self):
         msg = b"still here %d" % self.n
         t = time.perf_counter()
-        self.s.sendall(frame(msg))
-        assert read_frame(self.s, timeout=10) == msg
+        self.s.sendall(frame(msg, self.kind))
+        assert read_frame(self.s, self.kind, timeout=10) == msg
         self.worst = max(self.worst, time.perf_counter() - t)
         self.n += 1
 
@@ -839,3 +840,62 @@ def test_ciphertext_arriving_keeps_a_session_from_idle_timeout(make_server, tls_
     wait_for(lambda: srv.stats()["connections"] == 0, 15, "the session to close")
     wait_for(lambda: open_fds() == fds, 5, "the fd count")
     assert not error_lines(logs)
+
+
+# -- close() owing megabytes to a peer that reads, or never does --------------------------------
+
+class BigThenClose(Counting):
+    """A frame ``bye``: three 1 MiB frames back, then session.close()."""
+
+    def on_read(self, session, data):
+        if bytes(data) == b"bye":
+            for k in range(3):
+                session.send(bytes([k]) * (1 << 20))
+            session.close()
+        else:
+            session.send(data)
+
+
+@pytest.mark.parametrize("reads", [True, False], ids=["peer reads", "peer never reads"])
+def test_close_owing_megabytes(make_server, tls_certs, logs, reads):
+    """close() with 3 MiB owed: a reading peer gets every byte, then close_notify (a clean
+    TLS EOF); a peer that never reads is cut by close_linger -- either way every slot and
+    fd comes back, and a good client is served meanwhile."""
+    linger = 1.0
+    h = BigThenClose()
+    srv = make_server(h, framing="u32", max_frame=2 << 20, ssl=tls_certs.server_ctx(),
+                      close_linger=linger)
+    fds = open_fds()
+    good = Good(srv, tls_certs, framing="u32")
+    good.ping()
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(srv.address)
+    s = tls_certs.client_ctx().wrap_socket(raw, server_hostname="localhost",
+                                           suppress_ragged_eofs=False)
+    try:
+        s.sendall(struct.pack(">I", 3) + b"bye")
+        if reads:
+            for k in range(3):
+                assert read_frame(s, "u32") == bytes([k]) * (1 << 20)
+            s.settimeout(10)
+            assert s.recv(10) == b"", "expected close_notify after the data"
+        else:
+            t0 = time.monotonic()
+            while srv.stats()["connections"] > 1 and time.monotonic() - t0 < linger + 10:
+                good.ping()
+                time.sleep(0.01)
+            took = time.monotonic() - t0
+            assert srv.stats()["connections"] == 1, "the sloth was never cut"
+            assert took <= linger + SLACK + 1.0, f"cut after {took:.2f} s (close_linger {linger})"
+    finally:
+        s.close()
+    good.ping()
+    good.close()
+    wait_for(lambda: srv.stats()["connections"] == 0, 15, "the sessions to close")
+    wait_for(lambda: srv.live_sessions == 0, 5, "the sessions' last references")
+    wait_for(lambda: srv.stats()["rx_slots_in_use"] == IDLE_RX, 5, "the receive slots")
+    assert srv.stats()["tx_slots_in_use"] == 0
+    wait_for(lambda: open_fds() == fds, 5, "the fd count")
+    assert not error_lines(logs), error_lines(logs)[:5]
+
