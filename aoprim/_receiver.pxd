@@ -22,7 +22,7 @@ Frame views may travel to other threads: their pins are atomic counts.
 """
 from libc.stdint cimport int64_t, uint64_t
 from cpython.ref cimport PyObject
-from aoprim.atomic_h cimport aop_atomic_i64
+from aoprim.atomic_h cimport aop_atomic_i64, aop_spinlock_t
 from aoprim._slab cimport SlabPool, Slot
 from aoprim._proxyproto cimport ProxyParser
 
@@ -38,12 +38,33 @@ cdef enum:
                             #   arg the reason (str); nothing more is read
 
 
+cdef class _FrameCache:
+    # Large frame buffers kept resident for reuse (issue 20): the memory of a dead
+    # _HeapBuf whose home this is comes back here instead of to free() -- from any thread
+    # (the last frame view may die anywhere), hence the spin lock.  Bounded by count and
+    # bytes; close() frees what it holds and refuses later returns.
+    cdef aop_spinlock_t lock
+    cdef char *ptrs[16]
+    cdef Py_ssize_t sizes[16]
+    cdef int n                   # entries held (under lock)
+    cdef Py_ssize_t held         # bytes held (under lock)
+    cdef Py_ssize_t cap          # most bytes held
+    cdef bint closed             # (under lock)
+    cdef aop_atomic_i64 out      # buffers of this home alive now (atomic: any thread)
+    cdef aop_atomic_i64 reuses   # buffers handed out from the cache (atomic: read anywhere)
+    cdef bint c_put(self, char *p, Py_ssize_t size) noexcept
+    cdef char *c_take(self, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t *size) noexcept
+    cdef void c_close(self) noexcept
+
+
 cdef class _HeapBuf:
     # Memory from malloc for when a pool slot will not do.  Frame views hold a strong
-    # reference to it, so the memory is freed (in __dealloc__) only after the last view.
+    # reference to it, so the memory is freed (in __dealloc__) only after the last view --
+    # or, with a home, handed back to that _FrameCache for reuse.
     cdef char *ptr               # owned (malloc); freed by __dealloc__
     cdef Py_ssize_t size         # bytes at ptr
     cdef aop_atomic_i64 views    # live frame views (atomic: a view may die in another thread)
+    cdef _FrameCache home        # where the memory goes at dealloc (None: free())
 
 
 cdef class _RxExporter:
@@ -74,6 +95,8 @@ cdef class RxArena:
     cdef char *bptr              # first byte of big (NULL when none)
     cdef Py_ssize_t bsize        # raw_pool.slot_size (0: raw receivers read into scratch)
     cdef bint bbusy              # as busy, for big
+    cdef _FrameCache frames      # large frame buffers for reuse (issue 20), or None
+    cdef object _frame_buf(self, Py_ssize_t need, Py_ssize_t most)
     cdef int _swap(self) except -1
     cdef int _swap_big(self) except -1
     # A buffer of slot size: a pool slot, else a heap buffer (counted in fallbacks).

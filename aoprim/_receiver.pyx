@@ -27,6 +27,12 @@ Who owns which buffer
   than a slot, a heap buffer of exactly that frame (reserved only after its header passed
   max_frame; reads into it ask only for the bytes still missing).  When the kept bytes are
   delivered, the buffer goes back at once.
+- With a ``frame_cache`` (issue 20), a frame buffer (larger than a slot) is not freed when
+  it dies -- after our reference and its last view are gone, in whatever thread -- but kept
+  by the arena (up to frame_cache bytes, 16 buffers) and handed to the next large frame of
+  need..max_frame + header bytes: its pages stay resident instead of going back to the
+  kernel and being faulted in again.  So a receiver still holds at most max_frame + header
+  bytes of frame buffer; arena.close() frees what is kept.
 - Frame views pin their buffer: an export of a Slot counts as a view on the Slot
   (c_view_acquired, as BlockTable's _FrameExporter does) and holds a strong reference to it;
   a heap buffer counts its views the same way and is freed only when the last view is gone.
@@ -110,7 +116,7 @@ from libc.limits cimport INT_MAX
 
 from aoprim.atomic_h cimport (
     AOP_RELAXED, AOP_ACQUIRE, AOP_RELEASE, aop_load_i64, aop_store_i64, aop_fetch_add_i64,
-    aop_fetch_sub_i64,
+    aop_fetch_sub_i64, aop_spin_init, aop_spin_lock, aop_spin_unlock,
 )
 from aoprim._slab cimport SlabPool, Slot, aop_slab_take
 from aoprim._proxyproto cimport ProxyParser, AOP_PP_MORE, AOP_PP_DONE
@@ -306,6 +312,80 @@ cdef void _report(object exc) noexcept:
 
 @cython.final
 @cython.no_gc
+cdef class _FrameCache:
+    """Large frame buffers kept for reuse (see _receiver.pxd).  Not GC-tracked: it holds
+    no Python object."""
+
+    def __cinit__(self, Py_ssize_t cap):
+        aop_spin_init(&self.lock)
+        self.cap = cap
+        self.n = 0
+        self.held = 0
+        self.closed = False
+        aop_store_i64(&self.out, 0, AOP_RELAXED)      # relaxed: not shared yet
+        aop_store_i64(&self.reuses, 0, AOP_RELAXED)
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("internal to RxArena")
+
+    cdef bint c_put(self, char *p, Py_ssize_t size) noexcept:
+        """Keep p (size bytes) for reuse; False (the caller frees it) when closed or full.
+        Any thread: the lock orders the entries (its acquire/release make them visible)."""
+        cdef bint ok = False
+        aop_spin_lock(&self.lock)
+        if not self.closed and self.n < 16 and self.held + size <= self.cap:
+            self.ptrs[self.n] = p
+            self.sizes[self.n] = size
+            self.n += 1
+            self.held += size
+            ok = True
+        aop_spin_unlock(&self.lock)
+        return ok
+
+    cdef char *c_take(self, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t *size) noexcept:
+        """The smallest kept buffer of lo..hi bytes (removed from the cache; its size in
+        *size), or NULL."""
+        cdef int i, best = -1
+        cdef char *p = NULL
+        aop_spin_lock(&self.lock)
+        for i in range(self.n):
+            if lo <= self.sizes[i] <= hi and (best < 0 or self.sizes[i] < self.sizes[best]):
+                best = i
+        if best >= 0:
+            p = self.ptrs[best]
+            size[0] = self.sizes[best]
+            self.held -= self.sizes[best]
+            self.n -= 1
+            self.ptrs[best] = self.ptrs[self.n]
+            self.sizes[best] = self.sizes[self.n]
+        aop_spin_unlock(&self.lock)
+        return p
+
+    cdef void c_close(self) noexcept:
+        """Free what is kept; later returns are refused (their memory is freed)."""
+        cdef int i, n
+        cdef char *ps[16]
+        aop_spin_lock(&self.lock)
+        self.closed = True
+        n = self.n
+        for i in range(n):
+            ps[i] = self.ptrs[i]
+        self.n = 0
+        self.held = 0
+        aop_spin_unlock(&self.lock)
+        for i in range(n):
+            free(ps[i])
+
+    def __dealloc__(self):
+        # nobody else references us any more: no lock needed
+        cdef int i
+        for i in range(self.n):
+            free(self.ptrs[i])
+        self.n = 0
+
+
+@cython.final
+@cython.no_gc
 cdef class _HeapBuf:
     """Receive memory from malloc (see _receiver.pxd)."""
 
@@ -313,8 +393,15 @@ cdef class _HeapBuf:
         raise TypeError("internal to Receiver")
 
     def __dealloc__(self):
-        free(self.ptr)
+        cdef _FrameCache home = self.home
+        cdef char *p = self.ptr
         self.ptr = NULL
+        if home is not None:
+            # relaxed: a statistic (buffers of this home alive), read for tests and stats
+            aop_fetch_sub_i64(&home.out, 1, AOP_RELAXED)
+            if p != NULL and home.c_put(p, self.size):
+                return          # kept, resident, for the next large frame
+        free(p)
 
 
 @cython.final
@@ -348,17 +435,23 @@ cdef class _RxExporter:
 @cython.final
 @cython.no_gc
 cdef class RxArena:
-    """RxArena(pool, raw_pool=None): the scratch buffer every Receiver of one event-loop
+    """RxArena(pool, raw_pool=None, frame_cache=0): the scratch buffer every Receiver of one event-loop
     thread reads into.
 
     Acquires one slot of ``pool`` at construction (an idle server shows 1 slot in use).
     ``raw_pool``: a SlabPool of large slots; the arena also holds one of them, which raw
     receivers read into, so a large raw message is one recv (not one per slot).
+    ``frame_cache``: bytes of large frame buffers (a frame above slot size) kept resident
+    for the next large frame instead of freed (0: none; see ``frame_cache``).
     ``close()`` gives them back (deferred while views of them live); idempotent.  Receivers
     of a closed arena return from on_readable() without reading.  One thread.
     """
 
-    def __cinit__(self, SlabPool pool not None, SlabPool raw_pool=None):
+    def __cinit__(self, SlabPool pool not None, SlabPool raw_pool=None, frame_cache=0):
+        cdef Py_ssize_t fc = _as_index(frame_cache, "frame_cache")
+        if fc < 0:
+            raise ValueError(f"frame_cache must be >= 0, got {fc}")
+        self.frames = _FrameCache.__new__(_FrameCache, fc) if fc else None
         self.pool = pool
         self.scratch = pool.acquire()            # PoolExhausted: no arena without one
         self.sptr = (<Slot>self.scratch).ptr
@@ -419,6 +512,29 @@ cdef class RxArena:
         _bgive(old)         # goes back when its last view dies
         return 0
 
+    cdef object _frame_buf(self, Py_ssize_t need, Py_ssize_t most):
+        """A buffer for one frame of ``need`` bytes: a kept one of need..most bytes from the
+        frame cache, else a new one of exactly need (whose memory goes to the cache when it
+        dies, if there is one).  MemoryError when malloc fails."""
+        cdef _FrameCache fc = self.frames
+        cdef _HeapBuf h
+        cdef char *p
+        cdef Py_ssize_t sz = 0
+        if fc is None:
+            return _heap(need)
+        p = fc.c_take(need, most if most > need else need, &sz)
+        if p != NULL:
+            h = _HeapBuf.__new__(_HeapBuf)
+            h.ptr = p
+            h.size = sz
+            # relaxed: statistics
+            aop_fetch_add_i64(&fc.reuses, 1, AOP_RELAXED)
+        else:
+            h = _heap(need)
+        h.home = fc
+        aop_fetch_add_i64(&fc.out, 1, AOP_RELAXED)
+        return h
+
     cdef int _swap_big(self) except -1:
         """A fresh big buffer: another raw_pool slot (a heap buffer of that size when the
         pool is exhausted: counted in fallbacks); the old one goes back with its last
@@ -448,6 +564,8 @@ cdef class RxArena:
         if self.closed:
             return
         self.closed = True
+        if self.frames is not None:
+            self.frames.c_close()
         b = self.big
         self.big = None
         self.bptr = NULL
@@ -467,6 +585,25 @@ cdef class RxArena:
     def slot_size(self):
         """Bytes per read into the scratch (== pool.slot_size)."""
         return self.size
+
+    @property
+    def frame_cache(self):
+        """Frame buffer reuse (issue 20): {"cap": bytes it may keep, "kept": buffers kept
+        now, "kept_bytes", "in_use": large frame buffers alive now (held by receivers or
+        frame views), "reuses": buffers handed out again}; None without a frame cache."""
+        cdef _FrameCache fc = self.frames
+        cdef int n
+        cdef Py_ssize_t held
+        if fc is None:
+            return None
+        aop_spin_lock(&fc.lock)
+        n = fc.n
+        held = fc.held
+        aop_spin_unlock(&fc.lock)
+        # relaxed: statistics
+        return {"cap": fc.cap, "kept": n, "kept_bytes": held,
+                "in_use": aop_load_i64(&fc.out, AOP_RELAXED),
+                "reuses": aop_load_i64(&fc.reuses, AOP_RELAXED)}
 
     @property
     def raw_pool(self):
@@ -1018,7 +1155,9 @@ cdef class Receiver:
             else:
                 try:
                     if need > arena.size:
-                        nb = _heap(need)       # one frame's exact buffer (passed max_frame)
+                        # one frame's buffer (its header passed max_frame): exactly need
+                        # bytes, or a kept one of at most max_frame + header (issue 20)
+                        nb = arena._frame_buf(need, <Py_ssize_t>self.max_frame + self.hs)
                     else:
                         nb = arena._slot_or_heap()
                 except MemoryError:

@@ -8,6 +8,7 @@ import select
 import socket
 import struct
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -1371,3 +1372,90 @@ def test_is_frame_view_tells_receive_memory_from_any_other_buffer(rigs):
     for other in (b"x", bytearray(b"x"), memoryview(b"x"), memoryview(bytearray(3)), None):
         assert not Receiver.is_frame_view(other)
     g.close()
+
+
+# ---- frame_cache: large frame buffers kept resident for reuse (issue 20) -------------------
+
+def test_large_frame_buffers_are_reused_not_freed(rigs):
+    pool = SlabPool(1024, 4)
+    arena = RxArena(pool, frame_cache=1 << 20)
+    assert arena.frame_cache == {"cap": 1 << 20, "kept": 0, "kept_bytes": 0, "in_use": 0,
+                                 "reuses": 0}
+    g = rigs(hs=4, pool=pool, arena=arena, max_frame=200_000)
+    g.r.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    big = enc(4, b"q" * 100_000)
+    g.send(big[:50_000])
+    g.pump()
+    assert arena.frame_cache["in_use"] == 1 and g.rx.buffered == 50_000
+    g.send(big[50_000:])
+    g.pump()
+    assert g.frames == [b"q" * 100_000]
+    fc = arena.frame_cache
+    assert fc["in_use"] == 0 and fc["kept"] == 1 and fc["kept_bytes"] == 100_004
+    # the next large frame (not larger than the kept buffer) reuses it
+    g.send(enc(4, b"r" * 90_000))
+    g.pump()
+    assert g.frames[-1] == b"r" * 90_000
+    fc = arena.frame_cache
+    assert fc["reuses"] == 1 and fc["kept"] == 1 and fc["in_use"] == 0
+    g.close()
+    assert arena.frame_cache["kept"] == 0           # arena.close() freed it
+
+
+def test_a_kept_buffer_is_never_larger_than_the_receivers_max_frame(rigs):
+    pool = SlabPool(1024, 4)
+    arena = RxArena(pool, frame_cache=4 << 20)
+    a = rigs(hs=4, pool=pool, arena=arena, max_frame=1 << 20)
+    a.r.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    a.send(enc(4, b"a" * 150_000))
+    a.pump()
+    assert a.frames == [b"a" * 150_000] and arena.frame_cache["kept"] == 1
+    # a receiver of max_frame 10_000 never holds the 150 KB buffer for a 5 KB frame
+    b = rigs(hs=4, pool=pool, arena=arena, max_frame=10_000)
+    b.send(enc(4, b"b" * 5000)[:2000])
+    b.pump()
+    fc = arena.frame_cache
+    assert fc["reuses"] == 0 and fc["kept"] == 1 and fc["in_use"] == 1
+    b.send(enc(4, b"b" * 5000)[2000:])
+    b.pump()
+    assert b.frames == [b"b" * 5000]
+    a.rx.close()
+    b.close()
+
+
+def test_a_frame_view_alive_keeps_its_buffer_out_of_the_cache_until_released(rigs):
+    kept = []
+    pool = SlabPool(1024, 4)
+    arena = RxArena(pool, frame_cache=1 << 20)
+    g = rigs(hs=4, pool=pool, arena=arena, max_frame=1 << 20,
+             on_frame=lambda owner, data: kept.append(data[:]))
+    g.send(enc(4, b"v" * 50_000))
+    g.pump()
+    assert arena.frame_cache["in_use"] == 1 and arena.frame_cache["kept"] == 0
+    g.send(enc(4, b"w" * 50_000))           # must not reuse the pinned buffer
+    g.pump()
+    assert bytes(kept[0]) == b"v" * 50_000 and bytes(kept[1]) == b"w" * 50_000
+    # the last view dies in another thread: its memory still goes back to the cache
+    t = threading.Thread(target=kept.clear)
+    t.start()
+    t.join()
+    fc = arena.frame_cache
+    assert fc["in_use"] == 0 and fc["kept"] == 2
+    g.close()
+
+
+def test_a_buffer_returned_after_arena_close_is_freed(rigs):
+    kept = []
+    pool = SlabPool(1024, 4)
+    arena = RxArena(pool, frame_cache=1 << 20)
+    g = rigs(hs=4, pool=pool, arena=arena, max_frame=1 << 20,
+             on_frame=lambda owner, data: kept.append(data[:]))
+    g.send(enc(4, b"z" * 40_000))
+    g.pump()
+    g.close()
+    assert arena.frame_cache["in_use"] == 1       # the view still holds it
+    kept.clear()
+    assert arena.frame_cache == {"cap": 1 << 20, "kept": 0, "kept_bytes": 0, "in_use": 0,
+                                 "reuses": 0}
+    with pytest.raises(ValueError):
+        RxArena(pool, frame_cache=-1)

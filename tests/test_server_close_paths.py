@@ -214,3 +214,64 @@ def test_a_closed_session_is_freed_without_the_cyclic_gc(make_server, connect, w
         wait_for(lambda: all(r() is None for r in refs), what="sessions freed without gc")
     finally:
         gc.enable()
+
+
+# ---- a large frame's buffer on every close path (issue 20 item 3) -------------------------
+
+class Holder(Handler):
+    """Echo, and keeps each session (for session.close() from the test)."""
+
+    def __init__(self):
+        self.sessions = []
+
+    def on_connect(self, session):
+        self.sessions.append(session)
+
+    def on_read(self, session, data):
+        session.send(data)
+
+
+BIG = 600_000       # a u32 frame far above the 16 KiB slots: it gets a frame buffer
+
+
+@pytest.mark.parametrize("way", ["peer close", "reset", "close()", "server stop",
+                                 "max_frame exceeded", "timeout", "reset, echo unsent"])
+def test_a_large_frame_buffer_returns_to_the_pool_on_every_close_path(make_server, connect,
+                                                                       way):
+    h = Holder()
+    srv = make_server(h, framing="u32", max_frame=1 << 20,
+                      frame_timeout=0.5 if way == "timeout" else 30.0)
+    c = connect(srv, rcvbuf=4096 if way == "reset, echo unsent" else None)
+    payload = bytes(range(256)) * (BIG // 256)
+    msg = frame(payload, "u32")
+    if way == "reset, echo unsent":
+        c.sendall(msg)                  # whole: echoed by reference, the peer reads nothing
+        wait_for(lambda: srv.stats()["frames_in"] == 1, what="the frame received")
+    elif way == "max_frame exceeded":
+        c.sendall(msg + struct.pack(">I", (1 << 20) + 1))
+        wait_for(lambda: srv.stats()["connections_total"] == 1, what="the connection")
+    else:
+        c.sendall(msg[:BIG // 2])       # an unfinished large frame: the session holds it
+        wait_for(lambda: srv.stats()["rx_frame_buffers_in_use"] == 1,
+                 what="the frame buffer taken")
+    if way == "peer close":
+        c.close()
+    elif way in ("reset", "reset, echo unsent"):
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.close()
+    elif way == "close()":
+        h.sessions[0].close()
+    elif way == "server stop":
+        srv.shutdown(timeout=15)
+    # max_frame exceeded and timeout: the server cuts the session itself
+    wait_for(lambda: srv.stats()["connections"] == 0, 10, "the session closed")
+    st = srv.stats()
+    wait_for(lambda: srv.stats()["rx_frame_buffers_in_use"] == 0, 5,
+             "the frame buffer back")
+    st = srv.stats()
+    if way == "server stop":
+        assert st["rx_frame_cache_bytes"] == 0      # the arena freed what it kept
+    else:
+        # back in the arena's cache (resident, for the next large frame), not freed
+        assert st["rx_frame_cache_bytes"] >= len(msg), st
+    assert st["rx_slots_in_use"] == (0 if way == "server stop" else IDLE_RX)

@@ -79,6 +79,8 @@ def assert_no_leaks(srv, fds_before=None):
     assert st["rx_slots_in_use"] == 0, f"receive slots leaked: {st['rx_slots_in_use']}"
     assert st["tx_slots_in_use"] == 0, f"send slots leaked: {st['tx_slots_in_use']}"
     assert st["rx_raw_slots_in_use"] == 0, f"raw read slots leaked: {st['rx_raw_slots_in_use']}"
+    assert st["rx_frame_buffers_in_use"] == 0, \
+        f"frame buffers leaked: {st['rx_frame_buffers_in_use']}"
     assert st["connections"] == 0
     if fds_before is not None:
         assert open_fds() == fds_before, "file descriptors leaked"

@@ -66,6 +66,7 @@ class Settings:
     rx_read_size: int = 256 << 10   # raw framing: bytes per recv (slots of the raw read pool;
                                     # not above rx_slot_size: no pool, slot-sized reads)
     rx_read_slots: int = 32         # raw framing: slots of that pool (pre-faulted at start)
+    rx_frame_cache: int = 16 << 20  # u16/u32: bytes of large frame buffers kept for reuse
     tx_slot_size: int = 16384
     tx_slots: int = 256
     close_linger: float = 5.0       # a closing session's unsent data / unread input
@@ -106,6 +107,7 @@ class Settings:
         if self.rx_read_size > 1 << 30:
             raise ValueError("rx_read_size must be <= 2**30")
         _int("rx_read_slots", self.rx_read_slots, 2)
+        _int("rx_frame_cache", self.rx_frame_cache, 0)
         _int("tx_slot_size", self.tx_slot_size, 64)
         _int("tx_slots", self.tx_slots, 1)
         _seconds("close_linger", self.close_linger, allow_none=False)

@@ -60,7 +60,7 @@ class Server:
     defaults): ``max_frame``, ``max_connections``, ``max_pending``, ``idle_timeout``,
     ``frame_timeout``, ``workers``, ``backend``, ``high_water``, ``low_water``,
     ``flush_budget``, ``backlog``, ``reuse_port``, ``rx_slot_size``, ``rx_slots``, ``rx_reads``,
-    ``rx_read_size``, ``rx_read_slots``, ``tx_slot_size``, ``tx_slots``, ``close_linger``, ``shutdown_timeout``,
+    ``rx_read_size``, ``rx_read_slots``, ``rx_frame_cache``, ``tx_slot_size``, ``tx_slots``, ``close_linger``, ``shutdown_timeout``,
     ``worker_backlog``, ``worker_queue``, ``accept_batch``, ``proxy_protocol``,
     ``trusted_proxies``, ``proxy_max_header``, ``proxy_header_timeout`` (behind a load
     balancer: see :mod:`~.proxy`), ``ssl`` (a server-side ``ssl.SSLContext``: TLS, see
@@ -146,7 +146,10 @@ class Server:
             self._dispatch = WorkerDispatch(self.handler, st, on_exit=self._worker_exited)
         else:
             self._dispatch = InlineDispatch(self.handler)
-        self._arena = RxArena(self._rx_pool, self._raw_pool)
+        # u16/u32: a frame larger than a slot gets a buffer of its own; up to rx_frame_cache
+        # bytes of them are kept resident for the next large frame (issue 20)
+        self._arena = RxArena(self._rx_pool, self._raw_pool,
+                              st.rx_frame_cache if st.framing != "raw" else 0)
         self._flusher = Flusher(st, Session.flushed)
         ctx = SessionContext()
         ctx.server = self
@@ -471,9 +474,12 @@ class Server:
         pool slots in use, close causes."""
         lst = self._listener
         arena = self._arena
+        fc = arena.frame_cache if arena is not None else None
         extra = {
             "rx_slots_in_use": self._rx_pool.in_use,
             "rx_raw_slots_in_use": self._raw_pool.in_use if self._raw_pool is not None else 0,
+            "rx_frame_buffers_in_use": fc["in_use"] if fc else 0,
+            "rx_frame_cache_bytes": fc["kept_bytes"] if fc else 0,
             "tx_slots_in_use": self._tx_pool.in_use,
             "rx_pool_fallbacks": arena.fallbacks if arena is not None else 0,
             "rx_scratch_swaps": arena.scratch_swaps if arena is not None else 0,

@@ -31,7 +31,7 @@ import socket
 import threading
 import traceback
 
-from aoprim import Receiver, RefCount, Slot
+from aoprim import Receiver, RefCount, SendBatch, Slot
 
 from .dispatch import CLOSE_MARK, EOF_MARK, WorkState
 from .proxy import client_address
@@ -46,10 +46,11 @@ log = logging.getLogger("aoprim.server")
 
 OPEN, CLOSING, CLOSED = 0, 1, 2
 _get_ident = threading.get_ident
-# raw sends of a receive frame view at least this long go by reference (issue 20): see
-# Session._send_raw
+# sends of a receive frame view at least this long go by reference (issue 20): see
+# Session._send_raw and Session._send_frame_view
 _BYREF_MIN = 32768
 _is_frame_view = Receiver.is_frame_view
+_frame_header = SendBatch.frame_header
 _RESET_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ECONNABORTED}
 _LINGER_READS = 16          # reads of unread input per lingering-close callback
 _DISCARD = 65536
@@ -182,17 +183,36 @@ class Session:
         if self._state:
             self._send_slow(data)
             return
-        # one C call: header + payload (copied when small, as one message; bytes by
-        # reference and a Slot retained when large); ValueError when it does not fit.
-        # -1: called from another thread (the batch's owner_thread is the loop's): nothing
-        # was added, take the thread-safe path
-        p = self._batch.add_frame(data, self._hs)
-        if p < 0:
-            self._send_slow(data)
-            return
+        if (type(data) is memoryview and data.nbytes >= _BYREF_MIN and _is_frame_view(data)
+                and _get_ident() == self._loop.thread_id):
+            p = self._send_frame_view(data)
+        else:
+            # one C call: header + payload (copied when small, as one message; bytes by
+            # reference and a Slot retained when large); ValueError when it does not fit.
+            # -1: called from another thread (the batch's owner_thread is the loop's):
+            # nothing was added, take the thread-safe path
+            p = self._batch.add_frame(data, self._hs)
+            if p < 0:
+                self._send_slow(data)
+                return
         self._nout += 1
         if p > self._hw:
             self._over_high()
+
+    def _send_frame_view(self, data):
+        """send() of a large receive frame view with u16/u32 framing (loop thread): its
+        header, then the view by reference -- an export the batch holds until it is sent,
+        as in _send_raw (issue 20).  The header is built first (ValueError: nothing
+        added); if the view cannot be added after it, the stream is broken and the
+        session is aborted."""
+        b = self._batch
+        hdr = _frame_header(data.nbytes, self._hs)
+        try:
+            b.add_many((hdr, data))
+        except BaseException:
+            self._abort("a frame could not be queued after its header", cause="send error")
+            raise
+        return b.pending_bytes
 
     def _send_raw(self, data):
         """send() with raw framing (installed as ``send`` by :class:`RawSession`)."""
