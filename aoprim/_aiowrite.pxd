@@ -1,6 +1,15 @@
+from aoprim._sendbatch cimport SendBatch
+from aoprim.atomic_h cimport aop_atomic_u32
+
+
+cdef class SleepFlag:
+    cdef aop_atomic_u32 flag        # 1: the loop is (about to be) inside select()
+
+
 cdef class TransportWriter:
     cdef readonly object transport  # the SocketTransport it writes for
-    cdef object add                 # the transport's SendBatch.add_copy (bound)
-    cdef object selector            # the loop's selector (its ``sleeping`` flag)
+    cdef SendBatch batch            # the transport's batch
+    cdef object add                 # its add_copy (bound): every other message
+    cdef SleepFlag sleep            # the loop's: set while it sleeps in select()
     cdef public bint fast           # write() may take the short path (the transport sets it)
     cdef public Py_ssize_t high     # the transport's high-water mark

@@ -1,9 +1,15 @@
-from typing import Any, Callable
+from typing import Any
+
+from aoprim._sendbatch import SendBatch
 from typing_extensions import Self, disjoint_base
 
 @disjoint_base
+class SleepFlag:
+    sleeping: bool
+
+@disjoint_base
 class TransportWriter:
-    def __new__(cls, transport: Any, add: Callable[[Any], int], selector: Any) -> Self: ...
+    def __new__(cls, transport: Any, batch: SendBatch, sleep: SleepFlag) -> Self: ...
     def write(self, data: Any) -> None: ...
     @property
     def transport(self) -> Any: ...

@@ -9,12 +9,15 @@ that frame was a large part of aoprim.aio's cost per message).
 ``write(data)``, while ``fast`` is set (the transport set it: not after write_eof / close /
 abort / a fatal error, not during sendfile) and ``data`` is exactly ``bytes``:
 
-1. ``add(data)`` -- the transport's ``SendBatch.add_copy``: appended to the batch (queued in
-   the loop's FlushGroup by the add that makes it dirty); it returns the pending bytes;
+1. appended to the transport's ``SendBatch`` as its ``add_copy`` appends bytes (queued in
+   the loop's FlushGroup by the add that makes it dirty): a message of at most the batch's
+   ``copy_max`` bytes is copied with the C-level ``c_add_copy`` (what add_copy does for it,
+   without a Python call), anything else -- or a busy batch, or no memory -- is ``add(data)``
+   (the bound ``add_copy``, which raises what it raises); then the pending bytes are read;
 2. above ``high`` (the transport's high-water mark): ``transport._over_high()`` (hands the
    batch to the kernel at once, blocks if data is left, pauses the protocol if still above);
-3. ``selector.sleeping`` (the loop is inside select(): the write came from a signal handler
-   or another thread): ``transport._loop._aio_wake()``.
+3. ``sleep.sleeping`` (the loop's SleepFlag: the loop is inside select(), so the write
+   came from a signal handler or another thread): ``transport._loop._aio_wake()``.
 
 Anything else (another type, ``fast`` unset) is ``transport._write_slow(data)``: asyncio's
 checks, errors and counting of writes after the connection was lost.
@@ -23,26 +26,56 @@ Threads: ``fast`` and ``high`` are plain fields written by the transport on the 
 as a transport (asyncio's too) is used from its loop's thread; ``add_copy`` claims the batch
 itself, so a write from another thread never corrupts it.  No state here relies on the GIL.
 """
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+
+from aoprim._sendbatch cimport SendBatch, _get
+from aoprim.atomic_h cimport aop_load_u32, aop_store_u32, AOP_SEQ_CST
+
+
+cdef class SleepFlag:
+    """SleepFlag(): one per aoprim.aio loop -- ``sleeping`` is True while the loop is (about
+    to be) inside select().  The loop's selector sets it before its last check of the
+    FlushGroup and clears it when select() returns; a write reads it after queueing its
+    batch.  Both sides are seq_cst (a store then a load on each side, Dekker-style): either
+    the loop's check sees the queued batch, or the write sees the flag and wakes the loop --
+    never neither, also on a free-threaded build."""
+
+    @property
+    def sleeping(self):
+        return aop_load_u32(&self.flag, AOP_SEQ_CST) != 0    # seq_cst: see the class doc
+
+    @sleeping.setter
+    def sleeping(self, value):
+        aop_store_u32(&self.flag, 1 if value else 0, AOP_SEQ_CST)   # seq_cst: class doc
 
 
 cdef class TransportWriter:
-    """TransportWriter(transport, add, selector): see the module docstring."""
+    """TransportWriter(transport, batch, sleep): see the module docstring."""
 
-    def __cinit__(self, transport, add, selector):
+    def __cinit__(self, transport, SendBatch batch not None, SleepFlag sleep not None):
         self.transport = transport
-        self.add = add
-        self.selector = selector
+        self.batch = batch
+        self.add = batch.add_copy
+        self.sleep = sleep
         self.fast = True
         self.high = 0
 
     def write(self, data):
         """Write ``data`` on the transport (see the module docstring)."""
         cdef Py_ssize_t pending
+        cdef Py_ssize_t n
+        cdef SendBatch b = self.batch
         if self.fast and type(data) is bytes:
-            pending = self.add(data)
+            n = PyBytes_GET_SIZE(data)
+            # owner_tid: a batch limited to one thread is left to add_copy's own check
+            if (0 < n and <size_t>n <= b.copy_max and b.owner_tid == 0
+                    and b.c_add_copy(PyBytes_AS_STRING(data), <size_t>n) >= 0):
+                pending = _get(&b.pend_bytes)    # relaxed load (see _get): a threshold
+            else:
+                pending = self.add(data)
             if pending > self.high:
                 self.transport._over_high()
-            if self.selector.sleeping:
+            if aop_load_u32(&self.sleep.flag, AOP_SEQ_CST):    # seq_cst: see SleepFlag
                 self.transport._loop._aio_wake()
             return
         self.transport._write_slow(data)

@@ -15,8 +15,9 @@ Iteration (``_run_once``)::
               (KeyboardInterrupt, SystemExit) and in close().
 
 A write made while the loop sleeps in select() (from a ``signal.signal`` handler or another
-thread) wakes the loop: the selector marks the sleep (``sleeping``), checks the group just
-before sleeping, and write() wakes a sleeping loop through its self-pipe.
+thread) wakes the loop: the selector marks the sleep (the loop's ``SleepFlag``, which the
+compiled ``write()`` reads), checks the group just before sleeping, and write() wakes a
+sleeping loop through its self-pipe.
 
 Private asyncio names used here (checked on CPython 3.11.7, 3.12.1, 3.13.0): the selector
 loop's ``_run_once`` (wrapped), ``_make_socket_transport`` / ``_make_ssl_transport`` (the
@@ -33,6 +34,7 @@ import selectors
 import asyncio.sslproto as _sslproto
 
 from aoprim import FlushGroup
+from aoprim._aiowrite import SleepFlag
 from aoprim._readbuf import ReadBuffer
 from aoprim.aio.transport import SocketTransport
 
@@ -54,23 +56,25 @@ def _noop():
 
 
 class _Selector(selectors.DefaultSelector):
-    """The platform's default selector, marking when it sleeps: ``sleeping`` is True from
-    just before the group check until select() returns, so a write made meanwhile (signal
-    handler, thread) either is seen by the check or sees the flag and wakes the loop."""
+    """The platform's default selector, marking when it sleeps: ``sleep.sleeping`` (the
+    loop's SleepFlag) is True from just before the group check until select() returns, so a
+    write made meanwhile (signal handler, thread) either is seen by the check or sees the
+    flag and wakes the loop."""
 
-    def __init__(self, group):
+    def __init__(self, group, sleep):
         super().__init__()
-        self.sleeping = False
+        self._sleep = sleep
         self._group = group
 
     def select(self, timeout=None):
-        self.sleeping = True
+        sleep = self._sleep
+        sleep.sleeping = True
         try:
             if len(self._group):
                 timeout = 0             # a batch became dirty after the last flush
             return super().select(timeout)
         finally:
-            self.sleeping = False
+            sleep.sleeping = False
 
 
 class _NoPatch(type):
@@ -94,11 +98,11 @@ class Loop(asyncio.SelectorEventLoop, metaclass=_NoPatch):
         group.notify = SocketTransport._aio_flushed
         self._aio_group = group
         self._aio_flush = group.flush
+        # set while the loop sleeps in select(); a caller's selector never sets it (writes
+        # then never see a sleep: a write from another thread waits for the next wake-up)
+        self._aio_sleep = SleepFlag()
         if selector is None:
-            selector = _Selector(group)
-        elif not hasattr(selector, "sleeping"):
-            selector.sleeping = False   # a caller's selector: writes never see a sleep
-        self._aio_selector = selector
+            selector = _Selector(group, self._aio_sleep)
         super().__init__(selector)
         # the reusable read memory: every plain (data_received) read lands in its buffer or
         # in one of its pooled bytes slots (large reads); the loop runs one callback at a

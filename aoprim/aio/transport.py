@@ -123,11 +123,11 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         batch = SendBatch(sock, max_msgs=IOV_MAX, auto_flush=False)
         self._batch = batch
         self._add = batch.add_copy       # asyncio copies what it buffers: so does add_copy
-        self._sel = loop._aio_selector   # .sleeping: the loop is inside select()
+        self._sel = loop._aio_sleep      # .sleeping: the loop is inside select()
         # write(): the compiled fast path (aoprim._aiowrite), its `fast` flag set (the
         # short path allowed, see _can_fast); made before the base __init__, which sets the
         # write buffer limits it keeps a copy of
-        self._writer = TransportWriter(self, self._add, self._sel)
+        self._writer = TransportWriter(self, batch, self._sel)
         self.write = self._writer.write
         super().__init__(extra, loop)
         self._group = loop._aio_group
