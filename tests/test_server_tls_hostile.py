@@ -781,10 +781,6 @@ def test_proxy_header_then_tls_edge_cases(make_server, tls_certs, logs):
 
 # -- the timeouts see the bytes on the wire, not only the decrypted ones -------------------------
 
-@pytest.mark.xfail(strict=True, reason="issue 21: the frame clock (rx.Rx.sweep) looks at the "
-                   "Receiver's decrypted bytes only; a TLS record begun and never finished "
-                   "(held in the incoming MemoryBIO) is never cut by frame_timeout (plain "
-                   "TCP: a begun frame is cut) -- findings sent to the tls helper")
 def test_a_begun_tls_record_is_cut_by_frame_timeout(make_server, tls_certs, logs):
     """Half a record (a whole frame inside it), then nothing: as a begun frame on plain TCP,
     cut once frame_timeout has passed -- else a peer holds a record's worth of memory in
@@ -807,11 +803,6 @@ def test_a_begun_tls_record_is_cut_by_frame_timeout(make_server, tls_certs, logs
     assert not error_lines(logs)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: the idle clock (rx.Rx.sweep) counts the "
-                   "Receiver's decrypted bytes, so a TLS session whose ciphertext arrives "
-                   "steadily but completes no record within idle_timeout is cut as idle "
-                   "(plain TCP: not cut, 'idle_timeout: seconds without any byte') -- "
-                   "findings sent to the tls helper")
 def test_ciphertext_arriving_keeps_a_session_from_idle_timeout(make_server, tls_certs, logs):
     """A record sent a byte every 50 ms (longer in all than idle_timeout): bytes keep
     arriving, so the session is not idle; the frame inside is echoed (as on plain TCP)."""

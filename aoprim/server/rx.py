@@ -44,7 +44,7 @@ class Rx:
     -- the handler's ``on_read`` or the worker dispatcher's ``post_frame``."""
 
     __slots__ = ("receiver", "paused", "_seen_bytes", "_ft_mark", "_ft_since", "last_active",
-                 "_born", "_swept")
+                 "_born", "_swept", "wire")
 
     def __init__(self, arena, fd, settings, on_frame, on_event, owner, copy_frames, now,
                  proxy=True):
@@ -62,6 +62,10 @@ class Rx:
         self.last_active = now
         self._born = now            # the connection's start (the PROXY header's deadline)
         self._swept = now           # when the sweep last looked
+        # None, or a callable () -> (bytes received, bytes buffered) on the wire, for a
+        # session whose receiver sees other bytes than the socket's (TLS: the decrypted
+        # ones): the idle and frame clocks then measure what arrives, as on plain TCP
+        self.wire = None
 
     @property
     def reading(self):
@@ -91,7 +95,11 @@ class Rx:
         dt = now - self._swept
         self._swept = now
         r = self.receiver
-        b = r.bytes_in
+        if self.wire is None:
+            b = r.bytes_in
+            buffered = r.buffered
+        else:
+            b, buffered = self.wire()
         if b != self._seen_bytes or held:
             self._seen_bytes = b
             self.last_active = now
@@ -102,7 +110,7 @@ class Rx:
                 return (f"PROXY header timeout (not complete after {now - self._born:.2f} "
                         f"s, limit {proxy_timeout:g} s)")
             return None
-        if frame_timeout is not None and r.buffered:
+        if frame_timeout is not None and buffered:
             f = r.frames_in
             if f != self._ft_mark:
                 self._ft_mark = f

@@ -109,7 +109,8 @@ class TLSSession(Session):
     """A session of a server with ``ssl=``: the Session API, over TLS."""
 
     __slots__ = ("_sslobj", "_inc", "_out", "_ct", "_tls", "_hs_done", "_hs_timer", "_pp",
-                 "_more", "_rx_end", "_dirty", "_notified", "_tls_reason", "_drained")
+                 "_more", "_rx_end", "_dirty", "_notified", "_tls_reason", "_drained",
+                 "_raw_in", "_rec_left", "_rec_hdr")
 
     _rx_proxy = False           # the PROXY header is read here, before the handshake
 
@@ -132,8 +133,14 @@ class TLSSession(Session):
         self._notified = False      # close_notify written
         self._tls_reason = None     # why the TLS layer failed (for the close reason)
         self._proxy_wait = True     # the handler meets us once the handshake is done
+        self._raw_in = 0            # ciphertext bytes received
+        # where the ciphertext stream is in its records (_records): bytes of the current
+        # record still to come, and the bytes of a record header not yet complete
+        self._rec_left = 0
+        self._rec_hdr = b""
         self._reader = self._hs_readable
         self._rx.receiver.source = self._tls_read
+        self._rx.wire = self._wire
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -214,6 +221,38 @@ class TLSSession(Session):
             self._hs_timer = None
         Session._teardown(self)
 
+    def _wire(self):
+        """(bytes received, bytes held) as the socket saw them, for the idle and frame
+        clocks: ciphertext arriving is activity, and a begun record (in the incoming BIO)
+        or decrypted bytes not yet delivered are a begun frame."""
+        begun = self._rec_left + len(self._rec_hdr)     # (OpenSSL keeps partial records)
+        return (self._raw_in, self._rx.receiver.buffered + self._inc.pending +
+                self._sslobj.pending() + begun)
+
+    def _records(self, data):
+        """Follow the record boundaries of the ciphertext received (5-byte headers: type,
+        version, length), so that the frame clock sees a begun record: OpenSSL takes a
+        partial record out of the incoming BIO into a buffer of its own.  A few steps per
+        record, none per byte."""
+        n = len(data)
+        i = 0
+        left = self._rec_left
+        hdr = self._rec_hdr
+        while i < n:
+            if left:
+                k = n - i if n - i < left else left
+                left -= k
+                i += k
+            else:
+                take = data[i:i + 5 - len(hdr)]
+                hdr += take
+                i += len(take)
+                if len(hdr) == 5:
+                    left = (hdr[3] << 8) | hdr[4]
+                    hdr = b""
+        self._rec_left = left
+        self._rec_hdr = hdr
+
     # -- handshake (loop thread) ----------------------------------------------------------
     def _hs_timeout(self):
         self._hs_timer = None
@@ -235,6 +274,7 @@ class TLSSession(Session):
             self._abort("peer closed during the TLS handshake", level=logging.INFO,
                         cause="tls")
             return
+        self._raw_in += n
         data = tls.view[:n]
         pp = self._pp
         if pp is not None:
@@ -248,6 +288,7 @@ class TLSSession(Session):
             self._proxy_peer_is(pp.result)
             data = data[k:]
         if data:
+            self._records(data)
             self._inc.write(data)
         self._handshake()
 
@@ -353,7 +394,10 @@ class TLSSession(Session):
             self._rx_end = -(e.errno or errno.EIO)
             return False
         if n:
-            inc.write(tls.view[:n])
+            self._raw_in += n
+            data = tls.view[:n]
+            self._records(data)
+            inc.write(data)
             # a short read emptied the socket: the next recv of this event would be EAGAIN
             self._drained = n < _SCRATCH
         else:
