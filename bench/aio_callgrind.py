@@ -1,13 +1,14 @@
 """Deterministic user-space cost per message of the three loops: instructions counted by
 valgrind's callgrind in the server process, immune to the machine's noise.
 
-    python bench/aio_callgrind.py [--app raw|proto-u16] [--size 1024] [--n 2000]
+    python bench/aio_callgrind.py [--app raw|proto-u16|streams-u16] [--size 1024] [--n 2000]
                                   [--tree CHECKOUT]
                                   [--base-tree CHECKOUT] [--loop L ...] [--by-function K]
 
 For each loop, bench/aio_servers.py runs under ``valgrind --tool=callgrind`` twice: one
 connection exchanges N messages, then 2N (one at a time, raw messages of ``--size`` bytes,
-1 KiB by default, or 16 pipelined u16 frames of 64 B per burst); the difference of the two totals divided by N is the
+1 KiB by default, or 16 pipelined u16 frames of 64 B per burst, answered by a Protocol
+(``proto-u16``) or by streams (``streams-u16``)); the difference of the two totals divided by N is the
 instructions per message, with start-up, warm-up and shutdown cancelled out.  Kernel work is
 not counted (callgrind sees user space only).
 
@@ -101,7 +102,7 @@ def instructions(loop, app, n, tree, keep=False, size=1024):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--app", choices=("raw", "proto-u16"), default="raw")
+    ap.add_argument("--app", choices=("raw", "proto-u16", "streams-u16"), default="raw")
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--size", type=int, default=1024, help="raw message bytes")
     ap.add_argument("--tree")
