@@ -399,3 +399,18 @@ def test_signature_names_ssl_and_handshake_timeout():
     import inspect
     params = inspect.signature(Server).parameters
     assert params["ssl"].default is None and params["handshake_timeout"].default == 10.0
+
+
+def test_stats_count_tls_sends_and_ciphertext(make_server, tls_certs):
+    srv = make_server(Echo(), framing="u16", ssl=tls_certs.server_ctx())
+    with tls_connect(srv, tls_certs.client_ctx()) as s:
+        s.sendall(b"".join(frame(b"x" * 100) for _ in range(16)))
+        for _ in range(16):
+            assert read_u16(s) == b"x" * 100
+        st = srv.stats()
+        assert st["bytes_out"] == 16 * 102                  # plaintext, as on plain TCP
+        assert st["send_syscalls"] >= 2                     # handshake flight + the replies
+        # ciphertext: the handshake's flights, tickets, record headers and tags on top
+        assert st["tls_bytes_out"] > st["bytes_out"] + 1000
+    wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
+    assert srv.stats()["tls_bytes_out"] >= st["tls_bytes_out"]   # folded at teardown too

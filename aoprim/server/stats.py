@@ -26,6 +26,11 @@ class Stats:
         self.handler_errors = AtomicInt(0)
         self.closes = {}                # close cause -> count (reset, protocol, ...)
         self.batches = {"syscalls": 0, "messages": 0, "bytes": 0}
+        # TLS sessions (bumped at each send of ciphertext, loop thread): their sends are
+        # not the batches' (a TLS batch is encrypted, not written), and the bytes on the
+        # wire are not the plaintext bytes_out counts
+        self.tls_sends = 0
+        self.tls_bytes_out = 0
 
     def count_close(self, cause):
         self.closes[cause] = self.closes.get(cause, 0) + 1
@@ -55,7 +60,7 @@ class Stats:
             for k in agg:
                 agg[k] += st.get(k, 0)
         frames_out = fout + self.frames_out_x.load()
-        sends = agg["syscalls"]
+        sends = agg["syscalls"] + self.tls_sends
         d = {
             "connections": len(sessions),
             "connections_total": self.connections_total,
@@ -66,6 +71,7 @@ class Stats:
             "recv_syscalls": reads + self.eofs,
             "send_syscalls": sends,
             "messages_per_send": (frames_out / sends) if sends else 0.0,
+            "tls_bytes_out": self.tls_bytes_out,
             "handler_errors": self.handler_errors.load(),
             "closes": dict(self.closes),
         }

@@ -449,6 +449,8 @@ class TLSSession(Session):
             if not self._out.pending:
                 return 0
             ct = self._out.read()
+        st = self._ctx.stats
+        st.tls_sends += 1
         try:
             n = self._sock.send(ct)
         except (BlockingIOError, InterruptedError):
@@ -456,6 +458,7 @@ class TLSSession(Session):
         except OSError as e:
             self._ct = None
             return -(e.errno or errno.EIO)
+        st.tls_bytes_out += n
         if n < len(ct):
             self._ct = memoryview(ct)[n:]
             return 1
