@@ -63,9 +63,9 @@ class Settings:
     rx_slot_size: int = 16384
     rx_slots: int = 1024
     rx_reads: int = 8               # recvs per readiness event while each fills its buffer
-    rx_read_size: int = 256 << 10   # raw framing: bytes per recv (slots of the raw read pool;
+    rx_read_size: int = 512 << 10   # raw framing: bytes per recv (slots of the raw read pool;
                                     # not above rx_slot_size: no pool, slot-sized reads)
-    rx_read_slots: int = 32         # raw framing: slots of that pool (pre-faulted at start)
+    rx_read_slots: int = 16         # raw framing: slots of that pool (pre-faulted at start)
     rx_frame_cache: int = 16 << 20  # u16/u32: bytes of large frame buffers kept for reuse
     tx_slot_size: int = 16384
     tx_slots: int = 256
