@@ -141,7 +141,7 @@ def test_n_writes_in_one_callback_leave_in_one_sendmsg(loop, family):
         for m in msgs:
             tr.write(m)
         tr.writelines([b"x" * 10, bytearray(b"y" * 5000), memoryview(b"z" * 3)])
-        assert tr.get_write_buffer_size() == 200 * 40 + 5013   # pending, not yet sent
+        assert tr._batch.pending_bytes == 200 * 40 + 5013      # batched, not yet sent
     loop.call_soon(burst)
     loop.run_until_complete(asyncio.sleep(0))
     assert tr.send_stats["syscalls"] - before == 1
@@ -465,9 +465,9 @@ def test_write_is_compiled_and_follows_the_transports_state(loop):
 
     def burst():
         tr.write(b"b" * 50)                      # below the mark: batched
-        assert tr.get_write_buffer_size() == 50
+        assert tr._batch.pending_bytes == 50     # batched
         SocketTransport.write(tr, b"c" * 60)     # through the class: the same path
-        assert tr.get_write_buffer_size() == 0   # above it: handed to the kernel at once
+        assert tr._batch.pending_bytes == 0      # above it: handed to the kernel at once
     loop.call_soon(burst)
     loop.run_until_complete(asyncio.sleep(0))
     assert recv_exactly(peer, 110) == b"b" * 50 + b"c" * 60
@@ -489,7 +489,7 @@ def test_writelines_type_error_writes_nothing(loop):
         tr.write("text")
     assert tr.get_write_buffer_size() == 0
     tr.writelines(iter([b"a", bytearray(b"b"), memoryview(b"c")]))
-    assert tr.get_write_buffer_size() == 3
+    assert tr._batch.pending_bytes == 3          # batched
     tr.close()                                   # flushes the 3 bytes
     loop.run_until_complete(p.lost)
     assert recv_all(peer) == b"abc"

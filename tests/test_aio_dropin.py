@@ -518,6 +518,27 @@ def test_peer_reset_with_megabytes_pending(loop_of, kind, family):
 
 
 @pytest.mark.parametrize("kind", kinds())
+def test_get_write_buffer_size_right_after_write(loop_of, kind):
+    """What the kernel has not taken, also inside the callback that wrote: 0 for a write
+    the socket buffer takes whole, the remainder (> 0) for one it cannot."""
+    loop = loop_of(kind)
+
+    async def main():
+        tr, pr, b = await connect(loop, lambda: Rec(loop))
+        b.setblocking(False)
+        tr.write(b"s" * 1000)
+        small = tr.get_write_buffer_size()
+        tr.set_write_buffer_limits(high=64 << 20)     # no pause: only the size is compared
+        tr.write(b"L" * (32 << 20))                    # more than any socket buffer
+        large = tr.get_write_buffer_size()
+        tr.abort()
+        await asyncio.wait_for(asyncio.shield(pr.lost), 5)
+        b.close()
+        return small, 0 < large < (32 << 20)
+    assert run_on(loop, main()) == (0, True)
+
+
+@pytest.mark.parametrize("kind", kinds())
 def test_buffered_protocol_with_a_small_buffer(loop_of, kind):
     loop = loop_of(kind)
 

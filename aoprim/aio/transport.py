@@ -35,7 +35,9 @@ Write side -- states of one transport::
 
 asyncio's semantics, and how they map here:
 
-- ``get_write_buffer_size()`` is the batch's ``pending_bytes``.  A write that takes it above
+- ``get_write_buffer_size()`` is the batch's ``pending_bytes`` once what this iteration wrote
+  was handed to the kernel (it does that first, as asyncio's write() would have, and blocks
+  if data is left), so it reads as asyncio's.  A write that takes the batch above
   the high-water mark first hands the batch to the kernel at once (asyncio's write() sends
   at once too) and blocks if data is left, so flow control counts what the kernel has not
   taken; ``pause_writing()`` is called only if the batch is still above the mark.  Once
@@ -309,7 +311,14 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
             self._loop._aio_wake()
 
     def get_write_buffer_size(self):
-        return self._batch.pending_bytes
+        # What the kernel has not taken, as on asyncio -- also right after a write: asyncio's
+        # write() hands data to the kernel at once, so what this iteration wrote is handed
+        # to it now (blocks if data is left, as _over_high).  Read by a caller that watches
+        # its own buffering; the batch's internal count is _batch.pending_bytes.
+        batch = self._batch
+        if batch.pending_bytes and not self._blocked and not self._conn_lost:
+            self._flush_now()
+        return batch.pending_bytes
 
     def set_write_buffer_limits(self, high=None, low=None):
         self._set_write_buffer_limits(high=high, low=low)
