@@ -414,3 +414,34 @@ def test_stats_count_tls_sends_and_ciphertext(make_server, tls_certs):
         assert st["tls_bytes_out"] > st["bytes_out"] + 1000
     wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
     assert srv.stats()["tls_bytes_out"] >= st["tls_bytes_out"]   # folded at teardown too
+
+
+class _Recording(list):
+    """A TLSFlush.dirty list that records the thread of every append."""
+    threads = set()
+
+    def append(self, s):
+        _Recording.threads.add(threading.get_ident())
+        super().append(s)
+
+
+def test_raw_sends_from_workers_mark_dirty_on_the_loop_thread_only(make_server, tls_certs,
+                                                                    monkeypatch):
+    """A send from a worker thread is handed to the loop (foreign queue); only the loop
+    thread may touch TLSFlush's dirty list (a worker appending to it raced the flush that
+    swaps it: a session left marked and never flushed)."""
+    from aoprim.server.tls import TLSFlush
+    orig = TLSFlush.flush
+
+    def flush(self):
+        orig(self)
+        if type(self.dirty) is not _Recording:
+            self.dirty = _Recording(self.dirty)
+    monkeypatch.setattr(TLSFlush, "flush", flush)
+    _Recording.threads = set()
+    srv = make_server(Echo(), ssl=tls_certs.server_ctx(), workers=2)
+    with tls_connect(srv, tls_certs.client_ctx()) as s:
+        for i in range(50):
+            s.sendall(b"m%03d" % i)
+            assert recv_exact(s, 4) == b"m%03d" % i
+    assert _Recording.threads == {srv.loop.thread_id}

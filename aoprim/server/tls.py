@@ -40,6 +40,7 @@ Per connection, on the loop thread:
 import errno
 import logging
 import ssl
+import threading
 
 from aoprim import ProxyParser
 
@@ -51,6 +52,7 @@ log = logging.getLogger("aoprim.server")
 
 _SCRATCH = 1 << 16              # ciphertext read per recv (a few records)
 _EPROTO = errno.EPROTO
+_get_ident = threading.get_ident
 
 
 def check_context(ctx):
@@ -481,6 +483,8 @@ class RawTLSSession(TLSSession):
 
     def send(self, data):
         self._send_raw(data)
-        if not self._dirty:
+        # marked on the loop thread only: a send from another thread was queued for the
+        # loop, whose _drain_foreign marks the session (the dirty list is the loop's)
+        if not self._dirty and _get_ident() == self._loop.thread_id:
             self._dirty = True
             self._tls.dirty.append(self)
