@@ -1095,11 +1095,16 @@ cdef class Receiver:
             if not self.copy_frames:
                 if Py_REFCNT(<PyObject *>data) > 1:
                     # the handler kept it: release it now, so using it later raises
-                    # ValueError (sub-views and exports it made keep the pin alive)
-                    try:
-                        data.release()
-                    except BufferError:
-                        pass    # an export of it is alive: it stays valid (and pinned)
+                    # ValueError (sub-views and exports it made keep the pin alive) --
+                    # unless an export of it is alive (a send holding it by reference):
+                    # then release() would only raise BufferError, and it stays valid
+                    # (and pinned).  Tested first: raising and catching that error cost
+                    # about a microsecond per large echo (issue 20)
+                    if (<PyMemoryViewObject *>data).exports == 0:
+                        try:
+                            data.release()
+                        except BufferError:
+                            pass
                 elif base is not None and exc is None and _reusable(data):
                     Py_INCREF(data)                # kept for the next frame of this burst
                     self.fview = <PyObject *>data
