@@ -445,3 +445,16 @@ def test_raw_sends_from_workers_mark_dirty_on_the_loop_thread_only(make_server, 
             s.sendall(b"m%03d" % i)
             assert recv_exact(s, 4) == b"m%03d" % i
     assert _Recording.threads == {srv.loop.thread_id}
+
+
+def test_u16_large_frames_echo_by_reference(make_server, tls_certs):
+    """Frames above the by-reference threshold: the echo's batch holds the receive view
+    (Session.send's path) and TLSFlush encrypts from it; every byte back, slots back."""
+    srv = make_server(Echo(), framing="u16", ssl=tls_certs.server_ctx())
+    with tls_connect(srv, tls_certs.client_ctx()) as s:
+        payloads = [bytes([i]) * (60000 - i) for i in range(8)]
+        t = threading.Thread(target=s.sendall, args=(b"".join(frame(p) for p in payloads),))
+        t.start()
+        for p in payloads:
+            assert read_u16(s) == p
+        t.join(10)

@@ -165,18 +165,10 @@ class TLSSession(Session):
         return super().get_extra_info(name, default)
 
     def send(self, data):
-        # Session.send, then the session is marked for TLSFlush (inline: the hot path)
-        if self._state:
-            self._send_slow(data)
-            return
-        p = self._batch.add_frame(data, self._hs)
-        if p < 0:
-            self._send_slow(data)
-            return
-        self._nout += 1
-        if p > self._hw:
-            self._over_high()
-        if not self._dirty:
+        Session.send(self, data)
+        # marked on the loop thread only: a send from another thread was queued for the
+        # loop, whose _drain_foreign marks the session (the dirty list is the loop's)
+        if not self._dirty and _get_ident() == self._loop.thread_id:
             self._dirty = True
             self._tls.dirty.append(self)
 
