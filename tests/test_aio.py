@@ -480,6 +480,35 @@ def test_write_is_compiled_and_follows_the_transports_state(loop):
     peer.close()
 
 
+def test_get_write_buffer_size_from_another_thread_never_flushes_there(loop):
+    # read from a monitoring thread while the loop thread is inside a callback that wrote:
+    # the count as it is (nothing sent from that thread, no writer registered there, the
+    # transport intact); the loop's own end-of-iteration flush then sends it
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+    seen = []
+
+    def monitor():
+        seen.append((tr.get_write_buffer_size(), tr.send_stats["syscalls"]))
+
+    def burst():
+        before = tr.send_stats["syscalls"]
+        tr.write(b"m" * 1000)
+        t = threading.Thread(target=monitor)
+        t.start()
+        t.join(10)
+        seen.append(before)
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    (size, syscalls), before = seen
+    assert (size, syscalls - before) == (1000, 0)
+    assert not tr.is_closing()
+    assert recv_exactly(peer, 1000) == b"m" * 1000
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
 def test_writelines_type_error_writes_nothing(loop):
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p)

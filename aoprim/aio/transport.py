@@ -14,7 +14,8 @@ Private asyncio names this module still uses (checked on CPython 3.11.7, 3.12.1,
 - ``asyncio.constants._SendfileMode`` / ``LOG_THRESHOLD_FOR_CONNLOST_WRITES`` and the
   ``_sendfile_compatible`` / ``_start_tls_compatible`` class attributes that
   ``loop.sendfile()`` and ``loop.start_tls()`` read.
-- the loop's ``_add_reader`` / ``_remove_reader`` / ``_add_writer`` / ``_remove_writer`` and
+- the loop's ``_thread_id`` (get_write_buffer_size() flushes only on the loop's thread),
+  ``_add_reader`` / ``_remove_reader`` / ``_add_writer`` / ``_remove_writer`` and
   ``_transports`` (asyncio's selector loop registers each transport's fd there so that
   ``loop.add_reader(fd)`` refuses a transport's socket), and ``_sock`` / ``_sock_fd`` /
   ``_make_empty_waiter`` / ``_reset_empty_waiter`` here, which the selector loop's native
@@ -52,6 +53,7 @@ asyncio's semantics, and how they map here:
 """
 import os
 import socket
+from threading import get_ident as _get_ident
 
 from asyncio import constants as _constants
 from asyncio import protocols as _protocols
@@ -315,9 +317,15 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         # write() hands data to the kernel at once, so what this iteration wrote is handed
         # to it now (blocks if data is left, as _over_high).  Read by a caller that watches
         # its own buffering; the batch's internal count is _batch.pending_bytes.
+        # Only on the loop's thread (or with no loop running): from another thread -- a
+        # transport is not thread-safe, but a monitoring read must not break it -- the count
+        # is read as it is, never flushed there (a flush racing the loop's own would find
+        # the batch busy, and registering a writer is the loop thread's business).
         batch = self._batch
         if batch.pending_bytes and not self._blocked and not self._conn_lost:
-            self._flush_now()
+            tid = self._loop._thread_id
+            if tid is None or tid == _get_ident():
+                self._flush_now()
         return batch.pending_bytes
 
     def set_write_buffer_limits(self, high=None, low=None):
