@@ -27,11 +27,17 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.fixture
 def loop():
     lp = aoprim.aio.new_event_loop()
+    # an assert that fails inside a loop callback reaches the loop's exception handler, not
+    # the test: record every such report and fail the test with it at teardown (a test that
+    # expects errors sets its own handler)
+    unexpected = []
+    lp.set_exception_handler(lambda _lp, ctx: unexpected.append(ctx))
     yield lp
     # every transport the test made is gone: the group holds no batch
     lp.run_until_complete(asyncio.sleep(0))
     assert len(lp._aio_group) == 0
     lp.close()
+    assert not unexpected, [(c.get("message"), c.get("exception")) for c in unexpected]
 
 
 class Rec(asyncio.Protocol):
