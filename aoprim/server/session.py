@@ -224,10 +224,18 @@ class Session:
             # a large frame view of receive memory (issue 20): read-only, and its memory
             # is pinned -- never read over -- while any export of it lives, so the batch
             # holds an export of it (add()) instead of a copy; the receiver swaps in a
-            # fresh read slot, and this one goes back to its pool once the send is done
+            # fresh read slot, and this one goes back to its pool once the send is done.
+            # That pins the whole read slot (512 KiB) for as long as the send is pending:
+            # by reference only into an empty batch (one pinned slot, the ping-pong case)
+            # or for a view of at least half a slot; else copied -- so a peer that does not
+            # read makes its session pin one slot plus at most 2x its pending bytes, not a
+            # slot per echo
             b = self._batch
-            b.add(data)
-            p = b.pending_bytes
+            if b.pending_bytes == 0 or 2 * data.nbytes >= self._ctx.arena.raw_read_size:
+                b.add(data)
+                p = b.pending_bytes
+            else:
+                p = b.add_copy(data)
         else:
             # add_copy copies a view or bytearray (the memory under a frame view is reused
             # after on_read), keeps bytes by reference, retains a Slot; -1: another thread

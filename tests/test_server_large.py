@@ -1,0 +1,55 @@
+"""Large messages (issue 20): what a session's receive memory may hold while its by-reference
+echoes wait for a peer that does not read."""
+import socket
+
+import pytest
+
+from aoprim.server import Handler
+from aoprim.server.loop import BACKENDS
+
+from test_server_support import connect, make_server, recv_exact, wait_for  # noqa: F401
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+class SlowEcho(Handler):
+    """Echo; each session's send buffer is made tiny, so what it sends stays pending."""
+
+    def __init__(self):
+        self.sessions = []
+
+    def on_connect(self, session):
+        session.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        self.sessions.append(session)
+
+    def on_read(self, session, data):
+        session.send(data)
+
+
+@pytest.mark.timeout(60)
+def test_raw_echoes_pending_to_a_non_reader_do_not_pin_a_read_slot_each(make_server, connect):
+    # Each 40 KiB message arrives as its own recv into a 512 KiB raw read slot and is echoed
+    # by reference.  A peer that does not read leaves those echoes pending (below
+    # high_water, so reading goes on): pinning one whole slot per echo made a session hold
+    # ~13x its pending bytes in receive memory (5 slots, 2.5 MiB, for 200 KiB pending).
+    # Bound: one slot, plus slots at least half used (2x the pending bytes).
+    h = SlowEcho()
+    srv = make_server(h, framing="raw")
+    c = connect(srv, rcvbuf=4096)
+    wait_for(lambda: h.sessions, what="the session")
+    s = h.sessions[0]
+    msg = bytes(range(256)) * 160        # 40 KiB
+    sent = 0
+    while s.pending_bytes < 200 * 1024:
+        c.sendall(msg)
+        sent += len(msg)
+        wait_for(lambda: srv.stats()["bytes_in"] == sent, what="the message read")
+    st = srv.stats()
+    read_size = srv._arena.raw_read_size
+    pinned = st["rx_raw_slots_in_use"] - 1          # the arena's own read slot
+    assert pinned * read_size <= read_size + 2 * s.pending_bytes, (pinned, st)
+    # every echoed byte arrives intact once the peer reads
+    assert recv_exact(c, sent, timeout=30) == msg * (sent // len(msg))
