@@ -407,6 +407,8 @@ def test_stats_count_tls_sends_and_ciphertext(make_server, tls_certs):
         s.sendall(b"".join(frame(b"x" * 100) for _ in range(16)))
         for _ in range(16):
             assert read_u16(s) == b"x" * 100
+        # (the loop counts a send just after it returned: the client may be faster)
+        wait_for(lambda: srv.stats()["tls_bytes_out"] > 16 * 102 + 1000, what="counters")
         st = srv.stats()
         assert st["bytes_out"] == 16 * 102                  # plaintext, as on plain TCP
         assert st["send_syscalls"] >= 2                     # handshake flight + the replies
