@@ -70,24 +70,29 @@ def test_u16_echo_pipelined(make_server, tls_certs, version):
     wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
 
 
+def echo_one_thread(srv, ctx, data, nbytes):
+    """Write ``data`` and read ``nbytes`` back over TLS in ONE thread (asyncio): an
+    SSLSocket must not be read and written from two threads at once (OpenSSL's SSL object
+    is not thread-safe; a reader thread beside sendall() garbled the stream now and then)."""
+    import asyncio
+
+    async def run():
+        r, w = await asyncio.open_connection(*srv.address, ssl=ctx,
+                                             server_hostname="localhost")
+        w.write(data)
+        try:
+            return await asyncio.wait_for(r.readexactly(nbytes), 30)
+        finally:
+            w.close()
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize("version", ["1.2", "1.3"])
 def test_raw_echo_large(make_server, tls_certs, version):
     srv = make_server(Echo(), ssl=tls_certs.server_ctx())
     blob = bytes(range(256)) * 4096         # 1 MiB: many records, many slots
-    with tls_connect(srv, tls_certs.client_ctx(version=version)) as s:
-        got = bytearray()
-
-        def reader():
-            while len(got) < len(blob):
-                d = s.recv(1 << 16)
-                if not d:
-                    break
-                got.extend(d)
-        t = threading.Thread(target=reader)
-        t.start()
-        s.sendall(blob)
-        t.join(30)
-        assert bytes(got) == blob
+    got = echo_one_thread(srv, tls_certs.client_ctx(version=version), blob, len(blob))
+    assert got == blob
 
 
 def test_extra_info_and_on_connect_after_handshake(make_server, tls_certs):
@@ -453,10 +458,6 @@ def test_u16_large_frames_echo_by_reference(make_server, tls_certs):
     """Frames above the by-reference threshold: the echo's batch holds the receive view
     (Session.send's path) and TLSFlush encrypts from it; every byte back, slots back."""
     srv = make_server(Echo(), framing="u16", ssl=tls_certs.server_ctx())
-    with tls_connect(srv, tls_certs.client_ctx()) as s:
-        payloads = [bytes([i]) * (60000 - i) for i in range(8)]
-        t = threading.Thread(target=s.sendall, args=(b"".join(frame(p) for p in payloads),))
-        t.start()
-        for p in payloads:
-            assert read_u16(s) == p
-        t.join(10)
+    payloads = [bytes([i]) * (60000 - i) for i in range(8)]
+    stream = b"".join(frame(p) for p in payloads)
+    assert echo_one_thread(srv, tls_certs.client_ctx(), stream, len(stream)) == stream
