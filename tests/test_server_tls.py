@@ -84,6 +84,10 @@ def echo_one_thread(srv, ctx, data, nbytes):
             return await asyncio.wait_for(r.readexactly(nbytes), 30)
         finally:
             w.close()
+            try:
+                await asyncio.wait_for(w.wait_closed(), 10)     # close_notify both ways
+            except (asyncio.TimeoutError, OSError):
+                w.transport.abort()
     return asyncio.run(run())
 
 

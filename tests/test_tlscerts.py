@@ -14,13 +14,12 @@ def _handshake(server_ctx, client_ctx, hostname="localhost"):
     out = {}
 
     def serve():
-        with server_ctx.wrap_socket(a, server_side=True) as s:
-            try:
-                s.do_handshake()
+        try:
+            with server_ctx.wrap_socket(a, server_side=True) as s:
                 out["peer"] = s.getpeercert()
                 s.sendall(b"ok")
-            except (ssl.SSLError, OSError) as e:
-                out["err"] = e
+        except (ssl.SSLError, OSError) as e:
+            out["err"] = e
     t = threading.Thread(target=serve)
     t.start()
     try:
