@@ -23,6 +23,10 @@ The loop is asyncio's own selector loop (``asyncio.SelectorEventLoop``) with two
   kernel did not take everything, an error, or a transport waiting for its buffer to drain)
   are handed back to their transports.
 
+The iteration itself (asyncio's ``_run_once``: the wait, the dispatch of fd events, due
+timers, the ready queue) is compiled (``aoprim._aioloop``), keeping asyncio's data
+structures and order; debug mode takes asyncio's Python iteration.
+
 The transport is aoprim's own (not asyncio's private selector transport); the private
 asyncio names the package still uses are listed, with the versions they were checked on, at
 the top of :mod:`aoprim.aio.transport` and :mod:`aoprim.aio.loop`.  The Python versions whose

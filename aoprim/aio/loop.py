@@ -5,7 +5,10 @@ Iteration (``_run_once``)::
 
     [flush]   only if something was written outside a callback (before the loop started,
               between two run_until_complete calls)
-    select(), then run the ready callbacks        -- asyncio's own _run_once
+    select(), then run the ready callbacks        -- asyncio's _run_once, compiled
+              (aoprim._aioloop.run_once: the wait and _process_events in C, asyncio's
+              data and order kept; asyncio's Python _run_once in debug mode, with a
+              caller's selector or an overridden _process_events)
     flush     FlushGroup.flush(): every dirty batch, one sendmsg each, one GIL release;
               notify(transport, status) for the few that need attention.  A notification
               (resume_writing()) may write again: the flush is repeated while batches are
@@ -20,7 +23,10 @@ compiled ``write()`` reads), checks the group just before sleeping, and write() 
 sleeping loop through its self-pipe.
 
 Private asyncio names used here (checked on CPython 3.11.7, 3.12.1, 3.13.0): the selector
-loop's ``_run_once`` (wrapped), ``_make_socket_transport`` / ``_make_ssl_transport`` (the
+loop's ``_run_once`` (the fallback; aoprim._aioloop also reads ``_ready``, ``_scheduled``,
+``_timer_cancelled_count``, ``_stopping``, ``_clock_resolution``, ``_debug``,
+``_remove_reader`` / ``_remove_writer``, the handles' ``_cancelled`` / ``_when`` /
+``_scheduled`` / ``_run``, and the epoll selector's ``_fd_to_key`` / ``_selector``), ``_make_socket_transport`` / ``_make_ssl_transport`` (the
 hooks its create_connection / create_server / create_unix_* / connect_accepted_socket /
 start_tls paths call), ``_ensure_fd_no_transport``, ``_write_to_self`` (the self-pipe
 wake-up), and ``asyncio.sslproto.SSLProtocol``.
@@ -36,6 +42,7 @@ import asyncio.sslproto as _sslproto
 from aoprim import FlushGroup
 from aoprim._aiowrite import SleepFlag
 from aoprim._readbuf import ReadBuffer
+from aoprim import _aioloop
 from aoprim.aio.transport import SocketTransport
 
 __all__ = ["Loop", "new_event_loop", "EventLoopPolicy", "run", "install", "READ_BUFFER_SIZE"]
@@ -65,6 +72,7 @@ class _Selector(selectors.DefaultSelector):
         super().__init__()
         self._sleep = sleep
         self._group = group
+        _aioloop.wait_state(self)       # the compiled iteration's wait reads the epoll fd
 
     def select(self, timeout=None):
         sleep = self._sleep
@@ -86,6 +94,9 @@ class _NoPatch(type):
             raise ValueError(f"Can't patch loop of type {cls!r}: aoprim.aio.Loop flushes "
                              f"its batched writes in _run_once (nest_asyncio is not supported)")
         super().__setattr__(name, value)
+
+
+_aioloop.configure(_base_run_once, _Selector)
 
 
 class Loop(asyncio.SelectorEventLoop, metaclass=_NoPatch):
@@ -119,17 +130,10 @@ class Loop(asyncio.SelectorEventLoop, metaclass=_NoPatch):
 
     # ---- asyncio hooks ----------------------------------------------------------------------
 
-    def _run_once(self):
-        group = self._aio_group
-        if len(group):
-            self._aio_flush_all()       # written outside a callback: send before select()
-        try:
-            _base_run_once(self)        # asyncio's: select(), then the ready callbacks
-        finally:
-            # also when a callback raised KeyboardInterrupt / SystemExit out of the loop
-            self._aio_flush()
-            if len(group):
-                self._aio_flush_all()   # a notification wrote again
+    # flush what was written outside a callback; one iteration (asyncio's, with the wait and
+    # _process_events compiled: aoprim._aioloop); flush the iteration's writes -- also when
+    # a callback raised KeyboardInterrupt / SystemExit out of the loop
+    _run_once = _aioloop.run_once
 
     def _aio_flush_all(self):
         flush = self._aio_flush

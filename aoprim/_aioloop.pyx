@@ -1,0 +1,270 @@
+# cython: language_level=3, freethreading_compatible=True, binding=True
+"""The compiled iteration of aoprim.aio's loop (issue 23 step 1, docs/aio-compiled.md).
+
+``run_once(loop)`` is ``aoprim.aio.Loop._run_once``: asyncio's ``BaseEventLoop._run_once``
+(as CPython 3.11-3.13 have it) with the loop's own selector wait and asyncio's
+``_process_events`` done in C, wrapped in the loop's FlushGroup flushes.  What it keeps, so
+that asyncio's Python code and callers see asyncio's loop:
+
+- the data: ``loop._ready`` (deque of Handles), ``loop._scheduled`` (heapq list of
+  TimerHandles, popped and heapified with ``heapq``'s functions, so the order is
+  ``TimerHandle.__lt__``'s), ``loop._timer_cancelled_count``, the selector's
+  ``_fd_to_key`` and its ``SelectorKey``s (whose data is asyncio's ``(reader, writer)``);
+- the order: cancelled timers dropped (the same clean-up rule and thresholds), the timeout
+  computed, the wait, each event's reader then writer queued (a cancelled one removes the
+  reader / writer, as ``_process_events``), due timers queued (``time() +
+  _clock_resolution``), then exactly the handles queued so far run, in order, each by its
+  own ``_run()``;
+- the wait: as ``selectors.EpollSelector.select``: ``epoll_wait`` for at most
+  ``max(len(_fd_to_key), 1)`` events, the timeout rounded up to the millisecond; EINTR runs
+  the signal handlers (one that raises ends the iteration, as out of ``epoll.poll``) and
+  the wait is retried with the time left.  A wait with a zero timeout keeps the GIL (no
+  hand-off when something is ready); a longer one releases it.  The loop's ``SleepFlag``
+  is set around the wait and the FlushGroup is checked just before it, as
+  ``aoprim.aio.loop._Selector.select`` does.
+
+When the loop is in debug mode, or its selector is not the loop's own ``_Selector`` (a
+caller's selector, a mock), or ``_process_events`` is overridden (by a subclass or on the
+instance), the iteration is asyncio's Python ``_run_once`` instead (inside the same
+flushes): slow-callback warnings, mocks and overrides behave as on asyncio.
+"""
+from libc.errno cimport errno, EINTR
+from libc.stdlib cimport realloc, free
+from libc.math cimport ceil
+from cpython.exc cimport PyErr_CheckSignals, PyErr_SetFromErrno
+from cpython.dict cimport PyDict_GetItem
+from cpython.ref cimport PyObject
+
+from aoprim._aiowrite cimport SleepFlag
+from aoprim.atomic_h cimport aop_store_u32, AOP_SEQ_CST
+
+import time as _time
+import heapq as _heapq
+import selectors as _selectors
+from asyncio import base_events as _be
+from asyncio import selector_events as _se
+
+cdef extern from "<sys/epoll.h>" nogil:
+    int epoll_wait(int epfd, epoll_event *events, int maxevents, int timeout)
+    enum:
+        EPOLLIN
+        EPOLLOUT
+
+cdef object _heappop = _heapq.heappop
+cdef object _heapify = _heapq.heapify
+cdef object _monotonic = _time.monotonic
+cdef int EVENT_READ = _selectors.EVENT_READ
+cdef int EVENT_WRITE = _selectors.EVENT_WRITE
+cdef Py_ssize_t _MIN_SCHEDULED = _be._MIN_SCHEDULED_TIMER_HANDLES
+cdef double _MIN_CANCELLED_FRACTION = _be._MIN_CANCELLED_TIMER_HANDLES_FRACTION
+cdef double _MAX_TIMEOUT = _be.MAXIMUM_SELECT_TIMEOUT
+cdef object _base_process_events = _se.BaseSelectorEventLoop._process_events
+
+# set by configure(): asyncio's _run_once and the loop's selector class
+cdef object _base_run_once = None
+cdef object _selector_type = None
+
+
+def configure(base_run_once, selector_type):
+    """Called once by aoprim.aio.loop: asyncio's ``_run_once`` (the fallback) and the
+    loop's own selector class (the only one the compiled wait reads; only if it is an
+    ``EpollSelector``: elsewhere every iteration is asyncio's)."""
+    global _base_run_once, _selector_type
+    _base_run_once = base_run_once
+    _selector_type = selector_type if issubclass(selector_type,
+                                                 _selectors.EpollSelector) else None
+
+
+def wait_state(sel):
+    """What the compiled wait keeps on a selector (``_aio_events``, ``_aio_epfd``): set by
+    the loop's ``_Selector`` when it is created."""
+    sel._aio_events = _Events()
+    sel._aio_epfd = sel._selector.fileno() if isinstance(sel, _selectors.EpollSelector) else -1
+
+
+cdef class _Events:
+    """The epoll_event array of one loop's waits, grown to the selector's size."""
+
+    cdef int reserve(self, int n) except -1:
+        cdef epoll_event *p
+        if n > self.cap:
+            p = <epoll_event *>realloc(self.ev, n * sizeof(epoll_event))
+            if p == NULL:
+                raise MemoryError()
+            self.ev = p
+            self.cap = n
+        return 0
+
+    def __dealloc__(self):
+        free(self.ev)
+
+
+cdef int _wait(_Events evs, int epfd, int maxev, double timeout) except -1:
+    """epoll_wait into evs: the number of events.  timeout < 0: no limit; seconds
+    otherwise (rounded up to the millisecond, as selectors does)."""
+    cdef int n, err, ms
+    cdef double deadline = 0.0
+    if timeout < 0:
+        ms = -1
+    else:
+        ms = <int>ceil(timeout * 1e3)
+        deadline = _monotonic() + ms * 1e-3
+    evs.reserve(maxev)
+    while True:
+        if ms == 0:
+            n = epoll_wait(epfd, evs.ev, maxev, 0)      # nothing to wait for: keep the GIL
+        else:
+            with nogil:
+                n = epoll_wait(epfd, evs.ev, maxev, ms)
+        if n >= 0:
+            return n
+        err = errno
+        if err != EINTR:
+            PyErr_SetFromErrno(OSError)
+            return -1
+        PyErr_CheckSignals()                # a handler that raises ends the iteration
+        if ms > 0:                          # PEP 475: retry with the time that is left
+            ms = <int>ceil((deadline - _monotonic()) * 1e3)
+            if ms < 0:
+                ms = 0
+
+
+cdef int _queue(object loop, object ready, object handle, object fileobj,
+                bint reader) except -1:
+    """_process_events for one handle: a cancelled one removes the reader / writer, a live
+    one is appended to the ready queue (_add_callback: if not cancelled)."""
+    if handle._cancelled:
+        if reader:
+            loop._remove_reader(fileobj)
+        else:
+            loop._remove_writer(fileobj)
+    else:
+        ready.append(handle)
+    return 0
+
+
+cdef int _iteration(object loop, object sel) except -1:
+    cdef list scheduled = loop._scheduled
+    cdef Py_ssize_t sched_count = len(scheduled)
+    cdef object ready = loop._ready
+    cdef object handle, key, data
+    cdef dict fd_to_key
+    cdef double timeout, end_time
+    cdef int n, i, ev, events, epfd
+    cdef PyObject *k
+    cdef Py_ssize_t ntodo, j
+    cdef _Events evs
+    cdef SleepFlag sleep
+    if (sched_count > _MIN_SCHEDULED and
+            <double>loop._timer_cancelled_count / sched_count > _MIN_CANCELLED_FRACTION):
+        new_scheduled = []
+        for handle in scheduled:
+            if handle._cancelled:
+                handle._scheduled = False
+            else:
+                new_scheduled.append(handle)
+        _heapify(new_scheduled)
+        loop._scheduled = scheduled = new_scheduled
+        loop._timer_cancelled_count = 0
+    else:
+        while len(scheduled) and scheduled[0]._cancelled:
+            loop._timer_cancelled_count -= 1
+            handle = _heappop(scheduled)
+            handle._scheduled = False
+    handle = None
+
+    timeout = -1.0
+    if len(ready) or loop._stopping:
+        timeout = 0.0
+    elif len(scheduled):
+        timeout = scheduled[0]._when - loop.time()
+        if timeout > _MAX_TIMEOUT:
+            timeout = _MAX_TIMEOUT
+        elif timeout < 0:
+            timeout = 0.0
+
+    # the wait (aoprim.aio.loop._Selector.select + selectors.EpollSelector.select)
+    fd_to_key = sel._fd_to_key
+    evs = sel._aio_events
+    epfd = sel._aio_epfd
+    sleep = <SleepFlag?>sel._sleep
+    # seq_cst store, then the group check (a load): the Dekker pair with a write from a
+    # signal handler or another thread, which queues its batch and then loads the flag --
+    # either the check sees the batch or the write sees the flag and wakes the loop
+    aop_store_u32(&sleep.flag, 1, AOP_SEQ_CST)
+    try:
+        if len(loop._aio_group):
+            timeout = 0.0                   # a batch became dirty after the last flush
+        n = _wait(evs, epfd, max(len(fd_to_key), 1), timeout)
+    finally:
+        aop_store_u32(&sleep.flag, 0, AOP_SEQ_CST)     # seq_cst: the same pair, cleared
+
+    # asyncio's _process_events, per event
+    for i in range(n):
+        ev = evs.ev[i].events
+        events = 0
+        if ev & ~EPOLLIN:
+            events |= EVENT_WRITE
+        if ev & ~EPOLLOUT:
+            events |= EVENT_READ
+        k = PyDict_GetItem(fd_to_key, evs.ev[i].data.fd)
+        if k == NULL:
+            continue
+        key = <object>k
+        events &= <int>key[2]      # SelectorKey.events
+        data = key[3]               # SelectorKey.data: (reader, writer)
+        reader, writer = data
+        if events & EVENT_READ and reader is not None:
+            _queue(loop, ready, reader, key[0], True)
+        if events & EVENT_WRITE and writer is not None:
+            _queue(loop, ready, writer, key[0], False)
+    key = data = reader = writer = None
+
+    # 'later' callbacks that are due
+    end_time = loop.time() + loop._clock_resolution
+    while len(scheduled):
+        handle = scheduled[0]
+        if handle._when >= end_time:
+            break
+        handle = _heappop(scheduled)
+        handle._scheduled = False
+        ready.append(handle)
+
+    # the handles queued so far, in order (not those they queue)
+    ntodo = len(ready)
+    popleft = ready.popleft
+    for j in range(ntodo):
+        handle = popleft()
+        if handle._cancelled:
+            continue
+        handle._run()
+    return 0
+
+
+cdef inline bint _compiled_ok(object loop, object sel):
+    if type(sel) is not _selector_type or loop._debug:
+        return False
+    if type(loop)._process_events is not _base_process_events:
+        return False
+    d = getattr(loop, "__dict__", None)
+    return d is None or "_process_events" not in d
+
+
+def run_once(loop):
+    """``Loop._run_once``: flush what was written outside a callback, one iteration
+    (compiled, or asyncio's -- see the module docstring), then flush the iteration's
+    writes -- also when a callback raised out of the loop (KeyboardInterrupt,
+    SystemExit)."""
+    group = loop._aio_group
+    if len(group):
+        loop._aio_flush_all()               # written outside a callback: send before the wait
+    try:
+        sel = loop._selector
+        if _compiled_ok(loop, sel):
+            _iteration(loop, sel)
+        else:
+            _base_run_once(loop)
+    finally:
+        loop._aio_flush()
+        if len(group):
+            loop._aio_flush_all()           # a notification wrote again

@@ -1,0 +1,210 @@
+"""aoprim.aio's compiled iteration (aoprim._aioloop.run_once, issue 23 step 1) against
+asyncio's own ``_run_once``: the same scenarios on both loops must record the same order of
+callbacks, timers and fd events, the same clean-up of cancelled timers and reader handles;
+debug mode, a mocked ``_process_events`` and a caller's selector take asyncio's path."""
+import asyncio
+import logging
+import selectors
+import socket
+import sys
+import time
+
+import pytest
+
+import aoprim.aio
+from aoprim import _aioloop
+
+pytestmark = pytest.mark.timeout(30)
+
+LOOPS = {"asyncio": asyncio.SelectorEventLoop, "aoprim": aoprim.aio.new_event_loop}
+
+
+@pytest.fixture(params=list(LOOPS))
+def pair(request):
+    """(name, loop) for each loop."""
+    lp = LOOPS[request.param]()
+    yield request.param, lp
+    lp.close()
+
+
+def _order_scenario(loop):
+    """call_soon, a due timer, a readable fd and callbacks queued by callbacks, over a few
+    iterations: the order they ran in."""
+    out = []
+    a, b = socket.socketpair()
+    a.setblocking(False)
+
+    def on_read():
+        out.append("read:" + a.recv(100).decode())
+        loop.call_soon(out.append, "soon-from-read")
+        if len(out) > 12:
+            loop.remove_reader(a)
+
+    async def main():
+        loop.add_reader(a, on_read)
+        b.send(b"x")
+        loop.call_soon(out.append, "soon1")
+        loop.call_later(0, out.append, "later0")
+        loop.call_at(loop.time() - 1, out.append, "past")
+        h = loop.call_later(0, out.append, "cancelled")
+        h.cancel()
+        loop.call_soon(lambda: (out.append("soon2"), loop.call_soon(out.append, "nested")))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        b.send(b"y")
+        await asyncio.sleep(0.01)
+        loop.remove_reader(a)
+
+    loop.run_until_complete(main())
+    a.close()
+    b.close()
+    return out
+
+
+def test_same_order_as_asyncio():
+    runs = {}
+    for name, make in LOOPS.items():
+        lp = make()
+        try:
+            runs[name] = _order_scenario(lp)
+        finally:
+            lp.close()
+    assert runs["aoprim"] == runs["asyncio"], runs
+    assert "cancelled" not in runs["aoprim"] and "read:y" in runs["aoprim"]
+
+
+def test_iteration_is_compiled():
+    """No Python frame of the selector or of _process_events runs per iteration (asyncio's
+    _run_once + selectors' select + _process_events ran before issue 23 step 1)."""
+    loop = aoprim.aio.new_event_loop()
+    seen = set()
+
+    def prof(frame, event, arg):
+        if event == "call":
+            seen.add(frame.f_code.co_name)
+
+    async def main():
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    try:
+        sys.setprofile(prof)
+        loop.run_until_complete(main())
+    finally:
+        sys.setprofile(None)
+        loop.close()
+    assert type(aoprim.aio.Loop.__dict__["_run_once"]).__name__ != "function"
+    assert not seen & {"_run_once", "select", "_process_events", "_key_from_fd"}, seen
+
+
+def test_cancelled_timers_cleaned_as_asyncio(pair):
+    """More than 100 timers, more than half cancelled: one iteration rebuilds the heap
+    without them; cancelled ones at the head are popped."""
+    name, loop = pair
+    hs = [loop.call_later(100 + i, lambda: None) for i in range(300)]
+    for h in hs[:200]:
+        h.cancel()
+    loop.run_until_complete(asyncio.sleep(0))
+    assert len(loop._scheduled) == 100 and loop._timer_cancelled_count == 0
+    assert all(not h._scheduled for h in hs[:200])
+    for h in hs[200:210]:
+        h.cancel()
+    loop.run_until_complete(asyncio.sleep(0))
+    assert len(loop._scheduled) == 90 and loop._timer_cancelled_count == 0
+    for h in hs:
+        h.cancel()
+
+
+def test_cancelled_reader_handle_removes_the_reader(pair):
+    name, loop = pair
+    a, b = socket.socketpair()
+    calls = []
+    loop.add_reader(a, calls.append, 1)
+    loop._selector.get_key(a).data[0].cancel()
+    b.send(b"x")
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert calls == []
+    with pytest.raises(KeyError):
+        loop._selector.get_key(a)
+    a.close()
+    b.close()
+
+
+def test_timers_never_early_and_sleep_wakes(pair):
+    name, loop = pair
+    t0 = time.monotonic()
+    fired = []
+    loop.call_later(0.05, lambda: fired.append(time.monotonic()))
+    loop.run_until_complete(asyncio.sleep(0.08))
+    assert fired and fired[0] - t0 >= 0.05 - 0.001
+
+
+def test_debug_mode_takes_asyncio_path_slow_callback_logged(caplog):
+    loop = aoprim.aio.new_event_loop()
+    loop.set_debug(True)
+    loop.slow_callback_duration = 0.01
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncio"):
+            loop.call_soon(time.sleep, 0.03)
+            loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    assert any("took" in r.getMessage() for r in caplog.records)
+
+
+def test_process_events_overridden_on_instance_is_called():
+    loop = aoprim.aio.new_event_loop()
+    seen = []
+    orig = loop._process_events
+    loop._process_events = lambda ev: (seen.append(len(ev)), orig(ev))
+    try:
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    assert seen
+
+
+def test_callers_selector_takes_asyncio_path():
+    sel = selectors.SelectSelector()
+    loop = aoprim.aio.Loop(sel)
+    try:
+        a, b = socket.socketpair()
+        got = loop.create_future()
+        loop.add_reader(a, lambda: got.done() or got.set_result(a.recv(10)))
+        b.send(b"hi")
+        assert loop.run_until_complete(asyncio.wait_for(got, 5)) == b"hi"
+        loop.remove_reader(a)
+        a.close()
+        b.close()
+    finally:
+        loop.close()
+
+
+def test_signal_handler_during_wait_runs_and_loop_goes_on():
+    import os
+    import signal
+    import threading
+    loop = aoprim.aio.new_event_loop()
+    got = []
+    try:
+        loop.add_signal_handler(signal.SIGUSR1, got.append, 1)
+        t = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1))
+        t.start()
+        loop.run_until_complete(asyncio.sleep(0.2))
+        t.join()
+        loop.remove_signal_handler(signal.SIGUSR1)
+    finally:
+        loop.close()
+    assert got == [1]
+
+
+def test_configure_refuses_non_epoll_selector():
+    _aioloop.configure(aoprim.aio.loop._base_run_once, selectors.SelectSelector)
+    try:
+        loop = aoprim.aio.new_event_loop()
+        try:
+            assert loop.run_until_complete(asyncio.sleep(0, "ok")) == "ok"
+        finally:
+            loop.close()
+    finally:
+        _aioloop.configure(aoprim.aio.loop._base_run_once, aoprim.aio.loop._Selector)
