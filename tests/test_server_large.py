@@ -53,3 +53,37 @@ def test_raw_echoes_pending_to_a_non_reader_do_not_pin_a_read_slot_each(make_ser
     assert pinned * read_size <= read_size + 2 * s.pending_bytes, (pinned, st)
     # every echoed byte arrives intact once the peer reads
     assert recv_exact(c, sent, timeout=30) == msg * (sent // len(msg))
+
+
+class Keeper(Handler):
+    """Keeps a sub-view of every frame (each pins its raw read slot)."""
+
+    def __init__(self):
+        self.kept = []
+
+    def on_read(self, session, data):
+        self.kept.append(data[:])
+
+
+@pytest.mark.timeout(60)
+def test_raw_read_pool_exhaustion_is_logged_with_that_pools_counts(make_server, connect,
+                                                                   caplog):
+    # The warning named the 16 KiB receive pool ("1 of 1024 slots in use") when the raw
+    # read pool was the one exhausted: nothing in it said which pool to enlarge.
+    h = Keeper()
+    srv = make_server(h, framing="raw", rx_read_slots=2)
+    c = connect(srv)
+    sent = 0
+    try:
+        with caplog.at_level("WARNING", logger="aoprim.server"):
+            for i in range(4):
+                c.sendall(bytes([i]) * 1000)
+                sent += 1000
+                wait_for(lambda: srv.stats()["bytes_in"] == sent, what="the message read")
+            assert srv.stats()["rx_pool_fallbacks"] >= 1
+            wait_for(lambda: any("exhausted" in r.getMessage() for r in caplog.records), 5,
+                     "the pool warning")
+        msg = next(r.getMessage() for r in caplog.records if "exhausted" in r.getMessage())
+        assert "raw read pool" in msg and "of 2 slots" in msg, msg
+    finally:
+        h.kept.clear()          # the pinned slots go back before the leak checks

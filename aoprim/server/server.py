@@ -316,9 +316,15 @@ class Server:
                 s.check_timeouts(now, st.idle_timeout, st.frame_timeout, pt)
         fb = self._arena.fallbacks
         if fb != self._fallbacks_seen:
-            log.warning("receive pool exhausted (%d of %d slots in use): %d reads went to heap "
-                        "buffers since the last check", self._rx_pool.in_use,
-                        self._rx_pool.slots, fb - self._fallbacks_seen)
+            # a raw server's receivers read into the raw read pool, framed ones into the
+            # receive pool: name the one whose reads fell back to the heap
+            if self._raw_pool is not None:
+                name, pool = "raw read pool", self._raw_pool
+            else:
+                name, pool = "receive pool", self._rx_pool
+            log.warning("%s exhausted (%d of %d slots in use): %d reads went to heap "
+                        "buffers since the last check", name, pool.in_use, pool.slots,
+                        fb - self._fallbacks_seen)
             self._fallbacks_seen = fb
 
     # -- shutdown (loop thread) ------------------------------------------------------------
