@@ -450,7 +450,21 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         except BaseException as exc:
             self._write_error(exc)
             return
-        self._maybe_resume_protocol()       # may write more
+        if self._batch.pending_bytes:
+            self._maybe_resume_protocol()   # may write more, after what is still pending
+        else:
+            # The kernel took everything: what resume_writing() writes now (staying below
+            # the high-water mark) is sent before this callback returns, as asyncio's
+            # write() sends at once into an empty buffer -- also when resume_writing() then
+            # stops the loop or raises KeyboardInterrupt / SystemExit (the writer would only
+            # run at the next select).  A protocol paused again goes on through the writer.
+            try:
+                self._maybe_resume_protocol()
+            except BaseException:           # KeyboardInterrupt, SystemExit
+                self._send_resumed_writes()
+                raise
+            if not self._send_resumed_writes():
+                return
         if not self._batch.pending_bytes and not self._conn_lost:
             self._unblock()
             if self._empty_waiter is not None and not self._empty_waiter.done():
@@ -459,6 +473,20 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                 self._call_connection_lost(None)
             elif self._eof:
                 self._sock.shutdown(socket.SHUT_WR)
+
+    def _send_resumed_writes(self):
+        """_write_ready(): flush what resume_writing() wrote into the drained batch, unless it
+        paused the protocol again (then the writer sends it, and a resume follows from
+        there).  False if the write failed (the transport is then being closed)."""
+        if self._batch.pending_bytes and not self._conn_lost and not self._protocol_paused:
+            try:
+                self._batch.flush()
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as exc:
+                self._write_error(exc)
+                return False
+        return True
 
     def write_eof(self):
         if self._closing or self._eof:
