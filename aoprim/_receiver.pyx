@@ -30,7 +30,8 @@ Who owns which buffer
 - With a ``frame_cache`` (issue 20), a frame buffer (larger than a slot) is not freed when
   it dies -- after our reference and its last view are gone, in whatever thread -- but kept
   by the arena (up to frame_cache bytes, 16 buffers) and handed to the next large frame of
-  need..max_frame + header bytes: its pages stay resident instead of going back to the
+  need..min(max_frame + header, 2 x need) bytes (a buffer is at most twice its frame, so a
+  frame view sent by reference pins at most twice its bytes): its pages stay resident instead of going back to the
   kernel and being faulted in again.  So a receiver still holds at most max_frame + header
   bytes of frame buffer; arena.close() frees what is kept.
 - Frame views pin their buffer: an export of a Slot counts as a view on the Slot
@@ -1161,8 +1162,12 @@ cdef class Receiver:
                 try:
                     if need > arena.size:
                         # one frame's buffer (its header passed max_frame): exactly need
-                        # bytes, or a kept one of at most max_frame + header (issue 20)
-                        nb = arena._frame_buf(need, <Py_ssize_t>self.max_frame + self.hs)
+                        # bytes, or a kept one of at most max_frame + header and at most
+                        # twice need (issue 20): a frame view sent by reference pins its
+                        # whole buffer while the send is pending, so a 40 KiB frame must
+                        # not pin a kept 1 MiB one
+                        nb = arena._frame_buf(need, min(<Py_ssize_t>self.max_frame + self.hs,
+                                                        2 * need))
                     else:
                         nb = arena._slot_or_heap()
                 except MemoryError:

@@ -7,7 +7,7 @@ import pytest
 from aoprim.server import Handler
 from aoprim.server.loop import BACKENDS
 
-from test_server_support import connect, make_server, recv_exact, wait_for  # noqa: F401
+from test_server_support import connect, frame, make_server, read_frame, recv_exact, wait_for  # noqa: F401
 
 
 @pytest.fixture(params=BACKENDS)
@@ -87,3 +87,43 @@ def test_raw_read_pool_exhaustion_is_logged_with_that_pools_counts(make_server, 
         assert "raw read pool" in msg and "of 2 slots" in msg, msg
     finally:
         h.kept.clear()          # the pinned slots go back before the leak checks
+
+
+@pytest.mark.timeout(60)
+def test_u32_echoes_pending_to_a_non_reader_do_not_pin_cached_max_frame_buffers(make_server,
+                                                                                connect):
+    # A 40 KiB frame took the smallest cached frame buffer of need..max_frame+header bytes
+    # -- a 1 MiB one -- and its echo, by reference, pinned it while pending: a peer that
+    # does not read made its session hold ~4 MiB of frame buffers for ~200 KiB pending
+    # (and other sessions' 1 MiB frames refill the cache, so it grew with every such
+    # session).  Bound: a frame buffer is at most twice its frame.
+    h = SlowEcho()
+    big = 1 << 20
+    srv = make_server(h, framing="u32", max_frame=big)
+    warm = [connect(srv) for _ in range(4)]
+    payload = bytes(range(256)) * (big // 256)
+    msg = frame(payload, "u32")
+    for w in warm:                      # four 1 MiB frame buffers at once ...
+        w.sendall(msg[:big // 2])
+    wait_for(lambda: srv.stats()["rx_frame_buffers_in_use"] == 4, what="4 frame buffers")
+    for w in warm:
+        w.sendall(msg[big // 2:])
+    for w in warm:                      # ... kept by the cache once echoed
+        assert read_frame(w, "u32", timeout=30) == payload
+    wait_for(lambda: srv.stats()["rx_frame_buffers_in_use"] == 0, what="the buffers back")
+    kept = srv.stats()["rx_frame_cache_bytes"]
+    assert kept >= 4 * big
+    c = connect(srv, rcvbuf=4096)
+    wait_for(lambda: len(h.sessions) == 5, what="the session")
+    s = h.sessions[4]
+    small = frame(bytes(range(256)) * 160, "u32")       # 40 KiB
+    sent = srv.stats()["bytes_in"]
+    n = 0
+    while s.pending_bytes < 200 * 1024:
+        c.sendall(small)
+        sent += len(small)
+        n += 1
+        wait_for(lambda: srv.stats()["bytes_in"] == sent, what="the frame read")
+    taken = kept - srv.stats()["rx_frame_cache_bytes"]
+    assert taken <= 2 * s.pending_bytes, (taken, s.pending_bytes)
+    assert recv_exact(c, n * len(small), timeout=30) == small * n
