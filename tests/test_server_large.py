@@ -1,6 +1,9 @@
 """Large messages (issue 20): what a session's receive memory may hold while its by-reference
 echoes wait for a peer that does not read."""
+import random
 import socket
+import struct
+import threading
 
 import pytest
 
@@ -127,3 +130,83 @@ def test_u32_echoes_pending_to_a_non_reader_do_not_pin_cached_max_frame_buffers(
     taken = kept - srv.stats()["rx_frame_cache_bytes"]
     assert taken <= 2 * s.pending_bytes, (taken, s.pending_bytes)
     assert recv_exact(c, n * len(small), timeout=30) == small * n
+
+
+class EchoTwice(Handler):
+    """Sends each frame back twice (the same view, by reference, twice when large)."""
+
+    def on_read(self, session, data):
+        session.send(data)
+        session.send(data)
+
+
+def _client(addr, hs, payloads, seed, slow, errors):
+    try:
+        _client_run(addr, hs, payloads, seed, slow, errors)
+    except Exception as e:              # counted: a client that failed fails the test
+        errors.append(f"seed {seed}: {e!r}")
+
+
+def _client_run(addr, hs, payloads, seed, slow, errors):
+    rng = random.Random(seed)
+    fmt = {2: ">H", 4: ">I"}.get(hs)
+    wire = b"".join((struct.pack(fmt, len(p)) if fmt else b"") + p for p in payloads)
+    c = socket.create_connection(addr)
+    c.settimeout(30)
+    got = bytearray()
+
+    def reader():
+        try:
+            while len(got) < 2 * len(wire):
+                chunk = c.recv(4096 if slow else 1 << 20)
+                if not chunk:
+                    break
+                got.extend(chunk)
+        except OSError as e:
+            errors.append(repr(e))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    i = 0
+    while i < len(wire):                # writes cut at random, across frame boundaries
+        k = rng.randint(1, 3 << 20)
+        c.sendall(wire[i:i + k])
+        i += k
+    t.join(60)
+    c.close()
+    if hs:
+        want = b"".join(2 * (struct.pack(fmt, len(p)) + p) for p in payloads)
+        if bytes(got) != want:
+            errors.append(f"seed {seed}: {len(got)} bytes echoed, {len(want)} expected, "
+                          "or different bytes")
+    elif len(got) != 2 * len(wire):     # raw: reads are echoed twice each, cut unknown
+        errors.append(f"seed {seed}: {len(got)} bytes echoed, {2 * len(wire)} expected")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("framing", ["raw", "u16", "u32"])
+def test_random_sizes_echo_twice_byte_for_byte(make_server, framing):
+    # 1 B .. 2 MiB messages mixed with small ones, each echoed twice by reference, to fast
+    # and slow readers at once: every echoed byte equals the byte received (a receive slot
+    # or frame buffer reused before the kernel took the echo would show as different bytes)
+    maxf = {"raw": 2 << 20, "u16": 65535, "u32": 2 << 20}[framing]
+    srv = make_server(EchoTwice(), framing=framing, max_pending=64 << 20,
+                      **({} if framing == "raw" else {"max_frame": maxf}))
+    hs = {"raw": 0, "u16": 2, "u32": 4}[framing]
+    rng = random.Random(20)
+    errors = []
+    threads = []
+    for i in range(4):
+        sizes = [min(maxf, rng.choice([rng.randint(1, 64), rng.randint(1, 70000),
+                                       rng.randint(1, maxf)])) for _ in range(10)]
+        payloads = [rng.randbytes(n) for n in sizes]
+        threads.append(threading.Thread(target=_client, args=(srv.address, hs, payloads,
+                                                              i, i % 2 == 0, errors)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert not errors, errors
+    wait_for(lambda: srv.stats()["connections"] == 0, 10, "the sessions closed")
+    st = srv.stats()
+    assert st["rx_frame_buffers_in_use"] == 0 and st["rx_raw_slots_in_use"] <= 1, st
