@@ -17,7 +17,8 @@ abort / a fatal error, not during sendfile) and ``data`` is exactly ``bytes``:
 2. above ``high`` (the transport's high-water mark): ``transport._over_high()`` (hands the
    batch to the kernel at once, blocks if data is left, pauses the protocol if still above);
 3. ``sleep.sleeping`` (the loop's SleepFlag: the loop is inside select(), so the write
-   came from a signal handler or another thread): ``transport._loop._aio_wake()``.
+   came from a signal handler or another thread -- or the loop is not running at all):
+   ``transport._aio_wake()`` (wakes the loop, or hands the batch to the kernel at once).
 
 Anything else (another type, ``fast`` unset) is ``transport._write_slow(data)``: asyncio's
 checks, errors and counting of writes after the connection was lost.
@@ -76,6 +77,6 @@ cdef class TransportWriter:
             if pending > self.high:
                 self.transport._over_high()
             if aop_load_u32(&self.sleep.flag, AOP_SEQ_CST):    # seq_cst: see SleepFlag
-                self.transport._loop._aio_wake()
+                self.transport._aio_wake()
             return
         self.transport._write_slow(data)

@@ -89,3 +89,31 @@ def test_write_in_resume_writing_then_stop_or_raise_is_sent(loop_of, kind, then)
     b.close()
     assert pr.events[:3] == ["made", "pause", "resume"]
     assert first + rest == payload + b"after-resume"
+
+
+@pytest.mark.parametrize("kind", kinds())
+def test_write_while_the_loop_is_not_running_is_sent_at_once(loop_of, kind):
+    """write() between two run_until_complete() calls, and after stop(): the peer has the
+    bytes at once, as asyncio's and uvloop's write() send them (aoprim.aio kept them until
+    the loop ran again)."""
+    loop = loop_of(kind)
+    a, b = socket.socketpair()
+    tr, pr = loop.run_until_complete(loop.create_connection(lambda: Rec(loop), sock=a))
+    b.setblocking(False)
+
+    def now():
+        try:
+            return b.recv(100)              # no waiting: the kernel has it or not
+        except BlockingIOError:
+            return b""
+    tr.write(b"between")
+    tr.writelines([b"lines", bytearray(b"+array")])
+    between = now()
+    loop.call_soon(loop.stop)
+    loop.run_forever()
+    tr.write(b"after-stop")
+    after_stop = now()
+    tr.close()
+    loop.run_until_complete(asyncio.wait_for(asyncio.shield(pr.lost), 5))
+    b.close()
+    assert (between, after_stop) == (b"betweenlines+array", b"after-stop")

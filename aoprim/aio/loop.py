@@ -20,7 +20,9 @@ Iteration (``_run_once``)::
 A write made while the loop sleeps in select() (from a ``signal.signal`` handler or another
 thread) wakes the loop: the selector marks the sleep (the loop's ``SleepFlag``, which the
 compiled ``write()`` reads), checks the group just before sleeping, and write() wakes a
-sleeping loop through its self-pipe.
+sleeping loop through its self-pipe.  The flag is also set while the loop is not running
+(outside run_forever()): a write made then (between two run_until_complete calls, after
+stop() or close()) is handed to the kernel at once, as asyncio's write() does.
 
 Private asyncio names used here (checked on CPython 3.11.7, 3.12.1, 3.13.0): the selector
 loop's ``_run_once`` (the fallback; aoprim._aioloop also reads ``_ready``, ``_scheduled``,
@@ -109,9 +111,11 @@ class Loop(asyncio.SelectorEventLoop, metaclass=_NoPatch):
         group.notify = SocketTransport._aio_flushed
         self._aio_group = group
         self._aio_flush = group.flush
-        # set while the loop sleeps in select(); a caller's selector never sets it (writes
-        # then never see a sleep: a write from another thread waits for the next wake-up)
+        # set while the loop sleeps in select() and while it is not running (run_forever
+        # clears it); a caller's selector never sets it in select() (a write from another
+        # thread then waits for the next wake-up)
         self._aio_sleep = SleepFlag()
+        self._aio_sleep.sleeping = True
         if selector is None:
             selector = _Selector(group, self._aio_sleep)
         super().__init__(selector)
@@ -144,8 +148,15 @@ class Loop(asyncio.SelectorEventLoop, metaclass=_NoPatch):
                 return
         self.call_soon(_noop)           # still dirty: the next select() must not sleep
 
-    def _aio_wake(self):
-        self._write_to_self()
+    def run_forever(self):
+        if self.is_running() or self.is_closed():
+            return super().run_forever()    # asyncio's RuntimeError
+        sleep = self._aio_sleep
+        sleep.sleeping = False              # running: writes leave at the iteration end
+        try:
+            return super().run_forever()
+        finally:
+            sleep.sleeping = True           # not running: write() sends at once
 
     def close(self):
         if not self.is_running() and not self.is_closed() and len(self._aio_group):

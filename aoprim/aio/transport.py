@@ -292,7 +292,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         if self._add(data) > self._high_water:
             self._over_high()
         if self._sel.sleeping:
-            self._loop._aio_wake()
+            self._aio_wake()
 
     def writelines(self, list_of_data):
         items = list_of_data if type(list_of_data) is list else list(list_of_data)
@@ -310,7 +310,19 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         if p > self._high_water:
             self._over_high()
         if self._sel.sleeping:
-            self._loop._aio_wake()
+            self._aio_wake()
+
+    def _aio_wake(self):
+        """write() saw the loop's SleepFlag set.  The loop is running (sleeping in select():
+        the write came from a signal handler or another thread): wake it through its
+        self-pipe.  The loop is not running (before it started, between two runs, after
+        stop() or close()): hand the batch to the kernel now, as asyncio's write() does --
+        no iteration end would send it."""
+        loop = self._loop
+        if loop.is_running():
+            loop._write_to_self()
+        elif not self._blocked:
+            self._flush_now()
 
     def get_write_buffer_size(self):
         # What the kernel has not taken, as on asyncio -- also right after a write: asyncio's
