@@ -106,6 +106,9 @@ cdef int _wait(_Events evs, int epfd, int maxev, double timeout) except -1:
     cdef double deadline = 0.0
     if timeout < 0:
         ms = -1
+    elif not (timeout <= _MAX_TIMEOUT):
+        raise ValueError(f"wait timeout {timeout!r} is not a number of seconds <= "
+                         f"{_MAX_TIMEOUT}")     # <int>ceil(nan or a huge value) is undefined
     else:
         ms = <int>ceil(timeout * 1e3)
         deadline = _monotonic() + ms * 1e-3
@@ -177,10 +180,13 @@ cdef int _iteration(object loop, object sel) except -1:
     if len(ready) or loop._stopping:
         timeout = 0.0
     elif len(scheduled):
+        # asyncio's min(max(0, when - time()), MAXIMUM_SELECT_TIMEOUT): inf -> the maximum,
+        # negative and nan -> 0 (max(0, nan) is 0; a nan timer at the top of the heap is
+        # due at once, as 'nan >= end_time' is False)
         timeout = scheduled[0]._when - loop.time()
         if timeout > _MAX_TIMEOUT:
             timeout = _MAX_TIMEOUT
-        elif timeout < 0:
+        elif not (timeout > 0):
             timeout = 0.0
 
     # the wait (aoprim.aio.loop._Selector.select + selectors.EpollSelector.select)

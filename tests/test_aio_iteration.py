@@ -208,3 +208,22 @@ def test_configure_refuses_non_epoll_selector():
             loop.close()
     finally:
         _aioloop.configure(aoprim.aio.loop._base_run_once, aoprim.aio.loop._Selector)
+
+
+def test_nan_timer_runs_at_once_as_asyncio(pair):
+    """asyncio accepts call_at(nan) and runs a nan timer at the top of the heap in the next
+    iteration (its timeout is min(max(0, nan), MAX) = 0 and ``nan >= end_time`` is False);
+    the compiled wait made <int>ceil(nan * 1e3) of it (INT_MIN: epoll_wait without a limit)
+    and the loop slept forever.  A timer 2**40 s away and one at inf stay pending."""
+    name, loop = pair
+    out = []
+    loop.call_at(float("nan"), lambda: (out.append("nan"), loop.stop()))
+    # queued after the nan timer, they stay below it in the heap (x < nan is False)
+    loop.call_at(loop.time() + 2 ** 40, out.append, "far")
+    loop.call_later(float("inf"), out.append, "inf")
+    guard = loop.call_later(5, loop.stop)
+    t0 = time.monotonic()
+    loop.run_forever()
+    guard.cancel()
+    assert out == ["nan"], name
+    assert time.monotonic() - t0 < 2.5, name
