@@ -38,6 +38,7 @@ from cpython.ref cimport PyObject
 from aoprim._aiowrite cimport SleepFlag
 from aoprim.atomic_h cimport aop_store_u32, AOP_SEQ_CST
 
+import sys as _sys
 import time as _time
 import heapq as _heapq
 import selectors as _selectors
@@ -58,6 +59,8 @@ cdef int EVENT_WRITE = _selectors.EVENT_WRITE
 cdef Py_ssize_t _MIN_SCHEDULED = _be._MIN_SCHEDULED_TIMER_HANDLES
 cdef double _MIN_CANCELLED_FRACTION = _be._MIN_CANCELLED_TIMER_HANDLES_FRACTION
 cdef double _MAX_TIMEOUT = _be.MAXIMUM_SELECT_TIMEOUT
+# asyncio before 3.13 computes the wait's timeout as min(max(0, t), MAX): nan -> 0
+cdef bint _NAN_IS_ZERO = _sys.version_info < (3, 13)
 cdef object _base_process_events = _se.BaseSelectorEventLoop._process_events
 
 # set by configure(): asyncio's _run_once and the loop's selector class
@@ -106,9 +109,10 @@ cdef int _wait(_Events evs, int epfd, int maxev, double timeout) except -1:
     cdef double deadline = 0.0
     if timeout < 0:
         ms = -1
-    elif not (timeout <= _MAX_TIMEOUT):
-        raise ValueError(f"wait timeout {timeout!r} is not a number of seconds <= "
-                         f"{_MAX_TIMEOUT}")     # <int>ceil(nan or a huge value) is undefined
+    elif timeout != timeout:                # <int>ceil(nan) is undefined (INT_MIN: no limit)
+        raise ValueError("cannot convert float NaN to integer")    # as selectors' ceil
+    elif timeout > _MAX_TIMEOUT:            # not reached: the caller caps the timeout
+        raise ValueError(f"wait timeout {timeout!r} is over {_MAX_TIMEOUT} s")
     else:
         ms = <int>ceil(timeout * 1e3)
         deadline = _monotonic() + ms * 1e-3
@@ -180,13 +184,14 @@ cdef int _iteration(object loop, object sel) except -1:
     if len(ready) or loop._stopping:
         timeout = 0.0
     elif len(scheduled):
-        # asyncio's min(max(0, when - time()), MAXIMUM_SELECT_TIMEOUT): inf -> the maximum,
-        # negative and nan -> 0 (max(0, nan) is 0; a nan timer at the top of the heap is
-        # due at once, as 'nan >= end_time' is False)
+        # as asyncio: inf -> the maximum, negative -> 0; nan (a call_at(nan) timer at the
+        # top of the heap) -> 0 before 3.13 (min(max(0, nan), MAX) is 0, and the timer is
+        # due at once: 'nan >= end_time' is False), passed on from 3.13 (the wait raises
+        # selectors' ValueError)
         timeout = scheduled[0]._when - loop.time()
         if timeout > _MAX_TIMEOUT:
             timeout = _MAX_TIMEOUT
-        elif not (timeout > 0):
+        elif timeout < 0 or (_NAN_IS_ZERO and timeout != timeout):
             timeout = 0.0
 
     # the wait (aoprim.aio.loop._Selector.select + selectors.EpollSelector.select)
