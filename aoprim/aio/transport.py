@@ -441,6 +441,15 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     def _flush_now(self):
         """Flush at once (close, write_eof, sendfile); block if data is left.  False if the
         write failed (the transport is then being closed)."""
+        if not self._flush_or_fail():
+            return False
+        if self._batch.pending_bytes:
+            self._block()
+        return True
+
+    def _flush_or_fail(self):
+        """One flush of the batch; False if the write failed (the transport is then being
+        closed).  KeyboardInterrupt and SystemExit pass through."""
         try:
             self._batch.flush()
         except (SystemExit, KeyboardInterrupt):
@@ -448,19 +457,12 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         except BaseException as exc:
             self._write_error(exc)
             return False
-        if self._batch.pending_bytes:
-            self._block()
         return True
 
     def _write_ready(self):
         if self._conn_lost:
             return
-        try:
-            self._batch.flush()
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            self._write_error(exc)
+        if not self._flush_or_fail():
             return
         if self._batch.pending_bytes:
             self._maybe_resume_protocol()   # may write more, after what is still pending
@@ -491,13 +493,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         paused the protocol again (then the writer sends it, and a resume follows from
         there).  False if the write failed (the transport is then being closed)."""
         if self._batch.pending_bytes and not self._conn_lost and not self._protocol_paused:
-            try:
-                self._batch.flush()
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as exc:
-                self._write_error(exc)
-                return False
+            return self._flush_or_fail()
         return True
 
     def write_eof(self):

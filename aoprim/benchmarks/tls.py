@@ -45,6 +45,8 @@ import threading
 import time
 from collections import deque
 
+from aoprim.tools.loadgen import _percentile
+
 try:
     from . import servers
 except ImportError:                    # run by path: the load client needs none of it
@@ -400,19 +402,6 @@ class _TLSConn:
             except OSError:
                 pass
         self.sock.close()
-
-
-def _percentile(hist, q):
-    total = sum(hist.values())
-    if not total:
-        return None
-    want = q * total
-    acc = 0
-    for us in sorted(hist):
-        acc += hist[us]
-        if acc >= want:
-            return us
-    return max(hist)
 
 
 def _summary(msgs, duration, hist, errors, cpu, rec, extra):
