@@ -44,7 +44,7 @@ import threading
 
 from aoprim import ProxyParser
 
-from .session import OPEN, CLOSED, Session
+from .session import OPEN, CLOSED, Session, _BYREF_MIN
 
 __all__ = ["TLSFlush", "TLSSession", "RawTLSSession", "check_context", "server_context"]
 
@@ -112,7 +112,7 @@ class TLSSession(Session):
 
     __slots__ = ("_sslobj", "_inc", "_out", "_ct", "_tls", "_hs_done", "_hs_timer", "_pp",
                  "_more", "_rx_end", "_dirty", "_notified", "_tls_reason", "_drained",
-                 "_raw_in", "_rec_left", "_rec_hdr")
+                 "_raw_in", "_rec_left", "_rec_hdr", "_budget", "_stats")
 
     _rx_proxy = False           # the PROXY header is read here, before the handshake
 
@@ -140,6 +140,8 @@ class TLSSession(Session):
         # record still to come, and the bytes of a record header not yet complete
         self._rec_left = 0
         self._rec_hdr = b""
+        self._budget = st.flush_budget      # (looked up once: the flush runs per message)
+        self._stats = ctx.stats
         self._reader = self._hs_readable
         self._rx.receiver.source = self._tls_read
         self._rx.wire = self._wire
@@ -237,6 +239,9 @@ class TLSSession(Session):
                 k = n - i if n - i < left else left
                 left -= k
                 i += k
+            elif not hdr and n - i >= 5:     # a whole header here: no slice, no concat
+                left = (data[i + 3] << 8) | data[i + 4]
+                i += 5
             else:
                 take = data[i:i + 5 - len(hdr)]
                 hdr += take
@@ -329,7 +334,7 @@ class TLSSession(Session):
     def _tls_readable(self):
         self._drained = False
         self._rx.receiver.on_readable()
-        if self._out.pending and not self._dirty:
+        if not self._dirty and self._out.pending:
             self._tls.mark(self)        # a read made the TLS layer write (KeyUpdate, alert)
         if self._more and self._state == OPEN and not self._rx.paused:
             self._loop.call_soon(self._deliver_held)    # decrypted bytes still wait
@@ -390,7 +395,9 @@ class TLSSession(Session):
         if n:
             self._raw_in += n
             data = tls.view[:n]
-            self._records(data)
+            if (self._rec_left or self._rec_hdr or n < 5 or
+                    ((data[3] << 8) | data[4]) + 5 != n):
+                self._records(data)     # (else exactly one whole record: at a boundary)
             inc.write(data)
             # a short read emptied the socket: the next recv of this event would be EAGAIN
             self._drained = n < _SCRATCH
@@ -400,41 +407,39 @@ class TLSSession(Session):
 
     # -- send (loop thread, from TLSFlush.flush) ------------------------------------------
     def _tls_flush(self):
-        """TLSFlush.flush's work for this session (loop thread)."""
+        """TLSFlush.flush's work for this session (loop thread): encrypt what is pending
+        (within the budget) and send it; the status (0 all sent, 1 some left, -errno) goes
+        to flushed() when nonzero or watched.  One Python frame plus the send (it runs
+        once per message in a ping-pong)."""
         if self._state == CLOSED:
             return
+        b = self._batch
         try:
-            status = self._encrypt_and_send()
+            status = self._send_ct() if self._ct is not None else 0    # what is left, first
+            if not status:
+                if self._hs_done and not self._notified:
+                    if b.pending_bytes:
+                        write = self._sslobj.write
+                        out = self._out
+                        budget = self._budget
+                        while b.pending_bytes and out.pending < budget:
+                            v = b.take_view()
+                            try:
+                                n = write(v)        # records of up to 16 KiB
+                            finally:
+                                v.release()
+                            b.consume(n)
+                    if self._state != OPEN and not b.pending_bytes:
+                        self._close_notify()
+                status = self._send_ct()
+                if status == 0 and b.pending_bytes:
+                    status = 1          # the budget was used up: go on when writable
         except Exception as e:          # this session's failure must not stop the others
             self._abort(f"TLS send failed: {type(e).__name__}: {e}", level=logging.WARNING,
                         cause="send error")
             return
-        if status or self._batch.watch:
+        if status or b.watch:
             self.flushed(status)
-
-    def _encrypt_and_send(self):
-        """Encrypt what is pending (within the budget) and send: the flush status."""
-        b = self._batch
-        status = self._send_ct() if self._ct is not None else 0    # what is left, first
-        if status == 0:
-            if self._hs_done and not self._notified:
-                if b.pending_bytes:
-                    write = self._sslobj.write
-                    out = self._out
-                    budget = self._ctx.settings.flush_budget
-                    while b.pending_bytes and out.pending < budget:
-                        v = b.take_view()
-                        try:
-                            n = write(v)        # records of up to 16 KiB
-                        finally:
-                            v.release()
-                        b.consume(n)
-                if self._state != OPEN and not b.pending_bytes:
-                    self._close_notify()
-            status = self._send_ct()
-            if status == 0 and b.pending_bytes:
-                status = 1          # the budget was used up: go on when writable
-        return status
 
     def _send_ct(self):
         """Send the ciphertext owed with one send: 0 all sent, 1 some left, -errno."""
@@ -443,7 +448,7 @@ class TLSSession(Session):
             if not self._out.pending:
                 return 0
             ct = self._out.read()
-        st = self._ctx.stats
+        st = self._stats
         st.tls_sends += 1
         try:
             n = self._sock.send(ct)
@@ -474,7 +479,17 @@ class RawTLSSession(TLSSession):
     __slots__ = ()
 
     def send(self, data):
-        self._send_raw(data)
+        if self._state or (type(data) is memoryview and data.nbytes >= _BYREF_MIN):
+            self._send_raw(data)
+        else:
+            # Session._send_raw's copy path, inline (one frame less per message)
+            p = self._batch.add_copy(data)
+            if p < 0:
+                self._send_slow(data)       # another thread: queued for the loop
+            else:
+                self._nout += 1
+                if p > self._hw:
+                    self._over_high()
         # marked on the loop thread only: a send from another thread was queued for the
         # loop, whose _drain_foreign marks the session (the dirty list is the loop's)
         if not self._dirty and _get_ident() == self._loop.thread_id:
