@@ -13,3 +13,6 @@ cdef class TransportWriter:
     cdef SleepFlag sleep            # the loop's: set while it sleeps in select()
     cdef public bint fast           # write() may take the short path (the transport sets it)
     cdef public Py_ssize_t high     # the transport's high-water mark
+    cdef public bint blocked        # the transport's _blocked: writer registered, batch detached
+
+    cdef int _flush_over_high(self, SendBatch b) except -1

@@ -15,3 +15,4 @@ class TransportWriter:
     def transport(self) -> Any: ...
     fast: bool
     high: int
+    blocked: bool

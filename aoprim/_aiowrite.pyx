@@ -14,8 +14,14 @@ abort / a fatal error, not during sendfile) and ``data`` is exactly ``bytes``:
    ``copy_max`` bytes is copied with the C-level ``c_add_copy`` (what add_copy does for it,
    without a Python call), anything else -- or a busy batch, or no memory -- is ``add(data)``
    (the bound ``add_copy``, which raises what it raises); then the pending bytes are read;
-2. above ``high`` (the transport's high-water mark): ``transport._over_high()`` (hands the
-   batch to the kernel at once, blocks if data is left, pauses the protocol if still above);
+2. above ``high`` (the transport's high-water mark), as ``transport._over_high()`` does it
+   but without a Python frame when the kernel takes everything (a large message echoed
+   whole: issue 20): unless ``blocked`` (the transport's ``_blocked``: its writer sends,
+   in order), the batch is flushed here -- what is left then goes to
+   ``transport._block()`` and ``transport._maybe_pause_protocol()``; a flush error (not
+   KeyboardInterrupt / SystemExit, which propagate) to ``transport._write_error(exc)``,
+   without its traceback.  A blocked transport calls ``transport._over_high()`` (it only
+   pauses the protocol then);
 3. ``sleep.sleeping`` (the loop's SleepFlag: the loop is inside select(), so the write
    came from a signal handler or another thread -- or the loop is not running at all):
    ``transport._aio_wake()`` (wakes the loop, or hands the batch to the kernel at once).
@@ -60,6 +66,7 @@ cdef class TransportWriter:
         self.sleep = sleep
         self.fast = True
         self.high = 0
+        self.blocked = False
 
     def write(self, data):
         """Write ``data`` on the transport (see the module docstring)."""
@@ -75,8 +82,29 @@ cdef class TransportWriter:
             else:
                 pending = self.add(data)
             if pending > self.high:
-                self.transport._over_high()
+                if self.blocked:
+                    self.transport._over_high()
+                else:
+                    self._flush_over_high(b)
             if aop_load_u32(&self.sleep.flag, AOP_SEQ_CST):    # seq_cst: see SleepFlag
                 self.transport._aio_wake()
             return
         self.transport._write_slow(data)
+
+    cdef int _flush_over_high(self, SendBatch b) except -1:
+        """Above the high-water mark and not blocked (``fast`` set, so the connection is
+        not lost): transport._over_high() -- the batch to the kernel now; data left:
+        block (writer) and pause the protocol if still above the mark; a failed flush:
+        the transport's write error, no pause."""
+        try:
+            b.flush()
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            # no traceback: its frames (write()'s) would keep the written data alive
+            self.transport._write_error(exc.with_traceback(None))
+            return 0
+        if _get(&b.pend_bytes):             # relaxed load (see _get): flushed on this thread
+            self.transport._block()
+            self.transport._maybe_pause_protocol()
+        return 0

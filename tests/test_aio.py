@@ -415,6 +415,46 @@ def test_backpressure_pause_resume_at_limits_with_partial_writes(loop):
     peer.close()
 
 
+def test_write_above_high_water_taken_whole_runs_no_python_of_the_transport(loop):
+    """A bytes write above the high-water mark that the kernel takes whole (a large echo,
+    issue 20): sent inside write(), as asyncio's write() sends at once, by the compiled
+    writer alone -- no transport._over_high() frame, no pause; a write while the writer is
+    registered (blocked) still goes through _over_high(), which only pauses."""
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_INET)
+    tr.set_write_buffer_limits(high=16 * 1024, low=4 * 1024)
+    calls = []
+    orig = tr._over_high
+    tr._over_high = lambda: (calls.append(tr.get_write_buffer_size()), orig())
+    big = bytes(range(256)) * 128                 # 32 KiB: above the mark, by reference
+    sizes = []
+
+    def once():
+        tr.write(big)
+        sizes.append(tr.get_write_buffer_size())
+    loop.call_soon(once)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert sizes == [0]                           # the kernel took it inside write()
+    assert calls == []
+    assert recv_exactly(peer, len(big)) == big
+    assert p.events == ["made"]
+    # blocked: the writer owns the batch; _over_high() is called and pauses, nothing is
+    # flushed out of order
+    tr._block()
+    tr.write(big)
+    assert calls == [len(big)]
+    assert p.events == ["made", "pause"]
+    assert tr.get_write_buffer_size() == len(big)
+    loop.run_until_complete(asyncio.sleep(0))     # the writer sends it
+    assert recv_exactly(peer, len(big)) == big
+    while tr.get_write_buffer_size():
+        loop.run_until_complete(asyncio.sleep(0))
+    assert p.events == ["made", "pause", "resume"]
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
 def test_streams_drain_waits_for_resume(loop):
     async def main():
         a, b = socket.socketpair()

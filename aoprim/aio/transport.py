@@ -260,6 +260,16 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         return not self._eof and self._empty_waiter is None and not self._conn_lost
 
     @property
+    def _blocked(self):
+        """Writer registered, batch out of the group: the compiled writer's flag (its
+        write() flushes above the high-water mark only when unset)."""
+        return self._writer.blocked
+
+    @_blocked.setter
+    def _blocked(self, value):
+        self._writer.blocked = value
+
+    @property
     def _fast(self):
         """write() may take the short path: the compiled writer's flag."""
         return self._writer.fast
@@ -353,7 +363,8 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         # Above the high-water mark: hand the batch to the kernel now (asyncio's write()
         # sends at once); what the kernel leaves goes through the writer (block), as
         # asyncio's write() registers its writer -- not retried by this iteration's group
-        # flush.  Then pause only if the batch is still above the mark.
+        # flush.  Then pause only if the batch is still above the mark.  (The compiled
+        # writer's write() does the same itself when not blocked: TransportWriter.)
         if not self._blocked and not self._conn_lost:
             try:
                 self._batch.flush()
