@@ -344,8 +344,10 @@ CHILD = textwrap.dedent("""
         time.sleep(60)
     if mode == "fail2":                    # a configuration error before listening
         sys.exit(2)
-    print("listening on 127.0.0.1:" + port, flush=True)
+    # before "listening on": a stop signal, sent once every child listens, could otherwise
+    # land inside this print (the child then wrote "child" + "bye ...": a test race)
     print("child", mode, "up", flush=True)
+    print("listening on 127.0.0.1:" + port, flush=True)
     lifetime = {"crash": 0.05, "late": 0.4, "exit2": 0.2, "exit0": 0.2}.get(mode)
     if lifetime is None:
         time.sleep(60)
