@@ -55,6 +55,8 @@ cdef class EpollCore:
     cdef readonly long long iterations
     cdef readonly long long errors
     cdef readonly long long sleeps
+    cdef readonly long long polls
+    cdef bint _hot
 
     cdef int _heap_push(self, EpollTimer t) except -1
     cdef EpollTimer _heap_pop(self)

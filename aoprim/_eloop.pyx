@@ -53,10 +53,15 @@ Invariants
   ``Exception`` escaping a callback, timer or hook is logged (logger ``aoprim.server``) and
   counted in ``errors``; the loop goes on.  A ``BaseException`` ends :meth:`run`.
 
-Waiting.  Each iteration first asks epoll for ready fds with a zero timeout, holding the GIL:
-under load something is ready and the GIL hand-off (a mutex and a condition variable each
-way) is saved.  Only when nothing is ready and the loop may sleep does it release the GIL and
-block.  EINTR runs the signal handlers (PyErr_CheckSignals): a handler that raises -- SIGINT's
+Waiting.  While the loop is busy -- callbacks are queued, or the last zero-timeout poll found
+fds ready, or the last blocking wait came back with a full array -- an iteration first asks
+epoll for ready fds with a zero timeout, holding the GIL: something is ready and the GIL
+hand-off (a mutex and a condition variable each way) is saved.  Once such a poll finds
+nothing, the loop stops polling first: it releases the GIL and blocks in one epoll_wait
+(which returns at once when fds are ready), as asyncio does -- an empty poll before every
+sleep was a system call per iteration for nothing (issue 20: two epoll_wait per iteration
+under a ping-pong load).  ``polls`` counts the zero-timeout polls, ``sleeps`` the waits
+that released the GIL.  EINTR runs the signal handlers (PyErr_CheckSignals): a handler that raises -- SIGINT's
 KeyboardInterrupt -- ends run(); otherwise the wait is retried with a recomputed timeout.
 On the main thread, run() also sets Python's signal wake-up fd to a pipe it watches (and puts
 the previous one back when it returns -- or none, logged, if that fd was closed meanwhile), so a signal that arrives just before the wait -- or
@@ -176,7 +181,8 @@ cdef class EpollCore:
     # call_soon_threadsafe); _rd/_wr: fd -> read / write callback or None; _timers: heap of
     # EpollTimer; _ncancelled: cancelled timers still in it; _seq: last timer seq issued; _ready: deque of (callback, args); _hooks;
     # _now: the cached time; _events: epoll_wait's array; thread_id; iterations, errors
-    # (callbacks that raised, logged), sleeps (waits that released the GIL and blocked)
+    # (callbacks that raised, logged), sleeps (waits that released the GIL and blocked),
+    # polls (zero-timeout waits holding the GIL); _hot: poll first (see Waiting)
 
     def __cinit__(self):
         self._epfd = -1
@@ -508,16 +514,24 @@ cdef class EpollCore:
         """epoll_wait into _events; returns the number of ready fds."""
         cdef int n, err
         cdef double deadline
-        # under load something is ready: take it without the GIL hand-off
-        n = epoll_wait(self._epfd, self._events, MAX_EVENTS, 0)
-        if n != 0 or timeout_ms == 0:
-            if n < 0:
-                err = errno
-                if err != EINTR:
-                    raise OSError(err, os.strerror(err))
-                PyErr_CheckSignals()        # a handler that raises ends run()
-                return 0
-            return n
+        if timeout_ms == 0 or self._hot:
+            # busy (the last zero-timeout poll found fds ready, or callbacks are queued):
+            # take what is ready without the GIL hand-off
+            self.polls += 1
+            n = epoll_wait(self._epfd, self._events, MAX_EVENTS, 0)
+            if n != 0 or timeout_ms == 0:
+                if n < 0:
+                    err = errno
+                    if err != EINTR:
+                        raise OSError(err, os.strerror(err))
+                    PyErr_CheckSignals()        # a handler that raises ends run()
+                    return 0
+                self._hot = n > 0
+                return n
+            # nothing ready: an empty poll is a system call spent for nothing -- stop
+            # polling first until a wait comes back full again (issue 20: a ping-pong load
+            # made two epoll_wait per iteration, one syscall per message above asyncio's)
+            self._hot = False
         deadline = self._now + timeout_ms * 1e-3
         while True:
             self.sleeps += 1
@@ -525,6 +539,8 @@ cdef class EpollCore:
                 n = epoll_wait(self._epfd, self._events, MAX_EVENTS, timeout_ms)
                 err = errno
             if n >= 0:
+                # a full batch: more is probably ready at once -- poll first next time
+                self._hot = n == MAX_EVENTS
                 return n
             if err != EINTR:
                 raise OSError(err, os.strerror(err))

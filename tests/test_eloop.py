@@ -430,3 +430,83 @@ def test_set_callbacks_growing_the_table_fails_whole_under_memory_faults():
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
     assert p.stdout.startswith("ok ")
     assert int(p.stdout.split()[1]) > 0      # some allocations did fail
+
+
+@pytest.mark.timeout(60)
+def test_a_ping_pong_load_makes_one_epoll_wait_per_iteration(loop):
+    """Issue 20: each iteration polled epoll with a zero timeout before it slept, so a loop
+    that waits for its peer (a ping-pong load: nothing is ready when the iteration starts)
+    made two epoll_wait per iteration -- one syscall per message above asyncio's.  Once a
+    poll finds nothing, the loop blocks directly (one wait, GIL released) until it is busy
+    again.  Counted: every zero-timeout poll (``polls``) and every blocking wait
+    (``sleeps``) over 300 round trips, against the iterations."""
+    a, b = socket.socketpair()
+    a.setblocking(True)
+    b.setblocking(False)
+    rounds = 300
+
+    def on_read():
+        d = b.recv(64)
+        if d:
+            b.send(d)
+    loop.set_callbacks(b.fileno(), on_read, None)
+    errs = []
+
+    def client():
+        try:
+            for i in range(rounds):
+                a.send(b"x")
+                assert a.recv(64) == b"x"
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errs.append(e)
+        finally:
+            loop.stop()
+    t = threading.Thread(target=client)
+    try:
+        t.start()
+        loop.run()
+        t.join(30)
+    finally:
+        loop.remove(b.fileno())
+        a.close()
+        b.close()
+    assert not errs
+    assert loop.iterations >= rounds
+    # one epoll_wait per iteration, plus a few zero-timeout polls (a stop() that queued a
+    # callback); before: a poll and a sleep for nearly every iteration
+    assert loop.polls + loop.sleeps <= loop.iterations + 5, (loop.polls, loop.sleeps,
+                                                              loop.iterations)
+
+
+def test_a_busy_loop_polls_without_releasing_the_gil(loop):
+    """The other side of the same rule: with callbacks queued the wait is a zero-timeout
+    poll (no GIL hand-off, no sleep); 64 fds ready at once (a full array) make the next
+    iteration poll first too."""
+    n = [0]
+
+    def again():
+        n[0] += 1
+        if n[0] < 100:
+            loop.call_soon(again)
+        else:
+            loop.stop()
+    loop.call_soon(again)
+    loop.run()
+    assert loop.sleeps == 0 and loop.polls >= 100
+    pairs = [socket.socketpair() for _ in range(70)]
+    seen = []
+    try:
+        for x, y in pairs:
+            x.send(b"x")
+            loop.set_callbacks(y.fileno(), lambda y=y: seen.append(y.recv(1)), None)
+        polls, sleeps = loop.polls, loop.sleeps
+        loop.call_later(0.001, loop.stop)       # a wait that may sleep: the timer's
+        loop.run()
+        # the first wait took 64 of the 70 (the array is full), so the next polled first
+        assert len(seen) == 70
+        assert loop.polls > polls
+    finally:
+        for x, y in pairs:
+            loop.remove(y.fileno())
+            x.close()
+            y.close()
