@@ -5,7 +5,7 @@ valgrind's callgrind in the server process, immune to the machine's noise.
                                   [--tree CHECKOUT]
                                   [--base-tree CHECKOUT] [--loop L ...] [--by-function K]
 
-For each loop, bench/aio_servers.py runs under ``valgrind --tool=callgrind`` twice: one
+For each loop (asyncio, uvloop, rloop, aoprim), bench/aio_servers.py's server module runs under ``valgrind --tool=callgrind`` twice: one
 connection exchanges N messages, then 2N (one at a time, raw messages of ``--size`` bytes,
 1 KiB by default, or 16 pipelined u16 frames of 64 B per burst, answered by a Protocol
 (``proto-u16``) or by streams (``streams-u16``)); the difference of the two totals divided by N is the
@@ -24,34 +24,13 @@ modules' functions (``__pyx_...``) show by name.
 import argparse
 import os
 import re
-import signal
-import socket
-import struct
 import subprocess
-import sys
-import tempfile
+
+from aoprim.benchmarks.aio import callgrind_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LOOPS = ("asyncio", "uvloop", "aoprim")
+LOOPS = ("asyncio", "uvloop", "rloop", "aoprim")
 BASE_TREE = None
-
-
-def _client(port, app, n, size=1024):
-    s = socket.create_connection(("127.0.0.1", port), timeout=120)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if app == "raw":
-        msg, per = b"x" * size, 1
-    else:
-        msg, per = (struct.pack(">H", 64) + b"y" * 64) * 16, 16
-    for _ in range(n // per):
-        s.sendall(msg)
-        got = 0
-        while got < len(msg):
-            chunk = s.recv(1 << 20)
-            if not chunk:
-                raise RuntimeError("server closed")
-            got += len(chunk)
-    s.close()
 
 
 def by_function(out_file, inclusive):
@@ -72,37 +51,17 @@ def by_function(out_file, inclusive):
 
 
 def instructions(loop, app, n, tree, keep=False, size=1024):
-    """Instructions the server ran for N messages (and, with keep, its output file)."""
+    """Instructions the server ran for N messages (and, with keep, its output file): the
+    package's callgrind_run (``python -m aoprim bench --only aio`` counts the same way)."""
     if loop == "aoprim-base":
         loop, tree = "aoprim", BASE_TREE
-    out = tempfile.mktemp(prefix="aio_cg_")
-    env = dict(os.environ)
-    if tree:
-        env["PYTHONPATH"] = tree
-    p = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                          sys.executable, os.path.join(HERE, "aio_servers.py"), "--loop", loop,
-                          "--app", app], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env, cwd=tempfile.gettempdir())
-    line = p.stdout.readline()
-    if not line.startswith("listening on"):
-        p.kill()
-        raise RuntimeError(f"{loop} did not start: {line!r} {p.stderr.read()}")
-    _client(int(line.rsplit(":", 1)[1]), app, n, size)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=300)
-    m = re.search(r"Collected : (\d+)", err)
-    if not m:
-        os.unlink(out)
-        raise RuntimeError(f"no callgrind total for {loop}: {err[-2000:]}")
-    if keep:
-        return int(m.group(1)), out
-    os.unlink(out)
-    return int(m.group(1))
+    return callgrind_run(loop, app, n, tree, keep, size)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--app", choices=("raw", "proto-u16", "streams-u16"), default="raw")
+    ap.add_argument("--app", choices=("raw", "proto-u16", "streams-u16", "streams-raw"),
+                    default="raw")
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--size", type=int, default=1024, help="raw message bytes")
     ap.add_argument("--tree")

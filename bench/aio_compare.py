@@ -1,5 +1,6 @@
-"""aoprim.aio against asyncio's default loop and uvloop (issue 12): the same server code
-(bench/aio_servers.py) on the three loops, the same load generators, in one run.
+"""aoprim.aio against asyncio's default loop, uvloop and rloop (issues 12, 23): the same server
+code (bench/aio_servers.py) on every loop, the same load generators, in one run.
+(``python -m aoprim bench --only aio`` is the issue-23 table: every loop, every scenario.)
 
     python bench/aio_compare.py [--duration 3] [--rounds 3] [--scenario NAME ...]
                                 [--tree CHECKOUT] [--base-tree CHECKOUT] [--syscalls]
@@ -47,10 +48,11 @@ sys.path.insert(0, HERE)
 from echo_compare import HOST, _median, warm_up  # noqa: E402
 
 CWD = tempfile.gettempdir()       # never import the uncompiled checkout by accident
-LOOPS = ("asyncio", "uvloop", "aoprim")
+LOOPS = ("asyncio", "uvloop", "rloop", "aoprim")
 SCENARIOS = {
     "proto-u16": dict(app="proto-u16", framing="u16", size=64, conns=10, pipeline=16),
     "streams-u16": dict(app="streams-u16", framing="u16", size=64, conns=10, pipeline=16),
+    "streams-raw": dict(app="streams-raw", framing="raw", size=1024, conns=10, pipeline=1),
     "raw-1k": dict(app="raw", framing="raw", size=1024, conns=10, pipeline=1),
     "raw-64k": dict(app="raw", framing="raw", size=65536, conns=10, pipeline=1),
     "raw-256k": dict(app="raw", framing="raw", size=262144, conns=10, pipeline=1),
@@ -179,7 +181,7 @@ def run_one(loop, scenario, duration, tree):
         if scenario == "http":
             warm_http(port)
             return load_http(sc, port, p.pid, duration)
-        warm_up(port, sc["framing"], sc["size"])
+        warm_up(port, sc["framing"], sc["size"], wait_close=(loop != "rloop"))
         return load_echo(sc, port, p.pid, duration, tree)
     finally:
         stop_server(p)
@@ -194,7 +196,7 @@ def count_syscalls(loop, scenario, duration, tree):
         if scenario == "http":
             warm_http(port)
         else:
-            warm_up(port, sc["framing"], sc["size"])
+            warm_up(port, sc["framing"], sc["size"], wait_close=(loop != "rloop"))
         st = subprocess.Popen(["strace", "-f", "-c", "-o", out_file, "-p", str(p.pid)],
                               stderr=subprocess.PIPE, text=True)
         # strace says so on stderr once attached: no sleep standing in for it
@@ -283,7 +285,7 @@ def main():
     ap.add_argument("--base-tree", help="also run aoprim.aio from this checkout (in-place "
                                         "build) as 'aoprim-base', in the same rounds")
     ap.add_argument("--loop", action="append", choices=LOOPS,
-                    help="only these loops (default: all three)")
+                    help="only these loops (default: all of them)")
     ap.add_argument("--tree", help="import aoprim from this checkout (in-place build) instead "
                                    "of the installed package")
     ap.add_argument("--syscalls", action="store_true",

@@ -21,7 +21,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from aio_callgrind import _client  # noqa: E402
+from aoprim.benchmarks.aio import callgrind_client as _client  # noqa: E402
 
 
 def main():

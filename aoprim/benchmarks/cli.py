@@ -29,7 +29,8 @@ def build_parser(p=None):
                    help="fewer rounds, smaller sizes, 4 server scenarios (under a minute)")
     p.add_argument("--only", nargs="+", action="extend", metavar="NAME",
                    help="run only these: a family (atomic, lock, queue, slab, blocktable, "
-                        "sendbatch, flushgroup, receiver, contention, server), a kind (python, c, contention, "
+                        "sendbatch, flushgroup, receiver, contention, server; aio: asyncio, uvloop, rloop and "
+                        "aoprim.aio side by side, only when named), a kind (python, c, contention, "
                         "server), a group id or a glob over ids (see --list)")
     p.add_argument("--json", metavar="FILE", help="write every figure here (schema: "
                    "bench/README.md, aoprim/benchmarks/schema.py)")

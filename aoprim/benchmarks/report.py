@@ -65,6 +65,9 @@ def render_header(doc):
 
 
 def render_group(g):
+    if g["family"] == "aio":
+        from .aio import render_group as aio_group
+        return aio_group(g)
     lines = [f"\n[{g['id']}] {g['title']}  ({g['unit']}, {g['better']} is better)"]
     kind = g["kind"]
     ents = sorted(g["entries"], key=lambda e: e["median"], reverse=(g["better"] == "higher"))
@@ -186,7 +189,7 @@ def markdown_summary(doc):
            "|---|---|---:|---|---:|---:|"]
     for g in doc["groups"]:
         base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
-        if base is None or g["kind"] not in ("python", "c"):
+        if base is None or g["kind"] not in ("python", "c") or g["family"] == "aio":
             continue            # contention: the chart; servers: markdown_servers()
         for e in g["entries"]:
             if e["role"] != "candidate" or not _is_aoprim(e["name"]):
@@ -213,7 +216,7 @@ def markdown_servers(doc):
            "p99 us | CPU ratio | msgs/s ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     any_row = False
     for g in doc["groups"]:
-        if g["kind"] != "server":
+        if g["kind"] != "server" or g["family"] == "aio":
             continue
         base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
         bm = base["metrics"]["msgs_per_s"]["median"] if base else None
@@ -242,6 +245,10 @@ def markdown(doc):
     srv = markdown_servers(doc)
     if srv:
         parts += ["", srv]
+    from .aio import markdown as aio_markdown
+    loops = aio_markdown(doc)
+    if loops:
+        parts += ["", loops]
     return "\n".join(parts)
 
 

@@ -204,10 +204,11 @@ def count_syscalls(pid, seconds):
 
 # -- one run ----------------------------------------------------------------------------------
 
-def warm_up(port, framing, size, messages=8):
+def warm_up(port, framing, size, messages=8, wait_close=True):
     """Bring a fresh server to its steady state: one connection that exchanges ``messages``
-    echoes of the scenario's size and framing, one at a time, then closes (and is seen
-    closed: the server's EOF handling runs before the measured load starts)."""
+    echoes of the scenario's size and framing, one at a time, then closes (and, with
+    ``wait_close``, is seen closed: the server's EOF handling runs before the measured load
+    starts)."""
     payload = (bytes(range(256)) * (size // 256 + 1))[:size]
     msg = payload if framing == "raw" else \
         struct.pack(">H" if framing == "u16" else ">I", size) + payload
@@ -224,9 +225,10 @@ def warm_up(port, framing, size, messages=8):
             if got != msg:
                 raise RuntimeError("warm-up: the echo differs from what was sent")
         s.shutdown(socket.SHUT_WR)
-        s.settimeout(10)
-        if s.recv(1):
-            raise RuntimeError("warm-up: unexpected bytes after the echoes")
+        if wait_close:
+            s.settimeout(10)
+            if s.recv(1):
+                raise RuntimeError("warm-up: unexpected bytes after the echoes")
     time.sleep(0.05)
 
 

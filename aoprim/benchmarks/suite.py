@@ -11,12 +11,14 @@ JSON document (schema.py).  Modes:
          (the tls groups only when named: ``--only tls``)
 
 The ``tls`` groups (tls.py) run the servers with TLS, with the server groups' rounds and
-durations.
+durations.  The ``aio`` groups (aio.py; only when named: ``--only aio``) run asyncio's loop,
+uvloop, rloop and aoprim.aio side by side, with their own rounds and durations
+(``aio.MODES``).
 """
 import fnmatch
 import time
 
-from . import cases, contention, machine, runner, servers, tls
+from . import aio, cases, contention, machine, runner, servers, tls
 from .schema import SCHEMA_ID
 
 __all__ = ["MODES", "SERVER_SERIES", "plan", "run", "selectors", "UnknownSelection"]
@@ -104,7 +106,8 @@ class TLSGroup:
 def _all_groups(mode):
     return (list(cases.GROUPS) + contention.groups() +
             [ServerGroup(s) for s in MODES[mode]["server"]["scenarios"]] +
-            [TLSGroup(s, default=(mode != "tiny")) for s in tls.SCENARIOS])
+            [TLSGroup(s, default=(mode != "tiny")) for s in tls.SCENARIOS] +
+            aio.groups(mode))
 
 
 def selectors():
@@ -144,13 +147,15 @@ def _contention_settings(m):
                            scale=m["contention_scale"], heavy_scale=m["contention_scale"])
 
 
-def steps(groups, mode, n_servers):
+def steps(groups, mode, n_servers, n_loops=len(aio.LOOPS)):
     m = MODES[mode]
     micro = runner.Settings(**m["micro"])
     cont = _contention_settings(m)
     total = 0
     for g in groups:
-        if g.kind == "server":
+        if hasattr(g, "measure"):
+            total += g.steps(n_loops)
+        elif g.kind == "server":
             total += m["server"]["rounds"] * n_servers
         else:
             total += runner.plan_steps(g, cont if g.kind == "contention" else micro)
@@ -229,7 +234,9 @@ def run(groups, mode="full", progress=None, only=None):
     header = machine.describe()
     doc_skipped = []
     server_names, server_skips = servers.available_servers()
-    have_servers = any(g.kind == "server" for g in groups)
+    have_servers = any(g.kind == "server" and not hasattr(g, "measure") for g in groups)
+    loops, loop_skips = aio.available_loops() if any(g.family == "aio" for g in groups) \
+        else ([], [])
     method, why_not = servers.syscall_method() if have_servers else (None, "no server group ran")
     if have_servers:
         doc_skipped += [{"what": f"server {n}", "reason": r} for n, r in server_skips]
@@ -239,11 +246,13 @@ def run(groups, mode="full", progress=None, only=None):
         doc_skipped += [{"what": f"C level: {fam}", "reason": r}
                         for fam, r in cases.C_SKIPPED.items()]
     if progress:
-        progress.total = max(1, steps(groups, mode, len(server_names)))
+        progress.total = max(1, steps(groups, mode, len(server_names), len(loops)))
     out = []
     skipped_servers = {}          # family -> {server: why it cannot run}
     for g in groups:
-        if g.kind == "server":
+        if hasattr(g, "measure"):             # the aio loops' server groups (aio.py)
+            out.append(g.measure(loops, loop_skips, progress))
+        elif g.kind == "server":
             out.append(_server_group(g, server_names, m, progress,
                                      skipped_servers.setdefault(g.family, {}),
                                      method is not None))
@@ -258,7 +267,7 @@ def run(groups, mode="full", progress=None, only=None):
                      "contention_rounds": m["contention_rounds"], "server": m["server"]},
         "server_warmup": WARMUP_TEXT,
         "syscalls": method or f"not measured: {why_not}",
-        "servers": server_names if have_servers else [],
+        "servers": (server_names if have_servers else []) + [f"loop {lp}" for lp in loops],
         "selected": list(only or []),
         "duration_s": round(time.monotonic() - t0, 1),
     })

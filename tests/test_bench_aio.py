@@ -1,0 +1,132 @@
+"""``python -m aoprim bench --only aio`` (issue 23), run as a user runs it: every loop
+(asyncio, uvloop, rloop, aoprim.aio) in every scenario, at a test-only size, so that no
+scenario of the table the README quotes can rot unnoticed.
+
+One ``--tiny --only aio`` run is shared by the tests that read its output (~1 minute: every
+scenario starts a fresh server per loop); the callgrind wiring is checked in-process on one
+loop with a small N.  What cannot run here (wrk, uvicorn, rloop, valgrind missing) is skipped
+with the reason, and the run must say the same in its table.
+"""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from aoprim.benchmarks import aio, schema
+
+from proc_support import NEUTRAL_CWD, child_env
+
+pytestmark = pytest.mark.timeout(600)
+
+LOOPS, LOOP_SKIPS = aio.available_loops()
+
+
+def _needs(scenario):
+    """Why ``scenario`` cannot run here, or None."""
+    sc = aio.SCENARIOS.get(scenario)
+    if sc is None:
+        return None
+    return aio._missing(sc["kind"]) or aio._missing_app(sc["app"])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("bench_aio") / "aio.json")
+    r = subprocess.run([sys.executable, "-m", "aoprim", "bench", "--tiny", "--only", "aio",
+                        "--json", path, "--no-progress"], capture_output=True, text=True,
+                       cwd=NEUTRAL_CWD, env=child_env(), timeout=580)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(path) as f:
+        return r, json.load(f), path
+
+
+def test_every_aio_group_ran_and_follows_the_schema(tiny):
+    r, doc, _ = tiny
+    assert schema.validate(doc) == []
+    ids = [g["id"] for g in doc["groups"]]
+    assert ids == [g.id for g in aio.groups("tiny")]      # every scenario, nothing else
+    for g in doc["groups"]:
+        assert g["family"] == "aio"
+        assert f"[{g['id']}]" in r.stdout
+    # the columns the issue asks for: cost relative to asyncio and to uvloop, CPU split
+    assert "/asyncio" in r.stdout and "/uvloop" in r.stdout and "instr/msg" in r.stdout
+    for name, why in LOOP_SKIPS:                   # a missing loop is skipped with a reason
+        assert f"(skipped {name}: {why}" in r.stdout
+
+
+@pytest.mark.parametrize("scenario", list(aio.SCENARIOS) + list(aio.MICRO))
+def test_scenario_has_a_positive_row_per_loop(tiny, scenario):
+    why = _needs(scenario)
+    _, doc, _ = tiny
+    g = next(g for g in doc["groups"] if g["id"] == scenario)
+    if why:
+        assert {s["reason"] for s in g["skipped"]} >= {why}
+        pytest.skip(why)
+    names = {e["name"]: e for e in g["entries"]}
+    assert set(names) == set(LOOPS), g["skipped"]
+    assert g["baseline"] == "asyncio" and names["asyncio"]["ratio"] == pytest.approx(1.0)
+    for e in g["entries"]:
+        assert e["median"] > 0 and e["min"] <= e["median"] <= e["max"], e
+        assert e["ratio"] > 0
+        if g["kind"] == "server":
+            m = e["metrics"]
+            assert m["msgs_per_s"]["median"] > 0
+            assert m["user_us_per_msg"]["median"] + m["sys_us_per_msg"]["median"] == \
+                pytest.approx(e["median"], rel=1e-6)
+
+
+def test_sse_counts_every_stream_at_the_engine_rate(tiny):
+    """400 streams in a full run (20 in --tiny), one token per stream per 20 ms step: the
+    tokens counted per second are about streams x 50 (the client reads every stream)."""
+    if _needs("aio-sse-400"):
+        pytest.skip(_needs("aio-sse-400"))
+    _, doc, _ = tiny
+    g = next(g for g in doc["groups"] if g["id"] == "aio-sse-400")
+    want = aio.MODES["tiny"]["streams"] * 50
+    for e in g["entries"]:
+        got = e["metrics"]["msgs_per_s"]["median"]
+        assert 0.5 * want < got < 1.2 * want, (e["name"], got, want)
+
+
+def test_markdown_table_has_every_scenario_and_the_targets(tiny):
+    _, doc, path = tiny
+    r = subprocess.run([sys.executable, "-m", "aoprim", "bench", "--load", path, "--markdown"],
+                       capture_output=True, text=True, cwd=NEUTRAL_CWD, env=child_env(),
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "| load | unit | asyncio | uvloop | rloop | aoprim.aio |" in r.stdout
+    for g in doc["groups"]:
+        assert f"| {g['title']} |" in r.stdout
+    assert "<= 0.2 (" in r.stdout                 # the u16 target, with its verdict
+    # the aio groups are not repeated in the server table or the primitives' table
+    assert "| aio-loop-" not in r.stdout
+
+
+def test_missing_loop_or_app_is_skipped_with_a_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "rloop", None)          # import rloop -> ImportError
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    loops, skipped = aio.available_loops()
+    assert "rloop" not in loops
+    assert any(n == "rloop" and "rloop is not installed" in why for n, why in skipped)
+    g = aio.AioServerGroup("aio-http-uvicorn", "tiny")
+    res = g.measure(["asyncio"], skipped)
+    assert res["entries"] == []
+    reasons = {s["name"]: s["reason"] for s in res["skipped"]}
+    assert "uvicorn is not installed" in reasons["asyncio"]
+    assert "rloop is not installed" in reasons["rloop"]
+
+
+@pytest.mark.skipif(not shutil.which("valgrind"), reason="valgrind is not installed")
+def test_callgrind_instructions_sit_beside_the_cpu_figures():
+    """The raw 1 KiB and u16 groups carry callgrind's instructions per message (a full run
+    counts N=2000; here N=64 on asyncio's loop only)."""
+    for scenario in ("aio-raw-1k-10", "aio-u16-64x16-10"):
+        g = aio.AioServerGroup(scenario, "tiny")
+        g.mode = dict(g.mode, callgrind_n=64)
+        g.callgrind = aio.SCENARIOS[scenario]["callgrind"]
+        res = g.measure(["asyncio"], [])
+        (e,) = res["entries"]
+        assert e["metrics"]["instr_per_msg"]["median"] > 1000, res   # thousands per message
+        assert "instr/msg" in aio.render_group(res)
