@@ -13,8 +13,10 @@ that asyncio's Python code and callers see asyncio's loop:
 - the order: cancelled timers dropped (the same clean-up rule and thresholds), the timeout
   computed, the wait, each event's reader then writer queued (a cancelled one removes the
   reader / writer, as ``_process_events``), due timers queued (``time() +
-  _clock_resolution``), then exactly the handles queued so far run, in order, each by its
-  own ``_run()``;
+  _clock_resolution``), then exactly the handles queued so far run, in order: asyncio's
+  own ``Handle`` / ``TimerHandle`` by ``_run_handle`` (``Handle._run`` in C: its slots
+  read, the callback called in its Context, an exception to the loop's exception handler
+  with ``Handle._run``'s context dict), any other handle type by its own ``_run()``;
 - the wait: as ``selectors.EpollSelector.select``: ``epoll_wait`` for at most
   ``max(len(_fd_to_key), 1)`` events, the timeout rounded up to the millisecond; EINTR runs
   the signal handlers (one that raises ends the iteration, as out of ``epoll.poll``) and
@@ -34,6 +36,9 @@ from libc.math cimport ceil
 from cpython.exc cimport PyErr_CheckSignals, PyErr_SetFromErrno
 from cpython.dict cimport PyDict_GetItem
 from cpython.ref cimport PyObject
+from cpython.object cimport Py_TYPE
+from cpython.tuple cimport PyTuple_CheckExact
+from cpython.contextvars cimport PyContext_CheckExact
 
 from aoprim._aiowrite cimport SleepFlag
 from aoprim.atomic_h cimport aop_store_u32, AOP_SEQ_CST
@@ -44,6 +49,35 @@ import heapq as _heapq
 import selectors as _selectors
 from asyncio import base_events as _be
 from asyncio import selector_events as _se
+
+cdef extern from *:
+    """
+    #include "structmember.h"    /* PyMemberDef (3.11; in descrobject.h from 3.12) */
+    /* the slot a member descriptor reads (Handle's __slots__): its offset in the object */
+    static Py_ssize_t aio_member_offset(PyObject *descr) {
+        if (Py_TYPE(descr) != &PyMemberDescr_Type) return -1;
+        return ((PyMemberDescrObject *)descr)->d_member->offset;
+    }
+    /* a slot's value (borrowed, NULL when unset) */
+    static inline PyObject *aio_slot(PyObject *o, Py_ssize_t off) {
+        return *(PyObject **)((char *)o + off);
+    }
+    /* contextvars.Context.run(cb, *args) as CPython's context_run does it: enter, one
+       vectorcall of the tuple's items, exit (also after an error) */
+    static PyObject *aio_call_in_context(PyObject *ctx, PyObject *cb, PyObject *args) {
+        PyObject *r;
+        if (PyContext_Enter(ctx)) return NULL;
+        r = PyObject_Vectorcall(cb, ((PyTupleObject *)args)->ob_item,
+                                (size_t)PyTuple_GET_SIZE(args), NULL);
+        if (PyContext_Exit(ctx)) { Py_XDECREF(r); return NULL; }
+        return r;
+    }
+    """
+    PyObject *Py_True
+    PyObject *Py_False
+    Py_ssize_t aio_member_offset(object descr)
+    PyObject *aio_slot(object o, Py_ssize_t off)
+    object aio_call_in_context(object ctx, object cb, object args)
 
 cdef extern from "<sys/epoll.h>" nogil:
     int epoll_wait(int epfd, epoll_event *events, int maxevents, int timeout)
@@ -62,6 +96,30 @@ cdef double _MAX_TIMEOUT = _be.MAXIMUM_SELECT_TIMEOUT
 # asyncio before 3.13 computes the wait's timeout as min(max(0, t), MAX): nan -> 0
 cdef bint _NAN_IS_ZERO = _sys.version_info < (3, 13)
 cdef object _base_process_events = _se.BaseSelectorEventLoop._process_events
+
+# the ready-queue call (step 2): asyncio's two handle types and their slots' offsets
+from asyncio import events as _events
+from asyncio import format_helpers as _format_helpers
+cdef type _Handle = _events.Handle
+cdef type _TimerHandle = _events.TimerHandle
+cdef Py_ssize_t _OFF_CALLBACK = aio_member_offset(_Handle.__dict__["_callback"])
+cdef Py_ssize_t _OFF_ARGS = aio_member_offset(_Handle.__dict__["_args"])
+cdef Py_ssize_t _OFF_CANCELLED = aio_member_offset(_Handle.__dict__["_cancelled"])
+cdef Py_ssize_t _OFF_CONTEXT = aio_member_offset(_Handle.__dict__["_context"])
+# the compiled call only where all four are plain slots of both types (else: _run())
+cdef bint _FAST_HANDLES = (_OFF_CALLBACK > 0 and _OFF_ARGS > 0 and _OFF_CANCELLED > 0 and
+                           _OFF_CONTEXT > 0 and _TimerHandle.__dict__.get("_run") is None)
+cdef object _format_callback_source = _format_helpers._format_callback_source
+# 3.13's Handle._run formats the callback with debug=self._loop.get_debug(); before, without
+cdef bint _FORMAT_WITH_DEBUG = "get_debug" in _Handle._run.__code__.co_names
+
+
+
+def ready_call_compiled():
+    """True when the ready-queue call of asyncio's own handle types is compiled (their
+    slots were found); False: every handle runs through its ``_run()``."""
+    return _FAST_HANDLES
+
 
 # set by configure(): asyncio's _run_once and the loop's selector class
 cdef object _base_run_once = None
@@ -246,10 +304,84 @@ cdef int _iteration(object loop, object sel) except -1:
     popleft = ready.popleft
     for j in range(ntodo):
         handle = popleft()
-        if handle._cancelled:
-            continue
-        handle._run()
+        _run_handle(handle)
     return 0
+
+
+cdef int _report(object handle, object exc) except -1:
+    """The except branch of ``Handle._run``: the same context dict to the handle's loop's
+    ``call_exception_handler`` (the callback formatted after the call, as there)."""
+    loop = handle._loop
+    if _FORMAT_WITH_DEBUG:
+        cb = _format_callback_source(handle._callback, handle._args,
+                                     debug=loop.get_debug())
+    else:
+        cb = _format_callback_source(handle._callback, handle._args)
+    context = {
+        'message': f'Exception in callback {cb}',
+        'exception': exc,
+        'handle': handle,
+    }
+    if handle._source_traceback:
+        context['source_traceback'] = handle._source_traceback
+    loop.call_exception_handler(context)
+    return 0
+
+
+cdef int _call(object handle, object cb, object args, object ctx) except -1:
+    """``Handle._run`` after its slots are read: ``ctx.run(cb, *args)``; an exception other
+    than SystemExit / KeyboardInterrupt (which propagate) goes to the exception handler."""
+    try:
+        aio_call_in_context(ctx, cb, args)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        _report(handle, exc)
+    return 0
+
+
+cdef int _run_handle(object handle) except -1:
+    """The ready-queue call: one handle popped from ``_ready``, run unless cancelled.
+
+    A handle whose type is exactly ``asyncio.Handle`` / ``TimerHandle`` is run here: its
+    slots read directly (references held for the call: the callback may cancel its own
+    handle, which clears ``_callback`` / ``_args``), the callback called in its Context
+    (``_call``).  Any other handle type (a subclass, a mock) runs through its own
+    ``_run()``, as do handles whose slots are not what ``Handle.__init__`` stores (a
+    context that is not a ``contextvars.Context``, args that are not a tuple).
+
+    Step 3 (docs/aio-compiled.md) extends this function: a callback of a compiled type
+    (the transport's reader) is recognised by its exact type, here, and called by a cdef
+    call inside the same Context enter / exit instead of the vectorcall.
+
+    Single-threaded by the loop's contract: a handle is cancelled by the loop's thread
+    (asyncio's Handle.cancel is not thread-safe either), so the borrowed slot reads are not
+    raced."""
+    cdef type t = type(handle)
+    cdef PyObject *p
+    cdef object cb, args, ctx
+    if _FAST_HANDLES and (t is _Handle or t is _TimerHandle):
+        p = aio_slot(handle, _OFF_CANCELLED)
+        if p == Py_True:
+            return 0
+        if p == Py_False:
+            cb = _slot(handle, _OFF_CALLBACK)
+            args = _slot(handle, _OFF_ARGS)
+            ctx = _slot(handle, _OFF_CONTEXT)
+            if cb is not None and PyTuple_CheckExact(args) and PyContext_CheckExact(ctx):
+                return _call(handle, cb, args, ctx)
+            handle._run()
+            return 0
+    if handle._cancelled:
+        return 0
+    handle._run()
+    return 0
+
+
+cdef inline object _slot(object o, Py_ssize_t off):
+    """A slot's value (a new reference), None when unset."""
+    cdef PyObject *p = aio_slot(o, off)
+    return <object>p if p != NULL else None
 
 
 cdef inline bint _compiled_ok(object loop, object sel):

@@ -97,6 +97,55 @@ def test_iteration_is_compiled():
     assert not seen & {"_run_once", "select", "_process_events", "_key_from_fd"}, seen
 
 
+def test_ready_queue_call_is_compiled():
+    """asyncio.Handle / TimerHandle run from C (issue 23 step 2): no Handle._run frame and
+    no Context.run call per callback (step 1 ran both); the callback still runs in its own
+    Context.  A Handle subclass still runs through its _run()."""
+    import contextvars
+    loop = aoprim.aio.new_event_loop()
+    seen = []
+    var = contextvars.ContextVar("v", default="-")
+    got = []
+
+    class Sub(asyncio.Handle):
+        __slots__ = ()
+
+        def _run(self):
+            got.append("sub")
+            super()._run()
+
+    def cb(tag):
+        got.append((tag, var.get()))
+        var.set(tag)
+
+    def prof(frame, event, arg):
+        if event == "call":
+            seen.append(frame.f_code.co_name)
+        elif event == "c_call":
+            seen.append(getattr(arg, "__qualname__", ""))
+
+    try:
+        ctx = contextvars.copy_context()
+        ctx.run(var.set, "c")
+        loop.call_soon(cb, "a")
+        loop.call_later(0, cb, "t")
+        loop.call_soon(cb, "b", context=ctx)
+        loop.call_soon(cb, "b2", context=ctx)
+        sys.setprofile(prof)
+        loop.run_until_complete(asyncio.sleep(0))
+        sys.setprofile(None)
+        assert "_run" not in seen and "Context.run" not in seen, seen
+        assert _aioloop.ready_call_compiled()
+        assert got == [("a", "-"), ("b", "c"), ("b2", "b"), ("t", "-")], got
+        loop._ready.append(Sub(cb, ("s",), loop))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert got[-2:] == ["sub", ("s", "-")]
+        assert var.get() == "-" and ctx[var] == "b2"
+    finally:
+        sys.setprofile(None)
+        loop.close()
+
+
 def test_cancelled_timers_cleaned_as_asyncio(pair):
     """More than 100 timers, more than half cancelled: one iteration rebuilds the heap
     without them; cancelled ones at the head are popped."""

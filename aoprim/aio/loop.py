@@ -28,7 +28,9 @@ Private asyncio names used here (checked on CPython 3.11.7, 3.12.1, 3.13.0): the
 loop's ``_run_once`` (the fallback; aoprim._aioloop also reads ``_ready``, ``_scheduled``,
 ``_timer_cancelled_count``, ``_stopping``, ``_clock_resolution``, ``_debug``,
 ``_remove_reader`` / ``_remove_writer``, the handles' ``_cancelled`` / ``_when`` /
-``_scheduled`` / ``_run``, and the epoll selector's ``_fd_to_key`` / ``_selector``), ``_make_socket_transport`` / ``_make_ssl_transport`` (the
+``_scheduled`` / ``_run`` / ``_callback`` / ``_args`` / ``_context`` / ``_loop`` /
+``_source_traceback`` (``_cancelled`` / ``_callback`` / ``_args`` / ``_context`` by the slot offsets of
+Handle), and the epoll selector's ``_fd_to_key`` / ``_selector``), ``_make_socket_transport`` / ``_make_ssl_transport`` (the
 hooks its create_connection / create_server / create_unix_* / connect_accepted_socket /
 start_tls paths call), ``_ensure_fd_no_transport``, ``_write_to_self`` (the self-pipe
 wake-up), and ``asyncio.sslproto.SSLProtocol``.
