@@ -479,7 +479,7 @@ class AioMicroGroup:
     family = "aio"
     compete = True
     default = False
-    unit = "ns/op"
+    unit = "CPU ns/op"
 
     def __init__(self, gid, mode):
         title, self.make, n = MICRO[gid]
@@ -707,7 +707,7 @@ def markdown(doc):
     targets = {(gid, unit): (r, lim, ok) for gid, unit, r, lim, ok in target_rows(doc)}
     for g in gs:
         n = _by_name(g)
-        rows = [(g["unit"] + (" (ns/op; ops/s = 1e9 / it)" if g["kind"] == "python" else ""),
+        rows = [(g["unit"] + (" (ops/s = 1e9 / it)" if g["kind"] == "python" else ""),
                  None)]
         if any(_med(e, "instr_per_msg") for e in g["entries"]):
             rows.append(("instructions/msg (callgrind)", "instr_per_msg"))
