@@ -378,11 +378,8 @@ class TLSSession(Session):
 
     def _pull(self):
         """Ciphertext from the socket into the incoming BIO; False when there is none now
-        (or the stream ended in error: _rx_end says so)."""
+        (or the stream ended -- EOF or an error: _rx_end says so)."""
         inc = self._inc
-        if inc.eof:
-            self._rx_end = 0
-            return False
         tls = self._tls
         try:
             n = self._sock.recv_into(tls.scratch)
@@ -401,9 +398,14 @@ class TLSSession(Session):
             inc.write(data)
             # a short read emptied the socket: the next recv of this event would be EAGAIN
             self._drained = n < _SCRATCH
-        else:
-            inc.write_eof()
-        return True
+            return True
+        # the peer's EOF: an EOF of the stream, told to OpenSSL never -- fed to the incoming
+        # BIO it is UNEXPECTED_EOF_WHILE_READING, a fatal error: a decode_error alert instead
+        # of our close_notify, and every later write fails, so replies still owed (from
+        # workers, or beyond the flush budget) would be dropped.  (A record cut short by it
+        # is dropped, as a plain session drops a frame cut short.)
+        self._rx_end = 0
+        return False
 
     # -- send (loop thread, from TLSFlush.flush) ------------------------------------------
     def _tls_flush(self):
