@@ -37,7 +37,7 @@ from cpython.exc cimport PyErr_CheckSignals, PyErr_SetFromErrno
 from cpython.dict cimport PyDict_GetItem
 from cpython.ref cimport PyObject
 from cpython.object cimport Py_TYPE
-from cpython.tuple cimport PyTuple_CheckExact
+from cpython.tuple cimport PyTuple_CheckExact, PyTuple_Check, PyTuple_GET_SIZE
 from cpython.contextvars cimport PyContext_CheckExact
 
 from aoprim._aiowrite cimport SleepFlag
@@ -74,6 +74,7 @@ cdef extern from *:
     }
     """
     PyObject *Py_True
+    PyObject *PyTuple_GET_ITEM_B "PyTuple_GET_ITEM" (object t, Py_ssize_t i)
     PyObject *Py_False
     Py_ssize_t aio_member_offset(object descr)
     PyObject *aio_slot(object o, Py_ssize_t off)
@@ -96,6 +97,10 @@ cdef double _MAX_TIMEOUT = _be.MAXIMUM_SELECT_TIMEOUT
 # asyncio before 3.13 computes the wait's timeout as min(max(0, t), MAX): nan -> 0
 cdef bint _NAN_IS_ZERO = _sys.version_info < (3, 13)
 cdef object _base_process_events = _se.BaseSelectorEventLoop._process_events
+# BaseEventLoop.time is 'return time.monotonic()': where a loop's class keeps it, the
+# iteration calls time.monotonic itself (no Python frame), and not at all for the due
+# timers when there are none
+cdef object _base_time = _be.BaseEventLoop.time
 
 # the ready-queue call (step 2): asyncio's two handle types and their slots' offsets
 from asyncio import events as _events
@@ -208,7 +213,7 @@ cdef int _queue(object loop, object ready, object handle, object fileobj,
     return 0
 
 
-cdef int _iteration(object loop, object sel) except -1:
+cdef int _iteration(object loop, object sel, bint own_time) except -1:
     cdef list scheduled = loop._scheduled
     cdef Py_ssize_t sched_count = len(scheduled)
     cdef object ready = loop._ready
@@ -246,7 +251,7 @@ cdef int _iteration(object loop, object sel) except -1:
         # top of the heap) -> 0 before 3.13 (min(max(0, nan), MAX) is 0, and the timer is
         # due at once: 'nan >= end_time' is False), passed on from 3.13 (the wait raises
         # selectors' ValueError)
-        timeout = scheduled[0]._when - loop.time()
+        timeout = scheduled[0]._when - (_monotonic() if own_time else loop.time())
         if timeout > _MAX_TIMEOUT:
             timeout = _MAX_TIMEOUT
         elif timeout < 0 or (_NAN_IS_ZERO and timeout != timeout):
@@ -280,17 +285,28 @@ cdef int _iteration(object loop, object sel) except -1:
         if k == NULL:
             continue
         key = <object>k
-        events &= <int>key[2]      # SelectorKey.events
-        data = key[3]               # SelectorKey.data: (reader, writer)
+        if PyTuple_Check(key) and PyTuple_GET_SIZE(key) == 4:
+            # a SelectorKey (a namedtuple): its fields by the tuple's items -- key[i] on a
+            # namedtuple goes through a Python-level __getitem__ (slot_sq_item)
+            events &= <int><object>PyTuple_GET_ITEM_B(key, 2)     # SelectorKey.events
+            data = <object>PyTuple_GET_ITEM_B(key, 3)             # .data: (reader, writer)
+            fileobj = <object>PyTuple_GET_ITEM_B(key, 0)          # .fileobj
+        else:
+            events &= <int>key[2]
+            data = key[3]
+            fileobj = key[0]
         reader, writer = data
         if events & EVENT_READ and reader is not None:
-            _queue(loop, ready, reader, key[0], True)
+            _queue(loop, ready, reader, fileobj, True)
         if events & EVENT_WRITE and writer is not None:
-            _queue(loop, ready, writer, key[0], False)
-    key = data = reader = writer = None
+            _queue(loop, ready, writer, fileobj, False)
+    key = data = reader = writer = fileobj = None
 
     # 'later' callbacks that are due
-    end_time = loop.time() + loop._clock_resolution
+    if own_time and not len(scheduled):
+        end_time = 0.0              # nothing can be due: asyncio's time() would be unused
+    else:
+        end_time = (_monotonic() if own_time else loop.time()) + loop._clock_resolution
     while len(scheduled):
         handle = scheduled[0]
         if handle._when >= end_time:
@@ -384,13 +400,20 @@ cdef inline object _slot(object o, Py_ssize_t off):
     return <object>p if p != NULL else None
 
 
-cdef inline bint _compiled_ok(object loop, object sel):
+cdef inline int _compiled_ok(object loop, object sel):
+    """0: asyncio's Python iteration; 1: the compiled one; 2: the compiled one, and the
+    loop's time() is BaseEventLoop's (in neither its class nor its __dict__)."""
     if type(sel) is not _selector_type or loop._debug:
-        return False
-    if type(loop)._process_events is not _base_process_events:
-        return False
+        return 0
+    t = type(loop)
+    if t._process_events is not _base_process_events:
+        return 0
     d = getattr(loop, "__dict__", None)
-    return d is None or "_process_events" not in d
+    if d is not None and "_process_events" in d:
+        return 0
+    if t.time is _base_time and (d is None or "time" not in d):
+        return 2
+    return 1
 
 
 def run_once(loop):
@@ -403,8 +426,9 @@ def run_once(loop):
         loop._aio_flush_all()               # written outside a callback: send before the wait
     try:
         sel = loop._selector
-        if _compiled_ok(loop, sel):
-            _iteration(loop, sel)
+        ok = _compiled_ok(loop, sel)
+        if ok:
+            _iteration(loop, sel, ok == 2)
         else:
             _base_run_once(loop)
     finally:

@@ -146,6 +146,45 @@ def test_ready_queue_call_is_compiled():
         loop.close()
 
 
+def test_iteration_calls_no_python_time_unless_overridden():
+    """BaseEventLoop.time (a Python frame calling time.monotonic) is not called by the
+    compiled iteration (step 1 called it once or twice per iteration); a time() replaced
+    on the instance or in a subclass is called, and decides which timers are due."""
+    loop = aoprim.aio.new_event_loop()
+    seen = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            seen.append(frame.f_code.co_name)
+
+    when = loop.time()              # (call_later itself calls time())
+
+    async def main():
+        loop.call_at(when, lambda: None)
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    try:
+        sys.setprofile(prof)
+        loop.run_until_complete(main())
+        sys.setprofile(None)
+        assert "time" not in seen, seen
+        now = [loop.time()]
+        loop.time = lambda: now[0]
+        out = []
+        loop.call_at(now[0] + 1000, out.append, "late")
+        loop.call_soon(out.append, "soon")
+        loop.run_until_complete(asyncio.sleep(0))
+        assert out == ["soon"]
+        now[0] += 1000
+        loop.call_soon(out.append, "soon2")
+        loop.run_until_complete(asyncio.sleep(0))
+        assert out == ["soon", "soon2", "late"], out
+    finally:
+        sys.setprofile(None)
+        loop.close()
+
+
 def test_cancelled_timers_cleaned_as_asyncio(pair):
     """More than 100 timers, more than half cancelled: one iteration rebuilds the heap
     without them; cancelled ones at the head are popped."""
