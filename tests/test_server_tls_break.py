@@ -42,3 +42,64 @@ def test_peer_eof_without_close_notify_still_gets_its_replies(make_server, tls_c
         assert end == "eof"                 # the server's close_notify, then its EOF
     wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
     assert srv.stats()["closes"] == {"eof": 5}
+
+
+class BigReplyThenClose(Echo):
+    """The first frame gets a reply of ``n`` bytes, then the session closes (the server's
+    kernel buffer is made large enough to take the whole reply unread)."""
+
+    def __init__(self, n):
+        self.n = n
+        self.sessions = []
+
+    def on_connect(self, session):
+        session.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        self.sessions.append(session)
+
+    def on_read(self, session, data):
+        session.send(bytes(range(256)) * (self.n // 256))
+        session.close()
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_close_with_the_reply_in_flight_survives_late_input(make_server, tls_certs, tls):
+    """The server closes after a large reply that is still in its kernel's send queue (the
+    peer reads slowly), and the peer sends a few more bytes afterwards (it had not seen the
+    close yet).  The peer still gets the whole reply and a clean EOF.  Before: once the
+    reply was handed to the kernel and nothing was unread at that moment, the lingering
+    close closed the fd at once; the late bytes then hit a closed socket, whose kernel
+    answered with a reset and dropped the unsent rest of the reply (found by the TLS vs plain
+    differential test: the TLS client lost ~70 KB of a reply after a CLOSE op)."""
+    n = 300 << 10
+    h = BigReplyThenClose(n)
+    kw = {"ssl": tls_certs.server_ctx()} if tls else {}
+    srv = make_server(h, **kw)
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)    # a slow reader
+    raw.settimeout(20)
+    raw.connect(srv.address)
+    s = tls_certs.client_ctx().wrap_socket(raw, server_hostname="localhost") if tls else raw
+    try:
+        s.sendall(b"go")
+        wait_for(lambda: h.sessions, what="on_connect")
+        sess = h.sessions[0]
+        # the whole reply is in the server's kernel (and close_notify with it): the session
+        # has left the flush, and is either lingering or gone
+        wait_for(lambda: sess._state == 2 or sess._lingering, 10, "the close to be done")
+        try:
+            s.sendall(b"late bytes the server will not read")
+        except OSError:
+            pass
+        got = bytearray()
+        while True:
+            try:
+                d = s.recv(1 << 16)
+            except ssl.SSLZeroReturnError:
+                break
+            if not d:
+                break
+            got += d
+        assert len(got) == n and got == bytes(range(256)) * (n // 256)
+    finally:
+        s.close()
+    wait_for(lambda: srv.stats()["connections"] == 0, what="closed")

@@ -40,6 +40,7 @@ EXAMPLES = int(os.environ.get("AOPRIM_TLS_DIFF_EXAMPLES", "6"))
 ECHO, MULTI, BCAST, SLOT, SLOT_BCAST, CLOSE, COPY = range(7)
 NOPS = 7
 RAW_CLOSE = 0xFF            # raw framing: the handler closes after echoing this byte
+WIRE_OUT = {}               # id(server) -> ciphertext sent in its last scenario
 HANDLERS = {}               # id(server) -> its DiffHandler
 IDLE = {}                   # id(server) -> its stats() once started (the idle gauges)
 _XOR = bytes(i ^ 0x5A for i in range(256))
@@ -278,7 +279,7 @@ class Peer:
             except ssl.SSLZeroReturnError:
                 break                               # close_notify: a clean EOF
             except ssl.SSLEOFError:
-                end += " (no close_notify)"
+                end += f" (no close_notify; {len(self.wire)} bytes on the wire)"
                 break
             except ssl.SSLWantReadError:
                 end += " (truncated record)"
@@ -383,6 +384,7 @@ def run_one(srv, ctx, chunks, tcp_cuts, listeners, notify):
               "rx_frame_buffers_in_use"):
         assert after[k] == IDLE[id(srv)][k], (k, after[k])     # back to idle
     deltas = {k: after[k] - before[k] for k in ("bytes_out", "connections_total")}
+    WIRE_OUT[id(srv)] = after["tls_bytes_out"] - before["tls_bytes_out"]   # (diagnostics)
     closes = {k: v - before["closes"].get(k, 0) for k, v in after["closes"].items()
               if v != before["closes"].get(k, 0)}
     if set(closes) == {"eof"}:
@@ -443,9 +445,11 @@ def test_tls_matches_plain(servers, certs, backend, framing, max_frame, workers)
         for i, (a, b) in enumerate(zip(p, t)):
             who = "driver" if i == 0 else f"listener {i}"
             assert a[:-1] == b[:-1], f"{who}: TLS delivered other bytes than plain: " \
-                f"{describe(a)} vs {describe(b)}"
+                f"{describe(a)} vs {describe(b)}; the server sent {WIRE_OUT[id(tls)]} " \
+                "bytes of ciphertext in all"
             assert a[-1] == "eof", f"{who}: plain ended with {a[-1]}"
-            assert b[-1] == "eof", f"{who}: TLS ended with {b[-1]}"
+            assert b[-1] == "eof", f"{who}: TLS ended with {b[-1]}; the server sent " \
+                f"{WIRE_OUT[id(tls)]} bytes of ciphertext in all"
         assert p_deltas == t_deltas
         assert p_closes == t_closes
 

@@ -28,6 +28,7 @@ import errno
 import logging
 import os
 import socket
+import sys
 import threading
 import traceback
 
@@ -46,6 +47,12 @@ log = logging.getLogger("aoprim.server")
 
 OPEN, CLOSING, CLOSED = 0, 1, 2
 _get_ident = threading.get_ident
+try:
+    import fcntl
+except ImportError:
+    fcntl = None
+# Linux's SIOCOUTQNSD (linux/sockios.h): bytes in a socket's send queue not sent yet
+_SIOCOUTQNSD = 0x894B if fcntl is not None and sys.platform.startswith("linux") else None
 # sends of a receive frame view at least this long go by reference (issue 20): see
 # Session._send_raw and Session._send_frame_view
 _BYREF_MIN = 32768
@@ -58,6 +65,17 @@ _DISCARD = 65536
 # frame clocks stop (rx.Rx.sweep)
 # (PAUSE_EOF: a half-closed peer waits for the replies its frames still queued for a worker)
 _SERVER_HOLDS = PAUSE_USER | PAUSE_BACKLOG | PAUSE_SHUTDOWN | PAUSE_EOF
+
+
+def _unsent(fd, _buf=bytes(4)):
+    """Bytes in the kernel's send queue of ``fd`` not sent yet (the peer's window is full):
+    ``SIOCOUTQNSD``; 0 where it cannot be asked."""
+    if _SIOCOUTQNSD is None:
+        return 0
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, _SIOCOUTQNSD, _buf), sys.byteorder)
+    except OSError:
+        return 0
 
 
 class SessionContext:
@@ -647,13 +665,19 @@ class Session:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        unsent = _unsent(self._fd)     # (before the FIN joins the queue)
         try:
             self._sock.shutdown(socket.SHUT_WR)
         except OSError:
             self._teardown()
             return
         got = self._drain_input()
-        if got is None:                 # EOF, error, or nothing unread: close now
+        if got is None or (not got and not unsent):
+            # EOF or an error; or nothing unread and the reply has left: close now.
+            # (Nothing unread *yet* while part of the reply still waits in the kernel for
+            # the peer's window is not enough: input the peer sends before it sees our FIN
+            # would reach a closed socket, whose kernel answers with a reset that drops the
+            # unsent rest of the reply -- so linger until the peer's EOF, or the timer.)
             self._teardown()
             return
         self._lingering = True
@@ -663,15 +687,15 @@ class Session:
                                             self._teardown)
 
     def _drain_input(self):
-        """Read and drop unread input.  None: EOF, an error, or nothing was there; else
-        the bytes dropped (more may come)."""
+        """Read and drop unread input.  None: EOF or an error; else the bytes dropped (0:
+        nothing was there; more may come)."""
         recv = self._sock.recv
         total = 0
         for _ in range(_LINGER_READS):
             try:
                 data = recv(_DISCARD)
             except (BlockingIOError, InterruptedError):
-                return total or None
+                return total
             except OSError:
                 return None
             if not data:
@@ -680,6 +704,7 @@ class Session:
         return total
 
     def _discard_input(self):
+        """The lingering close's read callback: the peer's EOF (or an error) ends it."""
         if self._drain_input() is None:
             self._teardown()
 
