@@ -210,3 +210,69 @@ def test_random_sizes_echo_twice_byte_for_byte(make_server, framing):
     wait_for(lambda: srv.stats()["connections"] == 0, 10, "the sessions closed")
     st = srv.stats()
     assert st["rx_frame_buffers_in_use"] == 0 and st["rx_raw_slots_in_use"] <= 1, st
+
+
+class SendThenLook(Handler):
+    """Echo; records the pending bytes right after each send of a large frame view."""
+
+    def __init__(self, shut_first=False):
+        self.after = []
+        self.closed = []
+        self.shut_first = shut_first
+
+    def on_connect(self, session):
+        session.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+
+    def on_read(self, session, data):
+        if self.shut_first:
+            session.socket.shutdown(socket.SHUT_WR)     # the write now fails (EPIPE)
+        session.send(data)
+        if data.nbytes >= 32768:
+            self.after.append(session.pending_bytes)
+
+    def on_close(self, session, exc):
+        self.closed.append(session.id)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("framing", ["raw", "u32"])
+def test_a_large_echo_is_handed_to_the_kernel_inside_send(make_server, connect, framing):
+    # A by-reference echo waited for the iteration's flush: each session served in the
+    # iteration kept its read slot (or frame buffer) pinned until then, so a burst of large
+    # echoes copied them in and out of memory that had left the CPU's cache.  Now send()
+    # writes it at once (as asyncio's write()): nothing is pending right after it.
+    h = SendThenLook()
+    srv = make_server(h, framing=framing, **({"max_frame": 1 << 20} if framing == "u32"
+                                             else {}))
+    c = connect(srv)
+    payload = bytes(range(256)) * 256             # 64 KiB
+    msg = payload if framing == "raw" else frame(payload, framing)
+    for _ in range(8):
+        c.sendall(msg)
+        assert recv_exact(c, len(msg), timeout=30) == msg
+    assert h.after and h.after == [0] * len(h.after), h.after
+    # (the echo can arrive before on_read has returned and its frame view was released)
+    wait_for(lambda: srv.stats()["rx_raw_slots_in_use"] == (1 if framing == "raw" else 0)
+             and srv.stats()["rx_frame_buffers_in_use"] == 0, what="the buffers back")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("framing", ["raw", "u32"])
+def test_a_large_echo_whose_write_fails_inside_send_aborts_and_returns_everything(
+        make_server, connect, framing):
+    # The close path of the write made inside send(): EPIPE there aborts the session (as
+    # the iteration's flush reports it), on_close runs once, and the read slot / frame
+    # buffer the echo referenced goes back (the fixture's leak checks after shutdown).
+    h = SendThenLook(shut_first=True)
+    srv = make_server(h, framing=framing, **({"max_frame": 1 << 20} if framing == "u32"
+                                             else {}))
+    c = connect(srv)
+    payload = bytes(range(256)) * 256
+    c.sendall(payload if framing == "raw" else frame(payload, framing))
+    wait_for(lambda: h.closed, what="the session closed")
+    assert len(h.closed) == 1
+    wait_for(lambda: srv.stats()["connections"] == 0, what="the connection gone")
+    wait_for(lambda: srv.stats()["rx_raw_slots_in_use"] == (1 if framing == "raw" else 0)
+             and srv.stats()["rx_frame_buffers_in_use"] == 0, what="the buffers back")
+    st = srv.stats()
+    assert st["closes"].get("reset", 0) + st["closes"].get("send error", 0) == 1, st["closes"]

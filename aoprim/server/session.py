@@ -230,6 +230,30 @@ class Session:
         except BaseException:
             self._abort("a frame could not be queued after its header", cause="send error")
             raise
+        return self._write_now(b)
+
+    def _write_now(self, b):
+        """After a large by-reference send (loop thread): hand the batch to the kernel now,
+        as asyncio's ``write()`` does, instead of at the iteration's end; returns the bytes
+        still pending.  A large echo has nothing to coalesce with, and waiting costs cache:
+        every session served in the iteration kept its own read slot (or frame buffer)
+        pinned until the flush, so a burst of 10 x 512 KiB echoes copied 5 MiB in and out
+        of memory that had left the CPU's cache, where writing at once frees the slot for
+        the next read while its bytes are still cached (issue 20).  Not while the socket is
+        waiting to be writable (the writer sends, in order), nor for a batch outside the
+        FlushGroup (TLS: it holds plaintext, encrypted by its own flush).  A write error is
+        handled as the iteration's flush reports one: the session is aborted."""
+        if self._writing or b.group is None:
+            return b.pending_bytes
+        try:
+            b.flush()
+        except OSError as e:
+            en = e.errno or errno.EIO
+            self._abort(f"send failed: {os.strerror(en)}",
+                        cause="reset" if en in _RESET_ERRNOS else "send error")
+            return 0
+        except RuntimeError:            # another thread holds the batch: the flush will
+            pass
         return b.pending_bytes
 
     def _send_raw(self, data):
@@ -251,7 +275,7 @@ class Session:
             b = self._batch
             if b.pending_bytes == 0 or 2 * data.nbytes >= self._ctx.arena.raw_read_size:
                 b.add(data)
-                p = b.pending_bytes
+                p = self._write_now(b)
             else:
                 p = b.add_copy(data)
         else:
