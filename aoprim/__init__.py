@@ -52,6 +52,7 @@ from aoprim._receiver import (Receiver, RxArena, RX_EOF, RX_ERROR, RX_TOO_LARGE,
 from aoprim._proxyproto import ProxyParser
 # the compiled Layer 1 event loop core (the server's "epoll" backend)
 from aoprim._eloop import EpollCore, EpollTimer
+from aoprim._tls import TLSConn, TLSFlush
 
 from aoprim._version import __version__  # noqa: E402  (one version, in aoprim/_version.py)
 
@@ -63,6 +64,7 @@ __all__ = [
     "SendBatch", "FlushGroup",
     "Receiver", "RxArena", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
     "RX_PROXY", "RX_PROXY_ERROR", "ProxyParser", "EpollCore", "EpollTimer",
+    "TLSConn", "TLSFlush",
     "get_include",
 ]
 

@@ -103,6 +103,16 @@ cdef class RxArena:
     cdef object _slot_or_heap(self)
 
 
+cdef class _RxSource:
+    # A compiled ``source`` (the server's TLS sessions, aoprim._tls): the Receiver calls
+    # c_read instead of source(view) -- no memoryview, no Python call.  Same contract as a
+    # Python source, in C: fill p[0:room) from the front; return the bytes written (> 0),
+    # 0 at the end of the stream, or -1 with *err set (EAGAIN: nothing there now; else the
+    # errno given to on_event as RX_ERROR).  An exception goes to sys.unraisablehook and
+    # reads as EIO, as a Python source's.
+    cdef ssize_t c_read(self, char *p, Py_ssize_t room, int *err) except -2
+
+
 cdef class Receiver:
     cdef RxArena arena           # the scratch to read into (None once closed)
     cdef object on_frame         # on_frame(owner, data); None once closed
@@ -141,6 +151,7 @@ cdef class Receiver:
     cdef object source           # None: recv from fd; else source(view) fills a writable
                                  #   view of the room and returns the bytes written, 0 at
                                  #   EOF, None when nothing is there, -errno on an error
+    cdef _RxSource csource       # source, when it is a compiled one (else None)
     cdef ProxyParser pp          # PROXY protocol: the header still expected, or None (off,
                                  #   or the header is done); its bytes never reach `own`
 

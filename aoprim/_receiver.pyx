@@ -643,6 +643,29 @@ cdef class RxArena:
 
 # ---- the receiver -------------------------------------------------------------------------
 
+cdef class _RxSource:
+    """Base of a compiled ``Receiver.source`` (see _receiver.pxd): the Receiver calls its
+    C-level c_read instead of calling it.  Calling one from Python reads into a writable
+    buffer through the same c_read (what a Python source returns)."""
+
+    cdef ssize_t c_read(self, char *p, Py_ssize_t room, int *err) except -2:
+        err[0] = EIO
+        return -1
+
+    def __call__(self, view):
+        cdef Py_buffer b
+        cdef int err = 0
+        cdef ssize_t n
+        PyObject_GetBuffer(view, &b, PyBUF_WRITABLE)
+        try:
+            n = self.c_read(<char *>b.buf, b.len, &err)
+        finally:
+            PyBuffer_Release(&b)
+        if n >= 0:
+            return n
+        return None if err == EAGAIN else -err
+
+
 @cython.final
 cdef class Receiver:
     """Receiver(arena, fd, header_size, max_frame, on_frame, on_event, owner,
@@ -827,6 +850,7 @@ cdef class Receiver:
         if v is not None and not callable(v):
             raise TypeError("source must be callable or None")
         self.source = v
+        self.csource = v if isinstance(v, _RxSource) else None
 
     @property
     def max_reads(self):
@@ -949,9 +973,17 @@ cdef class Receiver:
         p[0:room) (released right after: the source must not keep it).  Returns the bytes
         written (0: EOF), or -1 with *err set: EAGAIN for None, the errno for -errno, EIO
         for an exception of the source (reported to sys.unraisablehook)."""
-        cdef object v = PyMemoryView_FromMemory(p, room, PyBUF_WRITE)
+        cdef object v
         cdef object r
         cdef Py_ssize_t n
+        if self.csource is not None:     # compiled: no view, no Python call
+            try:
+                return self.csource.c_read(p, room, err)
+            except Exception as e:
+                _report(e)
+                err[0] = EIO
+                return -1
+        v = PyMemoryView_FromMemory(p, room, PyBUF_WRITE)
         try:
             r = self.source(v)
         except Exception as e:
@@ -1207,6 +1239,7 @@ cdef class Receiver:
         self.closed = True
         self.pp = None              # (a PROXY header still expected: no longer)
         self.source = None
+        self.csource = None
         try:
             self._drop_own()
         finally:

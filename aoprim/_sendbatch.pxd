@@ -128,6 +128,11 @@ cdef class SendBatch:
     cdef int c_add_ptr(self, const void *p, size_t n) noexcept nogil
     cdef int c_add_copy(self, const void *p, size_t n) noexcept nogil
     cdef Py_ssize_t c_flush(self) noexcept nogil
+    # take_view() / consume() without Python objects (the server's TLS flush, aoprim._tls):
+    # c_peek: the first unsent segment (valid until the next call on the batch), 0 when
+    # nothing is pending, else 1; c_consume(k): the first k bytes were written elsewhere
+    cdef int c_peek(self, char **p, Py_ssize_t *n) except -1
+    cdef int c_consume(self, Py_ssize_t k) except -1
 
     # internals (busy held by the caller)
     cdef int _room_segs(self) noexcept nogil

@@ -1072,25 +1072,36 @@ cdef class SendBatch:
         segment (a run of coalesced small messages is one segment; a message larger than
         ``copy_max`` is its own), or None when nothing is pending.  The view does not pin
         the batch's memory: it is valid only until the next call on this batch -- release
-        it before then (``consume`` first, or ``view.release()``)."""
-        cdef object v
-        if not _claim(self):
-            _raise_busy()
-        try:
-            if self.head == self.nseg:
-                return None
-            v = PyMemoryView_FromMemory(<char *>self.iov[self.head].iov_base,
-                                        <Py_ssize_t>self.iov[self.head].iov_len, PyBUF_READ)
-        finally:
-            _unclaim(self)
-        return v
+        it before then (``consume`` first, or ``view.release()``).  ``c_peek`` in C."""
+        cdef char *p
+        cdef Py_ssize_t n
+        if not self.c_peek(&p, &n):
+            return None
+        return PyMemoryView_FromMemory(p, n, PyBUF_READ)
 
     def consume(self, n):
         """Account for the first ``n`` pending bytes as written elsewhere (after
         ``take_view``): as a flush that wrote them -- messages completed, owners released,
         ``stats`` bytes/messages counted -- without a system call.  ValueError if ``n`` is
-        negative or more than is pending."""
-        cdef Py_ssize_t k = PyNumber_Index(n)
+        negative or more than is pending.  ``c_consume`` in C."""
+        self.c_consume(PyNumber_Index(n))
+
+    cdef int c_peek(self, char **p, Py_ssize_t *n) except -1:
+        # take_view() without the view: the first unsent segment's address and length
+        # (valid until the next call on this batch); 0 when nothing is pending, else 1
+        if not _claim(self):
+            _raise_busy()
+        try:
+            if self.head == self.nseg:
+                return 0
+            p[0] = <char *>self.iov[self.head].iov_base
+            n[0] = <Py_ssize_t>self.iov[self.head].iov_len
+        finally:
+            _unclaim(self)
+        return 1
+
+    cdef int c_consume(self, Py_ssize_t k) except -1:
+        # consume(k): the first k pending bytes are written elsewhere
         cdef Py_ssize_t old, h
         if not _claim(self):
             _raise_busy()
@@ -1104,6 +1115,7 @@ cdef class SendBatch:
                 self._commit_head(h)
         finally:
             _unclaim(self)
+        return 0
 
     def clear(self):
         """Drop everything pending (retained slots are released)."""

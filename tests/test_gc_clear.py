@@ -231,3 +231,43 @@ def test_refcount_on_zero_survives_the_gc_breaking_its_cycle(cybuild):
         assert m.FIRED == [1], m.FIRED
         print("OK")
     """, extra_path=[os.path.dirname(mod.__file__)])
+
+
+def test_tls_conn_cycle_collected_and_closed_conn_inert():
+    """TLSConn (aoprim._tls) and its session reference each other until the session's
+    teardown calls close(): a cycle the GC must be able to collect (tracked, traversed; the
+    session dies, its BIOs with it).  A TLSConn the GC cleared first has its object fields
+    None, as close() leaves them: every entry point then acts closed -- the receive source
+    reports EOF, mark/feed/on_readable/send_ct do nothing, the flush skips it."""
+    run_debug("""
+        import gc, socket, ssl, weakref
+        from aoprim import SendBatch, TLSConn, TLSFlush
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        class Sess:
+            pass
+        tls = TLSFlush()
+        a, b = socket.socketpair()
+        s = Sess()
+        inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        s.t = TLSConn(tls, s, a, ctx.wrap_bio(inc, out, server_side=True), inc, out,
+                      SendBatch(a, auto_flush=False), 65536)
+        w = weakref.ref(s)
+        del s, inc, out
+        gc.collect()
+        assert w() is None, "the TLSConn <-> session cycle was not collected"
+
+        s = Sess()
+        inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        t = TLSConn(tls, s, a, ctx.wrap_bio(inc, out, server_side=True), inc, out,
+                    SendBatch(a, auto_flush=False), 65536)
+        t.mark()
+        t.close()
+        assert t.pending == 0
+        assert t(bytearray(10)) == 0        # the source: EOF
+        t.mark(); t.feed(b"x"); t.on_readable()
+        assert t.send_ct() == 0
+        tls.flush()                         # marked before close: skipped
+        a.close(); b.close()
+        print("OK")
+    """)

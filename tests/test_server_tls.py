@@ -229,6 +229,50 @@ def test_max_pending_counts_unsent_ciphertext(make_server, tls_certs, caplog):
     assert any("max_pending" in r.getMessage() for r in caplog.records)
 
 
+class WorkerBursts(Handler):
+    """With workers: 250 KiB in reply to "a" (all of it encrypted by the next flush, little
+    of it sent: small socket buffers), then 100 KiB in reply to "b" -- a worker's send,
+    checked against max_pending (256 KiB) where it is queued.  The plaintext pending then is
+    0; the ciphertext not yet sent is most of the 250 KiB."""
+    def __init__(self):
+        self.closed_after = []
+
+    def on_connect(self, session):
+        session.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+    def on_read(self, session, data):
+        for c in bytes(data):
+            if c == ord("a"):
+                session.send(b"z" * (250 << 10))
+            elif c == ord("b"):
+                session.send(b"y" * (100 << 10))
+                self.closed_after.append(session.closed)
+
+
+def test_max_pending_counts_unsent_ciphertext_for_a_workers_send(make_server, tls_certs,
+                                                                 caplog):
+    """A send from a worker thread is checked against max_pending where it is queued: that
+    check must count the ciphertext not yet sent, as the loop thread's does (it counted the
+    plaintext only: the 100 KiB was accepted with ~250 KiB of ciphertext unsent, and below
+    the high-water mark nothing checked again -- the session stayed open above max_pending).
+    high_water is max_pending, so neither send alone takes the loop's _over_high path."""
+    h = WorkerBursts()
+    srv = make_server(h, ssl=tls_certs.server_ctx(), workers=1, max_pending=256 << 10,
+                      high_water=256 << 10)
+    s = tls_connect(srv, tls_certs.client_ctx())
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"a")
+        assert s.recv(1) == b"z"        # the 250 KiB was encrypted and began to leave
+        s.sendall(b"b")
+        wait_for(lambda: srv.stats()["connections"] == 0, 10, "cut for max_pending")
+    finally:
+        s.close()
+    assert h.closed_after == [True]     # refused in the worker's own send
+    assert srv.stats()["closes"].get("max_pending") == 1
+    assert any("max_pending" in r.getMessage() for r in caplog.records)
+
+
 class Chatty(Echo):
     def on_read(self, session, data):
         if bytes(data) == b"all":
@@ -427,13 +471,23 @@ def test_stats_count_tls_sends_and_ciphertext(make_server, tls_certs):
     assert srv.stats()["tls_bytes_out"] >= st["tls_bytes_out"]   # folded at teardown too
 
 
-class _Recording(list):
-    """A TLSFlush.dirty list that records the thread of every append."""
+class _SpyConn:
+    """A session's TLSConn (compiled, final) behind a wrapper that records the thread of
+    every mark() the session's Python makes; everything else goes to the real one."""
     threads = set()
 
-    def append(self, s):
-        _Recording.threads.add(threading.get_ident())
-        super().append(s)
+    def __init__(self, *args):
+        object.__setattr__(self, "real", _SpyConn.cls(*args))
+
+    def mark(self):
+        _SpyConn.threads.add(threading.get_ident())
+        self.real.mark()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.real, name, value)
 
 
 def test_raw_sends_from_workers_mark_dirty_on_the_loop_thread_only(make_server, tls_certs,
@@ -441,21 +495,16 @@ def test_raw_sends_from_workers_mark_dirty_on_the_loop_thread_only(make_server, 
     """A send from a worker thread is handed to the loop (foreign queue); only the loop
     thread may touch TLSFlush's dirty list (a worker appending to it raced the flush that
     swaps it: a session left marked and never flushed)."""
-    from aoprim.server.tls import TLSFlush
-    orig = TLSFlush.flush
-
-    def flush(self):
-        orig(self)
-        if type(self.dirty) is not _Recording:
-            self.dirty = _Recording(self.dirty)
-    monkeypatch.setattr(TLSFlush, "flush", flush)
-    _Recording.threads = set()
+    import aoprim.server.tls as tls_mod
+    _SpyConn.cls = tls_mod.TLSConn
+    _SpyConn.threads = set()
+    monkeypatch.setattr(tls_mod, "TLSConn", _SpyConn)
     srv = make_server(Echo(), ssl=tls_certs.server_ctx(), workers=2)
     with tls_connect(srv, tls_certs.client_ctx()) as s:
         for i in range(50):
             s.sendall(b"m%03d" % i)
             assert recv_exact(s, 4) == b"m%03d" % i
-    assert _Recording.threads == {srv.loop.thread_id}
+    assert _SpyConn.threads == {srv.loop.thread_id}
 
 
 def test_u16_large_frames_echo_by_reference(make_server, tls_certs):

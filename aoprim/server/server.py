@@ -167,7 +167,7 @@ class Server:
         flush = self._flusher.flush
         if st.ssl is not None:
             from .tls import RawTLSSession, TLSFlush, TLSSession
-            ctx.tls = TLSFlush()
+            ctx.tls = self._stats.tls = TLSFlush()
             flush = ctx.tls.flush       # every batch is a TLS session's: none in the group
             self._session_cls = RawTLSSession if st.framing == "raw" else TLSSession
         self._listener = Listener(loop, self._lsock, st, self._accept, self._has_room)

@@ -343,7 +343,9 @@ class Session:
         """Queue an item for the loop thread (any thread); False if it was dropped."""
         n = self._hs + (len(item) if type(item) is bytes else item.length)
         limit = self._ctx.settings.max_pending
-        ok = self._foreign.push(item, n, self._batch.pending_bytes, limit)
+        # pending_bytes: what max_pending counts (a TLS session's: plaintext not yet
+        # encrypted plus ciphertext not yet sent), as the loop thread's check does
+        ok = self._foreign.push(item, n, self.pending_bytes, limit)
         if ok is None:
             # max_pending, checked here where the send is queued (on the loop thread the
             # check runs in the send itself): this send and every later one are dropped

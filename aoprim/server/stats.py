@@ -26,11 +26,10 @@ class Stats:
         self.handler_errors = AtomicInt(0)
         self.closes = {}                # close cause -> count (reset, protocol, ...)
         self.batches = {"syscalls": 0, "messages": 0, "bytes": 0}
-        # TLS sessions (bumped at each send of ciphertext, loop thread): their sends are
-        # not the batches' (a TLS batch is encrypted, not written), and the bytes on the
-        # wire are not the plaintext bytes_out counts
-        self.tls_sends = 0
-        self.tls_bytes_out = 0
+        # a TLS server's TLSFlush (aoprim._tls), or None: it counts the sends of ciphertext
+        # (`sends`: not the batches' -- a TLS batch is encrypted, not written) and their
+        # bytes (`bytes_out`: the bytes on the wire are not the plaintext bytes_out counts)
+        self.tls = None
 
     def count_close(self, cause):
         self.closes[cause] = self.closes.get(cause, 0) + 1
@@ -60,7 +59,9 @@ class Stats:
             for k in agg:
                 agg[k] += st.get(k, 0)
         frames_out = fout + self.frames_out_x.load()
-        sends = agg["syscalls"] + self.tls_sends
+        tls = self.tls
+        tls_sends, tls_bytes = (tls.sends, tls.bytes_out) if tls is not None else (0, 0)
+        sends = agg["syscalls"] + tls_sends
         d = {
             "connections": len(sessions),
             "connections_total": self.connections_total,
@@ -71,7 +72,7 @@ class Stats:
             "recv_syscalls": reads + self.eofs,
             "send_syscalls": sends,
             "messages_per_send": (frames_out / sends) if sends else 0.0,
-            "tls_bytes_out": self.tls_bytes_out,
+            "tls_bytes_out": tls_bytes,
             "handler_errors": self.handler_errors.load(),
             "closes": dict(self.closes),
         }

@@ -1,0 +1,429 @@
+# cython: language_level=3, freethreading_compatible=True
+"""The server's per-message TLS path, compiled (issue 21): ``TLSConn`` and ``TLSFlush``.
+
+``aoprim.server.tls`` owns the TLS policy -- the handshake, ``close_notify``, timeouts,
+errors and what they close -- in Python; what runs once per message is here, without a
+Python frame (as uvloop's sslproto is Cython over the same ``ssl`` objects):
+
+- **Receive.** A ``TLSConn`` is its Receiver's compiled ``source`` (``_RxSource``: the
+  Receiver calls ``c_read`` with the receive slot's free room, no memoryview made for it
+  and no Python call).  ``c_read`` decrypts into that room with the ``SSLObject``'s C-level
+  ``read(n, buffer)`` (``ssl.SSLObject._sslobj``, the ``_ssl`` object every
+  ``SSLObject`` method forwards to); when OpenSSL holds nothing it first pulls ciphertext
+  with one ``recv`` (MSG_DONTWAIT) into the server's shared scratch and hands it to the
+  incoming ``MemoryBIO``.  No second ``recv`` in a readiness event after a short one (the
+  socket is empty then).  The ciphertext's record boundaries are followed (``rec_begun``:
+  a begun record is a begun frame for the frame clock).  ``on_readable`` is the session's
+  read callback once the handshake is done.
+- **Send.** ``TLSFlush.flush`` is the loop's iteration hook: for each session marked dirty
+  (``mark``), ``c_flush`` sends the ciphertext still owed, and only once it all left encrypts
+  the batch's pending plaintext segment by segment (``SendBatch.c_peek``/``c_consume``: a
+  run of coalesced small frames is one segment, so one ``write`` and one record per 16 KiB;
+  a large payload is encrypted from its own memory) up to ``budget`` plaintext bytes, reads
+  the outgoing BIO once and sends it with one ``send`` (MSG_DONTWAIT | MSG_NOSIGNAL).  The
+  session's Python (``_tls_flushed``) runs only when the status is not 0 (would block, the
+  budget used up, an error) or the batch is watched (closing, back-pressure, write limits);
+  an exception goes to ``_tls_failed``.
+- **Counting.** ``pending`` is the ciphertext taken from the BIO and not yet sent (an atomic,
+  read from any thread: ``max_pending`` counts it with the plaintext not yet encrypted);
+  ``TLSFlush.sends`` / ``bytes_out`` the sends of ciphertext and their bytes.
+
+Threads: everything but ``pending`` runs on the loop thread (the session's Python marks a
+session dirty there only).  No state here relies on the GIL: the one field read elsewhere
+is atomic.
+
+GC: a ``TLSConn`` and its session reference each other until ``close()`` (the session's
+teardown) drops every reference it holds.  A GC clear that reaches a ``TLSConn`` first sets
+its object fields to None: every entry point checks for that (``_gone``) and then acts as
+closed (``c_read`` reports EOF, ``c_flush`` and ``on_readable`` do nothing).
+"""
+cimport cython
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.buffer cimport PyBuffer_FillInfo
+from libc.stdint cimport int64_t
+from libc.errno cimport errno, EAGAIN, EINTR, EPROTO, EBADF
+
+from aoprim._receiver cimport Receiver, _RxSource
+from aoprim._sendbatch cimport SendBatch, _get
+from aoprim.atomic_h cimport aop_atomic_i64, aop_load_i64, aop_store_i64, AOP_RELAXED
+
+import ssl
+
+cdef extern from "<errno.h>":
+    int EWOULDBLOCK
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t recv(int fd, void *buf, size_t n, int flags)
+    ssize_t send(int fd, const void *buf, size_t n, int flags)
+    int MSG_DONTWAIT
+    int MSG_NOSIGNAL
+
+cdef object _WantRead = ssl.SSLWantReadError
+cdef object _ZeroReturn = ssl.SSLZeroReturnError
+cdef object _EOFError = ssl.SSLEOFError
+cdef object _SSLError = ssl.SSLError
+
+cdef Py_ssize_t SCRATCH = 1 << 16      # ciphertext read per recv (a few records)
+
+
+cdef inline void _set(aop_atomic_i64 *a, int64_t v) noexcept nogil:
+    # relaxed store: written by the loop thread only; other threads read it (relaxed) as an
+    # approximate figure (max_pending's check), and no other memory is published through it
+    aop_store_i64(a, v, AOP_RELAXED)
+
+
+@cython.final
+cdef class _Window:
+    """A buffer over memory of ours (the receive slot, the send batch, the scratch), pointed
+    anew before each call into ``_ssl`` / ``MemoryBIO`` instead of a new memoryview per
+    call.  Valid only during that call (those calls release their buffer before they
+    return); never re-pointed while an export of it lives (``_point`` checks)."""
+
+    def __getbuffer__(self, Py_buffer *b, int flags):
+        PyBuffer_FillInfo(b, self, self.ptr, self.len, not self.writable, flags)
+        self.exports += 1
+
+    def __releasebuffer__(self, Py_buffer *b):
+        self.exports -= 1
+
+
+cdef inline _Window _point(_Window w, char *p, Py_ssize_t n, bint writable):
+    if w.exports:
+        raise BufferError("TLS window still exported")
+    w.ptr = p
+    w.len = n
+    w.writable = writable
+    return w
+
+
+cdef class TLSFlush:
+    """The per-iteration flush of a TLS server (one per server, loop thread): every dirty
+    session's batch encrypted and sent.  ``scratch``: the ciphertext ``recv`` buffer all its
+    sessions share (one thread); never resized."""
+
+    def __init__(self):
+        self.dirty = []
+        self.spare = []
+        self.win = _Window()
+        self.scratch = bytearray(SCRATCH)
+        self.sptr = PyByteArray_AS_STRING(self.scratch)
+
+    @property
+    def sends(self):
+        # relaxed: a counter read for stats()
+        return aop_load_i64(&self.nsends, AOP_RELAXED)
+
+    @property
+    def bytes_out(self):
+        # relaxed: a counter read for stats()
+        return aop_load_i64(&self.nbytes, AOP_RELAXED)
+
+    def flush(self):
+        """The iteration hook: c_flush each dirty session; its Python only for a status,
+        a watched batch or an exception."""
+        cdef list d = self.dirty
+        cdef TLSConn c
+        cdef Py_ssize_t status
+        if not d:
+            return
+        # marks made during this flush go to the other list (no list made per flush)
+        self.dirty = self.spare if self.spare is not None else []   # ([]: a nested flush)
+        self.spare = None
+        try:
+            self._flush(d)
+        finally:
+            del d[:]
+            self.spare = d
+
+    cdef int _flush(self, list d) except -1:
+        cdef TLSConn c
+        cdef Py_ssize_t status
+        for o in d:
+            c = <TLSConn>o
+            c.dirty = False
+            if c._gone():
+                continue
+            try:
+                status = c.c_flush()
+            except Exception as e:      # this session's failure must not stop the others
+                if not c._gone():
+                    c.sess._tls_failed(e)
+                continue
+            if (status or c.batch.watched) and not c._gone():
+                c.sess._tls_flushed(status)
+        return 0
+
+
+cdef class TLSConn(_RxSource):
+    """One TLS session's per-message work (see the module docstring):
+    ``TLSConn(tls, session, sock, sslobj, incoming, outgoing, batch, budget)``, then
+    ``attach(receiver)``.  ``app``: application data may be encrypted (the session sets it
+    once the handshake is done, clears it when it writes ``close_notify``)."""
+
+    def __init__(self, TLSFlush tls, sess, sock, sslobj, inc, out, SendBatch batch,
+                 Py_ssize_t budget):
+        cdef object so = sslobj._sslobj  # the _ssl object (C) every SSLObject method calls
+        self.tls = tls
+        self.sess = sess
+        self.batch = batch
+        self.fileno = sock.fileno
+        self.inc = inc
+        self.out = out
+        self._read = so.read
+        self._write = so.write
+        self._pending = so.pending
+        self._inc_write = inc.write
+        self._out_read = out.read
+        self.budget = budget if budget > 0 else 1
+
+    def attach(self, Receiver rx):
+        """Become ``rx``'s source."""
+        self.rx = rx
+        rx.source = self        # (the C field: typed access bypasses the property)
+        rx.csource = self       # c_read called directly, no view, no Python call
+
+    cdef bint _gone(self) noexcept:
+        # closed, or a GC clear set the object fields to None
+        return self.closed or self._read is None
+
+    # -- state read by the session's Python ------------------------------------------------
+    @property
+    def pending(self):
+        """Ciphertext taken from the outgoing BIO and not yet sent (any thread)."""
+        # relaxed: an approximate figure off the loop thread (see _set)
+        return aop_load_i64(&self.ct_left, AOP_RELAXED)
+
+    @property
+    def rec_begun(self):
+        """Bytes of a begun, unfinished record: still to come plus a partial header."""
+        return self.rec_left + self.rec_hn
+
+    def mark(self):
+        """Have this session flushed at the end of this iteration (loop thread)."""
+        if not self.dirty and not self._gone():
+            self.dirty = True
+            self.tls.dirty.append(self)
+
+    def close(self):
+        """The session's teardown: drop every reference (breaks the cycle with it)."""
+        self.closed = True
+        self.sess = self.rx = self.batch = None
+        self.fileno = self.inc = self.out = None
+        self._read = self._write = self._pending = self._inc_write = self._out_read = None
+        self.ct = None
+        _set(&self.ct_left, 0)
+
+    # -- receive ---------------------------------------------------------------------------
+    def feed(self, data):
+        """Ciphertext read by the session itself (the handshake) into the incoming BIO."""
+        cdef const unsigned char[::1] v = data
+        if self._gone():
+            return
+        if v.shape[0]:
+            self._records(&v[0], v.shape[0])
+        self.idle = False
+        self._inc_write(data)
+
+    cdef void _records(self, const unsigned char *d, Py_ssize_t n) noexcept:
+        # follow the record boundaries (5-byte headers: type, version, length): OpenSSL
+        # takes a partial record out of the incoming BIO into a buffer of its own, and the
+        # frame clock must still see it as begun.  A few steps per record, none per byte.
+        cdef Py_ssize_t i = 0, k
+        cdef Py_ssize_t left = self.rec_left
+        cdef int hn = self.rec_hn
+        while i < n:
+            if left:
+                k = n - i if n - i < left else left
+                left -= k
+                i += k
+            else:
+                self.rec_hdr[hn] = d[i]
+                hn += 1
+                i += 1
+                if hn == 5:
+                    left = (<Py_ssize_t>self.rec_hdr[3] << 8) | self.rec_hdr[4]
+                    hn = 0
+        self.rec_left = left
+        self.rec_hn = hn
+
+    cdef int _pull(self) except -1:
+        # ciphertext from the socket into the incoming BIO: 1 when some came, 0 when there
+        # is none now or the stream ended (EOF or an error: has_end says so)
+        cdef int fd
+        cdef ssize_t n
+        cdef int e
+        fd = self.fileno()
+        if fd < 0:
+            self.has_end = True
+            self.end = -EBADF
+            return 0
+        while True:
+            n = recv(fd, self.tls.sptr, <size_t>SCRATCH, MSG_DONTWAIT)
+            if n >= 0:
+                break
+            e = errno
+            if e == EINTR:
+                continue
+            if e == EAGAIN or e == EWOULDBLOCK:
+                self.drained = True
+            else:
+                self.has_end = True
+                self.end = -e
+            return 0
+        if n:
+            self.raw_in += n
+            self._records(<const unsigned char *>self.tls.sptr, n)
+            self._inc_write(_point(self.tls.win, self.tls.sptr, n, False))
+            # a short read emptied the socket: the next recv of this event would be EAGAIN
+            self.drained = n < SCRATCH
+            return 1
+        # the peer's EOF: an EOF of the stream, told to OpenSSL never -- fed to the incoming
+        # BIO it is UNEXPECTED_EOF_WHILE_READING, a fatal error: a decode_error alert instead
+        # of our close_notify, and every later write fails, so replies still owed (from
+        # workers, or beyond the flush budget) would be dropped.  (A record cut short by it
+        # is dropped, as a plain session drops a frame cut short.)
+        self.has_end = True
+        self.end = 0
+        return 0
+
+    cdef ssize_t c_read(self, char *p, Py_ssize_t room, int *err) except -2:
+        # decrypt into p[0:room) (the Receiver's source; see _RxSource)
+        cdef Py_ssize_t k = 0, got
+        cdef bint short = False      # the last read returned less than asked: its record
+                                     # is used up, so OpenSSL holds no decrypted byte
+        cdef object r
+        if not self.has_end and self._gone():
+            self.has_end = True
+            self.end = 0
+        if self.has_end:
+            if self.end == 0:
+                return 0
+            err[0] = -self.end
+            return -1
+        while k < room:
+            # ciphertext first when OpenSSL holds nothing (no SSLWantReadError to raise and
+            # catch on every burst), and no recv once this event found the socket empty.
+            # idle: known to hold nothing (the last c_read ended so), no need to ask
+            if self.idle or (not self.inc.pending and (short or not self._pending())):
+                self.idle = True
+                if self.drained or not self._pull():
+                    break
+            self.idle = False
+            try:
+                r = self._read(room - k, _point(self.tls.win, p + k, room - k, True))
+            except _WantRead:           # a partial record: more ciphertext needed
+                if self.drained or not self._pull():
+                    break
+                continue
+            except (_ZeroReturn, _EOFError):    # close_notify, or EOF without it: an EOF
+                self.has_end = True
+                self.end = 0
+                break
+            except _SSLError as e:
+                self.tls_reason = e.reason or str(e)
+                self.has_end = True
+                self.end = -EPROTO
+                break
+            got = r
+            if not got:
+                self.has_end = True
+                self.end = 0
+                break
+            short = got < room - k
+            k += got
+        self.more = k == room
+        if k:
+            return k
+        if self.has_end:
+            if self.end == 0:
+                return 0
+            err[0] = -self.end
+            return -1
+        err[0] = EAGAIN
+        return -1
+
+    def on_readable(self):
+        """The session's read callback once the handshake is done."""
+        if self._gone():
+            return
+        self.drained = False
+        self.rx.c_on_readable()
+        if self._gone():
+            return
+        if not self.dirty and self.out.pending:
+            self.mark()                 # a read made the TLS layer write (KeyUpdate, alert)
+        if self.more:
+            self.sess._tls_more()       # decrypted bytes still wait (no readiness event)
+
+    # -- send ------------------------------------------------------------------------------
+    cdef Py_ssize_t c_flush(self) except? -1:
+        # send what is owed; then encrypt pending plaintext (within the budget) and send it.
+        # 0 all sent, 1 some left (would block, or the budget used up), -errno
+        cdef Py_ssize_t status, w, n, done = 0
+        cdef char *p
+        cdef SendBatch b = self.batch
+        if self.ct is not None:
+            status = self._send_ct()
+            if status:
+                return status
+        if self.app:
+            while done < self.budget and b.c_peek(&p, &n):
+                w = self._write(_point(self.tls.win, p, n, False))  # records of up to 16 KiB
+                b.c_consume(w)
+                done += w
+        status = self._send_ct()
+        if status == 0 and self.app and _get(&b.pend_bytes):
+            status = 1          # the budget was used up: go on when writable
+        return status
+
+    def send_ct(self):
+        """What the outgoing BIO holds (and what is left), sent with one send: 0 all sent,
+        1 some left, -errno.  (The session's close_notify and alerts.)"""
+        if self._gone():
+            return 0
+        return self._send_ct()
+
+    cdef Py_ssize_t _send_ct(self) except? -1:
+        cdef object ct = self.ct
+        cdef Py_ssize_t off, size
+        cdef ssize_t n
+        cdef int fd, e
+        if ct is None:
+            ct = self._out_read()
+            if not PyBytes_GET_SIZE(ct):
+                return 0
+            self.ct = ct
+            self.ct_off = 0
+        off = self.ct_off
+        size = PyBytes_GET_SIZE(ct)
+        fd = self.fileno()
+        _set(&self.tls.nsends, aop_load_i64(&self.tls.nsends, AOP_RELAXED) + 1)
+        if fd < 0:
+            n = -1
+            e = EBADF
+        else:
+            while True:
+                n = send(fd, PyBytes_AS_STRING(ct) + off, <size_t>(size - off),
+                         MSG_DONTWAIT | MSG_NOSIGNAL)
+                if n >= 0:
+                    break
+                e = errno
+                if e != EINTR:
+                    break
+        if n < 0:
+            if e == EAGAIN or e == EWOULDBLOCK:
+                n = 0
+            else:
+                self.ct = None
+                _set(&self.ct_left, 0)
+                return -e
+        _set(&self.tls.nbytes, aop_load_i64(&self.tls.nbytes, AOP_RELAXED) + n)
+        off += n
+        if off < size:
+            self.ct_off = off
+            _set(&self.ct_left, size - off)
+            return 1
+        self.ct = None
+        _set(&self.ct_left, 0)
+        return 0
