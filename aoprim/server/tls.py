@@ -133,11 +133,22 @@ class TLSSession(Session):
         return super().get_extra_info(name, default)
 
     def send(self, data):
-        Session.send(self, data)
-        # marked on the loop thread only: a send from another thread was queued for the
-        # loop, whose _drain_foreign marks the session (the dirty list is the loop's)
-        if _get_ident() == self._loop.thread_id:
-            self._t.mark()
+        if self._state or (type(data) is memoryview and data.nbytes >= _BYREF_MIN):
+            Session.send(self, data)
+            # marked on the loop thread only: a send from another thread was queued for the
+            # loop, whose _drain_foreign marks the session (the dirty list is the loop's)
+            if _get_ident() == self._loop.thread_id:
+                self._t.mark()
+            return
+        # Session.send's add_frame path, inline (one frame less per message)
+        p = self._batch.add_frame(data, self._hs)
+        if p < 0:
+            self._send_slow(data)           # another thread: queued for the loop
+            return
+        self._nout += 1                     # (>= 0: the loop thread, the batch's owner)
+        self._t.mark()
+        if p > self._hw:
+            self._over_high()
 
     def send_broadcast(self, item):
         if Session.send_broadcast(self, item):
