@@ -15,8 +15,9 @@ that asyncio's Python code and callers see asyncio's loop:
   reader / writer, as ``_process_events``), due timers queued (``time() +
   _clock_resolution``), then exactly the handles queued so far run, in order: asyncio's
   own ``Handle`` / ``TimerHandle`` by ``_run_handle`` (``Handle._run`` in C: its slots
-  read, the callback called in its Context, an exception to the loop's exception handler
-  with ``Handle._run``'s context dict), any other handle type by its own ``_run()``;
+  read, the callback called in its Context -- a stream transport's compiled reader by a
+  cdef call -- an exception to the loop's exception handler with ``Handle._run``'s context
+  dict), any other handle type by its own ``_run()``;
 - the wait: as ``selectors.EpollSelector.select``: ``epoll_wait`` for at most
   ``max(len(_fd_to_key), 1)`` events, the timeout rounded up to the millisecond; EINTR runs
   the signal handlers (one that raises ends the iteration, as out of ``epoll.poll``) and
@@ -41,6 +42,7 @@ from cpython.tuple cimport PyTuple_CheckExact, PyTuple_Check, PyTuple_GET_SIZE
 from cpython.contextvars cimport PyContext_CheckExact
 
 from aoprim._aiowrite cimport SleepFlag
+from aoprim._aiotransport cimport TransportReader
 from aoprim.atomic_h cimport aop_store_u32, AOP_SEQ_CST
 
 import sys as _sys
@@ -76,6 +78,9 @@ cdef extern from *:
     PyObject *Py_True
     PyObject *PyTuple_GET_ITEM_B "PyTuple_GET_ITEM" (object t, Py_ssize_t i)
     PyObject *Py_False
+    int aio_ctx_enter "PyContext_Enter"(object ctx) except -1
+    int aio_ctx_exit "PyContext_Exit"(object ctx) except -1
+    Py_ssize_t aio_tuple_size "PyTuple_GET_SIZE"(object t)
     Py_ssize_t aio_member_offset(object descr)
     PyObject *aio_slot(object o, Py_ssize_t off)
     object aio_call_in_context(object ctx, object cb, object args)
@@ -344,11 +349,28 @@ cdef int _report(object handle, object exc) except -1:
     return 0
 
 
+cdef int _read_in_context(object ctx, TransportReader reader) except -1:
+    """``ctx.run(reader)`` for a stream transport's compiled reader (step 3): the same
+    Context enter / exit as ``aio_call_in_context``, and a cdef call of its read instead of
+    the vectorcall (no argument tuple parsed, no ``__call__`` wrapper)."""
+    aio_ctx_enter(ctx)
+    try:
+        reader.read_ready()
+    finally:
+        aio_ctx_exit(ctx)
+    return 0
+
+
 cdef int _call(object handle, object cb, object args, object ctx) except -1:
     """``Handle._run`` after its slots are read: ``ctx.run(cb, *args)``; an exception other
-    than SystemExit / KeyboardInterrupt (which propagate) goes to the exception handler."""
+    than SystemExit / KeyboardInterrupt (which propagate) goes to the exception handler.  A
+    transport's compiled reader (exactly a ``TransportReader``, no arguments: what the
+    transport registers) is read by a cdef call."""
     try:
-        aio_call_in_context(ctx, cb, args)
+        if type(cb) is TransportReader and aio_tuple_size(args) == 0:
+            _read_in_context(ctx, <TransportReader>cb)
+        else:
+            aio_call_in_context(ctx, cb, args)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:
@@ -366,9 +388,10 @@ cdef int _run_handle(object handle) except -1:
     ``_run()``, as do handles whose slots are not what ``Handle.__init__`` stores (a
     context that is not a ``contextvars.Context``, args that are not a tuple).
 
-    Step 3 (docs/aio-compiled.md) extends this function: a callback of a compiled type
-    (the transport's reader) is recognised by its exact type, here, and called by a cdef
-    call inside the same Context enter / exit instead of the vectorcall.
+    Step 3 (docs/aio-compiled.md): a callback of a compiled type (the stream transport's
+    reader, ``aoprim._aiotransport.TransportReader``) is recognised by its exact type in
+    ``_call`` and read by a cdef call inside the same Context enter / exit instead of the
+    vectorcall.
 
     Single-threaded by the loop's contract: a handle is cancelled by the loop's thread
     (asyncio's Handle.cancel is not thread-safe either), so the borrowed slot reads are not

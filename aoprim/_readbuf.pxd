@@ -14,3 +14,4 @@ cdef class ReadBuffer:
     cdef int npool               # slots created so far (0 .. POOL_MAX)
     cdef PyObject *pool[16]      # the slots: bytes objects of cap bytes, one reference each
     cdef PyObject *_free_slot(self) noexcept
+    cdef bytes c_recv(self, object sock)

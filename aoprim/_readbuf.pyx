@@ -151,6 +151,11 @@ cdef class ReadBuffer:
         ``sock``: the bytes read, b'' at end of stream.  Errors raise OSError as
         ``socket.recv`` raises them (BlockingIOError: nothing to read now); EINTR is
         retried after running signal handlers."""
+        return self.c_recv(sock)
+
+    cdef bytes c_recv(self, object sock):
+        """recv_bytes() for C callers (aoprim._aiotransport's reader): the same call, no
+        method lookup."""
         cdef ssize_t n
         cdef PyObject *slot
         cdef object new
@@ -187,7 +192,7 @@ cdef class ReadBuffer:
             aop_rb_shrink(slot, n)
             aop_store_i64(&self.st_pooled,
                           aop_load_i64(&self.st_pooled, AOP_RELAXED) + 1, AOP_RELAXED)
-            return <object>slot             # a new reference for the caller
+            return <bytes>slot              # a new reference for the caller
         finally:
             # release: publishes the buffer, its pool (and the counters) to the next claimer
             aop_store_u32(&self.busy, 0, AOP_RELEASE)

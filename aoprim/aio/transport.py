@@ -53,23 +53,23 @@ asyncio's semantics, and how they map here:
 """
 import os
 import socket
+from operator import attrgetter as _attrgetter
 from threading import get_ident as _get_ident
 
 from asyncio import constants as _constants
-from asyncio import protocols as _protocols
 from asyncio import transports as _transports
 from asyncio import trsock as _trsock
 from asyncio.log import logger
 
 from aoprim import SendBatch
 from aoprim._aiowrite import TransportWriter
+from aoprim._aiotransport import TransportReader
 
 IOV_MAX = 1024                   # segments one sendmsg takes (the kernel's UIO_MAXIOV)
 
 __all__ = ["SocketTransport"]
 
 _BYTES_LIKE = (bytes, bytearray, memoryview)
-_BufferedProtocol = _protocols.BufferedProtocol
 
 
 def _server_takes_transport():
@@ -135,7 +135,10 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self.write = self._writer.write
         super().__init__(extra, loop)
         self._group = loop._aio_group
-        self._recv = loop._aio_rbuf.recv_bytes    # recv_bytes(sock): the loop's read memory
+        # the read side (aoprim._aiotransport): the fd's reader callback itself, compiled;
+        # it holds _protocol, _buffered and _conn_lost (the properties below)
+        self._reader = TransportReader(self, sock, loop._aio_rbuf)
+        self._read_ready = self._reader
         self._blocked = False            # writer registered, batch out of the group
         self._extra['socket'] = _TransportSocket(sock, batch)
         try:
@@ -150,10 +153,9 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self._sock = sock
         self._sock_fd = sock.fileno()
         self._protocol_connected = False
-        self._buffered = False
         self.set_protocol(protocol)
         self._server = server
-        self._conn_lost = 0              # set when the call to connection_lost is scheduled
+        # _conn_lost (the reader's conn_lost, 0): set when connection_lost is scheduled
         self._closing = False            # set when close() is called
         self._paused = False             # set when pause_reading() is called
         self._eof = False
@@ -217,9 +219,18 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
             # resume_writing() and the new one never gets a resume it was not paused for.
             self._flush_now()
             self._maybe_resume_protocol()
-        self._buffered = isinstance(protocol, _BufferedProtocol)
-        self._protocol = protocol
+        self._reader.set_protocol(protocol)     # _protocol, and _buffered
         self._protocol_connected = True
+
+    # The read side's state, kept by the compiled reader (read without a Python frame)
+    _protocol = property(_attrgetter("_reader.protocol"),
+                         lambda self, protocol: self._reader.set_protocol(protocol))
+    _buffered = property(_attrgetter("_reader.buffered"),
+                         doc="The protocol is a BufferedProtocol: reads use get_buffer().")
+    _conn_lost = property(_attrgetter("_reader.conn_lost"),
+                          lambda self, n: setattr(self._reader, "conn_lost", n),
+                          doc="Set when the call to connection_lost is scheduled; then "
+                              "counts writes made after it.")
 
     def get_protocol(self):
         return self._protocol
@@ -583,6 +594,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         finally:
             self._sock.close()
             self._sock = None
+            self._reader.sock = None
             self._protocol = None
             self._loop = None
             server = self._server
@@ -612,62 +624,9 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
 
     # ---- read side ---------------------------------------------------------------------------
 
-    def _read_ready(self):
-        if self._buffered:
-            self._read_ready__get_buffer()
-            return
-        if self._conn_lost:
-            return
-        try:
-            data = self._recv(self._sock)
-        except (BlockingIOError, InterruptedError):
-            return
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            self._fatal_error(exc, 'Fatal read error on socket transport')
-            return
-        if not data:
-            self._read_ready__on_eof()
-            return
-        try:
-            self._protocol.data_received(data)
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            self._fatal_error(
-                exc, 'Fatal error: protocol.data_received() call failed.')
-
-    def _read_ready__get_buffer(self):
-        if self._conn_lost:
-            return
-        try:
-            buf = self._protocol.get_buffer(-1)
-            if not len(buf):
-                raise RuntimeError('get_buffer() returned an empty buffer')
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            self._fatal_error(exc, 'Fatal error: protocol.get_buffer() call failed.')
-            return
-        try:
-            nbytes = self._sock.recv_into(buf)
-        except (BlockingIOError, InterruptedError):
-            return
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            self._fatal_error(exc, 'Fatal read error on socket transport')
-            return
-        if not nbytes:
-            self._read_ready__on_eof()
-            return
-        try:
-            self._protocol.buffer_updated(nbytes)
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            self._fatal_error(exc, 'Fatal error: protocol.buffer_updated() call failed.')
+    # _read_ready: the compiled reader (aoprim._aiotransport.TransportReader), set in
+    # __init__; a plain protocol's data and a BufferedProtocol's get_buffer() /
+    # buffer_updated() are handled there, end of stream here
 
     def _read_ready__on_eof(self):
         if self._loop.get_debug():
