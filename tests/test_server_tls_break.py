@@ -103,3 +103,50 @@ def test_close_with_the_reply_in_flight_survives_late_input(make_server, tls_cer
     finally:
         s.close()
     wait_for(lambda: srv.stats()["connections"] == 0, what="closed")
+
+
+class PauseOnConnect(Echo):
+    """on_connect pauses reading; the test resumes it (from another thread)."""
+
+    def __init__(self):
+        self.sessions = []
+
+    def on_connect(self, session):
+        session.pause_reading()
+        self.sessions.append(session)
+
+
+def test_request_in_the_handshakes_last_flight_is_read_after_resume(make_server, tls_certs):
+    """The client's request arrives in the same TCP write as its handshake Finished, and
+    on_connect pauses reading (say, to check something first); once reading resumes the
+    request is answered -- as over plain TCP, where it waits in the socket.  Before: the
+    request's record sat in the incoming BIO, no readiness event was to come for it, and
+    resume_reading() did not look there: the session stalled for good."""
+    h = PauseOnConnect()
+    srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx())
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = tls_certs.client_ctx().wrap_bio(inc, out, server_hostname="localhost")
+    with socket.create_connection(srv.address, timeout=10) as s:
+        while True:
+            try:
+                obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                pass
+            if out.pending:
+                s.sendall(out.read())
+            inc.write(s.recv(65536))
+        obj.write(struct.pack(">H", 5) + b"hello")
+        s.sendall(out.read())           # Finished + the request: one write
+        wait_for(lambda: h.sessions, what="on_connect")
+        h.sessions[0].resume_reading()
+        got = b""
+        while len(got) < 7:
+            d = s.recv(65536)
+            assert d, "EOF before the reply"
+            inc.write(d)
+            try:
+                got += obj.read(65536)
+            except ssl.SSLWantReadError:
+                pass
+        assert got == struct.pack(">H", 5) + b"hello"

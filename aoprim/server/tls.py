@@ -175,7 +175,10 @@ class TLSSession(Session):
 
     def _reading_resumed(self):
         Session._reading_resumed(self)
-        if self._t.more:
+        # decrypted bytes held in OpenSSL, or whole records waiting in the incoming BIO (the
+        # request that came with the handshake's last flight while on_connect paused): no
+        # readiness event will announce them
+        if self._t.more or (self._hs_done and (self._inc.pending or self._sslobj.pending())):
             self._loop.call_soon(self._deliver_held)
 
     def _rx_event(self, owner, code, arg):
