@@ -1,6 +1,6 @@
 import socket
 import ssl
-from typing import Any
+from typing import Any, final
 
 from aoprim._receiver import Receiver
 from aoprim._sendbatch import SendBatch
@@ -17,7 +17,7 @@ class TLSFlush:
     @property
     def bytes_out(self) -> int: ...
 
-@disjoint_base
+@final
 class TLSConn:
     def __new__(cls, tls: TLSFlush, sess: Any, sock: socket.socket, sslobj: ssl.SSLObject,
                 inc: ssl.MemoryBIO, out: ssl.MemoryBIO, batch: SendBatch,

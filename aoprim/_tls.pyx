@@ -102,7 +102,7 @@ cdef class TLSFlush:
     session's batch encrypted and sent.  ``scratch``: the ciphertext ``recv`` buffer all its
     sessions share (one thread); never resized."""
 
-    def __init__(self):
+    def __cinit__(self):
         self.dirty = []
         self.spare = []
         self.win = _Window()
@@ -161,8 +161,8 @@ cdef class TLSConn(_RxSource):
     ``attach(receiver)``.  ``app``: application data may be encrypted (the session sets it
     once the handshake is done, clears it when it writes ``close_notify``)."""
 
-    def __init__(self, TLSFlush tls, sess, sock, sslobj, inc, out, SendBatch batch,
-                 Py_ssize_t budget):
+    def __cinit__(self, TLSFlush tls, sess, sock, sslobj, inc, out, SendBatch batch,
+                  Py_ssize_t budget):
         cdef object so = sslobj._sslobj  # the _ssl object (C) every SSLObject method calls
         self.tls = tls
         self.sess = sess
