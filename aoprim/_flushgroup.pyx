@@ -18,10 +18,20 @@ from aoprim.atomic_h cimport (
 from aoprim._sendbatch cimport (
     SendBatch, _GroupBase, aop_sb_owner, aop_sb_would_block, SB_COPY, SB_BYTES,
     _get, _add, _claim, _unclaim, _raise_busy, _release_owner, _positive, _sock_pin,
-    _sock_unpin,
+    _sock_unpin, _sock_closing,
 )
 cdef extern from "<sys/socket.h>" nogil:
     enum: MSG_DONTWAIT
+cdef extern from *:
+    """
+    #ifdef Py_GIL_DISABLED
+    #define AOP_FG_GIL_BUILD 0
+    #else
+    #define AOP_FG_GIL_BUILD 1
+    #endif
+    """
+    # 1 when this build has a GIL (3.11, 3.12, a default 3.13): see the lone write below
+    const bint AOP_FG_GIL_BUILD
 cimport cython
 
 import socket as _socket
@@ -148,6 +158,18 @@ cdef _fg_write_t _fg_write_p = <_fg_write_t>_fg_write
 cdef object _sock_gettimeout = _socket.socket.gettimeout   # the C method: no override runs
 
 
+cdef inline bint _nonblocking_now(SendBatch b) noexcept:
+    """b's socket is non-blocking NOW (re-read, not trusted from attach: it may have been
+    switched to blocking since -- issue 19 item 21).  Runs no Python code (socket.socket's
+    own C gettimeout; its float result is not a GC allocation)."""
+    if not b.nonblocking or not b.has_sock or b.sock is None:
+        return False
+    try:
+        return _sock_gettimeout(b.sock) == 0.0
+    except BaseException:
+        return False
+
+
 cdef inline bint _lone_nonblocking(aop_fg_item *w, Py_ssize_t n) noexcept:
     """The one entry to write (pass A found exactly one) targets a socket that is
     non-blocking NOW (re-read here, not trusted from attach: it may have been switched to
@@ -159,12 +181,7 @@ cdef inline bint _lone_nonblocking(aop_fg_item *w, Py_ssize_t n) noexcept:
     for i in range(n):
         if w[i].kind == FG_WRITE:
             b = <SendBatch>w[i].batch
-            if not b.nonblocking or not b.has_sock or b.sock is None:
-                return False
-            try:
-                return _sock_gettimeout(b.sock) == 0.0
-            except BaseException:
-                return False
+            return _nonblocking_now(b)
     return False
 
 
@@ -351,6 +368,7 @@ cdef class FlushGroup(_GroupBase):
         cdef uint64_t serial
         cdef int fd
         cdef int pr
+        cdef bint lone = False
         cdef list out = None
         cdef PyObject *p
         _add(&self.st_flushes, 1)
@@ -418,7 +436,19 @@ cdef class FlushGroup(_GroupBase):
             it.kind = FG_HELD
             if b.head == b.nseg:
                 continue                     # flushed or cleared since it was queued
-            if b.has_sock and b.sock is not None:
+            if (AOP_FG_GIL_BUILD and n == 1 and b.has_sock and b.sock is not None
+                    and _nonblocking_now(b)):
+                # the lone write (pass B below: GIL held, MSG_DONTWAIT) needs no pin: from
+                # this fd read to its write the GIL is never released and no Python code
+                # runs, so no close() can land in between, and close() clears the socket's
+                # fd (fileno() -1) before it releases the GIL for the close(2) -- the number
+                # read here is this socket's, open, at the write.  `_closed` set (close()
+                # called while another holder -- a makefile() file, a pin -- keeps the fd
+                # open) reads as closed, as a pin would report it.  Not on a free-threaded
+                # build: there other threads run meanwhile, so the pin is taken.
+                lone = True
+                fd = -1 if _sock_closing(b.sock) else _fd_of(b)
+            elif b.has_sock and b.sock is not None:
                 # pin before the fd is read: a close() from any thread is deferred until
                 # pass C, so the number cannot be reused under pass B's write (item 18)
                 try:
@@ -441,7 +471,7 @@ cdef class FlushGroup(_GroupBase):
         b = None
 
         # ---- B: every system call, the GIL released once ----------------------------------
-        if nwrite == 1 and _lone_nonblocking(self.w, n):
+        if nwrite == 1 and (lone or _lone_nonblocking(self.w, n)):
             # one write to a non-blocking socket: it cannot block, and releasing and
             # re-taking the GIL would cost about as much as the syscall's user-space work
             for i in range(n):

@@ -196,5 +196,6 @@ cdef inline void _unclaim(SendBatch b) noexcept nogil:
 cdef int _raise_busy() except -1
 cdef int _sock_pin(object sock) except -1
 cdef void _sock_unpin(object sock) noexcept
+cdef bint _sock_closing(object sock) noexcept
 cdef void _release_owner(aop_sb_owner *o) noexcept
 cdef Py_ssize_t _positive(object v, str name) except -1

@@ -209,6 +209,13 @@ cdef int _sock_pin(object sock) except -1:
     return aop_sock_pin(sock)
 
 
+cdef bint _sock_closing(object sock) noexcept:
+    """close() was called on socket.socket `sock` (its `_closed` slot is True; the fd may
+    still be open, held by a pin or a makefile() file).  One pointer load, no Python code:
+    read here because aop_sockpin.h's slot offsets are this module's (set at import)."""
+    return aop_sock_closing(sock)
+
+
 cdef void _sock_unpin(object sock) noexcept:
     """Drop the reference _sock_pin took (one critical section on `sock`); if close() was
     called meanwhile, call it again now (socket.socket._decref_socketios' logic: it closes

@@ -480,6 +480,65 @@ def test_group_flush_of_a_socket_switched_to_blocking_does_not_hold_the_gil():
     b.close()
 
 
+# ---- the lone write takes no pin (GIL builds): what the pin reported, it must report too ---
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("lone", [True, False])
+def test_group_write_to_a_socket_closed_under_a_makefile_reports_ebadf(lone):
+    """close() while a makefile() file holds the socket sets `_closed` but keeps the fd
+    open.  A pin saw `_closed` and the flush wrote nothing (EBADF); the unpinned lone write
+    (one non-blocking batch, GIL held) must read `_closed` itself -- without that check it
+    wrote to the closed socket's still-open fd.  Alongside a second batch the pinned path
+    runs instead, and the same must hold."""
+    import errno
+    from aoprim import FlushGroup
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    a.setblocking(False)
+    c.setblocking(False)
+    g = FlushGroup()
+    sb = SendBatch(a, auto_flush=False)
+    g.attach(sb, "a")
+    f = a.makefile("wb")
+    a.close()
+    assert a.fileno() >= 0               # held open by the file
+    sb.add(b"after close")
+    if not lone:
+        sc = SendBatch(c, auto_flush=False)
+        g.attach(sc, "c")
+        sc.add(b"to c")
+    assert g.flush() == [("a", -errno.EBADF)]
+    b.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        b.recv(100)
+    if not lone:
+        assert d.recv(100) == b"to c"
+    assert a._io_refs == 1               # the file's reference: no pin left behind
+    f.close()
+    assert a.fileno() == -1
+    for s in (b, c, d):
+        s.close()
+
+
+def test_lone_group_write_leaves_no_pin_and_a_later_close_is_immediate():
+    """The lone write (one non-blocking batch): delivered, no GIL release, `_io_refs` back
+    at 0, so a close() right after closes the fd at once."""
+    from aoprim import FlushGroup
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    g = FlushGroup()
+    sb = SendBatch(a, auto_flush=False)
+    g.attach(sb, "a")
+    sb.add(b"hello")
+    assert g.flush() is None
+    assert g.stats["gil_releases"] == 0
+    assert b.recv(100) == b"hello"
+    assert a._io_refs == 0
+    a.close()
+    assert a.fileno() == -1
+    b.close()
+
+
 # ---- item 24: ReadBuffer never blocks with the GIL held -----------------------------------
 
 @pytest.mark.timeout(30, method="thread")     # a recv blocking with the GIL held hangs all
