@@ -52,7 +52,10 @@ from aoprim._receiver import (Receiver, RxArena, RX_EOF, RX_ERROR, RX_TOO_LARGE,
 from aoprim._proxyproto import ProxyParser
 # the compiled Layer 1 event loop core (the server's "epoll" backend)
 from aoprim._eloop import EpollCore, EpollTimer
-from aoprim._tls import TLSConn, TLSFlush
+
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:   # bound for type checkers; at run time by __getattr__ below (it loads ssl)
+    from aoprim._tls import TLSConn, TLSFlush
 
 from aoprim._version import __version__  # noqa: E402  (one version, in aoprim/_version.py)
 
@@ -67,6 +70,15 @@ __all__ = [
     "TLSConn", "TLSFlush",
     "get_include",
 ]
+
+
+def __getattr__(name: str):
+    # The server's compiled TLS path (aoprim._tls) imports ssl: loaded on first use of its
+    # names, so that `import aoprim` / `import aoprim.server` do not load ssl (PEP 562).
+    if name in ("TLSConn", "TLSFlush"):
+        from aoprim import _tls
+        return getattr(_tls, name)
+    raise AttributeError(f"module 'aoprim' has no attribute {name!r}")
 
 
 def get_include() -> str:
