@@ -23,36 +23,18 @@ modules' functions (``__pyx_...``) show by name.
 """
 import argparse
 import os
-import re
-import subprocess
 
+from aoprim.benchmarks import callgrind
 from aoprim.benchmarks.aio import callgrind_run
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LOOPS = ("asyncio", "uvloop", "rloop", "aoprim")
 BASE_TREE = None
 
 
-def by_function(out_file, inclusive):
-    """{function: instructions} from callgrind_annotate of one output file."""
-    r = subprocess.run(["callgrind_annotate", f"--inclusive={'yes' if inclusive else 'no'}",
-                        "--threshold=100", out_file], capture_output=True, text=True)
-    res = {}
-    for ln in r.stdout.splitlines():
-        m = re.match(r"\s*([\d,]+)\s+(?:\([^)]*\)\s+)?(\S.*)$", ln)
-        if m and ":" in m.group(2):
-            name = re.sub(r"\s*\[[^\]]*\]\s*$", "", m.group(2)).strip()
-            name = name.split(":", 1)[1] if not name.startswith("???") else name
-            name = re.sub(r"\s*\([\d,]+x\)$", "", name)          # call count
-            if not inclusive:                   # recursion levels: one function
-                name = re.sub(r"'\d+$", "", name)
-            res[name] = res.get(name, 0) + int(m.group(1).replace(",", ""))
-    return res
-
-
 def instructions(loop, app, n, tree, keep=False, size=1024):
-    """Instructions the server ran for N messages (and, with keep, its output file): the
-    package's callgrind_run (``python -m aoprim bench --only aio`` counts the same way)."""
+    """(instructions, output file or None) of the server for N messages: the package's
+    callgrind_run (``python -m aoprim bench --only aio`` counts the same way); loop
+    ``aoprim-base`` imports aoprim.aio from --base-tree."""
     if loop == "aoprim-base":
         loop, tree = "aoprim", BASE_TREE
     return callgrind_run(loop, app, n, tree, keep, size)
@@ -77,26 +59,13 @@ def main():
         loops += ("aoprim-base",)
     res = {}
     for lp in loops:
-        keep = a.by_function > 0
-        r1 = instructions(lp, a.app, a.n, a.tree, keep, a.size)
-        r2 = instructions(lp, a.app, 2 * a.n, a.tree, keep, a.size)
-        if keep:
-            (i1, f1), (i2, f2) = r1, r2
-        else:
-            i1, i2 = r1, r2
-        res[lp] = (i2 - i1) / a.n
+        res[lp], tops = callgrind.per_message(
+            lambda k, keep: instructions(lp, a.app, k, a.tree, keep, a.size), a.n,
+            a.by_function)
         label = f"{a.app}-{a.size if a.app == 'raw' else 64}"
         print(f"{label:<10} {lp:<11} {res[lp]:>10.0f} instructions/message", flush=True)
-        if keep:
-            for inclusive in (True, False):
-                b1, b2 = by_function(f1, inclusive), by_function(f2, inclusive)
-                per = {k: (b2.get(k, 0) - b1.get(k, 0)) / a.n for k in b2}
-                top = sorted(per.items(), key=lambda kv: -kv[1])[:a.by_function]
-                print(f"  {'inclusive' if inclusive else 'self'}, instructions/message:")
-                for k, v in top:
-                    print(f"    {v:>9.0f}  {k}")
-            os.unlink(f1)
-            os.unlink(f2)
+        if tops:
+            callgrind.print_top(tops)
     for lp in loops:
         if lp != "aoprim" and "aoprim" in res:
             print(f"aoprim vs {lp} x{res['aoprim'] / res[lp]:.2f}")

@@ -17,19 +17,14 @@ bench/aio_callgrind.py).
 """
 import argparse
 import os
-import re
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from aoprim.benchmarks import servers                # noqa: E402
-from aio_callgrind import by_function               # noqa: E402
+from aoprim.benchmarks import callgrind, servers     # noqa: E402
 
 SERVERS = ("asyncio", "uvloop", "aoprim", "aoprim-epoll", "aoprim.aio")
 
@@ -52,27 +47,10 @@ def _client(port, n, size):
 
 
 def instructions(server, n, size, tree, keep):
-    out = tempfile.mktemp(prefix="raw_cg_")
+    """(instructions, callgrind output file or None) of ``server`` for N messages."""
     servers.TREES["aoprim"] = tree
-    p = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
-                         + servers.server_cmd(server, "raw"), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=servers._env(tree),
-                         cwd=tempfile.gettempdir())
-    line = p.stdout.readline()
-    if not line.startswith("listening on"):
-        p.kill()
-        raise RuntimeError(f"{server} did not start: {line!r} {p.stderr.read()[-2000:]}")
-    _client(int(line.rsplit(":", 1)[1]), n, size)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=300)
-    m = re.search(r"Collected : (\d+)", err)
-    if not m:
-        os.unlink(out)
-        raise RuntimeError(f"no callgrind total for {server}: {err[-2000:]}")
-    if not keep:
-        os.unlink(out)
-        out = None
-    return int(m.group(1)), out
+    return callgrind.run(servers.server_cmd(server, "raw"), lambda port: _client(port, n, size),
+                         env=servers._env(tree), keep=keep, name=server)
 
 
 def main():
@@ -85,21 +63,11 @@ def main():
     a = ap.parse_args()
     res = {}
     for sv in a.server or SERVERS:
-        keep = a.by_function > 0
-        i1, f1 = instructions(sv, a.n, a.size, a.tree, keep)
-        i2, f2 = instructions(sv, 2 * a.n, a.size, a.tree, keep)
-        res[sv] = (i2 - i1) / a.n
+        res[sv], tops = callgrind.per_message(
+            lambda k, keep: instructions(sv, k, a.size, a.tree, keep), a.n, a.by_function)
         print(f"raw-{a.size} {sv:<13} {res[sv]:>10.0f} instructions/message", flush=True)
-        if keep:
-            for inclusive in (True, False):
-                b1, b2 = by_function(f1, inclusive), by_function(f2, inclusive)
-                per = {k: (b2.get(k, 0) - b1.get(k, 0)) / a.n for k in b2}
-                top = sorted(per.items(), key=lambda kv: -kv[1])[:a.by_function]
-                print(f"  {'inclusive' if inclusive else 'self'}, instructions/message:")
-                for k, v in top:
-                    print(f"    {v:>9.0f}  {k}")
-            os.unlink(f1)
-            os.unlink(f2)
+        if tops:
+            callgrind.print_top(tops)
     if "asyncio" in res:
         for sv in res:
             if sv != "asyncio":

@@ -13,19 +13,15 @@ prints the K C functions with most instructions per message (as bench/aio_callgr
 """
 import argparse
 import os
-import re
-import signal
 import socket
 import ssl
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from aoprim.benchmarks import callgrind            # noqa: E402
 from aoprim.benchmarks import tls as btls          # noqa: E402
-from aio_callgrind import by_function             # noqa: E402
 
 
 def _client(port, n, size):
@@ -50,30 +46,13 @@ def _client(port, n, size):
 
 
 def instructions(server, n, size, tree, keep):
+    """(instructions, callgrind output file or None) of ``server`` for N messages."""
     cert, key = btls.certs()
-    cmd = btls.server_cmd(server, "raw", cert, key)
-    out = tempfile.mktemp(prefix="tls_cg_")
     env = dict(os.environ)
     if tree:
         env["PYTHONPATH"] = tree
-    p = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"] + cmd,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         cwd=tempfile.gettempdir())
-    line = p.stdout.readline()
-    if not line.startswith("listening on"):
-        p.kill()
-        raise RuntimeError(f"{server} did not start: {line!r} {p.stderr.read()[-2000:]}")
-    _client(int(line.rsplit(":", 1)[1]), n, size)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=300)
-    m = re.search(r"Collected : (\d+)", err)
-    if not m:
-        os.unlink(out)
-        raise RuntimeError(f"no callgrind total for {server}: {err[-2000:]}")
-    if keep:
-        return int(m.group(1)), out
-    os.unlink(out)
-    return int(m.group(1)), None
+    return callgrind.run(btls.server_cmd(server, "raw", cert, key),
+                         lambda port: _client(port, n, size), env=env, keep=keep, name=server)
 
 
 def main():
@@ -86,21 +65,11 @@ def main():
     a = ap.parse_args()
     res = {}
     for sv in a.server or ("aoprim", "uvloop"):
-        keep = a.by_function > 0
-        i1, f1 = instructions(sv, a.n, a.size, a.tree, keep)
-        i2, f2 = instructions(sv, 2 * a.n, a.size, a.tree, keep)
-        res[sv] = (i2 - i1) / a.n
+        res[sv], tops = callgrind.per_message(
+            lambda k, keep: instructions(sv, k, a.size, a.tree, keep), a.n, a.by_function)
         print(f"tls-raw-{a.size} {sv:<8} {res[sv]:>10.0f} instructions/message", flush=True)
-        if keep:
-            for inclusive in (True, False):
-                b1, b2 = by_function(f1, inclusive), by_function(f2, inclusive)
-                per = {k: (b2.get(k, 0) - b1.get(k, 0)) / a.n for k in b2}
-                top = sorted(per.items(), key=lambda kv: -kv[1])[:a.by_function]
-                print(f"  {'inclusive' if inclusive else 'self'}, instructions/message:")
-                for k, v in top:
-                    print(f"    {v:>9.0f}  {k}")
-            os.unlink(f1)
-            os.unlink(f2)
+        if tops:
+            callgrind.print_top(tops)
     for sv in res:
         if sv != "aoprim" and "aoprim" in res:
             print(f"aoprim vs {sv} x{res['aoprim'] / res[sv]:.2f}")

@@ -131,3 +131,30 @@ def test_callgrind_instructions_sit_beside_the_cpu_figures():
         (e,) = res["entries"]
         assert e["metrics"]["instr_per_msg"]["median"] > 1000, res   # thousands per message
         assert "instr/msg" in aio.render_group(res)
+
+
+def test_callgrind_per_message_is_the_difference_over_n_and_removes_its_files(tmp_path):
+    """``callgrind.per_message`` (behind the aio groups and bench/*_callgrind.py): the figure
+    is (run of 2N - run of N) / N, and every output file a run kept is removed, also when
+    the second run fails."""
+    from aoprim.benchmarks import callgrind
+    kept = []
+
+    def count(n, keep, fail_at=None):
+        if n == fail_at:
+            raise RuntimeError("the server did not start")
+        if not keep:
+            return 1000 + 7 * n, None
+        f = tmp_path / f"cg.{len(kept)}"
+        f.write_text("")
+        kept.append(f)
+        return 1000 + 7 * n, str(f)
+
+    assert callgrind.per_message(count, 50) == (7.0, None)
+    assert kept == []
+    with pytest.raises(RuntimeError):
+        callgrind.per_message(lambda n, keep: count(n, keep, fail_at=100), 50, top=3)
+    assert len(kept) == 1 and not kept[0].exists()
+    per, tops = callgrind.per_message(count, 50, top=3)
+    assert per == 7.0 and set(tops) == {"inclusive", "self"}
+    assert len(kept) == 3 and not any(f.exists() for f in kept)

@@ -30,7 +30,6 @@ Loop microbenchmarks (in-process, kind ``python``, CPU ns/op of the measuring th
 ``TARGETS`` holds issue 23's goals; ``markdown(doc)`` the README's table (``--markdown``).
 """
 import json
-import os
 import re
 import selectors
 import shutil
@@ -41,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from . import runner
+from . import callgrind, runner
 
 __all__ = ["LOOPS", "SCENARIOS", "TARGETS", "available_loops", "groups", "callgrind_per_msg",
            "callgrind_client", "run_one", "markdown", "render_group"]
@@ -368,40 +367,22 @@ def callgrind_client(port, app, n, size=1024):
 
 
 def callgrind_run(loop, app, n, tree=None, keep=False, size=1024):
-    """Instructions the server (``aio_servers --loop loop --app app``, under callgrind) ran
-    for N messages; with ``keep`` also its callgrind output file (the caller removes it)."""
-    out = tempfile.mktemp(prefix="aio_cg_")
+    """(instructions, callgrind output file or None) of the server (``aio_servers --loop
+    loop --app app``) for N messages, counted by ``callgrind.run``; with ``keep`` the caller
+    removes the file."""
     env = _env()
     if tree:
         env["PYTHONPATH"] = tree
-    p = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                          sys.executable, "-m", "aoprim.benchmarks.aio_servers", "--loop",
-                          SERVER_LOOP.get(loop, loop), "--app", app],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         cwd=CWD)
-    line = p.stdout.readline()
-    if not line.startswith("listening on"):
-        p.kill()
-        raise RuntimeError(f"{loop} did not start under valgrind: {line!r} "
-                           f"{p.stderr.read()[-800:]}")
-    callgrind_client(int(line.rsplit(":", 1)[1]), app, n, size)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=600)
-    m = re.search(r"Collected : (\d+)", err)
-    if not m:
-        if os.path.exists(out):
-            os.unlink(out)
-        raise RuntimeError(f"no callgrind total for {loop}: {err[-800:]}")
-    if keep:
-        return int(m.group(1)), out
-    os.unlink(out)
-    return int(m.group(1))
+    cmd = [sys.executable, "-m", "aoprim.benchmarks.aio_servers", "--loop",
+           SERVER_LOOP.get(loop, loop), "--app", app]
+    return callgrind.run(cmd, lambda port: callgrind_client(port, app, n, size), env=env,
+                         keep=keep, name=loop)
 
 
 def callgrind_per_msg(loop, app, n, tree=None, size=1024):
-    """User-space instructions per message: (runs of 2N) - (runs of N), over N."""
-    return (callgrind_run(loop, app, 2 * n, tree, size=size)
-            - callgrind_run(loop, app, n, tree, size=size)) / n
+    """User-space instructions per message: (run of 2N - run of N) / N."""
+    return callgrind.per_message(
+        lambda k, keep: callgrind_run(loop, app, k, tree, keep, size), n)[0]
 
 
 # -- loop microbenchmarks -----------------------------------------------------------------------
