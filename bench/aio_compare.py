@@ -16,13 +16,15 @@ Scenarios:
                raw 64 KiB / 256 KiB / 1 MiB ping-pong on 10 connections (issue 20)
   http         aiohttp, GET / "Hello, World!", HTTP/1.1 keep-alive, 50 connections  (wrk)
 
-Method (as bench/echo_compare.py, whose warm-up and median it reuses): each server runs in its
-own fresh process, is warmed by one connection (a few messages, then closed) before the
-load starts, and its CPU time (user+sys, /proc/PID/stat) over the measured window is divided
-by the messages (requests) served; minor page faults per message (/proc/PID/stat field 10)
-are counted over the whole load generator run (its warm-up window included) and divided by
-the messages that window would serve at the measured rate.  Rounds are interleaved (asyncio, uvloop, aoprim, asyncio,
-...) and the median of each figure is reported; ratios are taken within the run only.
+Method (the package's harness, ``aoprim.benchmarks.aio.run_one``, which ``python -m aoprim
+bench --only aio`` measures with; this script adds its scenarios, page faults, strace and the
+issue-12 targets): each server runs in its own fresh process, is warmed by one connection (a
+few messages, then closed) before the load starts, and its CPU time (user+sys,
+/proc/PID/stat) over the measured window is divided by the messages (requests) served; minor
+page faults per message (/proc/PID/stat field 10) are counted over the whole load generator
+run (its warm-up window included) and divided by the messages that window would serve at the
+measured rate.  Rounds are interleaved (asyncio, uvloop, aoprim, asyncio, ...) and the median
+of each figure is reported; ratios are taken within the run only.
 
 ``--base-tree CHECKOUT`` adds a fourth server, ``aoprim-base``: aoprim.aio imported from
 another in-place build (the code before a change), measured in the same interleaved rounds.
@@ -33,31 +35,33 @@ message, by kind.  strace slows the server several-fold, so these runs give sysc
 only, never CPU figures.
 """
 import argparse
+import contextlib
 import json
 import os
 import platform
-import re
 import signal
+import statistics
 import subprocess
-import sys
 import tempfile
-import time
+
+from aoprim.benchmarks import aio
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from echo_compare import HOST, _median, warm_up  # noqa: E402
-
-CWD = tempfile.gettempdir()       # never import the uncompiled checkout by accident
 LOOPS = ("asyncio", "uvloop", "rloop", "aoprim")
+# the package's scenario format (aoprim/benchmarks/aio.py SCENARIOS), run by its run_one
 SCENARIOS = {
-    "proto-u16": dict(app="proto-u16", framing="u16", size=64, conns=10, pipeline=16),
-    "streams-u16": dict(app="streams-u16", framing="u16", size=64, conns=10, pipeline=16),
-    "streams-raw": dict(app="streams-raw", framing="raw", size=1024, conns=10, pipeline=1),
-    "raw-1k": dict(app="raw", framing="raw", size=1024, conns=10, pipeline=1),
-    "raw-64k": dict(app="raw", framing="raw", size=65536, conns=10, pipeline=1),
-    "raw-256k": dict(app="raw", framing="raw", size=262144, conns=10, pipeline=1),
-    "raw-1m": dict(app="raw", framing="raw", size=1 << 20, conns=10, pipeline=1),
-    "http": dict(app="aiohttp", conns=50),
+    "proto-u16": dict(kind="echo", app="proto-u16", framing="u16", size=64, conns=10,
+                      pipeline=16),
+    "streams-u16": dict(kind="echo", app="streams-u16", framing="u16", size=64, conns=10,
+                        pipeline=16),
+    "streams-raw": dict(kind="echo", app="streams-raw", framing="raw", size=1024, conns=10,
+                        pipeline=1),
+    "raw-1k": dict(kind="echo", app="raw", framing="raw", size=1024, conns=10, pipeline=1),
+    "raw-64k": dict(kind="echo", app="raw", framing="raw", size=65536, conns=10, pipeline=1),
+    "raw-256k": dict(kind="echo", app="raw", framing="raw", size=262144, conns=10,
+                     pipeline=1),
+    "raw-1m": dict(kind="echo", app="raw", framing="raw", size=1 << 20, conns=10, pipeline=1),
+    "http": dict(kind="http", app="aiohttp", conns=50),
 }
 TARGETS = {   # aoprim's CPU per message at most this times the other loop's (issue 12)
     "proto-u16": {"asyncio": 0.4, "uvloop": 0.4},
@@ -71,11 +75,9 @@ TARGETS = {   # aoprim's CPU per message at most this times the other loop's (is
 SEND = ("sendmsg", "sendto", "write", "writev", "send")
 RECV = ("recvfrom", "recvmsg", "read", "recv")
 POLL = ("epoll_wait", "epoll_pwait", "select", "poll")
+WARMUP = 0.5                      # the load generator's warm-up window, seconds
 
-
-def proc_cpu(pid):
-    from aoprim.tools.loadgen import proc_cpu as _pc
-    return _pc(pid)
+BASE_TREE = None                  # --base-tree: where the aoprim-base server imports from
 
 
 def proc_minflt(pid):
@@ -85,132 +87,59 @@ def proc_minflt(pid):
     return int(data[data.rindex(b")") + 2:].split()[7])
 
 
-BASE_TREE = None                  # --base-tree: where the aoprim-base server imports from
-
-
-def _env(tree):
-    env = dict(os.environ)
-    if tree:
-        env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def start_server(loop, app, tree):
+def _run(loop, scenario, duration, tree, warmup=WARMUP, during=None):
+    """The package's aio.run_one for this script's loop names: ``aoprim`` is aoprim.aio
+    imported from --tree, ``aoprim-base`` from --base-tree."""
     if loop == "aoprim-base":
         loop, tree = "aoprim", BASE_TREE
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "aio_servers.py"), "--loop", loop,
-                          "--app", app, "--host", HOST, "--port", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=CWD,
-                         env=_env(tree))
-    line = p.stdout.readline()
-    if not line.startswith("listening on"):
-        p.kill()
-        raise RuntimeError(f"{loop}/{app} did not start: {line!r} {p.stderr.read()}")
-    return p, int(line.rsplit(":", 1)[1])
-
-
-def stop_server(p):
-    if p.poll() is None:
-        p.send_signal(signal.SIGINT)
-        try:
-            p.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def warm_http(port, requests=4):
-    import http.client
-    c = http.client.HTTPConnection(HOST, port, timeout=10)
-    for _ in range(requests):
-        c.request("GET", "/")
-        r = c.getresponse()
-        if r.read() != b"Hello, World!":
-            raise RuntimeError("warm-up: unexpected HTTP response")
-    c.close()
-    time.sleep(0.05)
-
-
-def load_echo(sc, port, pid, duration, tree, warmup=0.5):
-    f0 = proc_minflt(pid) if pid else None
-    lg = subprocess.run(
-        [sys.executable, "-m", "aoprim", "loadgen", "--host", HOST, "--port", str(port),
-         "--conns", str(sc["conns"]), "--size", str(sc["size"]), "--pipeline",
-         str(sc["pipeline"]), "--framing", sc["framing"], "--duration", str(duration),
-         "--warmup", str(warmup), "--json"] + (["--cpu-pid", str(pid)] if pid else []),
-        capture_output=True, text=True, timeout=duration + 120, cwd=CWD, env=_env(tree))
-    f1 = proc_minflt(pid) if pid else None
-    if not lg.stdout.strip():
-        raise RuntimeError(f"loadgen failed: {lg.stderr}")
-    r = json.loads(lg.stdout)
-    if r["errors"]:
-        raise AssertionError(f"echo verification failed: {r['errors'][:3]}")
-    out = {"msgs": r["msgs"], "msgs_per_s": r["msgs_per_s"]}
-    if pid:
-        c = r["server_cpu"]
-        out.update(cpu_us_per_msg=c["cpu_us_per_msg"], user_us_per_msg=c["user_us_per_msg"],
-                   sys_us_per_msg=c["sys_us_per_msg"],
-                   faults_per_msg=(f1 - f0) / (r["msgs"] * (duration + warmup) / duration))
-    return out
-
-
-def load_http(sc, port, pid, duration):
-    c0 = proc_cpu(pid) if pid else None
-    t0 = time.monotonic()
-    w = subprocess.run(["wrk", "-t1", f"-c{sc['conns']}", f"-d{max(1, round(duration))}s",
-                        f"http://{HOST}:{port}/"], capture_output=True, text=True,
-                       timeout=duration + 60)
-    elapsed = time.monotonic() - t0
-    c1 = proc_cpu(pid) if pid else None
-    m = re.search(r"(\d+) requests in", w.stdout)
-    if not m or "Non-2xx" in w.stdout or "Socket errors" in w.stdout:
-        raise RuntimeError(f"wrk failed or saw errors:\n{w.stdout}{w.stderr}")
-    n = int(m.group(1))
-    out = {"msgs": n, "msgs_per_s": n / elapsed}
-    if pid:
-        u, s = c1[0] - c0[0], c1[1] - c0[1]
-        out.update(cpu_us_per_msg=(u + s) / n * 1e6, user_us_per_msg=u / n * 1e6,
-                   sys_us_per_msg=s / n * 1e6, faults_per_msg=float("nan"))
-    return out
+    env = None
+    if tree:
+        env = {"PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return aio.run_one("aoprim.aio" if loop == "aoprim" else loop, SCENARIOS[scenario],
+                       duration, warmup, env_extra=env, during=during)
 
 
 def run_one(loop, scenario, duration, tree):
-    sc = SCENARIOS[scenario]
-    p, port = start_server(loop, sc["app"], tree)
-    try:
-        if scenario == "http":
-            warm_http(port)
-            return load_http(sc, port, p.pid, duration)
-        warm_up(port, sc["framing"], sc["size"], wait_close=(loop != "rloop"))
-        return load_echo(sc, port, p.pid, duration, tree)
-    finally:
-        stop_server(p)
+    """One fresh server, one measured load: CPU per message (and its user/sys parts),
+    messages/s and minor page faults per message (echo scenarios; NaN for http)."""
+    faults = []
+
+    @contextlib.contextmanager
+    def count_faults(pid):          # over the whole loadgen run, its warm-up included
+        f0 = proc_minflt(pid)
+        yield
+        faults.append(proc_minflt(pid) - f0)
+
+    echo = SCENARIOS[scenario]["kind"] == "echo"
+    r = _run(loop, scenario, duration, tree, during=count_faults if echo else None)
+    out = {"msgs": r["msgs"], "msgs_per_s": r["msgs_per_s"], "cpu_us_per_msg": r["value"],
+           "user_us_per_msg": r["user_us_per_msg"], "sys_us_per_msg": r["sys_us_per_msg"],
+           "faults_per_msg": float("nan")}
+    if echo:
+        out["faults_per_msg"] = faults[0] / (r["msgs"] * (duration + WARMUP) / duration)
+    return out
 
 
 def count_syscalls(loop, scenario, duration, tree):
     """One run under strace -f -c: {kind: calls per message} and the top calls."""
-    sc = SCENARIOS[scenario]
-    p, port = start_server(loop, sc["app"], tree)
     out_file = tempfile.mktemp(prefix="aio_strace_")
-    try:
-        if scenario == "http":
-            warm_http(port)
-        else:
-            warm_up(port, sc["framing"], sc["size"], wait_close=(loop != "rloop"))
-        st = subprocess.Popen(["strace", "-f", "-c", "-o", out_file, "-p", str(p.pid)],
+
+    @contextlib.contextmanager
+    def strace(pid):
+        st = subprocess.Popen(["strace", "-f", "-c", "-o", out_file, "-p", str(pid)],
                               stderr=subprocess.PIPE, text=True)
-        # strace says so on stderr once attached: no sleep standing in for it
-        line = st.stderr.readline()
-        if "attached" not in line:
-            raise RuntimeError(f"strace did not attach: {line!r}")
-        if scenario == "http":
-            r = load_http(sc, port, None, duration)
-        else:
-            r = load_echo(sc, port, None, duration, tree, warmup=0)
-        st.send_signal(signal.SIGINT)
-        st.communicate(timeout=30)
-    finally:
-        stop_server(p)
+        try:
+            # strace says so on stderr once attached: no sleep standing in for it
+            line = st.stderr.readline()
+            if "attached" not in line:
+                raise RuntimeError(f"strace did not attach: {line!r}")
+            yield
+        finally:
+            st.send_signal(signal.SIGINT)
+            st.communicate(timeout=30)
+
+    # the load runs without its own warm-up window: the server was warmed before strace
+    r = _run(loop, scenario, duration, tree, warmup=0, during=strace)
     calls = {}
     with open(out_file) as f:
         for ln in f:
@@ -237,7 +166,7 @@ def compare(scenario, duration, rounds, tree, loops=LOOPS, log=print):
             runs[lp].append(r)
             log(f"    round {rnd + 1} {lp:<8} {r['msgs_per_s']:>9.0f}/s "
                 f"{r['cpu_us_per_msg']:>7.2f} us/msg")
-    return {lp: {k: _median([r[k] for r in rs]) for k in
+    return {lp: {k: statistics.median_high([r[k] for r in rs]) for k in
                  ("msgs_per_s", "cpu_us_per_msg", "user_us_per_msg", "sys_us_per_msg",
                   "faults_per_msg")}
             for lp, rs in runs.items()}
@@ -292,8 +221,6 @@ def main():
                     help="also count system calls per message under strace -f -c")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
-    if a.tree:
-        sys.path.insert(0, os.path.abspath(a.tree))     # for loadgen's proc_cpu, in-process
     loops = tuple(a.loop or LOOPS)
     if a.base_tree:
         global BASE_TREE

@@ -29,6 +29,7 @@ Loop microbenchmarks (in-process, kind ``python``, CPU ns/op of the measuring th
 
 ``TARGETS`` holds issue 23's goals; ``markdown(doc)`` the README's table (``--markdown``).
 """
+import contextlib
 import json
 import re
 import selectors
@@ -133,9 +134,13 @@ def _new_loop(name):
     return asyncio.new_event_loop()
 
 
-def _env():
+def _env(extra=None):
+    """The children's environment: they import the aoprim this process imported; ``extra``
+    (run_one's ``env_extra``) is set on top."""
     from .servers import _env as env
-    return env()
+    e = env()
+    e.update(extra or {})
+    return e
 
 
 def _missing(kind):
@@ -166,8 +171,7 @@ def _free_port():
 
 def start_server(loop, sc, env_extra=None):
     """(Popen, port) of the scenario's server on ``loop``, accepting connections."""
-    env = _env()
-    env.update(env_extra or {})
+    env = _env(env_extra)
     if sc["app"] in ("uvicorn", "uvicorn-sse"):
         port = _free_port()
         target = "aoprim.benchmarks.aio_asgi:" + ("hello" if sc["app"] == "uvicorn" else "sse")
@@ -220,20 +224,20 @@ def _per(c0, c1, n):
     return {"cpu_us": (u + s) / n * 1e6, "user_us": u / n * 1e6, "sys_us": s / n * 1e6}
 
 
-def _load_echo(sc, port, pid, duration, warmup):
+def _load_echo(sc, port, pid, duration, warmup, env_extra=None):
     lg = subprocess.run(
         [sys.executable, "-m", "aoprim", "loadgen", "--host", HOST, "--port", str(port),
          "--conns", str(sc["conns"]), "--size", str(sc["size"]), "--pipeline",
          str(sc["pipeline"]), "--framing", sc["framing"], "--duration", str(duration),
          "--warmup", str(warmup), "--cpu-pid", str(pid), "--json"],
-        capture_output=True, text=True, timeout=duration + 120, cwd=CWD, env=_env())
+        capture_output=True, text=True, timeout=duration + 120, cwd=CWD, env=_env(env_extra))
     if not lg.stdout.strip():
         raise RuntimeError(f"loadgen failed: {lg.stderr[-800:]}")
     r = json.loads(lg.stdout)
     if r["errors"]:
         raise AssertionError(f"echo verification failed: {r['errors'][:3]}")
     c = r["server_cpu"]
-    return {"value": c["cpu_us_per_msg"], "msgs_per_s": r["msgs_per_s"],
+    return {"value": c["cpu_us_per_msg"], "msgs": r["msgs"], "msgs_per_s": r["msgs_per_s"],
             "user_us_per_msg": c["user_us_per_msg"], "sys_us_per_msg": c["sys_us_per_msg"]}
 
 
@@ -261,7 +265,7 @@ def _load_http(sc, port, pid, duration):
         raise RuntimeError(f"wrk failed or saw errors: {w.stdout[-800:]}{w.stderr[-400:]}")
     n = int(m.group(1))
     per = _per(c0, c1, n)
-    return {"value": per["cpu_us"], "msgs_per_s": n / elapsed,
+    return {"value": per["cpu_us"], "msgs": n, "msgs_per_s": n / elapsed,
             "user_us_per_msg": per["user_us"], "sys_us_per_msg": per["sys_us"]}
 
 
@@ -319,26 +323,33 @@ def sse_client(port, streams, duration, warmup, pid, tokens_per_stream=10 ** 7):
     if n <= 0:
         raise RuntimeError("no token arrived in the measured window")
     per = _per(c0, c1, n)
-    return {"value": per["cpu_us"], "msgs_per_s": n / (t1 - t0),
+    return {"value": per["cpu_us"], "msgs": n, "msgs_per_s": n / (t1 - t0),
             "user_us_per_msg": per["user_us"], "sys_us_per_msg": per["sys_us"]}
 
 
-def run_one(loop, scenario, duration, warmup, streams=400):
-    """One fresh server on ``loop``, one measured load; the figures ({"value": ...})."""
-    sc = SCENARIOS[scenario]
-    p, port = start_server(loop, sc)
+def run_one(loop, scenario, duration, warmup, streams=400, env_extra=None, during=None):
+    """One fresh server on ``loop``, warmed, one measured load; the figures ({"value": ...,
+    "msgs": ..., ...}).  ``scenario``: a SCENARIOS name or such a dict; ``env_extra``: set
+    in the server's and the load generator's environment; ``during(pid)``: a context manager
+    entered after the warm-up (SSE: before its streams open) and left once the load is done
+    (bench/aio_compare.py counts page faults and system calls in it)."""
+    sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
+    p, port = start_server(loop, sc, env_extra)
     try:
         if sc["kind"] == "echo":
             from .servers import warm_up
             # rloop 0.5 runs eof_received/connection_lost on the client's EOF but leaves the
             # socket open (the peer never sees the close): do not wait for it there
             warm_up(port, sc["framing"], sc["size"], wait_close=(loop != "rloop"))
-            return _load_echo(sc, port, p.pid, duration, warmup)
-        if sc["kind"] == "http":
+        elif sc["kind"] == "http":
             _warm_http(port)
-            return _load_http(sc, port, p.pid, duration)
-        # CPU time comes in 10 ms ticks: an SSE window shorter than 1 s may count none
-        return sse_client(port, streams, max(duration, 1.0), warmup, p.pid)
+        with during(p.pid) if during else contextlib.nullcontext():
+            if sc["kind"] == "echo":
+                return _load_echo(sc, port, p.pid, duration, warmup, env_extra)
+            if sc["kind"] == "http":
+                return _load_http(sc, port, p.pid, duration)
+            # CPU time comes in 10 ms ticks: an SSE window shorter than 1 s may count none
+            return sse_client(port, streams, max(duration, 1.0), warmup, p.pid)
     finally:
         stop_server(p)
 
