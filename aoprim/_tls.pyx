@@ -109,6 +109,10 @@ cdef class TLSFlush:
         self.scratch = bytearray(SCRATCH)
         self.sptr = PyByteArray_AS_STRING(self.scratch)
 
+    def __len__(self):
+        """Sessions marked dirty and not flushed yet (loop thread)."""
+        return len(self.dirty)
+
     @property
     def sends(self):
         # relaxed: a counter read for stats()

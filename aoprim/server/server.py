@@ -37,6 +37,10 @@ log = logging.getLogger("aoprim.server")
 _COPY_MAX = 2048
 
 
+def _nothing():
+    pass
+
+
 def _prefault(pool):
     """Write every slot of a fresh ``pool`` once, so its pages are resident before the first
     recv (the pool keeps its memory until it is freed: no page is faulted in twice)."""
@@ -162,6 +166,7 @@ class Server:
         ctx.session_closed = self._session_closed
         ctx.session_gone = self._live.discard
         ctx.tls = None
+        ctx.kick = self._kick
         self._ctx = ctx
         self._session_cls = RawSession if st.framing == "raw" else Session
         flush = self._flusher.flush
@@ -294,6 +299,15 @@ class Server:
             self.handler.on_connect(s)
         except Exception as e:
             s.handler_failed("on_connect", e)
+
+    def _kick(self):
+        """Application code ran where this iteration's flush may be past the batches it
+        sent to (on_close or a write-limit callback, run from the flush's report): if any
+        batch is left dirty, the loop comes round again at once instead of waiting for its
+        next event (loop thread)."""
+        tls = self._ctx.tls
+        if len(tls if tls is not None else self._flusher.group):
+            self._loop.call_soon(_nothing)
 
     def _session_closed(self, s):
         self._sessions.pop(s.id, None)

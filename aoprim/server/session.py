@@ -82,7 +82,7 @@ class SessionContext:
     """What a session needs from its server, as public attributes (filled by Server)."""
 
     __slots__ = ("server", "loop", "settings", "flusher", "arena", "dispatch", "stats",
-                 "session_closed", "session_gone", "tls")
+                 "session_closed", "session_gone", "tls", "kick")
 
 
 class Session:
@@ -432,9 +432,11 @@ class Session:
             if p > high:
                 self._wm_paused = True
                 on_high()
+                self._ctx.kick()        # (from the flush's report: see _teardown)
         elif p <= low:
             self._wm_paused = False
             on_low()
+            self._ctx.kick()
 
     def _sync_watch(self):
         """The flush reports this session after every flush while anything depends on it."""
@@ -769,6 +771,11 @@ class Session:
             pass
         ctx.session_closed(self)
         ctx.dispatch.post(self, CLOSE_MARK)     # on_close after the last on_read
+        if self.work is None:
+            # inline: on_close ran here -- maybe from the iteration's flush (a close that
+            # waited for its output: over TLS, every graceful one), past the batches it
+            # sent to: what it sent must not wait for the loop's next event
+            ctx.kick()
         rc = self._rc
         rc.decref()                     # the loop's reference (_on_zero may drop _rc)
 
