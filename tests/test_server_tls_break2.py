@@ -2,14 +2,16 @@
 a scenario that misbehaved before its fix (it failed first), against the real server on
 loopback, both backends, every slot and fd back to idle after each test (make_server's
 teardown), no ERROR log line."""
+import asyncio
 import logging
 import socket
+import ssl
 import struct
 import threading
 
 import pytest
 
-from aoprim.server import Handler, Server
+from aoprim.server import Handler, Server, serve_protocol
 from aoprim.server.loop import BACKENDS
 
 from tlscerts import tls_certs  # noqa: F401  (fixture)
@@ -94,3 +96,82 @@ sweep, the notice came 1 s late)."""
         b.close()
     wait_for(lambda: srv.stats()["connections"] == 0, 15, "the sessions to close")
     assert not error_lines(logs), error_lines(logs)[:5]
+
+
+# -- an asyncio protocol served over TLS sees asyncio's TLS names --------------------------------
+
+TLS_NAMES = ("sslcontext", "ssl_object", "peercert", "cipher", "compression")
+
+
+class Seen(asyncio.Protocol):
+    """Records what its transport answers for asyncio's TLS names at connection_made."""
+
+    seen = None
+    done = None
+
+    def connection_made(self, transport):
+        type(self).seen = {k: transport.get_extra_info(k) for k in TLS_NAMES}
+        type(self).done.set()
+        transport.write(b"ok")
+
+
+def _answers(serve, certs):
+    """What a Seen protocol's transport answered, for a client with a certificate."""
+    Seen.seen, Seen.done = None, threading.Event()
+    address, stop = serve()
+    raw = socket.create_connection(address, timeout=10)
+    try:
+        s = certs.client_ctx(with_cert=True).wrap_socket(raw, server_hostname="localhost")
+        with s:
+            assert s.recv(2) == b"ok"
+        assert Seen.done.wait(10)
+        return Seen.seen
+    finally:
+        raw.close()
+        stop()
+
+
+def test_an_asyncio_protocol_over_tls_sees_asyncios_tls_extra_info(backend, tls_certs):
+    """serve_protocol(..., ssl=ctx): the protocol's transport answers asyncio's TLS names as
+    asyncio's own TLS transport does ("sslcontext" is what uvicorn asks to choose the
+    https scheme).  Before: None for every one of them (the adapter's get_extra_info knew
+    peername, sockname and socket only)."""
+    ctx = tls_certs.server_ctx(client_cert="required")
+
+    def aoprim_server():
+        srv = serve_protocol(Seen, backend=backend, ssl=ctx)
+        return srv.address, lambda: srv.shutdown(timeout=15)
+
+    def asyncio_server():
+        loop = asyncio.new_event_loop()
+        srv = loop.run_until_complete(loop.create_server(Seen, "127.0.0.1", 0, ssl=ctx))
+        th = threading.Thread(target=loop.run_forever)
+        th.start()
+
+        def stop():
+            loop.call_soon_threadsafe(loop.stop)
+            th.join(10)
+            srv.close()
+            loop.run_until_complete(srv.wait_closed())
+            loop.close()
+        return srv.sockets[0].getsockname(), stop
+
+    ours, theirs = _answers(aoprim_server, tls_certs), _answers(asyncio_server, tls_certs)
+    assert ours["sslcontext"] is ctx and theirs["sslcontext"] is ctx
+    assert isinstance(ours["ssl_object"], ssl.SSLObject)
+    assert ours["ssl_object"].context is ctx
+    assert ours["peercert"] and ours["peercert"] == theirs["peercert"]
+    assert ours["cipher"] == theirs["cipher"]
+    assert ours["compression"] == theirs["compression"]
+
+
+def test_an_asyncio_protocol_over_plain_tcp_sees_no_tls(backend):
+    srv = serve_protocol(Seen, backend=backend)
+    Seen.seen, Seen.done = None, threading.Event()
+    try:
+        with socket.create_connection(srv.address, timeout=10) as s:
+            assert s.recv(2) == b"ok"
+        assert Seen.done.wait(10)
+        assert Seen.seen == dict.fromkeys(TLS_NAMES)
+    finally:
+        srv.shutdown(timeout=15)

@@ -11,7 +11,9 @@ its unsent bytes, and the protocol's ``pause_writing`` /
 ``resume_writing`` are called when it crosses the limits of ``set_write_buffer_limits``.
 
 Differences from asyncio worth knowing: the peer's EOF closes the session (``eof_received``
-is not called; ``connection_lost(None)`` is), and ``write_eof`` is not supported.
+is not called; ``connection_lost(None)`` is), and ``write_eof`` is not supported.  Over TLS
+(``serve_protocol(..., ssl=ctx)``) ``get_extra_info`` answers asyncio's TLS names
+(``sslcontext``, ``ssl_object``, ``peercert``, ``cipher``, ``compression``).
 """
 import asyncio
 import logging
@@ -21,6 +23,10 @@ from ..handler import Handler
 __all__ = ["ProtocolHandler", "SessionTransport"]
 
 log = logging.getLogger("aoprim.server")
+
+# what asyncio's TLS transport answers in get_extra_info (and the session's ALPN name)
+_TLS_NAMES = frozenset(("sslcontext", "ssl_object", "peercert", "cipher", "compression",
+                        "selected_alpn_protocol"))
 
 
 class SessionTransport(asyncio.Transport):
@@ -118,6 +124,17 @@ class SessionTransport(asyncio.Transport):
             return s.sockname
         if name == "socket":
             return s.socket
+        if name in _TLS_NAMES:
+            # asyncio's TLS transport's names ("sslcontext": uvicorn's is_ssl() asks it to
+            # choose the https scheme), from the session's SSLObject; None over plain TCP
+            obj = s.get_extra_info("ssl_object")
+            if obj is None:
+                return default
+            if name == "sslcontext":
+                return obj.context
+            if name == "compression":
+                return obj.compression()
+            return s.get_extra_info(name, default)
         return super().get_extra_info(name, default)
 
     def get_protocol(self):
