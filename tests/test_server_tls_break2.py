@@ -175,3 +175,94 @@ def test_an_asyncio_protocol_over_plain_tcp_sees_no_tls(backend):
         assert Seen.seen == dict.fromkeys(TLS_NAMES)
     finally:
         srv.shutdown(timeout=15)
+
+
+class Pump(asyncio.Protocol):
+    """Writes ``TOTAL`` bytes as fast as flow control lets it: until pause_writing, then on
+    from resume_writing (called from the flush's report, once the backlog drained)."""
+
+    TOTAL = 4 << 20
+    CHUNK = 16 << 10
+
+    def connection_made(self, transport):
+        self.t = transport
+        self.sent = 0
+        self.paused = False
+        self.pump()
+
+    def pump(self):
+        while not self.paused and self.sent < self.TOTAL:
+            n = min(self.CHUNK, self.TOTAL - self.sent)
+            self.t.write(bytes([self.sent // self.CHUNK & 0xFF]) * n)
+            self.sent += n
+        if self.sent >= self.TOTAL:
+            self.t.close()
+
+    def pause_writing(self):
+        self.paused = True
+
+    def resume_writing(self):
+        self.paused = False
+        self.pump()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tls", [False, True])
+def test_writes_made_by_resume_writing_leave_at_once(backend, tls_certs, monkeypatch, tls):
+    """An asyncio protocol that writes from resume_writing (asyncio's flow control, through
+    the session's write limits) gets 4 MiB out to a reader that reads slowly (small
+    buffers) without stalling.  resume_writing runs from the flush's report: before, what
+    it wrote waited for the loop's next event -- none came (no timer: the sweep is taken
+    away, as above) and the client's 20 s read timeout ran out after the first few
+    hundred KiB."""
+    ticked = threading.Event()
+    monkeypatch.setattr(Server, "_sweep", lambda self: ticked.set())
+    kw = {"ssl": tls_certs.server_ctx(), "handshake_timeout": 600.0} if tls else {}
+    srv = serve_protocol(Pump, backend=backend, close_linger=600.0, **kw)
+    try:
+        assert ticked.wait(10)
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+        raw.settimeout(20)
+        raw.connect(srv.address)
+        s = tls_certs.client_ctx().wrap_socket(raw, server_hostname="localhost") if tls else raw
+        with s:
+            got = bytearray()
+            while True:
+                d = s.recv(8192)
+                if not d:
+                    break
+                got += d
+        assert len(got) == Pump.TOTAL
+        assert all(got[i] == i // Pump.CHUNK & 0xFF for i in range(0, Pump.TOTAL, 4096))
+        wait_for(lambda: srv.stats()["connections"] == 0, 15, "the session to close")
+    finally:
+        srv.shutdown(timeout=15)
+
+
+def test_close_during_the_handshake_with_plaintext_queued_closes_at_once(make_server,
+                                                                         tls_certs, logs):
+    """A session still in its handshake (reached through ``Server.sessions``) is sent to and
+    closed from another thread: that plaintext can never be encrypted (no handshake), so
+    nothing is owed -- the connection closes at once, nothing in clear reaches the peer, no
+    on_connect, no close_linger wait, no WARNING."""
+    from tls_clients import client_hello
+    h = Chat()
+    srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx(), handshake_timeout=600.0,
+                      close_linger=600.0)
+    hello = client_hello(tls_certs.client_ctx())
+    with socket.create_connection(srv.address, timeout=10) as s:
+        s.sendall(hello[:len(hello) // 2])
+        sess = wait_for(lambda: srv.sessions, what="the session")[0]
+        sess.send(b"in clear?")
+        sess.close()
+        got = bytearray()
+        while True:
+            d = s.recv(1 << 16)         # (10 s socket timeout: a close that waits fails)
+            if not d:
+                break
+            got += d
+        assert b"in clear?" not in got and not got
+    wait_for(lambda: srv.stats()["connections"] == 0, 15, "the session to close")
+    assert srv.stats()["closes"] == {"closed": 1}
+    assert not [r for r in logs.records if r.levelno >= logging.WARNING]

@@ -469,7 +469,11 @@ class Session:
                 self._update_interest()
         if self._wm is not None:
             self._check_wm()
-        if not status and self._state == CLOSING and not self._lingering:
+        # (_owes_output: the write-limit callbacks may have written more and closed -- an
+        # asyncio protocol's resume_writing writing its last bytes: the close then waits for
+        # them, it requeued itself)
+        if (not status and self._state == CLOSING and not self._lingering
+                and not self._owes_output()):
             self._finish_close()
             return
         self._sync_watch()

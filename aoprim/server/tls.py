@@ -170,7 +170,10 @@ class TLSSession(Session):
         self._t.mark()
 
     def _owes_output(self):
-        return bool(self._batch.pending_msgs or self._out.pending or self._t.pending or
+        # plaintext is owed only while it can still be encrypted: once the handshake is done
+        # and until close_notify -- and then close_notify itself is owed.  (Plaintext queued
+        # before the handshake completed, or after close_notify, is never sent.)
+        return bool(self._out.pending or self._t.pending or
                     (self._hs_done and not self._notified))
 
     def _reading_resumed(self):
