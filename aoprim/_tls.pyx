@@ -141,21 +141,32 @@ cdef class TLSFlush:
             self.spare = d
 
     cdef int _flush(self, list d) except -1:
+        # every entry is flushed even if a session's Python raises (its write-limit callback,
+        # say); the first exception is re-raised afterwards (as FlushGroup.flush does): left
+        # to escape, it dropped the entries after it while they stayed marked dirty, and
+        # those sessions were never flushed again
         cdef TLSConn c
         cdef Py_ssize_t status
+        cdef object first = None
         for o in d:
             c = <TLSConn>o
             c.dirty = False
             if c._gone():
                 continue
             try:
-                status = c.c_flush()
-            except Exception as e:      # this session's failure must not stop the others
-                if not c._gone():
-                    c.sess._tls_failed(e)
-                continue
-            if (status or c.batch.watched) and not c._gone():
-                c.sess._tls_flushed(status)
+                try:
+                    status = c.c_flush()
+                except Exception as e:  # this session's failure must not stop the others
+                    if not c._gone():
+                        c.sess._tls_failed(e)
+                    continue
+                if (status or c.batch.watched) and not c._gone():
+                    c.sess._tls_flushed(status)
+            except BaseException as e:
+                if first is None:
+                    first = e
+        if first is not None:
+            raise first
         return 0
 
 

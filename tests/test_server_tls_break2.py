@@ -266,3 +266,51 @@ def test_close_during_the_handshake_with_plaintext_queued_closes_at_once(make_se
     wait_for(lambda: srv.stats()["connections"] == 0, 15, "the session to close")
     assert srv.stats()["closes"] == {"closed": 1}
     assert not [r for r in logs.records if r.levelno >= logging.WARNING]
+
+
+# -- one session's report raising does not stall the others ----------------------------------------
+
+class LimitsRaise(Handler):
+    """The first session's write-limit on_low raises; every frame is broadcast to all."""
+
+    def __init__(self):
+        self.first = None
+
+    def on_connect(self, session):
+        if self.first is None:
+            self.first = session
+            session.set_write_limits(0, 0, lambda: None, self.on_low)
+
+    def on_low(self):
+        raise RuntimeError("on_low failed")
+
+    def on_read(self, session, data):
+        session.server.broadcast(bytes(data))
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_flush_report_that_raises_does_not_stall_the_other_sessions(make_server, tls_certs,
+                                                                      caplog, tls):
+    """Session A's write-limit callback raises inside the flush's report for A; session B,
+    flushed in the same iteration after A, still gets every broadcast -- the plain
+    FlushGroup notifies every batch even if one notify raises.  Before, over TLS: the
+    exception left TLSFlush with B's entry dropped but B still marked dirty, so no later
+    send to B was ever flushed (B's client timed out)."""
+    h = LimitsRaise()
+    kw = {"ssl": tls_certs.server_ctx()} if tls else {}
+    srv = make_server(h, framing="u16", **kw)
+    certs = tls_certs if tls else None
+    a = connect(srv, certs)
+    wait_for(lambda: h.first is not None, what="A's on_connect")
+    b = connect(srv, certs)
+    try:
+        for k in range(3):
+            a.sendall(frame(b"round %d" % k))
+            assert read_frame(b, timeout=10) == b"round %d" % k
+            assert read_frame(a, timeout=10) == b"round %d" % k
+    finally:
+        a.close()
+        b.close()
+    wait_for(lambda: srv.stats()["connections"] == 0, 15, "the sessions to close")
+    raised = [r for r in caplog.records if r.exc_info and "on_low failed" in str(r.exc_info[1])]
+    assert raised, "the callback's exception was not logged"
