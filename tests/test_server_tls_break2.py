@@ -8,12 +8,14 @@ import socket
 import ssl
 import struct
 import threading
+import time
 
 import pytest
 
 from aoprim.server import Handler, Server, serve_protocol
 from aoprim.server.loop import BACKENDS
 
+from tls_clients import RawTLS, client_hello
 from tlscerts import tls_certs  # noqa: F401  (fixture)
 from test_server_support import frame, make_server, read_frame, wait_for  # noqa: F401
 
@@ -246,7 +248,6 @@ def test_close_during_the_handshake_with_plaintext_queued_closes_at_once(make_se
     closed from another thread: that plaintext can never be encrypted (no handshake), so
     nothing is owed -- the connection closes at once, nothing in clear reaches the peer, no
     on_connect, no close_linger wait, no WARNING."""
-    from tls_clients import client_hello
     h = Chat()
     srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx(), handshake_timeout=600.0,
                       close_linger=600.0)
@@ -314,3 +315,37 @@ def test_a_flush_report_that_raises_does_not_stall_the_other_sessions(make_serve
     wait_for(lambda: srv.stats()["connections"] == 0, 15, "the sessions to close")
     raised = [r for r in caplog.records if r.exc_info and "on_low failed" in str(r.exc_info[1])]
     assert raised, "the callback's exception was not logged"
+
+
+# -- the PROXY header's own deadline holds in front of TLS too -----------------------------------
+
+@pytest.mark.parametrize("sent", ["nothing", "half a header"])
+def test_proxy_header_timeout_holds_in_front_of_tls(make_server, tls_certs, logs, sent):
+    """With ssl= and proxy_protocol, a trusted peer that sends half a PROXY header (or
+    nothing) is cut by proxy_header_timeout (from the accept, as documented in
+    docs/proxy-protocol.md), not only by a longer handshake_timeout.  Before: a TLS session
+    reads the header itself, the Receiver's proxy_pending was never set, and the deadline
+    was not checked at all (cut after handshake_timeout, 60 s here)."""
+    hdr_to = 0.5
+    srv = make_server(Chat(), framing="u16", ssl=tls_certs.server_ctx(), proxy_protocol="v2",
+                      proxy_header_timeout=hdr_to, handshake_timeout=60.0)
+    v2 = b"\r\n\r\n\x00\r\nQUIT\n\x21\x11\x00\x0c" + bytes(12)
+    with socket.create_connection(srv.address, timeout=10) as s:
+        if sent == "half a header":
+            s.sendall(v2[:10])
+        assert s.recv(100) == b""   # (a 10 s socket timeout: a later cut fails the test)
+    wait_for(lambda: srv.stats()["connections"] == 0, 15, "the session to close")
+    assert srv.stats()["closes"] == {"timeout": 1}
+    assert any("PROXY header timeout" in r.getMessage() for r in logs.records)
+    assert not error_lines(logs), error_lines(logs)[:5]
+    # a whole header and a TLS handshake within the deadline's reach are not cut by it
+    t = RawTLS(srv.address, tls_certs.client_ctx()).handshake(prefix=v2)
+    try:
+        assert t.echo(b"fine") == b"fine"
+        t0 = srv.stats()["closes"]
+        deadline = time.monotonic() + 4 * hdr_to
+        while time.monotonic() < deadline:      # past the header's deadline, still served
+            assert t.echo(b"still") == b"still"
+        assert srv.stats()["closes"] == t0
+    finally:
+        t.sock.close()

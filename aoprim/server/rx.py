@@ -44,7 +44,7 @@ class Rx:
     -- the handler's ``on_read`` or the worker dispatcher's ``post_frame``."""
 
     __slots__ = ("receiver", "paused", "_seen_bytes", "_ft_mark", "_ft_since", "last_active",
-                 "_born", "_swept", "wire")
+                 "_born", "_swept", "wire", "header_wait")
 
     def __init__(self, arena, fd, settings, on_frame, on_event, owner, copy_frames, now,
                  proxy=True):
@@ -66,6 +66,9 @@ class Rx:
         # session whose receiver sees other bytes than the socket's (TLS: the decrypted
         # ones): the idle and frame clocks then measure what arrives, as on plain TCP
         self.wire = None
+        # None, or a callable () -> True while the PROXY header is still due, for a session
+        # that reads the header itself (TLS: before the handshake) instead of its receiver
+        self.header_wait = None
 
     @property
     def reading(self):
@@ -105,7 +108,8 @@ class Rx:
             self.last_active = now
         if idle_timeout is not None and now - self.last_active > idle_timeout:
             return f"idle timeout ({idle_timeout:g} s without a byte)"
-        if r.proxy_pending:         # PROXY protocol: the header is due from the start
+        if (r.proxy_pending if self.header_wait is None else self.header_wait()):
+            # PROXY protocol: the header is due from the start
             if proxy_timeout is not None and now - self._born > proxy_timeout:
                 return (f"PROXY header timeout (not complete after {now - self._born:.2f} "
                         f"s, limit {proxy_timeout:g} s)")

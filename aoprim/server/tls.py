@@ -112,6 +112,8 @@ class TLSSession(Session):
         self._proxy_wait = True     # the handler meets us once the handshake is done
         self._reader = self._hs_readable
         self._rx.wire = self._wire
+        if self._pp is not None:
+            self._rx.header_wait = self._header_wait    # proxy_header_timeout's clock
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -205,6 +207,10 @@ class TLSSession(Session):
         t = self._t
         return (t.raw_in, self._rx.receiver.buffered + t.rec_begun + self._inc.pending +
                 self._sslobj.pending())
+
+    def _header_wait(self):
+        """The PROXY header is still due (read here, before the handshake)."""
+        return self._pp is not None
 
     # -- handshake (loop thread) ----------------------------------------------------------
     def _hs_timeout(self):
