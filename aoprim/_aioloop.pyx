@@ -37,13 +37,16 @@ from libc.math cimport ceil
 from cpython.exc cimport PyErr_CheckSignals, PyErr_SetFromErrno
 from cpython.dict cimport PyDict_GetItem
 from cpython.ref cimport PyObject
-from cpython.object cimport Py_TYPE
+from cpython.object cimport Py_TYPE, PyTypeObject
+from cpython.contextvars cimport PyContext_CopyCurrent
+from libc.stdint cimport uint64_t
 from cpython.tuple cimport PyTuple_CheckExact, PyTuple_Check, PyTuple_GET_SIZE
 from cpython.contextvars cimport PyContext_CheckExact
 
 from aoprim._aiowrite cimport SleepFlag
 from aoprim._aiotransport cimport TransportReader
-from aoprim.atomic_h cimport aop_store_u32, AOP_SEQ_CST
+from aoprim.atomic_h cimport (aop_store_u32, aop_load_u64p, aop_store_u64p, AOP_SEQ_CST,
+                              AOP_RELAXED)
 
 import sys as _sys
 import time as _time
@@ -74,6 +77,153 @@ cdef extern from *:
         if (PyContext_Exit(ctx)) { Py_XDECREF(r); return NULL; }
         return r;
     }
+
+    /* ---- scheduling (call_soon / call_at / call_later): asyncio's handles built in C ---- */
+    /* the slots of asyncio.Handle / TimerHandle (set once at import, read-only after) */
+    static Py_ssize_t aio_off_when = -1;
+    static PyTypeObject *aio_timer_type = NULL;
+    static PyObject *aio_timer_lt = NULL;       /* TimerHandle.__lt__ as asyncio defines it */
+    static PyObject *aio_str_lt = NULL;         /* "__lt__", interned */
+
+    /* a fresh object's slot (NULL after tp_alloc): takes a new reference */
+    static inline void aio_init_slot(PyObject *o, Py_ssize_t off, PyObject *v) {
+        Py_INCREF(v);
+        *(PyObject **)((char *)o + off) = v;
+    }
+
+    /* 1 if TimerHandle's class dict still holds asyncio's __lt__ (a patched one is called) */
+    static int aio_timer_lt_ok(void) {
+        PyObject *d = aio_timer_type->tp_dict;
+        PyObject *lt = d ? PyDict_GetItem(d, aio_str_lt) : NULL;    /* borrowed */
+        return lt != NULL && lt == aio_timer_lt;
+    }
+
+    /* 'a < b' as heapq asks it: for two exact TimerHandles (asyncio's __lt__ unpatched:
+       fast != 0) their _when compared -- as doubles when both are floats, which is what
+       'self._when < other._when' computes; any other pair by PyObject_RichCompareBool */
+    static int aio_lt(PyObject *a, PyObject *b, int fast) {
+        if (fast && Py_TYPE(a) == aio_timer_type && Py_TYPE(b) == aio_timer_type) {
+            PyObject *wa = *(PyObject **)((char *)a + aio_off_when);
+            PyObject *wb = *(PyObject **)((char *)b + aio_off_when);
+            if (wa != NULL && wb != NULL) {
+                if (PyFloat_CheckExact(wa) && PyFloat_CheckExact(wb))
+                    return PyFloat_AS_DOUBLE(wa) < PyFloat_AS_DOUBLE(wb);
+                return PyObject_RichCompareBool(wa, wb, Py_LT);
+            }
+        }
+        return PyObject_RichCompareBool(a, b, Py_LT);
+    }
+
+    /* heapq's _siftdown / _siftup / heappush / heappop (Modules/_heapqmodule.c), step for
+       step -- the same list layout, so equal deadlines come out in heapq's order -- with
+       aio_lt as the comparison; the size checks as heapq's (a comparison may run Python) */
+    static int aio_siftdown(PyObject *heap, Py_ssize_t startpos, Py_ssize_t pos, int fast) {
+        PyObject *newitem, *parent, **arr;
+        Py_ssize_t parentpos, size = PyList_GET_SIZE(heap);
+        int cmp;
+        if (pos >= size) { PyErr_SetString(PyExc_IndexError, "index out of range"); return -1; }
+        arr = ((PyListObject *)heap)->ob_item;
+        newitem = arr[pos];
+        while (pos > startpos) {
+            parentpos = (pos - 1) >> 1;
+            parent = arr[parentpos];
+            Py_INCREF(newitem);
+            Py_INCREF(parent);
+            cmp = aio_lt(newitem, parent, fast);
+            Py_DECREF(parent);
+            Py_DECREF(newitem);
+            if (cmp < 0) return -1;
+            if (size != PyList_GET_SIZE(heap)) {
+                PyErr_SetString(PyExc_RuntimeError, "list changed size during iteration");
+                return -1;
+            }
+            if (cmp == 0) break;
+            arr = ((PyListObject *)heap)->ob_item;
+            parent = arr[parentpos];
+            newitem = arr[pos];
+            arr[parentpos] = newitem;
+            arr[pos] = parent;
+            pos = parentpos;
+        }
+        return 0;
+    }
+
+    static int aio_siftup(PyObject *heap, Py_ssize_t pos, int fast) {
+        Py_ssize_t startpos = pos, endpos = PyList_GET_SIZE(heap), childpos, limit;
+        PyObject *tmp1, *tmp2, **arr;
+        int cmp;
+        if (pos >= endpos) { PyErr_SetString(PyExc_IndexError, "index out of range"); return -1; }
+        arr = ((PyListObject *)heap)->ob_item;
+        limit = endpos >> 1;
+        while (pos < limit) {
+            childpos = 2 * pos + 1;
+            if (childpos + 1 < endpos) {
+                PyObject *a = arr[childpos], *b = arr[childpos + 1];
+                Py_INCREF(a);
+                Py_INCREF(b);
+                cmp = aio_lt(a, b, fast);
+                Py_DECREF(a);
+                Py_DECREF(b);
+                if (cmp < 0) return -1;
+                childpos += ((unsigned)cmp ^ 1);
+                arr = ((PyListObject *)heap)->ob_item;
+                if (endpos != PyList_GET_SIZE(heap)) {
+                    PyErr_SetString(PyExc_RuntimeError, "list changed size during iteration");
+                    return -1;
+                }
+            }
+            tmp1 = arr[childpos];
+            tmp2 = arr[pos];
+            arr[childpos] = tmp2;
+            arr[pos] = tmp1;
+            pos = childpos;
+        }
+        return aio_siftdown(heap, startpos, pos, fast);
+    }
+
+    static int aio_heappush(PyObject *heap, PyObject *item) {
+        if (PyList_Append(heap, item)) return -1;
+        return aio_siftdown(heap, 0, PyList_GET_SIZE(heap) - 1, aio_timer_lt_ok());
+    }
+
+    /* a slot's value replaced (the old one released) */
+    static inline void aio_set_slot(PyObject *o, Py_ssize_t off, PyObject *v) {
+        PyObject **p = (PyObject **)((char *)o + off), *old = *p;
+        Py_INCREF(v);
+        *p = v;
+        Py_XDECREF(old);
+    }
+
+    /* object.__new__(t) for a type without __new__ / __init__ of its own to run: what
+       object_new does (tp_alloc: the slots NULL, the object tracked by the GC) */
+    static inline PyObject *aio_alloc(PyTypeObject *t) {
+        return t->tp_alloc(t, 0);
+    }
+
+    /* a class's version tag (0: none assigned).  CPython gives every version of a type's
+       attributes (its own and its bases') a tag unique in the process -- a change to the
+       class or a base clears it and the next lookup assigns a new one -- so a cached
+       tag != 0 equal to the class's current tag means "the same class, unchanged".
+       Relaxed: CPython's own readers of the tag (the type cache) load it relaxed; a stale
+       value only misses the cache. */
+    static inline unsigned int aio_type_tag(PyObject *t) {
+        return __atomic_load_n(&((PyTypeObject *)t)->tp_version_tag, __ATOMIC_RELAXED);
+    }
+
+    static PyObject *aio_heappop(PyObject *heap) {
+        PyObject *lastelt, *returnitem;
+        Py_ssize_t n = PyList_GET_SIZE(heap);
+        if (n == 0) { PyErr_SetString(PyExc_IndexError, "index out of range"); return NULL; }
+        lastelt = PyList_GET_ITEM(heap, n - 1);
+        Py_INCREF(lastelt);
+        if (PyList_SetSlice(heap, n - 1, n, NULL)) { Py_DECREF(lastelt); return NULL; }
+        n--;
+        if (!n) return lastelt;
+        returnitem = PyList_GET_ITEM(heap, 0);
+        PyList_SET_ITEM(heap, 0, lastelt);
+        if (aio_siftup(heap, 0, aio_timer_lt_ok())) { Py_DECREF(returnitem); return NULL; }
+        return returnitem;
+    }
     """
     PyObject *Py_True
     PyObject *PyTuple_GET_ITEM_B "PyTuple_GET_ITEM" (object t, Py_ssize_t i)
@@ -84,6 +234,16 @@ cdef extern from *:
     Py_ssize_t aio_member_offset(object descr)
     PyObject *aio_slot(object o, Py_ssize_t off)
     object aio_call_in_context(object ctx, object cb, object args)
+    Py_ssize_t aio_off_when
+    PyTypeObject *aio_timer_type
+    PyObject *aio_timer_lt
+    PyObject *aio_str_lt
+    void aio_init_slot(object o, Py_ssize_t off, object v)
+    int aio_heappush(list heap, object item) except -1
+    void aio_set_slot(object o, Py_ssize_t off, object v)
+    object aio_alloc(PyTypeObject *t)
+    unsigned int aio_type_tag(object t) nogil
+    object aio_heappop(list heap)
 
 cdef extern from "<sys/epoll.h>" nogil:
     int epoll_wait(int epfd, epoll_event *events, int maxevents, int timeout)
@@ -91,7 +251,6 @@ cdef extern from "<sys/epoll.h>" nogil:
         EPOLLIN
         EPOLLOUT
 
-cdef object _heappop = _heapq.heappop
 cdef object _heapify = _heapq.heapify
 cdef object _monotonic = _time.monotonic
 cdef int EVENT_READ = _selectors.EVENT_READ
@@ -119,6 +278,21 @@ cdef Py_ssize_t _OFF_CONTEXT = aio_member_offset(_Handle.__dict__["_context"])
 # the compiled call only where all four are plain slots of both types (else: _run())
 cdef bint _FAST_HANDLES = (_OFF_CALLBACK > 0 and _OFF_ARGS > 0 and _OFF_CANCELLED > 0 and
                            _OFF_CONTEXT > 0 and _TimerHandle.__dict__.get("_run") is None)
+cdef Py_ssize_t _OFF_LOOP = aio_member_offset(_Handle.__dict__["_loop"])
+cdef Py_ssize_t _OFF_REPR = aio_member_offset(_Handle.__dict__["_repr"])
+cdef Py_ssize_t _OFF_SOURCE_TB = aio_member_offset(_Handle.__dict__["_source_traceback"])
+cdef Py_ssize_t _OFF_WHEN = aio_member_offset(_TimerHandle.__dict__["_when"])
+cdef Py_ssize_t _OFF_SCHEDULED = aio_member_offset(_TimerHandle.__dict__["_scheduled"])
+# the scheduling calls build handles in C only where every slot Handle.__init__ /
+# TimerHandle.__init__ set was found (else: asyncio's call_soon / call_at / call_later)
+cdef bint _FAST_SCHEDULE = (_FAST_HANDLES and _OFF_LOOP > 0 and _OFF_REPR > 0 and
+                            _OFF_SOURCE_TB > 0 and _OFF_WHEN > 0 and _OFF_SCHEDULED > 0)
+aio_off_when = _OFF_WHEN if _FAST_SCHEDULE else -1
+aio_timer_type = <PyTypeObject *>_TimerHandle
+_timer_lt_ref = _TimerHandle.__dict__["__lt__"]       # kept alive by this module
+aio_timer_lt = <PyObject *>_timer_lt_ref
+_str_lt_ref = _sys.intern("__lt__")
+aio_str_lt = <PyObject *>_str_lt_ref
 cdef object _format_callback_source = _format_helpers._format_callback_source
 # 3.13's Handle._run formats the callback with debug=self._loop.get_debug(); before, without
 cdef bint _FORMAT_WITH_DEBUG = "get_debug" in _Handle._run.__code__.co_names
@@ -244,7 +418,7 @@ cdef int _iteration(object loop, object sel, bint own_time) except -1:
     else:
         while len(scheduled) and scheduled[0]._cancelled:
             loop._timer_cancelled_count -= 1
-            handle = _heappop(scheduled)
+            handle = aio_heappop(scheduled)
             handle._scheduled = False
     handle = None
 
@@ -316,7 +490,7 @@ cdef int _iteration(object loop, object sel, bint own_time) except -1:
         handle = scheduled[0]
         if handle._when >= end_time:
             break
-        handle = _heappop(scheduled)
+        handle = aio_heappop(scheduled)
         handle._scheduled = False
         ready.append(handle)
 
@@ -423,20 +597,157 @@ cdef inline object _slot(object o, Py_ssize_t off):
     return <object>p if p != NULL else None
 
 
-cdef inline int _compiled_ok(object loop, object sel):
+# ---- what a loop's class keeps of asyncio's, cached by the class's version tag ----------
+
+cdef _be_cls = _be.BaseEventLoop
+cdef object _py_call_soon = _be_cls.call_soon
+cdef object _py_call_at = _be_cls.call_at
+cdef object _py_call_later = _be_cls.call_later
+cdef object _base_check_closed = _be_cls._check_closed
+cdef object _base__call_soon = _be_cls._call_soon
+cdef object _base_get_debug = _be_cls.get_debug
+cdef object _handle_init = _Handle.__init__
+cdef object _timer_init = _TimerHandle.__init__
+from asyncio import futures as _futures
+cdef object _Future = _futures.Future
+
+cdef enum:
+    _C_KNOWN = 1            # the entry holds a class's checks
+    _C_EVENTS = 2           # the class's _process_events is asyncio's (selector loop's)
+    _C_TIME = 4             # its time() is BaseEventLoop's: time.monotonic() is it
+    _C_SCHED = 8            # call_soon / call_at / call_later's helpers are asyncio's
+
+# (version tag << 8) | the _C_ bits of the last loop class checked: one word, so a reader
+# on another thread (free-threaded build, two loops) sees a tag and its own class's bits;
+# relaxed: a stale or torn-free old entry only misses (the class is then checked again)
+cdef uint64_t _class_cache = 0
+
+
+cdef int _class_bits(object loop) except -1:
+    """The _C_ bits of the loop's class: from the cache when the class's version tag is
+    the cached one (the class and its bases unchanged since they were checked), else
+    checked now by the class's attributes (which also gives the class a tag)."""
+    cdef object t = type(loop)
+    cdef unsigned int tag = aio_type_tag(t)
+    cdef uint64_t c = aop_load_u64p(&_class_cache, AOP_RELAXED)   # relaxed: see above
+    cdef int bits
+    if tag != 0 and <unsigned int>(c >> 8) == tag:
+        return <int>(c & 0xff)
+    bits = _C_KNOWN
+    if t._process_events is _base_process_events:
+        bits |= _C_EVENTS
+    if t.time is _base_time:
+        bits |= _C_TIME
+    if (_FAST_SCHEDULE and t._check_closed is _base_check_closed and
+            t._call_soon is _base__call_soon and t.get_debug is _base_get_debug and
+            _Handle.__init__ is _handle_init and _TimerHandle.__init__ is _timer_init):
+        bits |= _C_SCHED
+    tag = aio_type_tag(t)               # assigned by the lookups above, if it was not
+    if tag != 0:
+        aop_store_u64p(&_class_cache, ((<uint64_t>tag) << 8) | <uint64_t>bits,
+                       AOP_RELAXED)     # relaxed: one word, read as one (see above)
+    return bits
+
+
+cdef inline int _compiled_ok(object loop, object sel) except -1:
     """0: asyncio's Python iteration; 1: the compiled one; 2: the compiled one, and the
     loop's time() is BaseEventLoop's (in neither its class nor its __dict__)."""
     if type(sel) is not _selector_type or loop._debug:
         return 0
-    t = type(loop)
-    if t._process_events is not _base_process_events:
+    cdef int bits = _class_bits(loop)
+    if not bits & _C_EVENTS:
         return 0
     d = getattr(loop, "__dict__", None)
     if d is not None and "_process_events" in d:
         return 0
-    if t.time is _base_time and (d is None or "time" not in d):
+    if bits & _C_TIME and (d is None or "time" not in d):
         return 2
     return 1
+
+
+# ---- the scheduling calls: asyncio's handles built in C ---------------------------------
+
+cdef object _new_handle(type t, object callback, tuple args, object loop, object context):
+    """``t(callback, args, loop, context)`` for t asyncio's Handle or TimerHandle, outside
+    debug mode: the slots ``Handle.__init__`` sets (no source traceback), set directly on
+    a fresh object (``TimerHandle``'s ``_when`` / ``_scheduled`` by the caller)."""
+    if context is None:
+        context = PyContext_CopyCurrent()
+    h = aio_alloc(<PyTypeObject *>t)
+    aio_init_slot(h, _OFF_CONTEXT, context)
+    aio_init_slot(h, _OFF_LOOP, loop)
+    aio_init_slot(h, _OFF_CALLBACK, callback)
+    aio_init_slot(h, _OFF_ARGS, args)
+    aio_init_slot(h, _OFF_CANCELLED, False)
+    aio_init_slot(h, _OFF_REPR, None)
+    aio_init_slot(h, _OFF_SOURCE_TB, None)
+    return h
+
+
+cdef object _schedule_at(object loop, object when, object callback, tuple args,
+                         object context):
+    """call_at's body after its checks: a TimerHandle pushed on ``loop._scheduled`` by
+    heapq's algorithm (aio_heappush), then marked scheduled."""
+    h = _new_handle(_TimerHandle, callback, args, loop, context)
+    aio_init_slot(h, _OFF_WHEN, when)
+    aio_init_slot(h, _OFF_SCHEDULED, False)
+    scheduled = loop._scheduled
+    if type(scheduled) is list:
+        aio_heappush(<list>scheduled, h)
+    else:
+        _heapq.heappush(scheduled, h)       # heapq's own errors for a non-list
+    aio_set_slot(h, _OFF_SCHEDULED, True)
+    return h
+
+
+def call_soon(self, callback, *args, context=None):
+    """``BaseEventLoop.call_soon`` in C: the same checks, an ``asyncio.Handle`` appended to
+    ``_ready``.  In debug mode, or where the loop's class overrides a helper call_soon
+    calls (``_check_closed``, ``_call_soon``, ``get_debug``) or asyncio's handle classes
+    were patched, it is asyncio's own (thread check, callback check, source traceback)."""
+    if self._debug or not _class_bits(self) & _C_SCHED:
+        return _py_call_soon(self, callback, *args, context=context)
+    if self._closed:
+        raise RuntimeError('Event loop is closed')
+    h = _new_handle(_Handle, callback, args, self, context)
+    self._ready.append(h)
+    return h
+
+
+def call_at(self, when, callback, *args, context=None):
+    """``BaseEventLoop.call_at`` in C (asyncio's where call_soon's is, above)."""
+    if when is None:
+        raise TypeError("when cannot be None")
+    if self._debug or not _class_bits(self) & _C_SCHED:
+        return _py_call_at(self, when, callback, *args, context=context)
+    if self._closed:
+        raise RuntimeError('Event loop is closed')
+    return _schedule_at(self, when, callback, args, context)
+
+
+def call_later(self, delay, callback, *args, context=None):
+    """``BaseEventLoop.call_later`` in C: ``time() + delay`` (``time.monotonic()`` where the
+    loop keeps BaseEventLoop's time(), as the iteration), then call_at's body."""
+    if delay is None:
+        raise TypeError('delay must not be None')
+    cdef int bits = _class_bits(self)
+    if self._debug or not bits & _C_SCHED:
+        return _py_call_later(self, delay, callback, *args, context=context)
+    if bits & _C_TIME and "time" not in self.__dict__:
+        when = _monotonic() + delay
+    else:
+        when = self.time() + delay
+    if when is None:
+        raise TypeError("when cannot be None")
+    if self._closed:
+        raise RuntimeError('Event loop is closed')
+    return _schedule_at(self, when, callback, args, context)
+
+
+def create_future(self):
+    """``BaseEventLoop.create_future`` without its Python frame: ``asyncio.Future(loop=self)``
+    (the C ``_asyncio.Future`` where it is asyncio's)."""
+    return _Future(loop=self)
 
 
 def run_once(loop):

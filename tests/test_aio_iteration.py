@@ -322,3 +322,136 @@ def test_nan_timer_as_asyncio(pair):
         assert out == [] and not loop.is_running(), name
     guard.cancel()
     assert time.monotonic() - t0 < 2.5, name
+
+
+# ---- the scheduling calls (call_soon / call_at / call_later / create_future in C) ---------
+
+def _frames(fn):
+    """The Python functions fn() runs (their code names)."""
+    seen = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            seen.append(frame.f_code.co_name)
+    try:
+        sys.setprofile(prof)
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_scheduling_calls_run_no_python_frame_and_make_asyncio_handles():
+    """call_soon / call_at / call_later / create_future run no Python frame (asyncio's ran
+    call_soon, _call_soon, Handle.__init__, get_debug, _check_closed, call_at,
+    TimerHandle.__init__, TimerHandle.__lt__ per heap comparison, time, create_future) and
+    return asyncio's own handle types with the slots asyncio's __init__ sets."""
+    import contextvars
+    loop = aoprim.aio.new_event_loop()
+    try:
+        made = {}
+
+        def make():
+            made["s"] = loop.call_soon(print, 1, 2)
+            made["a"] = loop.call_at(5.0, print)
+            made["l"] = [loop.call_later(d, print) for d in (3.0, 1.0, 2.0, 1.0)]
+            made["f"] = loop.create_future()
+
+        # (get_debug: asyncio.Future's own __init__ asks the loop, on asyncio too)
+        assert set(_frames(make)) - {"make", "<listcomp>"} == {"get_debug"}
+        s, a = made["s"], made["a"]
+        assert type(s) is asyncio.Handle and type(a) is asyncio.TimerHandle
+        assert (s._callback, s._args, s._loop, s._cancelled, s._repr,
+                s._source_traceback) == (print, (1, 2), loop, False, None, None)
+        assert isinstance(s._context, contextvars.Context)
+        assert (a._when, a._scheduled) == (5.0, True) and a.when() == 5.0
+        assert list(loop._ready) == [s] and len(loop._scheduled) == 5
+        assert type(made["f"]) is asyncio.Future and made["f"].get_loop() is loop
+        ctx = contextvars.copy_context()
+        assert loop.call_soon(print, context=ctx)._context is ctx
+        assert "print" in repr(s)
+        s.cancel()
+        assert s.cancelled() and s._callback is None
+        loop.close()
+        with pytest.raises(RuntimeError, match="Event loop is closed"):
+            loop.call_soon(print)
+        with pytest.raises(RuntimeError, match="Event loop is closed"):
+            loop.call_later(1, print)
+        with pytest.raises(TypeError, match="when cannot be None"):
+            loop.call_at(None, print)
+        with pytest.raises(TypeError, match="delay must not be None"):
+            loop.call_later(None, print)
+    finally:
+        loop.close()
+
+
+def test_timer_heap_is_heapqs_over_random_deadlines():
+    """The C heap push / pop (heapq's algorithm, _when compared directly) leave
+    ``_scheduled`` in exactly the layout asyncio's heapq + TimerHandle.__lt__ leave, over
+    random deadlines with many ties, ints mixed with floats, cancels and runs -- so timers
+    with equal deadlines run in asyncio's order."""
+    import random
+    rnd = random.Random(23)
+    for trial in range(30):
+        ops = [(rnd.choice([rnd.randrange(8), rnd.randrange(8) * 0.5, -1.0]),
+                rnd.random() < 0.2) for _ in range(rnd.randrange(1, 60))]
+        layouts = {}
+        for name, make in LOOPS.items():
+            lp = make()
+            base = int(lp.time()) + 1000      # an int: int + int deadlines stay ints
+            out, hs = [], []
+            try:
+                for i, (d, cancel) in enumerate(ops):
+                    h = lp.call_at(base + d if d >= 0 else base, out.append, i)
+                    hs.append(h)
+                    if cancel:
+                        h.cancel()
+                index = {id(h): i for i, h in enumerate(hs)}
+                layout = [index[id(h)] for h in lp._scheduled]
+                # run them all: the pops (the iteration's C heappop) in heap order
+                for h in lp._scheduled:
+                    h._when -= 2000.0
+                lp.run_until_complete(asyncio.sleep(0))
+                layouts[name] = (layout, out)
+            finally:
+                lp.close()
+        assert layouts["aoprim"] == layouts["asyncio"], (trial, ops)
+
+
+def test_scheduling_falls_back_to_asyncio_in_debug_mode_and_on_overrides():
+    """Debug mode: asyncio's call_soon (a source traceback ending at the caller, the
+    thread check); a subclass overriding _call_soon is called; patching the class after
+    its first call_soon (its version tag changes) is seen."""
+    loop = aoprim.aio.new_event_loop()
+    try:
+        loop.set_debug(True)
+        h = loop.call_soon(print)
+        assert h._source_traceback and h._source_traceback[-1].name == (
+            "test_scheduling_falls_back_to_asyncio_in_debug_mode_and_on_overrides")
+        t = loop.call_later(1, print)
+        assert t._source_traceback[-1].name == h._source_traceback[-1].name
+    finally:
+        loop.set_debug(False)
+        loop.close()
+
+    calls = []
+
+    class Sub(aoprim.aio.Loop):
+        pass
+
+    lp = Sub()
+    try:
+        lp.call_soon(print)
+        assert calls == []
+
+        def _call_soon(self, callback, args, context):
+            calls.append(callback)
+            return asyncio.SelectorEventLoop._call_soon(self, callback, args, context)
+        Sub._call_soon = _call_soon             # after the class was checked and cached
+        lp.call_soon(print)
+        assert calls == [print]
+        t0 = []
+        Sub.time = lambda self: (t0.append(1), 100.0)[1]
+        assert lp.call_later(1.5, print).when() == 101.5 and t0 == [1]
+    finally:
+        lp.close()

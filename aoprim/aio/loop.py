@@ -141,6 +141,14 @@ class Loop(asyncio.SelectorEventLoop, metaclass=_NoPatch):
     # a callback raised KeyboardInterrupt / SystemExit out of the loop
     _run_once = _aioloop.run_once
 
+    # asyncio's call_soon / call_at / call_later / create_future with the handles built in
+    # C (aoprim._aioloop: asyncio.Handle / TimerHandle, the timer heap by heapq's algorithm);
+    # asyncio's own in debug mode or where a subclass overrides the helpers they call
+    call_soon = _aioloop.call_soon
+    call_at = _aioloop.call_at
+    call_later = _aioloop.call_later
+    create_future = _aioloop.create_future
+
     def _aio_flush_all(self):
         flush = self._aio_flush
         group = self._aio_group
