@@ -3,12 +3,14 @@ a scenario that misbehaved before its fix (it failed first), against the real se
 loopback, both backends, every slot and fd back to idle after each test (make_server's
 teardown), no ERROR log line."""
 import asyncio
+import gc
 import logging
 import socket
 import ssl
 import struct
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -349,3 +351,45 @@ def test_proxy_header_timeout_holds_in_front_of_tls(make_server, tls_certs, logs
         assert srv.stats()["closes"] == t0
     finally:
         t.sock.close()
+
+
+# -- a closed TLS session is freed by reference counting -----------------------------------------
+
+@pytest.mark.parametrize("how", ["close_notify", "server close", "abort", "bad handshake",
+                                 "handshake timeout"])
+def test_a_closed_tls_session_is_freed_without_the_cyclic_gc(make_server, tls_certs, how):
+    """With the cyclic GC off, every way a TLS session ends leaves nothing of it (its
+    SSLObject and BIOs are tens of KiB) once its last reference is dropped, as a plain
+    session.  Before: its Rx held the session's bound _wire (the idle and frame clocks over
+    the ciphertext), a cycle only the cyclic GC freed."""
+    srv = make_server(Chat(), framing="u16", ssl=tls_certs.server_ctx(),
+                      handshake_timeout=0.5 if how == "handshake timeout" else 10.0)
+    gc.collect()
+    gc.disable()
+    try:
+        raw = s = socket.create_connection(srv.address, timeout=10)
+        sess = weakref.ref(wait_for(lambda: srv.sessions, what="the session")[0])
+        try:
+            if how == "bad handshake":
+                raw.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                raw.recv(100)
+            elif how == "handshake timeout":
+                assert raw.recv(100) == b""
+            else:
+                s = tls_certs.client_ctx().wrap_socket(raw, server_hostname="localhost")
+                s.sendall(frame(b"hi"))
+                assert read_frame(s) == b"hi"
+                if how == "close_notify":
+                    s.unwrap()
+                elif how == "server close":
+                    s.sendall(frame(b"bye"))
+                    assert s.recv(10) == b""
+                else:
+                    srv.loop.call_soon_threadsafe(sess().abort)
+                    assert s.recv(10) == b""
+        finally:
+            s.close()
+        wait_for(lambda: srv.live_sessions == 0, 10, "the session's last reference")
+        wait_for(lambda: sess() is None, 5, "the session to be freed (no cyclic GC)")
+    finally:
+        gc.enable()

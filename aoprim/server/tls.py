@@ -199,6 +199,11 @@ class TLSSession(Session):
             self._hs_timer = None
         Session._teardown(self)
         self._t.close()         # after the teardown's last flush report: drops the cycle
+        # the Rx's clocks and, while the handshake ran, our read callback are bound methods
+        # of ours: dropped, a closed session is freed by reference counting, not left for
+        # the cyclic GC (an SSLObject and its BIOs per closed session)
+        self._rx.wire = self._rx.header_wait = None
+        self._reader = None
 
     def _wire(self):
         """(bytes received, bytes held) as the socket saw them, for the idle and frame
