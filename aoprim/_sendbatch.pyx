@@ -273,6 +273,66 @@ cdef Py_ssize_t _positive(object v, str name) except -1:
     return <Py_ssize_t>i
 
 
+cdef inline void _end_msg(SendBatch b, size_t n) noexcept nogil:
+    """Close the message whose n bytes were just appended (busy held, room in ends[]
+    checked): its end offset, and the pending counts."""
+    b.added += n
+    b.ends[b.mtail] = b.added
+    b.mtail += 1
+    _add(&b.pend_bytes, <int64_t>n)
+    _add(&b.pend_msgs, 1)
+
+
+cdef inline int _regrow(void **arr, Py_ssize_t cap, size_t size) noexcept nogil:
+    """realloc(*arr) to cap elements of size bytes.  -1 on ENOMEM (*arr left as it was)."""
+    cdef void *na = realloc(arr[0], <size_t>cap * size)
+    if na == NULL:
+        return -1
+    arr[0] = na
+    return 0
+
+
+cdef int _room(Py_ssize_t *head, Py_ssize_t *tail, Py_ssize_t *cap, void **a,
+                      size_t sa, void **b, size_t sb) noexcept nogil:
+    """Room for one more entry at tail in the array a (and the parallel array b, unless
+    NULL) of cap entries, [head, tail) live: when full, slide the live entries down if they
+    fill at most half of it, else double both.  -1 on ENOMEM (cap unchanged; a may be the
+    larger already: harmless)."""
+    cdef Py_ssize_t live
+    if tail[0] < cap[0]:
+        return 0
+    live = tail[0] - head[0]
+    if head[0] > 0 and live <= cap[0] // 2:
+        memmove(a[0], <char *>a[0] + head[0] * sa, live * sa)
+        if b != NULL:
+            memmove(b[0], <char *>b[0] + head[0] * sb, live * sb)
+        head[0] = 0
+        tail[0] = live
+        return 0
+    if _regrow(a, cap[0] * 2, sa) < 0 or (b != NULL and _regrow(b, cap[0] * 2, sb) < 0):
+        return -1
+    cap[0] *= 2
+    return 0
+
+
+cdef inline int _c_add(SendBatch b, const void *p, size_t n, int kind) noexcept nogil:
+    """c_add_ptr (SB_RAW) and c_add_copy (SB_COPY): 0, 1 (a threshold reached), -EBUSY,
+    -ENOMEM; a batch in a group is queued to it."""
+    cdef int r
+    if n == 0:
+        return 0
+    if not _claim(b):
+        return -EBUSY
+    if b._add_raw(<const char *>p, n, kind, NULL, NULL) < 0:
+        r = -ENOMEM
+    else:
+        r = 1 if b._over() else 0
+        if b.group is not None and not b.queued:
+            r = _c_queue(b, r)
+    _unclaim(b)
+    return r
+
+
 cdef inline bint _fast_add_small_bytes(SendBatch b, object data) noexcept:
     """The common case, inlined: a small bytes object appended to a copy segment that is
     already last, with room in every array.  Returns False (nothing done) otherwise; the
@@ -288,12 +348,27 @@ cdef inline bint _fast_add_small_bytes(SendBatch b, object data) noexcept:
     memcpy(b.cbuf + b.cused, PyBytes_AS_STRING(data), n)
     b.iov[last].iov_len += n          # I4: the last copy segment ends at cused
     b.cused += n
-    b.added += n
-    b.ends[b.mtail] = b.added
-    b.mtail += 1
-    _add(&b.pend_bytes, <int64_t>n)
-    _add(&b.pend_msgs, 1)
+    _end_msg(b, <size_t>n)
     return True
+
+
+cdef inline int _add_one(SendBatch b, object data, bint af) except -1:
+    """add()'s body and add_many()'s per item (busy held): the fast path or _add_obj, then
+    the auto-flush once a threshold is reached (``af``)."""
+    if not _fast_add_small_bytes(b, data):
+        b._add_obj(data)
+    if af and b._over():
+        b._auto_flush()
+    return 0
+
+
+cdef inline int64_t _queued_after_add(SendBatch b) except -1:
+    """add_copy's and add_frame's end (busy held): the auto-flush once a threshold is
+    reached, the group queueing, and the bytes now pending (what they return)."""
+    if b.auto_flush and b._over():
+        b._auto_flush()
+    b._maybe_queue()
+    return _get(&b.pend_bytes)
 
 
 cdef class SendBatch:
@@ -401,53 +476,20 @@ cdef class SendBatch:
     # ---- space management (busy held) ---------------------------------------------------
 
     cdef int _room_segs(self) noexcept nogil:
-        """Make room for one more segment: slide [head, nseg) down, or double.  -1: ENOMEM."""
-        cdef Py_ssize_t live
-        cdef Py_ssize_t cap
-        cdef iovec *ni
-        cdef aop_sb_owner *no
-        if self.nseg < self.segcap:
+        """Make room for one more segment: slide [head, nseg) down, or double.  -1: ENOMEM.
+        Py_buffer is moved by value: exports are taken with PyBUF_SIMPLE, which makes the
+        exporter leave shape/strides NULL, so a view holds no pointer to itself."""
+        if self.nseg < self.segcap:        # the common case, without a call
             return 0
-        live = self.nseg - self.head
-        if self.head > 0 and live <= self.segcap // 2:
-            # Py_buffer is moved by value: exports are taken with PyBUF_SIMPLE, which makes
-            # the exporter leave shape/strides NULL, so a view holds no pointer to itself.
-            memmove(self.iov, self.iov + self.head, live * sizeof(iovec))
-            memmove(self.own, self.own + self.head, live * sizeof(aop_sb_owner))
-            self.head = 0
-            self.nseg = live
-            return 0
-        cap = self.segcap * 2
-        ni = <iovec *>realloc(self.iov, cap * sizeof(iovec))
-        if ni == NULL:
-            return -1
-        self.iov = ni
-        no = <aop_sb_owner *>realloc(self.own, cap * sizeof(aop_sb_owner))
-        if no == NULL:
-            return -1
-        self.own = no
-        self.segcap = cap
-        return 0
+        return _room(&self.head, &self.nseg, &self.segcap, <void **>&self.iov, sizeof(iovec),
+                     <void **>&self.own, sizeof(aop_sb_owner))
 
     cdef int _room_msgs(self) noexcept nogil:
-        cdef Py_ssize_t live
-        cdef Py_ssize_t cap
-        cdef uint64_t *ne
-        if self.mtail < self.mcap:
+        """Make room for one more message end: slide [mhead, mtail) down, or double."""
+        if self.mtail < self.mcap:         # the common case, without a call
             return 0
-        live = self.mtail - self.mhead
-        if self.mhead > 0 and live <= self.mcap // 2:
-            memmove(self.ends, self.ends + self.mhead, live * sizeof(uint64_t))
-            self.mhead = 0
-            self.mtail = live
-            return 0
-        cap = self.mcap * 2
-        ne = <uint64_t *>realloc(self.ends, cap * sizeof(uint64_t))
-        if ne == NULL:
-            return -1
-        self.ends = ne
-        self.mcap = cap
-        return 0
+        return _room(&self.mhead, &self.mtail, &self.mcap, <void **>&self.ends,
+                     sizeof(uint64_t), NULL, 0)
 
     cdef int _room_copy(self, size_t n) noexcept nogil:
         """Make cbuf[cused:cused+n] available (I4 kept).  -1: ENOMEM."""
@@ -509,11 +551,7 @@ cdef class SendBatch:
             if view != NULL:
                 memcpy(&self.own[self.nseg].view, view, sizeof(Py_buffer))
             self.nseg += 1
-        self.added += n
-        self.ends[self.mtail] = self.added
-        self.mtail += 1
-        _add(&self.pend_bytes, <int64_t>n)
-        _add(&self.pend_msgs, 1)
+        _end_msg(self, n)
         return 0
 
     cdef int _add_copy2(self, const char *a, size_t na, const char *b,
@@ -541,11 +579,7 @@ cdef class SendBatch:
             memcpy(self.cbuf + self.cused + na, b, nb)
         self.iov[last].iov_len += n
         self.cused += n
-        self.added += n
-        self.ends[self.mtail] = self.added
-        self.mtail += 1
-        _add(&self.pend_bytes, <int64_t>n)
-        _add(&self.pend_msgs, 1)
+        _end_msg(self, n)
         return 0
 
     cdef bint _over(self) noexcept nogil:
@@ -892,10 +926,7 @@ cdef class SendBatch:
         if not _claim(self):
             _raise_busy()
         try:
-            if not _fast_add_small_bytes(self, data):
-                self._add_obj(data)
-            if self.auto_flush and self._over():
-                self._auto_flush()
+            _add_one(self, data, self.auto_flush)
             self._maybe_queue()
         finally:
             _unclaim(self)
@@ -923,10 +954,7 @@ cdef class SendBatch:
                     self._add_obj(data)
                 else:
                     self._add_buffer(data, True)
-            if self.auto_flush and self._over():
-                self._auto_flush()
-            self._maybe_queue()
-            p = _get(&self.pend_bytes)
+            p = _queued_after_add(self)
         finally:
             _unclaim(self)
         return p
@@ -1001,10 +1029,7 @@ cdef class SendBatch:
                     except BaseException:
                         self._unadd_copy(hs)
                         raise
-            if self.auto_flush and self._over():
-                self._auto_flush()
-            self._maybe_queue()
-            p = _get(&self.pend_bytes)
+            p = _queued_after_add(self)
         finally:
             _unclaim(self)
             if vheld:
@@ -1022,26 +1047,10 @@ cdef class SendBatch:
         if not _claim(self):
             _raise_busy()
         try:
-            if type(iterable) is list:
-                for item in <list>iterable:
-                    if not _fast_add_small_bytes(self, item):
-                        self._add_obj(item)
-                    count += 1
-                    if af and self._over():
-                        self._auto_flush()
-            elif type(iterable) is tuple:
-                for item in <tuple>iterable:
-                    if not _fast_add_small_bytes(self, item):
-                        self._add_obj(item)
-                    count += 1
-                    if af and self._over():
-                        self._auto_flush()
-            else:
-                for item in iterable:
-                    self._add_obj(item)
-                    count += 1
-                    if af and self._over():
-                        self._auto_flush()
+            # (Cython iterates an exact list or tuple by index, without an iterator)
+            for item in iterable:
+                _add_one(self, item, af)
+                count += 1
         except BaseException:
             self._queue_quietly()          # the items added before a bad one are queued too
             _unclaim(self)
@@ -1231,34 +1240,10 @@ cdef class SendBatch:
     # ---- C API --------------------------------------------------------------------------
 
     cdef int c_add_ptr(self, const void *p, size_t n) noexcept nogil:
-        cdef int r
-        if n == 0:
-            return 0
-        if not _claim(self):
-            return -EBUSY
-        if self._add_raw(<const char *>p, n, SB_RAW, NULL, NULL) < 0:
-            r = -ENOMEM
-        else:
-            r = 1 if self._over() else 0
-            if self.group is not None and not self.queued:
-                r = _c_queue(self, r)
-        _unclaim(self)
-        return r
+        return _c_add(self, p, n, SB_RAW)
 
     cdef int c_add_copy(self, const void *p, size_t n) noexcept nogil:
-        cdef int r
-        if n == 0:
-            return 0
-        if not _claim(self):
-            return -EBUSY
-        if self._add_raw(<const char *>p, n, SB_COPY, NULL, NULL) < 0:
-            r = -ENOMEM
-        else:
-            r = 1 if self._over() else 0
-            if self.group is not None and not self.queued:
-                r = _c_queue(self, r)
-        _unclaim(self)
-        return r
+        return _c_add(self, p, n, SB_COPY)
 
     cdef Py_ssize_t c_flush(self) noexcept nogil:
         cdef Py_ssize_t total = 0
