@@ -31,6 +31,7 @@ caller's selector, a mock), or ``_process_events`` is overridden (by a subclass 
 instance), the iteration is asyncio's Python ``_run_once`` instead (inside the same
 flushes): slow-callback warnings, mocks and overrides behave as on asyncio.
 """
+cimport cython
 from libc.errno cimport errno, EINTR
 from libc.stdlib cimport realloc, free
 from libc.math cimport ceil
@@ -322,13 +323,24 @@ def configure(base_run_once, selector_type):
 
 def wait_state(sel):
     """What the compiled wait keeps on a selector (``_aio_events``, ``_aio_epfd``): set by
-    the loop's ``_Selector`` when it is created."""
-    sel._aio_events = _Events()
-    sel._aio_epfd = sel._selector.fileno() if isinstance(sel, _selectors.EpollSelector) else -1
+    the loop's ``_Selector`` when it is created (after its ``_sleep`` and ``_group``)."""
+    cdef _Events evs = _Events()
+    evs.epfd = sel._selector.fileno() if isinstance(sel, _selectors.EpollSelector) else -1
+    evs.fd_to_key = sel._fd_to_key
+    evs.sleep = sel._sleep
+    evs.group = sel._group
+    evs.flush = sel._group.flush
+    sel._aio_events = evs
+    sel._aio_epfd = evs.epfd
 
 
+@cython.no_gc_clear
 cdef class _Events:
-    """The epoll_event array of one loop's waits, grown to the selector's size."""
+    """The epoll_event array of one loop's waits, grown to the selector's size, and what
+    the iteration reads of the selector and the loop (see the .pxd).  GC: its references
+    (the fd map, the group) are in cycles through the loop; it is never cleared (no_gc_clear:
+    the selector's and the loop's __dict__ break the cycles), so an iteration that runs
+    while a cycle is collected still sees them."""
 
     cdef int reserve(self, int n) except -1:
         cdef epoll_event *p
@@ -392,7 +404,7 @@ cdef int _queue(object loop, object ready, object handle, object fileobj,
     return 0
 
 
-cdef int _iteration(object loop, object sel, bint own_time) except -1:
+cdef int _iteration(object loop, _Events evs, bint own_time) except -1:
     cdef list scheduled = loop._scheduled
     cdef Py_ssize_t sched_count = len(scheduled)
     cdef object ready = loop._ready
@@ -402,7 +414,6 @@ cdef int _iteration(object loop, object sel, bint own_time) except -1:
     cdef int n, i, ev, events, epfd
     cdef PyObject *k
     cdef Py_ssize_t ntodo, j
-    cdef _Events evs
     cdef SleepFlag sleep
     if (sched_count > _MIN_SCHEDULED and
             <double>loop._timer_cancelled_count / sched_count > _MIN_CANCELLED_FRACTION):
@@ -437,16 +448,15 @@ cdef int _iteration(object loop, object sel, bint own_time) except -1:
             timeout = 0.0
 
     # the wait (aoprim.aio.loop._Selector.select + selectors.EpollSelector.select)
-    fd_to_key = sel._fd_to_key
-    evs = sel._aio_events
-    epfd = sel._aio_epfd
-    sleep = <SleepFlag?>sel._sleep
+    fd_to_key = evs.fd_to_key
+    epfd = evs.epfd
+    sleep = evs.sleep
     # seq_cst store, then the group check (a load): the Dekker pair with a write from a
     # signal handler or another thread, which queues its batch and then loads the flag --
     # either the check sees the batch or the write sees the flag and wakes the loop
     aop_store_u32(&sleep.flag, 1, AOP_SEQ_CST)
     try:
-        if len(loop._aio_group):
+        if len(evs.group):
             timeout = 0.0                   # a batch became dirty after the last flush
         n = _wait(evs, epfd, max(len(fd_to_key), 1), timeout)
     finally:
@@ -657,10 +667,10 @@ cdef inline int _compiled_ok(object loop, object sel) except -1:
     cdef int bits = _class_bits(loop)
     if not bits & _C_EVENTS:
         return 0
-    d = getattr(loop, "__dict__", None)
-    if d is not None and "_process_events" in d:
+    d = loop.__dict__
+    if "_process_events" in d:
         return 0
-    if bits & _C_TIME and (d is None or "time" not in d):
+    if bits & _C_TIME and "time" not in d:
         return 2
     return 1
 
@@ -755,17 +765,26 @@ def run_once(loop):
     (compiled, or asyncio's -- see the module docstring), then flush the iteration's
     writes -- also when a callback raised out of the loop (KeyboardInterrupt,
     SystemExit)."""
-    group = loop._aio_group
+    cdef _Events evs
+    cdef int ok
+    sel = loop._selector
+    ok = _compiled_ok(loop, sel)
+    if ok:
+        # the loop's own _Selector: its _Events holds the group and the flush
+        evs = <_Events>sel._aio_events
+        group = evs.group
+        flush = evs.flush
+    else:
+        group = loop._aio_group
+        flush = loop._aio_flush
     if len(group):
         loop._aio_flush_all()               # written outside a callback: send before the wait
     try:
-        sel = loop._selector
-        ok = _compiled_ok(loop, sel)
         if ok:
-            _iteration(loop, sel, ok == 2)
+            _iteration(loop, evs, ok == 2)
         else:
             _base_run_once(loop)
     finally:
-        loop._aio_flush()
+        flush()
         if len(group):
             loop._aio_flush_all()           # a notification wrote again
