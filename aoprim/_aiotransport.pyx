@@ -9,8 +9,8 @@ it, and one read runs no Python frame of aoprim's -- the recv is a C call on the
 selector transport's ``_read_ready`` does, in the same order, with the same messages:
 
 - ``conn_lost`` set (the transport is being closed, aborted or lost): nothing;
-- a plain protocol: ``ReadBuffer.recv_bytes(sock)`` (at most the buffer's size, asyncio's
-  ``max_size``); BlockingIOError / InterruptedError: nothing; any other error (not
+- a plain protocol: ``ReadBuffer.recv_bytes(sock)`` (at most the buffer's size,
+  ``aoprim.aio.loop.READ_BUFFER_SIZE``); BlockingIOError / InterruptedError: nothing; any other error (not
   KeyboardInterrupt / SystemExit, which propagate) is
   ``transport._fatal_error(exc, 'Fatal read error on socket transport')``; ``b''`` (end of
   stream) is ``transport._read_ready__on_eof()`` (eof_received, then close unless it

@@ -11,6 +11,7 @@ cdef class ReadBuffer:
     cdef aop_atomic_i64 st_bytes # bytes received (relaxed)
     cdef aop_atomic_i64 st_pooled # reads handed out as a pool slot, no copy (relaxed)
     cdef size_t big              # a read of at least this many bytes is handed out as its slot
+                                 # (min(cap // 4, 64 KiB))
     cdef int npool               # slots created so far (0 .. POOL_MAX)
     cdef PyObject *pool[16]      # the slots: bytes objects of cap bytes, one reference each
     cdef PyObject *_free_slot(self) noexcept

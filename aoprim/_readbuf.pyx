@@ -11,12 +11,15 @@ Where a read lands (``recv_bytes``):
   pre-faulted) the first times a large read arrives and kept for the buffer's life, so
   their pages stay resident.  A slot is free when this buffer holds the only reference to
   it (reference count 1: nothing else can see it, so its contents may be overwritten).  The
-  recv() goes straight into a free slot.  A read of at least ``size // 4`` bytes is handed
-  out as the slot itself -- its length set to the bytes read, its cached hash reset: no
-  copy, no allocation; the slot is free again once the protocol (and the write batch that
-  sends it on) drop it.  A smaller read is copied out into a new ``bytes`` of its size, and
-  the slot stays free.  A handed-out slot holds ``size`` bytes of memory for a read of at
-  least a quarter of that; a protocol keeping many of them keeps at most ``POOL_MAX``.
+  recv() goes straight into a free slot.  A read of at least ``HANDOUT_MIN`` bytes
+  (``min(size // 4, 64 KiB)``) is handed out as the slot itself -- its length set to the
+  bytes read, its cached hash reset: no copy, no allocation; the slot is free again once
+  the protocol (and the write batch that sends it on) drop it.  A smaller read is copied
+  out into a new ``bytes`` of its size, and the slot stays free.  A handed-out slot holds
+  ``size`` bytes of memory for a read of at least ``HANDOUT_MIN``; a protocol keeping many
+  of them keeps at most ``POOL_MAX``.  (The 64 KiB cap: with a large buffer, a 64 KiB read
+  copied out into a fresh ``bytes`` costs a malloc'd copy and, once glibc trims the heap,
+  its page faults again on every read -- what the pool is for.)
 - **the buffer's own memory**, when no slot is free (none created yet: only small reads so
   far, or every slot still held): one recv() there, then one ``bytes`` of the size
   received; a large read so made also creates a new slot if fewer than ``POOL_MAX`` exist,
@@ -86,6 +89,9 @@ cdef extern from *:
 #: the most pool slots one ReadBuffer keeps (0 on a free-threaded build)
 POOL_MAX = AOP_RB_POOL_MAX
 
+# a read of at least min(size // 4, this) bytes is handed out as its slot
+cdef size_t HANDOUT_MAX = 65536
+
 # socket.socket's own C method, called as _fileno(sock): no Python code runs for a subclass
 # that overrides fileno() (as SendBatch reads it)
 cdef object _fileno = _socket.socket.fileno
@@ -109,7 +115,7 @@ cdef class ReadBuffer:
 
     Reused receive memory: ``recv_bytes(sock)`` reads at most ``size`` bytes from a socket
     and returns them as ``bytes`` (``b''`` at end of stream); a read of at least
-    ``size // 4`` bytes is returned without a copy, as one of the buffer's pooled,
+    ``min(size // 4, 65536)`` bytes is returned without a copy, as one of the buffer's pooled,
     resident ``bytes`` objects (see the module's docstring)."""
 
     def __cinit__(self, size=262144):
@@ -122,6 +128,8 @@ cdef class ReadBuffer:
             raise MemoryError()
         self.cap = <size_t>size
         self.big = self.cap // 4 if self.cap >= 4 else 1
+        if self.big > HANDOUT_MAX:
+            self.big = HANDOUT_MAX
         self.npool = 0
 
     def __dealloc__(self):
@@ -201,6 +209,12 @@ cdef class ReadBuffer:
     def size(self):
         """Bytes one recv_bytes() reads at most."""
         return self.cap
+
+    @property
+    def handout_min(self):
+        """A read of at least this many bytes (``min(size // 4, 65536)``) is handed out as
+        a pool slot, without a copy."""
+        return self.big
 
     @property
     def stats(self):

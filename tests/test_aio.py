@@ -323,6 +323,82 @@ def test_pooled_reads_bytes_order_hash_and_held_slots():
     a.close()
 
 
+def test_a_64k_read_is_handed_out_whatever_the_buffer_size():
+    """A read of 64 KiB is handed out as a pool slot also from a buffer larger than 256 KiB
+    (the threshold is min(size // 4, 64 KiB), not size // 4): copied out of a 512 KiB
+    buffer into a fresh bytes, it cost a malloc'd copy (and page faults once the heap is
+    trimmed) on every read of a 64 KiB echo."""
+    from aoprim._readbuf import ReadBuffer
+    assert ReadBuffer(64).handout_min == 16
+    assert ReadBuffer(256 * 1024).handout_min == 65536
+    assert ReadBuffer(4 << 20).handout_min == 65536
+    rb = ReadBuffer(512 * 1024)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    msg = bytes(range(256)) * 256                   # 64 KiB
+    for _ in range(3):
+        b.sendall(msg)
+        got = rb.recv_bytes(a)
+        assert got == msg
+        del got
+    assert rb.pool_stats == {"slots": 1, "free": 1, "handed_out": 3}
+    small = msg[:65535]
+    b.sendall(small)
+    assert rb.recv_bytes(a) == small                # below the threshold: a copy
+    assert rb.pool_stats["handed_out"] == 3
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_queued_1mib_message_is_two_reads(loop):
+    """The loop reads at most READ_BUFFER_SIZE = 512 KiB per recv: a 1 MiB message already
+    queued in the socket is two reads (and the echo two sends), not asyncio's four of
+    256 KiB."""
+    from aoprim.aio.loop import READ_BUFFER_SIZE
+    assert READ_BUFFER_SIZE == 512 * 1024
+    lsn = socket.socket()
+    lsn.bind(("127.0.0.1", 0))
+    lsn.listen()
+    a = socket.socket()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)   # before connect: the window
+    if a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < 3 << 20:
+        lsn.close()
+        a.close()
+        pytest.skip("net.core.rmem_max below 3 MiB: 1 MiB cannot wait unread")
+    a.connect(lsn.getsockname())
+    b, _ = lsn.accept()
+    lsn.close()
+    b.settimeout(10)
+    msg = bytes(range(256)) * 4096                  # 1 MiB
+    b.sendall(msg)
+    import fcntl
+    import struct
+    import termios
+    deadline = time.monotonic() + 10
+    while struct.unpack("i", fcntl.ioctl(a, termios.FIONREAD, b"\0" * 4))[0] < len(msg):
+        assert time.monotonic() < deadline, "the 1 MiB never arrived"
+        time.sleep(0.001)                           # polls the kernel's count (bounded)
+    a.setblocking(False)
+    p = Rec(loop)
+    before = loop.read_stats()
+    tr, _ = loop.run_until_complete(loop.create_connection(lambda: p, sock=a))
+
+    async def until_all():
+        while len(p.data) < len(msg):
+            await _one_read(loop, p)
+    loop.run_until_complete(asyncio.wait_for(until_all(), 10))
+    after = loop.read_stats()
+    assert bytes(p.data) == msg
+    assert after["bytes"] - before["bytes"] == len(msg)
+    assert after["reads"] - before["reads"] == 2
+    tr.close()
+    loop.run_until_complete(p.lost)
+    b.close()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("keep", [False, True])
 def test_large_echo_all_bytes_in_order(loop, keep):

@@ -15,7 +15,7 @@ The loop is asyncio's own selector loop (``asyncio.SelectorEventLoop``) with two
   owned by the loop (``aoprim._readbuf.ReadBuffer``: one ``recv()`` into reused memory; a
   read of 64 KiB or more lands in one of the buffer's pooled, resident ``bytes`` objects
   and is handed to ``data_received`` as it is, a smaller one is copied into a ``bytes`` of
-  its size), never a fresh 256 KiB ``recv`` per read;
+  its size; at most 512 KiB per read), never a fresh 256 KiB ``recv`` per read;
   ``BufferedProtocol.get_buffer()`` is served as asyncio serves it.
 - At the end of every loop iteration (after the ready callbacks ran) the loop flushes its
   ``FlushGroup``: every transport written to during that iteration is written with one

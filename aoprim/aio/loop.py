@@ -51,9 +51,10 @@ from aoprim.aio.transport import SocketTransport
 
 __all__ = ["Loop", "new_event_loop", "EventLoopPolicy", "run", "install", "READ_BUFFER_SIZE"]
 
-#: bytes of the loop's reusable read buffer (asyncio's ``max_size``: one recv reads at most
-#: this much, as asyncio's own transports do)
-READ_BUFFER_SIZE = 256 * 1024
+#: bytes of the loop's reusable read buffer: one recv reads at most this much (twice
+#: asyncio's ``max_size``: a 1 MiB message is two reads and two sends, not four -- issue 20;
+#: a read of 64 KiB or more is still handed out as a pooled slot, see aoprim._readbuf)
+READ_BUFFER_SIZE = 512 * 1024
 
 
 _base_run_once = asyncio.SelectorEventLoop._run_once     # (no super() object per iteration)
