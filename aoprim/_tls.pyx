@@ -360,10 +360,11 @@ cdef class TLSConn(_RxSource):
 
     def on_readable(self):
         """The session's read callback once the handshake is done."""
-        if self._gone():
-            return
+        cdef Receiver rx = self.rx      # a reference of our own for the burst: a handler
+        if self._gone():                # that closes the session inside it drops ours
+            return                      # (close()), and may free the session with its Rx
         self.drained = False
-        self.rx.c_on_readable()
+        rx.c_on_readable()
         if self._gone():
             return
         if not self.dirty and self.out.pending:

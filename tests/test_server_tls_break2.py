@@ -19,7 +19,7 @@ from aoprim.server.loop import BACKENDS
 
 from tls_clients import RawTLS, client_hello
 from tlscerts import tls_certs  # noqa: F401  (fixture)
-from test_server_support import frame, make_server, read_frame, wait_for  # noqa: F401
+from test_server_support import frame, make_server, open_fds, read_frame, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -393,3 +393,152 @@ def test_a_closed_tls_session_is_freed_without_the_cyclic_gc(make_server, tls_ce
         wait_for(lambda: sess() is None, 5, "the session to be freed (no cyclic GC)")
     finally:
         gc.enable()
+
+
+# -- threads: closes from everywhere while workers send and a thread broadcasts ------------------
+
+BPAY = b"B" + bytes(range(256)) * 12        # 3073 bytes: a send-pool Slot per broadcast
+
+
+class Storm(Handler):
+    """Echo from the workers; some frames also close/abort the session (from the worker),
+    broadcast a Slot-sized payload, pause and resume reading from another thread, or ask
+    get_extra_info from the worker thread."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.connects = self.closes = 0
+
+    def on_connect(self, session):
+        with self.lock:
+            self.connects += 1
+
+    def on_close(self, session, exc):
+        with self.lock:
+            self.closes += 1
+
+    def on_read(self, session, data):
+        d = bytes(data)
+        op = d[:1]
+        session.send(d)
+        if op == b"c":
+            session.close()
+        elif op == b"a":
+            session.abort()
+        elif op == b"b":
+            session.server.broadcast(BPAY)
+        elif op == b"p":
+            session.pause_reading()
+            threading.Thread(target=session.resume_reading).start()
+        elif op == b"x":
+            assert session.get_extra_info("cipher") is not None
+            assert session.get_extra_info("ssl_object") is not None
+
+
+def _storm_client(srv, certs, seed, conns, problems):
+    import random
+    rnd = random.Random(seed)
+    for k in range(conns):
+        raw = socket.create_connection(srv.address, timeout=20)
+        if k % 7 == 3:              # half a ClientHello, then a reset
+            hello = client_hello(certs.client_ctx())
+            raw.sendall(hello[:rnd.randrange(1, len(hello))])
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            raw.close()
+            continue
+        try:
+            s = certs.client_ctx().wrap_socket(raw, server_hostname="localhost")
+        except (OSError, ssl.SSLError):
+            raw.close()             # closed by the closer thread mid-handshake
+            continue
+        sent, echoed, buf = [], 0, b""
+        try:
+            for i in range(rnd.randrange(1, 30)):
+                op = bytes([rnd.choices(b"ecabpx", [60, 2, 2, 10, 5, 5])[0]])
+                msg = op + b"%d-%d-%d-" % (seed, k, i) + bytes([i]) * rnd.randrange(3000)
+                s.sendall(frame(msg))
+                sent.append(msg)
+                if op in b"ca":
+                    break
+                while echoed < len(sent):       # every echo, in order; broadcasts whole
+                    while len(buf) < 2 or len(buf) < 2 + struct.unpack(">H", buf[:2])[0]:
+                        d = s.recv(65536)
+                        if not d:
+                            raise EOFError
+                        buf += d
+                    n = struct.unpack(">H", buf[:2])[0]
+                    m, buf = buf[2:2 + n], buf[2 + n:]
+                    if m != BPAY:
+                        if m != sent[echoed]:
+                            problems.append(f"client {seed}/{k}: echo {echoed} differs")
+                            raise EOFError
+                        echoed += 1
+            how = rnd.random()
+            if how < 0.3:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            elif how < 0.6:
+                s.unwrap()
+        except (OSError, ssl.SSLError, EOFError, ValueError):
+            pass                    # closed by the server (an op, or the closer thread)
+        finally:
+            s.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [0, 2, 4])
+def test_closes_from_every_thread_while_workers_send_and_a_thread_broadcasts(
+        make_server, tls_certs, logs, workers):
+    """4 TLS clients x 25 connections (every 7th a half ClientHello and a reset; the rest
+    echo random frames, each checked in order, and leave with a reset, close_notify or a
+    bare close), while the handler closes, aborts, broadcasts Slot-sized payloads,
+    pauses/resumes from a new thread and asks get_extra_info on worker threads; a closer
+    thread closes, aborts, pauses, resumes and sends to random sessions (some mid-handshake)
+    and a broadcaster thread broadcasts.  Afterwards: no session or reference left, the
+    receive pool at its idle value, no send slot held, the fd count back, no ERROR log,
+    on_close once per on_connect, and no echo lost, reordered or corrupted."""
+    import random
+    h = Storm()
+    srv = make_server(h, framing="u16", workers=workers, ssl=tls_certs.server_ctx(),
+                      handshake_timeout=2.0)
+    fds = open_fds()
+    problems = []
+    clients = [threading.Thread(target=_storm_client, args=(srv, tls_certs, i, 25, problems))
+               for i in range(4)]
+    busy = threading.Event()
+
+    def closer():
+        rnd = random.Random(7)
+        while busy.is_set():
+            ss = srv.sessions
+            if ss:
+                s = rnd.choice(ss)
+                (s.close if rnd.random() < 0.5 else s.abort)()
+                (s.pause_reading if rnd.random() < 0.3 else s.resume_reading)()
+                s.send(b"after the close")
+            time.sleep(0.02)        # a pace, not a synchronisation
+
+    def broadcaster():
+        while busy.is_set():
+            srv.broadcast(BPAY)
+            time.sleep(0.002)       # a pace, not a synchronisation
+
+    busy.set()
+    helpers = [threading.Thread(target=closer), threading.Thread(target=broadcaster)]
+    for t in clients + helpers:
+        t.start()
+    for t in clients:
+        t.join(150)
+    busy.clear()
+    for t in helpers:
+        t.join(10)
+    assert not any(t.is_alive() for t in clients + helpers), "a thread did not finish"
+    assert not problems, problems[:5]
+    wait_for(lambda: srv.stats()["connections"] == 0, 20, "the sessions to close")
+    wait_for(lambda: srv.live_sessions == 0, 10, "the sessions' last references")
+    wait_for(lambda: srv.stats()["rx_slots_in_use"] == 1, 5, "the receive slots")
+    st = srv.stats()
+    assert st["tx_slots_in_use"] == 0, st
+    wait_for(lambda: open_fds() == fds, 5, "the fd count")
+    assert not error_lines(logs), error_lines(logs)[:5]
+    wait_for(lambda: h.closes == h.connects, 10, "on_close once per on_connect")
+    assert h.connects > 10
