@@ -32,9 +32,14 @@ cdef extern from *:
     """
     # 1 when this build has a GIL (3.11, 3.12, a default 3.13): see the lone write below
     const bint AOP_FG_GIL_BUILD
+from aoprim._sockfd cimport (
+    aop_sockfd_fast, aop_sockfd_fd, aop_sockfd_nonblocking, sockfd_setup,
+)
 cimport cython
 
 import socket as _socket
+
+sockfd_setup()      # the fd / timeout read from the socket's struct, layout checked here
 # =========================================================================================
 # FlushGroup: flush every dirty batch once per loop iteration, one GIL release for all
 # =========================================================================================
@@ -96,9 +101,12 @@ cdef Py_ssize_t REL_KEEP = 4096
 
 cdef int _fd_of(SendBatch b) noexcept:
     """The fd a group flush writes to, or -1 (closed socket, cleared or uninitialised
-    batch).  Runs no Python code (see _sock_fd)."""
+    batch).  Runs no Python code (see _sock_fd): a socket's fd is read from its struct
+    (aop_sockfd.h: what socket.socket's C fileno() returns, without the call and its int)."""
     if not b.has_sock:
         return b.fd
+    if b.sock is not None and b.sock_fileno is not None and aop_sockfd_fast(b.sock):
+        return aop_sockfd_fd(b.sock)
     try:
         return b._sock_fd()
     except BaseException:
@@ -160,10 +168,13 @@ cdef object _sock_gettimeout = _socket.socket.gettimeout   # the C method: no ov
 
 cdef inline bint _nonblocking_now(SendBatch b) noexcept:
     """b's socket is non-blocking NOW (re-read, not trusted from attach: it may have been
-    switched to blocking since -- issue 19 item 21).  Runs no Python code (socket.socket's
-    own C gettimeout; its float result is not a GC allocation)."""
+    switched to blocking since -- issue 19 item 21).  Runs no Python code: the timeout
+    field of the socket's struct (aop_sockfd.h), or socket.socket's own C gettimeout (its
+    float result is not a GC allocation) where that layout check failed."""
     if not b.nonblocking or not b.has_sock or b.sock is None:
         return False
+    if aop_sockfd_fast(b.sock):
+        return aop_sockfd_nonblocking(b.sock)    # its struct's timeout (aop_sockfd.h): 0
     try:
         return _sock_gettimeout(b.sock) == 0.0
     except BaseException:
@@ -724,3 +735,12 @@ if not (_fg_type.tp_flags & Py_TPFLAGS_HAVE_GC):
     raise ImportError("aoprim._flushgroup: FlushGroup was built without GC support")
 _fg_base_traverse = _fg_type.tp_traverse
 _fg_type.tp_traverse = <_traverseproc>_fg_traverse
+
+
+def _sock_view(sock):
+    """Test hook: (read from the struct, fd, non-blocking) as a flush reads them for
+    ``sock`` -- the struct's fields when the layout check passed and ``sock`` is a
+    ``_socket.socket``, else None for both."""
+    if not aop_sockfd_fast(sock):
+        return (False, None, None)
+    return (True, aop_sockfd_fd(sock), aop_sockfd_nonblocking(sock))

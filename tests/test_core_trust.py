@@ -640,3 +640,50 @@ def test_slot_release_raising_keyboardinterrupt_is_reported_unraisable():
         sys.unraisablehook = old
         a.close()
         b.close()
+
+
+# ---- issue 23: a flush reads the socket's fd and mode from its struct ----------------------
+
+class _SockSub(socket.socket):
+    __slots__ = ()
+
+
+def test_flush_reads_fd_and_mode_from_the_socket_struct_as_the_methods_report_them():
+    """FlushGroup reads a socket's fd and blocking mode from socket.socket's C struct
+    (aop_sockfd.h) instead of calling fileno() / gettimeout(); differential against those
+    methods over every state a socket passes through (families, a subclass, every kind of
+    timeout, detach(), close(), close() under a makefile()).  The import-time layout check
+    must pass on every CPython this package supports (else the flush is back on the
+    methods, and slower)."""
+    from aoprim._flushgroup import _sock_view
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM),
+             socket.socket(socket.AF_INET6, socket.SOCK_STREAM) if socket.has_ipv6 else None,
+             _SockSub(socket.AF_UNIX, socket.SOCK_STREAM), *socket.socketpair()]
+    socks = [s for s in socks if s is not None]
+
+    def check(s):
+        direct, fd, nonblocking = _sock_view(s)
+        assert direct, "the socket struct's layout check failed: flushes call fileno()"
+        assert fd == s.fileno()
+        assert nonblocking == (s.gettimeout() == 0.0)
+
+    for s in socks:
+        for t in (0.0, None, 1.5, 1e-9, 0.0, 3600.0):
+            s.settimeout(t)
+            check(s)
+        s.setblocking(False)
+        check(s)
+        s.setblocking(True)
+        check(s)
+    f = socks[-1].makefile("wb")
+    socks[-1].close()
+    check(socks[-1])                     # _closed, the fd still open
+    f.close()
+    check(socks[-1])                     # -1 now
+    __import__("os").close(socks[0].detach())
+    check(socks[0])
+    for s in socks:
+        s.close()
+        check(s)
+    assert _sock_view(3) == (False, None, None)       # an int fd: not a socket object
+    assert _sock_view(object()) == (False, None, None)
