@@ -542,3 +542,32 @@ def test_closes_from_every_thread_while_workers_send_and_a_thread_broadcasts(
     assert not error_lines(logs), error_lines(logs)[:5]
     wait_for(lambda: h.closes == h.connects, 10, "on_close once per on_connect")
     assert h.connects > 10
+
+
+# -- shutdown from two threads: both return with the loop thread gone ------------------------------
+
+class _SlowSet(threading.Event):
+    """An Event whose set() returns late: widens the window between the loop's "done" and
+    its thread's exit (where a second shutdown() used to return)."""
+
+    def set(self):
+        super().set()
+        time.sleep(0.5)         # widens a race window (no synchronisation rests on it)
+
+
+def test_a_concurrent_shutdown_returns_only_once_the_loop_thread_is_gone(backend, tls_certs):
+    """shutdown() from another thread while one is under way (test_shutdown_sends_close_notify
+    does this) must, like the first, return only once the loop thread has ended.  Before:
+    the second call saw the loop "done" and returned at once, with the thread still running
+    (assert_no_leaks: "loop thread still running", seen flaky on 3.13)."""
+    srv = Server(Chat(), "127.0.0.1", 0, framing="u16", backend=backend,
+                 ssl=tls_certs.server_ctx())
+    srv._done = _SlowSet()
+    srv.start()
+    first = threading.Thread(target=srv.shutdown)
+    first.start()
+    assert srv._done.wait(30)
+    srv.shutdown()
+    alive = srv._thread.is_alive()
+    first.join(30)
+    assert not alive, "shutdown() returned with the loop thread still running"

@@ -241,6 +241,11 @@ class Server:
             self._done.set()
             return
         if self._done.is_set():
+            # (a shutdown already under way, or done: the loop thread may not have ended
+            # yet -- it ends right after _done -- so wait for it, as the first call does)
+            th = self._thread
+            if th is not None and th is not threading.current_thread():
+                th.join()
             return
         self._loop.call_soon_threadsafe(self._begin_shutdown)
         if self._loop.in_loop_thread() or (self._dispatch is not None and
