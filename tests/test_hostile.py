@@ -25,8 +25,8 @@ import pytest
 from aoprim.server.apps import Chat, Echo
 
 from proc_support import NEUTRAL_CWD, TESTS, child_env, rss_kib
-from test_server_support import (connect, frame, make_server, open_fds,  # noqa: F401
-                                 read_frame, wait_for)
+from test_server_support import (connect, error_lines, frame, logs, make_server,  # noqa: F401
+                                 open_fds, read_frame, wait_for)
 
 IDLE_RX = 1                 # the scratch slot every session reads into
 CYCLES = int(os.environ.get("AOP_HOSTILE_CYCLES", "5000"))
@@ -55,20 +55,10 @@ def _enough_fds():
 
 
 @pytest.fixture
-def logs(caplog):
-    caplog.set_level(logging.WARNING, logger="aoprim.server")
-    return caplog
-
-
-@pytest.fixture
 def errlogs(caplog):
     """Only ERROR lines: a flood logs thousands of warnings that the test need not keep."""
     caplog.set_level(logging.ERROR, logger="aoprim.server")
     return caplog
-
-
-def error_lines(caplog):
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def spawn(*args):

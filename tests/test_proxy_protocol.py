@@ -3,13 +3,12 @@ fuzzed), the compiled receive path (Receiver(proxy=...)), the server (peer / pro
 every malformed form closed and counted, untrusted peers refused, the header timeout,
 resources back), the CLI, and the real thing: HAProxy with send-proxy-v2 in front of two
 servers."""
+import functools
 import ipaddress
 import logging
 import os
-import shutil
 import socket
 import struct
-import subprocess
 import tempfile
 import threading
 import time
@@ -23,6 +22,8 @@ from aoprim._proxyproto import PP_DONE, PP_ERROR, PP_MORE, V2_SIGNATURE
 from aoprim.server import Handler, Server
 from aoprim.server.cli import build_parser
 
+from haproxy_support import haproxy_v2, needs_haproxy
+from support import run_threads
 from test_server_support import (HOST, frame, make_server, read_frame, recv_exact,  # noqa: F401
                                  recv_until_closed, wait_for)
 
@@ -644,16 +645,7 @@ def test_cli_options_reach_the_server_and_the_procs_children():
 
 # ---- the real thing: HAProxy with send-proxy-v2 --------------------------------------------
 
-def _free_port():
-    s = socket.socket()
-    s.bind((HOST, 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-@pytest.mark.skipif(shutil.which("haproxy") is None,
-                    reason="haproxy is not installed (apt-get install haproxy; .ci/run does)")
+@needs_haproxy
 def test_behind_haproxy_send_proxy_v2(make_server, tmp_path):
     class Recorder(Handler):
         def __init__(self):
@@ -674,63 +666,24 @@ def test_behind_haproxy_send_proxy_v2(make_server, tmp_path):
 
     handlers = [Recorder(), Recorder()]
     servers = [make_server(h, framing="u16", proxy_protocol="v2") for h in handlers]
-    front = _free_port()
-    cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(f"""
-global
-    maxconn 200
-defaults
-    mode tcp
-    timeout connect 2s
-    timeout client 20s
-    timeout server 20s
-frontend fe
-    bind {HOST}:{front}
-    default_backend be
-backend be
-    balance roundrobin
-    server s1 {HOST}:{servers[0].address[1]} send-proxy-v2 check inter 300ms check-send-proxy
-    server s2 {HOST}:{servers[1].address[1]} send-proxy-v2 check inter 300ms check-send-proxy
-""")
-    proc = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection((HOST, front), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out = proc.stdout.read() if proc.poll() is not None else b""
-                    pytest.fail(f"haproxy did not start: {out.decode(errors='replace')}")
-                time.sleep(0.05)
+    with haproxy_v2(tmp_path, [srv.address[1] for srv in servers]) as (front, proc):
         nclients, nframes = 6, 200
         clients = [socket.create_connection((HOST, front), timeout=10)
                    for _ in range(nclients)]
         names = [c.getsockname()[:2] for c in clients]
-        errors = []
 
         def run(i, c):
-            try:
-                sent = bytearray()
-                for k in range(nframes):
-                    payload = os.urandom(1 + (k * 37 + i) % 3000)
-                    sent += payload
-                    c.sendall(frame(payload))
-                got = bytearray()
-                for _ in range(nframes):
-                    got += read_frame(c)
-                assert got == sent, f"client {i}: echo differs"
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
+            sent = bytearray()
+            for k in range(nframes):
+                payload = os.urandom(1 + (k * 37 + i) % 3000)
+                sent += payload
+                c.sendall(frame(payload))
+            got = bytearray()
+            for _ in range(nframes):
+                got += read_frame(c)
+            assert got == sent, f"client {i}: echo differs"
 
-        threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not errors, errors
+        run_threads([functools.partial(run, i, c) for i, c in enumerate(clients)], timeout=30)
         for c in clients:
             c.close()
         # HAProxy's health checks (check-send-proxy) arrive as v2 LOCAL: peer == proxy_peer
@@ -752,15 +705,6 @@ backend be
             st = srv.stats()
             assert "proxy" not in st["closes"] and "proxy_untrusted" not in st["closes"], st
             assert st["rx_slots_in_use"] == IDLE_RX
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        proc.stdout.close()
 
 
 @pytest.mark.parametrize("nets,trusted", [

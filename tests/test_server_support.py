@@ -3,6 +3,7 @@
 Import as ``from test_server_support import ...`` (conftest puts tests/ on sys.path).
 """
 import gc
+import logging
 import os
 import socket
 import struct
@@ -14,6 +15,18 @@ from aoprim.server import Server
 from aoprim.server.apps import Echo
 
 HOST = "127.0.0.1"      # loopback only, always
+
+
+@pytest.fixture
+def logs(caplog):
+    """The server's log records from WARNING up (a module that wants DEBUG defines its own)."""
+    caplog.set_level(logging.WARNING, logger="aoprim.server")
+    return caplog
+
+
+def error_lines(caplog):
+    """The messages of the ERROR (and worse) records ``caplog`` holds."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def wait_for(pred, timeout=5.0, what="condition"):

@@ -22,7 +22,6 @@ AOP_TLS_SILENT (connections that never send a ClientHello, default 300), AOP_TLS
 """
 import gc
 import json
-import logging
 import os
 import resource
 import select
@@ -41,8 +40,8 @@ from aoprim.server import Handler
 from aoprim.server.loop import BACKENDS
 
 from proc_support import NEUTRAL_CWD, child_env, rss_kib
-from test_server_support import (frame, make_server, open_fds, read_frame,  # noqa: F401
-                                 recv_until_closed, wait_for)
+from test_server_support import (error_lines, frame, logs, make_server,  # noqa: F401
+                                 open_fds, read_frame, recv_until_closed, wait_for)
 from tls_clients import RawTLS, SClient, client_hello
 from tlscerts import tls_certs  # noqa: F401
 
@@ -75,16 +74,6 @@ def _enough_fds():
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
     yield
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-@pytest.fixture
-def logs(caplog):
-    caplog.set_level(logging.WARNING, logger="aoprim.server")
-    return caplog
-
-
-def error_lines(caplog):
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 class Counting(Handler):

@@ -8,20 +8,21 @@ the session reports (``get_extra_info``: cipher and version, the peer's certific
 the ``SSLObject``), and that every session, slot and fd is given back at the end, with no
 ERROR log line.
 """
+import functools
 import logging
 import os
 import shutil
 import socket
 import ssl
-import subprocess
 import threading
-import time
 
 import pytest
 
 from aoprim.server import Handler
 from aoprim.server.loop import BACKENDS
 
+from haproxy_support import haproxy_v2, needs_haproxy
+from support import run_threads
 from test_server_support import (HOST, frame, make_server, open_fds, read_frame,  # noqa: F401
                                  wait_for)
 from tls_clients import SClient
@@ -238,93 +239,37 @@ def test_openssl_s_client_tls13_key_update(make_server, tls_certs):
 
 # -- through HAProxy (TCP mode, PROXY v2) --------------------------------------------------------
 
-def _free_port():
-    s = socket.socket()
-    s.bind((HOST, 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-@pytest.mark.skipif(shutil.which("haproxy") is None,
-                    reason="haproxy is not installed (apt-get install haproxy; .ci/run does)")
+@needs_haproxy
 @pytest.mark.parametrize("version", ["1.2", "1.3"])
 def test_behind_haproxy_tcp_mode_with_proxy_v2(make_server, tls_certs, tmp_path, version):
     h = Recorder()
     srv = make_server(h, framing="u16", proxy_protocol="v2", ssl=tls_certs.server_ctx())
     fds = open_fds()
-    front = _free_port()
-    cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(f"""
-global
-    maxconn 200
-defaults
-    mode tcp
-    timeout connect 2s
-    timeout client 20s
-    timeout server 20s
-frontend fe
-    bind {HOST}:{front}
-    default_backend be
-backend be
-    server s1 {HOST}:{srv.address[1]} send-proxy-v2 check inter 300ms check-send-proxy
-""")
-    proc = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
     clients = []
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection((HOST, front), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out = proc.stdout.read() if proc.poll() is not None else b""
-                    pytest.fail(f"haproxy did not start: {out.decode(errors='replace')}")
-                time.sleep(0.05)
-        ctx = tls_certs.client_ctx(version=version)
-        for i in range(4):
-            raw = socket.create_connection((HOST, front), timeout=10)
-            clients.append(ctx.wrap_socket(raw, server_hostname="localhost"))
-        names = [c.getsockname()[:2] for c in clients]
-        errors = []
-
-        def run(i, c):
-            try:
-                echo_frames(c, seed=i)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        ths = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(clients)]
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join(60)
-        assert not errors, errors
-        tls_sessions = [i for i in list(h.seen) if i["version"] is not None]
-        by_peer = {i["peer"]: i for i in tls_sessions}
-        for name in names:
-            assert name in by_peer, f"no session saw client {name} as its peer: {sorted(by_peer)}"
-            info = by_peer[name]
-            assert info["proxy_peer"][0] == HOST and info["proxy_peer"] != name
-            assert info["version"] == VERSION_NAME[version]
-        for c in clients:
-            c.close()
-        clients = []
-        proc.terminate()                    # no more health checks from here
-        proc.wait(5)
-        st = srv.stats()
-        assert "proxy" not in st.get("closes", {}), st
-    finally:
-        for c in clients:
-            c.close()
-        if proc.poll() is None:
-            proc.terminate()
+    with haproxy_v2(tmp_path, [srv.address[1]]) as (front, proc):
         try:
+            ctx = tls_certs.client_ctx(version=version)
+            for i in range(4):
+                raw = socket.create_connection((HOST, front), timeout=10)
+                clients.append(ctx.wrap_socket(raw, server_hostname="localhost"))
+            names = [c.getsockname()[:2] for c in clients]
+            run_threads([functools.partial(echo_frames, c, seed=i)
+                         for i, c in enumerate(clients)], timeout=60)
+            tls_sessions = [i for i in list(h.seen) if i["version"] is not None]
+            by_peer = {i["peer"]: i for i in tls_sessions}
+            for name in names:
+                assert name in by_peer, f"no session saw client {name} as its peer: {sorted(by_peer)}"
+                info = by_peer[name]
+                assert info["proxy_peer"][0] == HOST and info["proxy_peer"] != name
+                assert info["version"] == VERSION_NAME[version]
+            for c in clients:
+                c.close()
+            clients = []
+            proc.terminate()                    # no more health checks from here
             proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        proc.stdout.close()
+            st = srv.stats()
+            assert "proxy" not in st.get("closes", {}), st
+        finally:
+            for c in clients:
+                c.close()
     settle(srv, fds)
