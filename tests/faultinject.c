@@ -203,78 +203,55 @@ static size_t shorter(size_t n)
     return 1 + (size_t)(rnd() % (n - 1));       /* 1 .. n-1 */
 }
 
-ssize_t recv(int fd, void *buf, size_t n, int flags)
+/* One call on fd moving n bytes: -1 with errno set when it must fail (before any I/O), else
+ * 0, with *n made shorter when the call should move fewer bytes than asked. */
+static int inject(int fd, int writing, size_t *n)
 {
     int sh;
-    if (targeted(fd)) {
-        int e = pick(0, &sh);
-        if (e) {
-            errno = e;
-            return -1;
-        }
-        if (sh)
-            n = shorter(n);
+    if (!targeted(fd))
+        return 0;
+    int e = pick(writing, &sh);
+    if (e) {
+        errno = e;
+        return -1;
     }
+    if (sh)
+        *n = shorter(*n);
+    return 0;
+}
+
+ssize_t recv(int fd, void *buf, size_t n, int flags)
+{
+    if (inject(fd, 0, &n) < 0)
+        return -1;
     return real_recv(fd, buf, n, flags);
 }
 
 ssize_t recvfrom(int fd, void *buf, size_t n, int flags, struct sockaddr *a, socklen_t *al)
 {
-    int sh;
-    if (targeted(fd)) {
-        int e = pick(0, &sh);
-        if (e) {
-            errno = e;
-            return -1;
-        }
-        if (sh)
-            n = shorter(n);
-    }
+    if (inject(fd, 0, &n) < 0)
+        return -1;
     return real_recvfrom(fd, buf, n, flags, a, al);
 }
 
 ssize_t read(int fd, void *buf, size_t n)
 {
-    int sh;
-    if (targeted(fd)) {
-        int e = pick(0, &sh);
-        if (e) {
-            errno = e;
-            return -1;
-        }
-        if (sh)
-            n = shorter(n);
-    }
+    if (inject(fd, 0, &n) < 0)
+        return -1;
     return real_read(fd, buf, n);
 }
 
 ssize_t send(int fd, const void *buf, size_t n, int flags)
 {
-    int sh;
-    if (targeted(fd)) {
-        int e = pick(1, &sh);
-        if (e) {
-            errno = e;
-            return -1;
-        }
-        if (sh)
-            n = shorter(n);
-    }
+    if (inject(fd, 1, &n) < 0)
+        return -1;
     return real_send(fd, buf, n, flags);
 }
 
 ssize_t write(int fd, const void *buf, size_t n)
 {
-    int sh;
-    if (targeted(fd)) {
-        int e = pick(1, &sh);
-        if (e) {
-            errno = e;
-            return -1;
-        }
-        if (sh)
-            n = shorter(n);
-    }
+    if (inject(fd, 1, &n) < 0)
+        return -1;
     return real_write(fd, buf, n);
 }
 
@@ -302,48 +279,49 @@ static size_t iov_total(const struct iovec *iov, int cnt)
     return t;
 }
 
-ssize_t sendmsg(int fd, const struct msghdr *msg, int flags)
+/* inject() for a gathered write of cnt segments: -1 with errno set (fail), 0 (write iov as
+ * it is), or k > 0: write the k segments put in tmp (fewer bytes than asked). */
+static int inject_iov(int fd, const struct iovec *iov, size_t cnt, struct iovec *tmp)
 {
     int sh;
-    if (targeted(fd)) {
-        int e = pick(1, &sh);
-        if (e) {
-            errno = e;
-            return -1;
-        }
-        if (sh && msg->msg_iovlen > 0 && msg->msg_iovlen <= AOP_MAX_IOV) {
-            size_t total = iov_total(msg->msg_iov, (int)msg->msg_iovlen);
-            if (total > 1) {
-                struct iovec tmp[AOP_MAX_IOV];
-                struct msghdr m = *msg;
-                m.msg_iov = tmp;
-                m.msg_iovlen = (size_t)cut_iov(msg->msg_iov, (int)msg->msg_iovlen,
-                                               shorter(total), tmp);
-                return real_sendmsg(fd, &m, flags);
-            }
-        }
+    if (!targeted(fd))
+        return 0;
+    int e = pick(1, &sh);
+    if (e) {
+        errno = e;
+        return -1;
+    }
+    if (sh && cnt > 0 && cnt <= AOP_MAX_IOV) {
+        size_t total = iov_total(iov, (int)cnt);
+        if (total > 1)
+            return cut_iov(iov, (int)cnt, shorter(total), tmp);
+    }
+    return 0;
+}
+
+ssize_t sendmsg(int fd, const struct msghdr *msg, int flags)
+{
+    struct iovec tmp[AOP_MAX_IOV];
+    int k = inject_iov(fd, msg->msg_iov, msg->msg_iovlen, tmp);
+    if (k < 0)
+        return -1;
+    if (k > 0) {
+        struct msghdr m = *msg;
+        m.msg_iov = tmp;
+        m.msg_iovlen = (size_t)k;
+        return real_sendmsg(fd, &m, flags);
     }
     return real_sendmsg(fd, msg, flags);
 }
 
 ssize_t writev(int fd, const struct iovec *iov, int cnt)
 {
-    int sh;
-    if (targeted(fd)) {
-        int e = pick(1, &sh);
-        if (e) {
-            errno = e;
-            return -1;
-        }
-        if (sh && cnt > 0 && cnt <= AOP_MAX_IOV) {
-            size_t total = iov_total(iov, cnt);
-            if (total > 1) {
-                struct iovec tmp[AOP_MAX_IOV];
-                int k = cut_iov(iov, cnt, shorter(total), tmp);
-                return real_writev(fd, tmp, k);
-            }
-        }
-    }
+    struct iovec tmp[AOP_MAX_IOV];
+    int k = inject_iov(fd, iov, cnt > 0 ? (size_t)cnt : 0, tmp);
+    if (k < 0)
+        return -1;
+    if (k > 0)
+        return real_writev(fd, tmp, k);
     return real_writev(fd, iov, cnt);
 }
 
@@ -360,26 +338,29 @@ static int accept_fault(void)
     }
 }
 
+/* accept_fault() on the server's listening socket: -1 with errno set, else 0. */
+static int inject_accept(int fd)
+{
+    if (!targeted(fd))
+        return 0;
+    int e = accept_fault();
+    if (e) {
+        errno = e;
+        return -1;
+    }
+    return 0;
+}
+
 int accept(int fd, struct sockaddr *a, socklen_t *al)
 {
-    if (targeted(fd)) {
-        int e = accept_fault();
-        if (e) {
-            errno = e;
-            return -1;
-        }
-    }
+    if (inject_accept(fd) < 0)
+        return -1;
     return real_accept(fd, a, al);
 }
 
 int accept4(int fd, struct sockaddr *a, socklen_t *al, int flags)
 {
-    if (targeted(fd)) {
-        int e = accept_fault();
-        if (e) {
-            errno = e;
-            return -1;
-        }
-    }
+    if (inject_accept(fd) < 0)
+        return -1;
     return real_accept4(fd, a, al, flags);
 }
