@@ -288,6 +288,35 @@ cdef inline int _bgive(object b) except -1:
     return 0
 
 
+cdef object _slot_or_heap_of(RxArena a, SlabPool pool, Py_ssize_t size):
+    """A buffer of ``size`` bytes for arena ``a``: a slot of ``pool``, else a heap buffer
+    (counted in a.fallbacks)."""
+    cdef int64_t i = aop_slab_take(pool.slab)
+    if i >= 0:
+        return pool._bind(i)
+    a.fallbacks += 1
+    return _heap(size)
+
+
+cdef int _give_bufs(RxArena a) except -1:
+    """Give a's big buffer and scratch back (each when its last view dies).  The fields are
+    cleared first, so each goes back exactly once; the scratch goes back even when giving
+    the big buffer back raised."""
+    cdef object b = a.big
+    cdef object s = a.scratch
+    a.big = None
+    a.bptr = NULL
+    a.scratch = None
+    a.sptr = NULL
+    try:
+        if b is not None:
+            _bgive(b)
+    finally:
+        if s is not None:
+            _bgive(s)
+    return 0
+
+
 cdef _HeapBuf _heap(Py_ssize_t n):
     cdef _HeapBuf h = _HeapBuf.__new__(_HeapBuf)
     h.ptr = <char *>malloc(n if n > 0 else 1)
@@ -464,9 +493,7 @@ cdef class RxArena:
             try:
                 self.big = raw_pool.acquire()
             except BaseException:
-                _bgive(self.scratch)
-                self.scratch = None
-                self.sptr = NULL
+                _give_bufs(self)
                 raise
             self.raw_pool = raw_pool
             self.bptr = (<Slot>self.big).ptr
@@ -477,29 +504,13 @@ cdef class RxArena:
         self.busy = False
 
     def __dealloc__(self):
-        cdef object s = self.scratch
-        self.scratch = None
-        self.sptr = NULL
-        if s is not None:
-            try:
-                _bgive(s)
-            except Exception:
-                pass
-        s = self.big
-        self.big = None
-        self.bptr = NULL
-        if s is not None:
-            try:
-                _bgive(s)
-            except Exception:
-                pass
+        try:
+            _give_bufs(self)
+        except Exception:
+            pass
 
     cdef object _slot_or_heap(self):
-        cdef int64_t i = aop_slab_take(self.pool.slab)
-        if i >= 0:
-            return self.pool._bind(i)
-        self.fallbacks += 1
-        return _heap(self.size)
+        return _slot_or_heap_of(self, self.pool, self.size)
 
     cdef int _swap(self) except -1:
         cdef object old = self.scratch
@@ -542,15 +553,9 @@ cdef class RxArena:
         view."""
         cdef object old = self.big
         cdef object new
-        cdef int64_t i
         if self.closed:
             return 0
-        i = aop_slab_take(self.raw_pool.slab)
-        if i >= 0:
-            new = self.raw_pool._bind(i)
-        else:
-            self.fallbacks += 1
-            new = _heap(self.bsize)
+        new = _slot_or_heap_of(self, self.raw_pool, self.bsize)
         self.big = new
         self.bptr = _bptr(new)
         self.swaps += 1
@@ -561,21 +566,12 @@ cdef class RxArena:
     def close(self):
         """Give the scratch and the big buffer back (each when its last view dies, if views
         are alive).  Idempotent."""
-        cdef object s, b
         if self.closed:
             return
         self.closed = True
         if self.frames is not None:
             self.frames.c_close()
-        b = self.big
-        self.big = None
-        self.bptr = NULL
-        if b is not None:
-            _bgive(b)
-        s = self.scratch
-        self.scratch = None
-        self.sptr = NULL
-        _bgive(s)
+        _give_bufs(self)
 
     @property
     def pool(self):
