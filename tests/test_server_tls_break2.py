@@ -19,7 +19,8 @@ from aoprim.server.loop import BACKENDS
 
 from tls_clients import RawTLS, client_hello
 from tlscerts import tls_certs  # noqa: F401  (fixture)
-from test_server_support import frame, make_server, open_fds, read_frame, wait_for  # noqa: F401
+from test_server_support import (error_lines, frame, logs, make_server,  # noqa: F401
+                                 open_fds, read_frame, wait_for)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,16 +28,6 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return request.param
-
-
-@pytest.fixture
-def logs(caplog):
-    caplog.set_level(logging.WARNING, logger="aoprim.server")
-    return caplog
-
-
-def error_lines(caplog):
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def connect(srv, certs):
