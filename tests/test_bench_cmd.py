@@ -275,3 +275,14 @@ def test_tls_groups_run_a_tiny_round(tmp_path):
         assert u16["aoprim"]["records_per_msg"]["median"] <= 0.5, u16["aoprim"]
     hs = {e["name"]: e["metrics"] for e in groups["tls-handshake"]["entries"]}
     assert hs["asyncio"]["records_per_msg"]["median"] >= 3       # a whole handshake each
+
+
+def test_a_missing_aoprim_aio_is_skipped_alike_by_the_server_and_aio_groups(monkeypatch):
+    """servers.available_servers() and aio.available_loops() share one aoprim.aio check."""
+    from aoprim.benchmarks import aio, servers
+    monkeypatch.setitem(sys.modules, "aoprim.aio", None)    # import aoprim.aio -> ImportError
+    _, s_skipped = servers.available_servers()
+    _, a_skipped = aio.available_loops()
+    (why,) = [r for n, r in s_skipped if n == "aoprim.aio"]
+    assert why.startswith("aoprim.aio is not available (")
+    assert ("aoprim.aio", why) in a_skipped

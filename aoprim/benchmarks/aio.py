@@ -110,13 +110,12 @@ def available_loops():
             run.append(name)
         except ImportError as e:
             skipped.append((name, f"{mod} is not installed ({e}; {hint})"))
-    try:
-        import aoprim.aio
-        if not hasattr(aoprim.aio, "new_event_loop"):
-            raise ImportError("aoprim.aio has no new_event_loop()")
+    from .servers import aio_missing
+    why = aio_missing()
+    if why:
+        skipped.append(("aoprim.aio", why))
+    else:
         run.append("aoprim.aio")
-    except ImportError as e:
-        skipped.append(("aoprim.aio", f"aoprim.aio is not available ({e})"))
     return run, skipped
 
 

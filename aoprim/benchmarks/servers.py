@@ -118,6 +118,18 @@ def server_cmd(server, framing, max_frame=None):
             "0", "--framing", framing, "--loop", loop]
 
 
+def aio_missing():
+    """Why aoprim.aio cannot serve here (None when it can): the one check behind
+    available_servers() and aio.available_loops()."""
+    try:
+        import aoprim.aio
+    except ImportError as e:
+        return f"aoprim.aio is not available ({e})"
+    if not hasattr(aoprim.aio, "new_event_loop"):
+        return "aoprim.aio is not available (aoprim.aio has no new_event_loop())"
+    return None
+
+
 def available_servers():
     """([server names that can run here], [(name, reason) skipped]).  The extra Layer 1
     backends and aoprim.aio are found at run time: they join once they exist."""
@@ -138,13 +150,11 @@ def available_servers():
         run.append("uvloop")
     except ImportError:
         skipped.append(("uvloop", "uvloop is not installed (pip install uvloop)"))
-    try:
-        import aoprim.aio  # noqa: F401
-        if not hasattr(aoprim.aio, "new_event_loop"):
-            raise ImportError("aoprim.aio has no new_event_loop()")
+    why = aio_missing()
+    if why:
+        skipped.append(("aoprim.aio", why))
+    else:
         run.append("aoprim.aio")
-    except ImportError as e:
-        skipped.append(("aoprim.aio", f"aoprim.aio is not available ({e})"))
     return run, skipped
 
 
