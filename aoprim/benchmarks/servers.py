@@ -214,6 +214,21 @@ def count_syscalls(pid, seconds):
 
 # -- one run ----------------------------------------------------------------------------------
 
+def echo_exchange(s, msg, messages, what):
+    """Send ``msg`` on the connected socket ``s`` (plain or TLS) ``messages`` times, one at
+    a time, each echo read back whole and checked (RuntimeError naming ``what`` if not)."""
+    for _ in range(messages):
+        s.sendall(msg)
+        got = b""
+        while len(got) < len(msg):
+            chunk = s.recv(len(msg) - len(got))
+            if not chunk:
+                raise RuntimeError(f"{what}: the server closed the connection")
+            got += chunk
+        if got != msg:
+            raise RuntimeError(f"{what}: the echo differs from what was sent")
+
+
 def warm_up(port, framing, size, messages=8, wait_close=True):
     """Bring a fresh server to its steady state: one connection that exchanges ``messages``
     echoes of the scenario's size and framing, one at a time, then closes (and, with
@@ -224,16 +239,7 @@ def warm_up(port, framing, size, messages=8, wait_close=True):
         struct.pack(">H" if framing == "u16" else ">I", size) + payload
     with socket.create_connection((HOST, port), timeout=10) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(messages):
-            s.sendall(msg)
-            got = b""
-            while len(got) < len(msg):
-                chunk = s.recv(len(msg) - len(got))
-                if not chunk:
-                    raise RuntimeError("warm-up: the server closed the connection")
-                got += chunk
-            if got != msg:
-                raise RuntimeError("warm-up: the echo differs from what was sent")
+        echo_exchange(s, msg, messages, "warm-up")
         s.shutdown(socket.SHUT_WR)
         if wait_close:
             s.settimeout(10)

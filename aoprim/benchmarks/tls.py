@@ -197,16 +197,7 @@ def warm_up(port, framing, size, messages=8):
     with socket.create_connection((HOST, port), timeout=10) as raw:
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s = ctx.wrap_socket(raw)
-        for _ in range(messages):
-            s.sendall(msg)
-            got = b""
-            while len(got) < len(msg):
-                chunk = s.recv(len(msg) - len(got))
-                if not chunk:
-                    raise RuntimeError("TLS warm-up: the server closed the connection")
-                got += chunk
-            if got != msg:
-                raise RuntimeError("TLS warm-up: the echo differs from what was sent")
+        servers.echo_exchange(s, msg, messages, "TLS warm-up")
         try:
             s.unwrap()
         except (OSError, ssl.SSLError):
