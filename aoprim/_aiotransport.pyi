@@ -4,6 +4,8 @@ from typing import Any
 from aoprim._readbuf import ReadBuffer
 from typing_extensions import Self, final
 
+def make_write_method(cls: type, writer_descr: Any) -> Any: ...
+
 @final
 class TransportReader:
     def __new__(cls, transport: Any, sock: socket.socket | None, rbuf: ReadBuffer) -> Self: ...

@@ -29,6 +29,10 @@ fields: ``_protocol`` is ``protocol``, ``_buffered`` is ``buffered`` (set togeth
 its connection is lost (then None).  What is not per message (pause/resume_reading,
 close, abort, EOF, fatal errors) stays in the transport's Python code.
 
+The transport's ``write`` is here too (``make_write_method``): a method descriptor made for
+the transport class, whose C function runs the transport's ``aoprim._aiowrite``
+``TransportWriter`` (read from its ``_writer`` slot by offset) without a Python frame.
+
 The GC: the reader and its transport reference each other; the reader's fields are not
 cleared by the collector (``no_gc_clear``): the cycle is broken by clearing the transport's
 ``__dict__``, so a reader is never seen with its ReadBuffer gone.  Threads: a transport is
@@ -37,12 +41,135 @@ so nothing here relies on the GIL.
 """
 cimport cython
 from cpython.bytes cimport PyBytes_GET_SIZE
+from cpython.ref cimport PyObject
 
 from aoprim._readbuf cimport ReadBuffer
+from aoprim._aiowrite cimport TransportWriter
 
 from asyncio import protocols as _protocols
 
 cdef object _BufferedProtocol = _protocols.BufferedProtocol
+
+cdef extern from *:
+    """
+    #include <structmember.h>
+    /* The offset of a T_OBJECT_EX __slots__ member (its member descriptor), or -1. */
+    static Py_ssize_t aop_at_slot_offset(PyObject *descr)
+    {
+        PyMemberDef *m;
+        if (!Py_IS_TYPE(descr, &PyMemberDescr_Type))
+            return -1;
+        m = ((PyMemberDescrObject *)descr)->d_member;
+        if (m->type != T_OBJECT_EX || m->offset <= 0)
+            return -1;
+        return m->offset;
+    }
+
+    /* SocketTransport.write: a method descriptor made for the transport class itself (see
+       make_write_method), whose C function is this.  A method descriptor checks its `self`
+       argument's type on every call (the interpreter's specialised call checks the exact
+       type), so `self` here is an instance of the class the descriptor was made for. */
+    static int (*aop_tw_impl)(PyObject *self, PyObject *data);    /* set at import */
+    static PyObject *aop_str_data;                                 /* "data", interned */
+
+    static PyObject *aop_transport_write(PyObject *self, PyObject *const *args,
+                                         Py_ssize_t nargs, PyObject *kwnames)
+    {
+        Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+        PyObject *data;
+        if (nargs + nkw != 1) {
+            PyErr_Format(PyExc_TypeError,
+                         "write() takes exactly one argument (data) (%zd given)", nargs + nkw);
+            return NULL;
+        }
+        if (nkw) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, 0);
+            int eq = PyUnicode_Compare(k, aop_str_data) == 0;
+            if (!eq) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_TypeError,
+                                 "write() got an unexpected keyword argument '%S'", k);
+                return NULL;
+            }
+        }
+        data = args[0];
+        if (aop_tw_impl(self, data) < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+
+    static PyMethodDef aop_transport_write_def = {
+        "write", (PyCFunction)(void (*)(void))aop_transport_write,
+        METH_FASTCALL | METH_KEYWORDS,
+        "write(data): write the bytes-like data on the transport, as asyncio's write() "
+        "(aoprim._aiowrite's module docstring: batched, sent at the iteration's end)."};
+
+    static PyObject *aop_make_write_descr(PyObject *cls)
+    {
+        if (!PyType_Check(cls)) {
+            PyErr_SetString(PyExc_TypeError, "not a type");
+            return NULL;
+        }
+        return PyDescr_NewMethod((PyTypeObject *)cls, &aop_transport_write_def);
+    }
+
+    /* The object in the slot at `off` of `o` (borrowed; NULL: unset). */
+    static inline PyObject *aop_at_slot(PyObject *o, Py_ssize_t off)
+    {
+        return *(PyObject **)((char *)o + off);
+    }
+    """
+    Py_ssize_t aop_at_slot_offset(object descr)
+    int (*aop_tw_impl)(object self, object data) except -1
+    PyObject *aop_str_data
+    object aop_make_write_descr(object cls)
+    PyObject *aop_at_slot(object o, Py_ssize_t off)
+
+
+# ---- the transport's write(): a C method of its class -------------------------------------
+
+# the offset of the transport class's `_writer` slot: set once at import by
+# make_write_method, read-only after (one class: a second call must give the same offset)
+cdef Py_ssize_t _writer_off = -1
+cdef object _data_str = "data"
+
+
+cdef int _write(object self, object data) except -1:
+    """The transport's write(data): its TransportWriter's c_write (the steps of
+    aoprim._aiowrite's module docstring), the writer read from the `_writer` slot by its
+    offset; a transport whose slot holds no TransportWriter (not initialised, or replaced)
+    goes through ``self._writer.write(data)`` (the same steps, or its AttributeError)."""
+    cdef PyObject *w = aop_at_slot(self, _writer_off)
+    cdef TransportWriter tw
+    if w != NULL and type(<object>w) is TransportWriter:
+        tw = <TransportWriter>w         # a reference of its own: the slot may change
+        return tw.c_write(data)
+    self._writer.write(data)
+    return 0
+
+
+def make_write_method(cls, writer_descr):
+    """The ``write`` method for stream transport class ``cls`` (aoprim.aio.transport's
+    SocketTransport), which has ``writer_descr`` -- its ``_writer`` ``__slots__`` member --
+    in its own dict: a method descriptor of ``cls`` whose C function runs the transport's
+    TransportWriter without a Python frame.  Being a method of the class (not a bound
+    method in each instance's dict), the interpreter's specialised attribute lookup and
+    call reach it without a dict lookup or an argument tuple.  Called once, at import."""
+    global _writer_off
+    global aop_str_data
+    cdef Py_ssize_t off
+    if not isinstance(cls, type) or cls.__dict__.get("_writer") is not writer_descr:
+        raise TypeError("writer_descr must be cls's own `_writer` member")
+    off = aop_at_slot_offset(writer_descr)
+    if off <= 0 or (_writer_off > 0 and off != _writer_off):
+        raise TypeError("`_writer` is not an object __slots__ member (or not the first "
+                        "class's offset)")
+    _writer_off = off
+    aop_str_data = <PyObject *>_data_str    # kept alive by this module's _data_str
+    return aop_make_write_descr(cls)
+
+
+aop_tw_impl = _write
 
 
 @cython.no_gc_clear

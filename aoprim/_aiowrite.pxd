@@ -15,4 +15,5 @@ cdef class TransportWriter:
     cdef public Py_ssize_t high     # the transport's high-water mark
     cdef public bint blocked        # the transport's _blocked: writer registered, batch detached
 
+    cdef int c_write(self, object data) except -1
     cdef int _flush_over_high(self, SendBatch b) except -1

@@ -70,6 +70,11 @@ cdef class TransportWriter:
 
     def write(self, data):
         """Write ``data`` on the transport (see the module docstring)."""
+        self.c_write(data)
+
+    cdef int c_write(self, object data) except -1:
+        """write() for C callers (``aoprim._aiotransport.TransportBase.write``, which is the
+        transport's ``write`` method): the same steps, no method call."""
         cdef Py_ssize_t pending
         cdef Py_ssize_t n
         cdef SendBatch b = self.batch
@@ -88,8 +93,9 @@ cdef class TransportWriter:
                     self._flush_over_high(b)
             if aop_load_u32(&self.sleep.flag, AOP_SEQ_CST):    # seq_cst: see SleepFlag
                 self.transport._aio_wake()
-            return
+            return 0
         self.transport._write_slow(data)
+        return 0
 
     cdef int _flush_over_high(self, SendBatch b) except -1:
         """Above the high-water mark and not blocked (``fast`` set, so the connection is

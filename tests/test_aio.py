@@ -602,6 +602,54 @@ def test_write_is_compiled_and_follows_the_transports_state(loop):
     peer.close()
 
 
+def test_write_is_a_c_method_of_the_class_for_subclasses_keywords_and_bad_callers(loop):
+    # write() is a method descriptor of SocketTransport itself (aoprim._aiotransport's
+    # make_write_method: no bound method in each instance's dict, so the interpreter's
+    # specialised method call reaches its C function), reading the writer from the
+    # `_writer` slot -- also for a subclass; asyncio's keyword spelling works; the
+    # descriptor refuses any other object, so the slot is never read at a foreign offset
+    import types
+
+    class Sub(SocketTransport):
+        pass
+
+    assert type(vars(SocketTransport)["write"]) is types.MethodDescriptorType
+    assert SocketTransport.write.__qualname__ == "SocketTransport.write"
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p)
+    assert "write" not in vars(tr)
+    tr.write(data=b"kw")
+    with pytest.raises(TypeError):
+        tr.write(b"a", b"b")
+    with pytest.raises(TypeError):
+        tr.write(b"a", data=b"b")
+    with pytest.raises(TypeError):
+        tr.write(buf=b"a")
+    with pytest.raises(TypeError):
+        tr.write()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.settimeout(10)
+    p2 = Rec(loop)
+    sub = Sub(loop, a, p2)
+    loop.run_until_complete(p2.made)
+    sub.write(b"sub")
+    sub.write(bytearray(b"-slow"))              # not bytes: _write_slow, the same batch
+    SocketTransport.write(sub, b"!")
+    loop.run_until_complete(asyncio.sleep(0))
+    assert recv_exactly(peer, 2) == b"kw"
+    assert recv_exactly(b, 9) == b"sub-slow!"
+    with pytest.raises(TypeError):
+        SocketTransport.write(object(), b"x")
+    with pytest.raises(TypeError):
+        SocketTransport.write(asyncio.Protocol(), b"x")
+    for t in (tr, sub):
+        t.close()
+    loop.run_until_complete(asyncio.gather(p.lost, p2.lost))
+    peer.close()
+    b.close()
+
+
 def test_get_write_buffer_size_from_another_thread_never_flushes_there(loop):
     # read from a monitoring thread while the loop thread is inside a callback that wrote:
     # the count as it is (nothing sent from that thread, no writer registered there, the

@@ -63,7 +63,7 @@ from asyncio.log import logger
 
 from aoprim import SendBatch
 from aoprim._aiowrite import TransportWriter
-from aoprim._aiotransport import TransportReader
+from aoprim._aiotransport import TransportReader, make_write_method
 
 IOV_MAX = 1024                   # segments one sendmsg takes (the kernel's UIO_MAXIOV)
 
@@ -118,6 +118,10 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     """A stream transport (TCP or Unix socket) whose writes are batched per loop
     iteration."""
 
+    # _writer: the compiled write() path (aoprim._aiowrite.TransportWriter), in a slot that
+    # the class's compiled write() reads by offset (aoprim._aiotransport.make_write_method)
+    __slots__ = ("_writer", "__dict__", "__weakref__")
+
     _start_tls_compatible = True
     _sendfile_compatible = _constants._SendfileMode.TRY_NATIVE
     max_size = 256 * 1024
@@ -128,11 +132,10 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self._batch = batch
         self._add = batch.add_copy       # asyncio copies what it buffers: so does add_copy
         self._sel = loop._aio_sleep      # .sleeping: the loop is inside select()
-        # write(): the compiled fast path (aoprim._aiowrite), its `fast` flag set (the
-        # short path allowed, see _can_fast); made before the base __init__, which sets the
-        # write buffer limits it keeps a copy of
+        # write() (the class's, compiled) runs this writer's steps (aoprim._aiowrite),
+        # its `fast` flag set (the short path allowed, see _can_fast); made before the base
+        # __init__, which sets the write buffer limits it keeps a copy of
         self._writer = TransportWriter(self, batch, self._sel)
-        self.write = self._writer.write
         super().__init__(extra, loop)
         self._group = loop._aio_group
         # the read side (aoprim._aiotransport): the fd's reader callback itself, compiled;
@@ -294,11 +297,9 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     def _fast(self, value):
         self._writer.fast = value
 
-    def write(self, data):
-        # what an instance's `write` is replaced by in __init__, for a call through the
-        # class: bytes go to the batch (above the high-water mark, to the kernel at once),
-        # a sleeping loop is woken; anything else takes _write_slow (asyncio's checks)
-        self._writer.write(data)
+    # write(data): a C method of this class (set below the class: make_write_method), no
+    # Python frame: bytes go to the batch (above the high-water mark, to the kernel at once),
+    # a sleeping loop is woken; anything else takes _write_slow (asyncio's checks)
 
     def _write_slow(self, data):
         if not isinstance(data, _BYTES_LIKE):
@@ -648,3 +649,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
             self._loop._remove_reader(self._sock_fd)
         else:
             self.close()
+
+
+SocketTransport.write = make_write_method(     # type: ignore[method-assign]
+    SocketTransport, SocketTransport.__dict__["_writer"])
