@@ -14,7 +14,6 @@ default 25: two cores shared with other jobs make sub-millisecond figures noisy)
 import json
 import logging
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -25,8 +24,8 @@ import pytest
 from aoprim.server.apps import Chat, Echo
 
 from proc_support import NEUTRAL_CWD, TESTS, child_env, rss_kib
-from test_server_support import (connect, error_lines, frame, logs, make_server,  # noqa: F401
-                                 open_fds, read_frame, wait_for)
+from test_server_support import (connect, error_lines, fd_limit, frame, logs,  # noqa: F401
+                                 make_server, open_fds, read_frame, wait_for)
 
 IDLE_RX = 1                 # the scratch slot every session reads into
 CYCLES = int(os.environ.get("AOP_HOSTILE_CYCLES", "5000"))
@@ -44,14 +43,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(autouse=True)
 def _enough_fds():
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 4 * SLOW_CLIENTS + 256
-    if soft < need:
-        if hard != resource.RLIM_INFINITY and hard < need:
-            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {need}")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with fd_limit(4 * SLOW_CLIENTS + 256):
+        yield
 
 
 @pytest.fixture

@@ -2,9 +2,11 @@
 
 Import as ``from test_server_support import ...`` (conftest puts tests/ on sys.path).
 """
+import contextlib
 import gc
 import logging
 import os
+import resource
 import socket
 import struct
 import time
@@ -22,6 +24,21 @@ def logs(caplog):
     """The server's log records from WARNING up (a module that wants DEBUG defines its own)."""
     caplog.set_level(logging.WARNING, logger="aoprim.server")
     return caplog
+
+
+@contextlib.contextmanager
+def fd_limit(need):
+    """At least ``need`` open files allowed (RLIMIT_NOFILE's soft limit raised, the test
+    skipped if the hard limit is lower) for the block; the limit is restored after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {need}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def error_lines(caplog):

@@ -23,7 +23,6 @@ AOP_TLS_SILENT (connections that never send a ClientHello, default 300), AOP_TLS
 import gc
 import json
 import os
-import resource
 import select
 import shutil
 import socket
@@ -40,8 +39,9 @@ from aoprim.server import Handler
 from aoprim.server.loop import BACKENDS
 
 from proc_support import NEUTRAL_CWD, child_env, rss_kib
-from test_server_support import (error_lines, frame, logs, make_server,  # noqa: F401
-                                 open_fds, read_frame, recv_until_closed, wait_for)
+from test_server_support import (error_lines, fd_limit, frame, logs,  # noqa: F401
+                                 make_server, open_fds, read_frame, recv_until_closed,
+                                 wait_for)
 from tls_clients import RawTLS, SClient, client_hello
 from tlscerts import tls_certs  # noqa: F401
 
@@ -66,14 +66,8 @@ def backend(request):
 
 @pytest.fixture(autouse=True)
 def _enough_fds():
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 4 * SILENT + 256
-    if soft < need:
-        if hard != resource.RLIM_INFINITY and hard < need:
-            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {need}")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with fd_limit(4 * SILENT + 256):
+        yield
 
 
 class Counting(Handler):
