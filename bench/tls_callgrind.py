@@ -36,16 +36,25 @@ def _client_handshakes(port, n, size):
     ctx.options |= ssl.OP_NO_TICKET
     msg = struct.pack(">H", size) + b"x" * size
     for _ in range(n):
-        raw = socket.create_connection(("127.0.0.1", port), timeout=300)
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s = ctx.wrap_socket(raw)
+        s = _connect(ctx, port)
         s.sendall(msg)
         _recv_exact(s, len(msg))
-        try:
-            s.unwrap()
-        except (OSError, ssl.SSLError):
-            pass
-        s.close()
+        _close(s)
+
+
+def _connect(ctx, port):
+    raw = socket.create_connection(("127.0.0.1", port), timeout=300)
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return ctx.wrap_socket(raw)
+
+
+def _close(s):
+    """close_notify (whatever the server does with it), then close."""
+    try:
+        s.unwrap()
+    except (OSError, ssl.SSLError):
+        pass
+    s.close()
 
 
 def _recv_exact(s, size):
@@ -60,10 +69,7 @@ def _recv_exact(s, size):
 def _client(port, n, size, mode="raw"):
     if mode == "handshake":
         return _client_handshakes(port, n, size)
-    ctx = btls.client_context()
-    raw = socket.create_connection(("127.0.0.1", port), timeout=300)
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    s = ctx.wrap_socket(raw)
+    s = _connect(btls.client_context(), port)
     msg = b"x" * size
     if mode == "u16":
         msg = (struct.pack(">H", size) + msg) * 16
@@ -71,11 +77,7 @@ def _client(port, n, size, mode="raw"):
     for _ in range(n):
         s.sendall(msg)
         _recv_exact(s, len(msg))
-    try:
-        s.unwrap()
-    except (OSError, ssl.SSLError):
-        pass
-    s.close()
+    _close(s)
 
 
 def instructions(server, n, size, tree, keep, mode="raw"):
