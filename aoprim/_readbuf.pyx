@@ -47,7 +47,11 @@ from aoprim.atomic_h cimport (
     AOP_RELAXED,
 )
 
+from aoprim._sockfd cimport aop_sockfd_fast, aop_sockfd_fd, sockfd_setup
+
 import socket as _socket
+
+sockfd_setup()      # a socket's fd read from its struct, layout checked here (aop_sockfd.h)
 
 cdef extern from "sys/socket.h" nogil:
     ssize_t recv(int fd, void *buf, size_t n, int flags)
@@ -168,7 +172,11 @@ cdef class ReadBuffer:
         cdef PyObject *slot
         cdef object new
         cdef char *data
-        cdef int fd = _fileno(sock)
+        cdef int fd
+        if aop_sockfd_fast(sock):
+            fd = aop_sockfd_fd(sock)        # the struct's field fileno() returns (aop_sockfd.h)
+        else:
+            fd = _fileno(sock)
         if fd < 0:
             raise OSError(EBADF, "Bad file descriptor")
         # acquire: pairs with the release store below by the previous caller

@@ -687,3 +687,26 @@ def test_flush_reads_fd_and_mode_from_the_socket_struct_as_the_methods_report_th
         check(s)
     assert _sock_view(3) == (False, None, None)       # an int fd: not a socket object
     assert _sock_view(object()) == (False, None, None)
+
+
+def test_readbuffer_reads_the_fd_from_the_socket_struct_closed_is_ebadf():
+    """ReadBuffer.recv_bytes reads the socket's fd from its struct (aop_sockfd.h) as
+    fileno() returns it: a subclass reads, a closed or detached socket is EBADF (never a
+    recv on fd -1 or a reused number)."""
+    import errno
+    from aoprim._readbuf import ReadBuffer
+    rb = ReadBuffer(4096)
+    a, b = _SockSub(socket.AF_UNIX, socket.SOCK_STREAM), None
+    a.close()
+    a, b = socket.socketpair()
+    s = _SockSub(socket.AF_UNIX, socket.SOCK_STREAM, 0, a.detach())
+    b.sendall(b"sub")
+    assert rb.recv_bytes(s) == b"sub"
+    with pytest.raises(OSError) as e:
+        rb.recv_bytes(a)                  # detached: fileno() -1
+    assert e.value.errno == errno.EBADF
+    s.close()
+    with pytest.raises(OSError) as e:
+        rb.recv_bytes(s)
+    assert e.value.errno == errno.EBADF
+    b.close()
