@@ -334,6 +334,15 @@ def wait_state(sel):
     sel._aio_epfd = evs.epfd
 
 
+def wait_closed(sel):
+    """The selector is closing: its epoll fd is forgotten (-1) before it is closed, so the
+    iteration raises as selectors.EpollSelector.select on a closed selector does, never
+    waits on a closed (or reused) fd number."""
+    cdef _Events evs = sel._aio_events
+    evs.epfd = -1
+    sel._aio_epfd = -1
+
+
 @cython.no_gc_clear
 cdef class _Events:
     """The epoll_event array of one loop's waits, grown to the selector's size, and what
@@ -450,6 +459,8 @@ cdef int _iteration(object loop, _Events evs, bint own_time) except -1:
     # the wait (aoprim.aio.loop._Selector.select + selectors.EpollSelector.select)
     fd_to_key = evs.fd_to_key
     epfd = evs.epfd
+    if epfd < 0:        # the selector was closed (wait_closed): as epoll.poll() on it
+        raise ValueError("I/O operation on closed epoll object")
     sleep = evs.sleep
     # seq_cst store, then the group check (a load): the Dekker pair with a write from a
     # signal handler or another thread, which queues its batch and then loads the flag --

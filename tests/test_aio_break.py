@@ -77,3 +77,26 @@ def test_call_soon_rejects_keyword_arguments_like_asyncio():
         assert not loop._ready
     finally:
         loop.close()
+
+
+def _run_after_selector_close(loop):
+    loop.call_soon(loop.stop)
+    loop.run_forever()
+    loop._close_self_pipe()         # now: it unregisters from the selector
+    loop._close_self_pipe = lambda: None
+    loop._selector.close()
+    loop.call_soon(loop.stop)
+    try:
+        with pytest.raises(ValueError) as info:
+            loop.run_forever()
+        return str(info.value)
+    finally:
+        loop._selector = None       # closed already
+        loop.close()
+
+
+def test_a_closed_selector_raises_as_asyncios_and_never_waits_on_its_old_fd():
+    """The compiled wait kept the epoll fd number: after the selector closed it waited on
+    it (EBADF, or an unrelated fd once the number was reused)."""
+    want = _run_after_selector_close(asyncio.SelectorEventLoop())
+    assert _run_after_selector_close(aoprim.aio.new_event_loop()) == want

@@ -79,6 +79,10 @@ class _Selector(selectors.DefaultSelector):
         self._group = group
         _aioloop.wait_state(self)       # the compiled iteration's wait reads the epoll fd
 
+    def close(self):
+        _aioloop.wait_closed(self)      # before the epoll fd is closed and its number reused
+        super().close()
+
     def select(self, timeout=None):
         sleep = self._sleep
         sleep.sleeping = True
