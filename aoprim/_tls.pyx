@@ -41,6 +41,7 @@ cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.memoryview cimport PyMemoryView_GET_BUFFER
 from libc.stdint cimport int64_t
 from libc.errno cimport errno, EAGAIN, EINTR, EPROTO, EBADF
 
@@ -170,6 +171,20 @@ cdef class TLSFlush:
         return 0
 
 
+cdef inline bint _byref(TLSConn c, data) noexcept:
+    # a memoryview of at least byref_min bytes: the session's own (by-reference) send path
+    return (c.byref_min >= 0 and type(data) is memoryview and
+            PyMemoryView_GET_BUFFER(data).len >= c.byref_min)
+
+
+cdef inline object _added(TLSConn c, object p):
+    # the batch's add returned p: mark the session dirty when it added (p >= 0)
+    if p >= 0 and not c.dirty and not c._gone():
+        c.dirty = True
+        c.tls.dirty.append(c)
+    return p
+
+
 cdef class TLSConn(_RxSource):
     """One TLS session's per-message work (see the module docstring):
     ``TLSConn(tls, session, sock, sslobj, incoming, outgoing, batch, budget)``, then
@@ -190,7 +205,10 @@ cdef class TLSConn(_RxSource):
         self._pending = so.pending
         self._inc_write = inc.write
         self._out_read = out.read
+        self._add_frame = batch.add_frame
+        self._add_copy = batch.add_copy
         self.budget = budget if budget > 0 else 1
+        self.byref_min = -1         # send_frame/send_copy take every memoryview until set
 
     def attach(self, Receiver rx):
         """Become ``rx``'s source."""
@@ -226,8 +244,28 @@ cdef class TLSConn(_RxSource):
         self.sess = self.rx = self.batch = None
         self.fileno = self.inc = self.out = None
         self._read = self._write = self._pending = self._inc_write = self._out_read = None
+        self._add_frame = self._add_copy = None
         self.ct = None
         _set(&self.ct_left, 0)
+
+    # -- send, the session's per-message half ---------------------------------------------
+    # TLSSession.send's common case in one call (u16 echo: one Python call less per frame,
+    # and the by-reference size test without Python bytecode): the batch's add, then mark()
+
+    def send_frame(self, data, header_size):
+        """``batch.add_frame(data, header_size)`` and, when it added, ``mark()``: returns
+        add_frame's result (pending bytes; -1 from another thread, nothing added), or -2
+        with nothing done for a memoryview of at least ``byref_min`` bytes, or once closed
+        (the session's own send path takes those)."""
+        if self._gone() or _byref(self, data):
+            return -2
+        return _added(self, self._add_frame(data, header_size))
+
+    def send_copy(self, data):
+        """``batch.add_copy(data)`` and, when it added, ``mark()``: as send_frame."""
+        if self._gone() or _byref(self, data):
+            return -2
+        return _added(self, self._add_copy(data))
 
     # -- receive ---------------------------------------------------------------------------
     def feed(self, data):

@@ -483,6 +483,20 @@ class _SpyConn:
         _SpyConn.threads.add(threading.get_ident())
         self.real.mark()
 
+    # the send path's add-and-mark (compiled: its mark is not a Python call): a result >= 0
+    # means it marked the session
+    def send_frame(self, data, hs):
+        p = self.real.send_frame(data, hs)
+        if p >= 0:
+            _SpyConn.threads.add(threading.get_ident())
+        return p
+
+    def send_copy(self, data):
+        p = self.real.send_copy(data)
+        if p >= 0:
+            _SpyConn.threads.add(threading.get_ident())
+        return p
+
     def __getattr__(self, name):
         return getattr(self.real, name)
 
@@ -505,6 +519,52 @@ def test_raw_sends_from_workers_mark_dirty_on_the_loop_thread_only(make_server, 
             s.sendall(b"m%03d" % i)
             assert recv_exact(s, 4) == b"m%03d" % i
     assert _SpyConn.threads == {srv.loop.thread_id}
+
+
+def test_tlsconn_send_frame_and_send_copy_add_then_mark():
+    """TLSSession.send's compiled half: send_frame / send_copy add to the batch and mark the
+    session dirty once (a result >= 0: the pending bytes); a memoryview of at least
+    byref_min bytes, or a closed TLSConn, is left to the session's own send (-2, nothing
+    added, not marked); another thread than the batch's owner gets -1, nothing added and no
+    mark (the dirty list is the loop thread's)."""
+    from aoprim import SendBatch, TLSConn, TLSFlush
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls = TLSFlush()
+    a, b = socket.socketpair()
+    try:
+        inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        batch = SendBatch(a, auto_flush=False)
+        batch.owner_thread = threading.get_ident()
+        t = TLSConn(tls, object(), a, ctx.wrap_bio(inc, out, server_side=True), inc, out,
+                    batch, 65536)
+        t.byref_min = 32768
+        assert t.send_frame(b"abc", 2) == 5 and t.dirty and len(tls) == 1
+        assert t.send_copy(bytearray(b"xy")) == 7 and len(tls) == 1    # marked once
+        big = memoryview(bytearray(32768))
+        assert t.send_frame(big, 2) == -2 and t.send_copy(big) == -2
+        assert t.send_copy(big[:-1]) == 7 + 32767                      # under: copied
+        assert batch.pending_bytes == 7 + 32767
+        res = []
+        th = threading.Thread(target=lambda: res.append((t.send_frame(b"q", 2),
+                                                         t.send_copy(b"q"))))
+        th.start()
+        th.join()
+        assert res == [(-1, -1)] and batch.pending_bytes == 7 + 32767
+        tls.flush()                         # app not set: nothing encrypted, unmarked
+        assert not t.dirty and len(tls) == 0
+        th = threading.Thread(target=lambda: res.append(t.send_copy(b"q")))
+        th.start()
+        th.join()
+        assert res[-1] == -1 and not t.dirty and len(tls) == 0          # no mark
+        t.byref_min = -1                    # none left to the session
+        assert t.send_copy(big) == 7 + 32767 + 32768 and t.dirty
+        t.close()
+        assert t.send_frame(b"abc", 2) == -2 and t.send_copy(b"abc") == -2
+        assert batch.pending_bytes == 7 + 32767 + 32768
+        batch.clear()
+    finally:
+        a.close()
+        b.close()
 
 
 def test_u16_large_frames_echo_by_reference(make_server, tls_certs):

@@ -104,6 +104,7 @@ class TLSSession(Session):
         self._t = TLSConn(ctx.tls, self, sock, self._sslobj, self._inc, self._out,
                           self._batch, st.flush_budget)
         self._t.attach(self._rx.receiver)
+        self._t.byref_min = _BYREF_MIN     # send_frame/send_copy leave those to send()
         self._hs_done = False
         self._hs_timer = None
         self._pp = (ProxyParser(st.proxy_mode, st.proxy_max_header)
@@ -135,22 +136,24 @@ class TLSSession(Session):
         return super().get_extra_info(name, default)
 
     def send(self, data):
-        if self._state or (type(data) is memoryview and data.nbytes >= _BYREF_MIN):
-            Session.send(self, data)
-            # marked on the loop thread only: a send from another thread was queued for the
-            # loop, whose _drain_foreign marks the session (the dirty list is the loop's)
-            if _get_ident() == self._loop.thread_id:
-                self._t.mark()
-            return
-        # Session.send's add_frame path, inline (one frame less per message)
-        p = self._batch.add_frame(data, self._hs)
-        if p < 0:
-            self._send_slow(data)           # another thread: queued for the loop
-            return
-        self._nout += 1                     # (>= 0: the loop thread, the batch's owner)
-        self._t.mark()
-        if p > self._hw:
-            self._over_high()
+        if not self._state:
+            # Session.send's add_frame path, inline (one frame less per message), with the
+            # add and mark() in one compiled call (TLSConn.send_frame)
+            p = self._t.send_frame(data, self._hs)
+            if p >= 0:                      # the loop thread, the batch's owner
+                self._nout += 1
+                if p > self._hw:
+                    self._over_high()
+                return
+            if p == -1:
+                self._send_slow(data)       # another thread: queued for the loop
+                return
+            # -2: a memoryview of at least _BYREF_MIN bytes (by reference)
+        Session.send(self, data)
+        # marked on the loop thread only: a send from another thread was queued for the
+        # loop, whose _drain_foreign marks the session (the dirty list is the loop's)
+        if _get_ident() == self._loop.thread_id:
+            self._t.mark()
 
     def send_broadcast(self, item):
         if Session.send_broadcast(self, item):
@@ -335,17 +338,19 @@ class RawTLSSession(TLSSession):
     __slots__ = ()
 
     def send(self, data):
-        if self._state or (type(data) is memoryview and data.nbytes >= _BYREF_MIN):
-            self._send_raw(data)
-            if _get_ident() == self._loop.thread_id:
-                self._t.mark()
-        else:
-            # Session._send_raw's copy path, inline (one frame less per message)
-            p = self._batch.add_copy(data)
-            if p < 0:
-                self._send_slow(data)       # another thread: queued for the loop
-            else:                           # (>= 0: the loop thread, the batch's owner)
+        if not self._state:
+            # Session._send_raw's copy path, inline (one frame less per message), with the
+            # add and mark() in one compiled call (TLSConn.send_copy)
+            p = self._t.send_copy(data)
+            if p >= 0:                      # the loop thread, the batch's owner
                 self._nout += 1
-                self._t.mark()
                 if p > self._hw:
                     self._over_high()
+                return
+            if p == -1:
+                self._send_slow(data)       # another thread: queued for the loop
+                return
+            # -2: a memoryview of at least _BYREF_MIN bytes (by reference)
+        self._send_raw(data)
+        if _get_ident() == self._loop.thread_id:
+            self._t.mark()
