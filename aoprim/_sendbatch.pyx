@@ -259,6 +259,10 @@ cdef void _release_owner(aop_sb_owner *o) noexcept:
 
 
 cdef inline bint _is_slot_like(object o):
+    cdef type t = type(o)
+    if t is memoryview or t is bytes or t is bytearray:
+        return False        # no attribute can be added to these: three failed hasattr()
+                            # lookups less per frame (~90 instructions, issue 21)
     return hasattr(o, "retain") and hasattr(o, "release") and hasattr(o, "length")
 
 
