@@ -5,7 +5,7 @@ optionally aoprim from two checkouts (before -> after) in the same run.
         [--passes 3] [--duration 2] [--baseline-tree PATH]
 
 Servers: asyncio, uvloop, aoprim.aio, aoprim (selectors) and aoprim-epoll from this
-checkout's in-place build (``@new``), and with ``--baseline-tree`` the same two from that
+checkout's in-place build (``@new``), and with ``--baseline-tree`` the same three from that
 checkout (``@base``).  Each pass runs every scenario with the server order rotated; the
 table shows medians: server CPU per message and its ratio to asyncio's and uvloop's,
 syscalls per message (perf), minor page faults per message, messages/s.  The servers, the
@@ -36,11 +36,11 @@ def main(argv=None):
     ap.add_argument("--baseline-tree", help="a checkout with an in-place build (before)")
     a = ap.parse_args(argv)
     trees = {"new": ROOT, "": None}
-    names = ["asyncio", "uvloop", "aoprim.aio"]
+    names = ["asyncio", "uvloop"]
     if a.baseline_tree:
         trees["base"] = os.path.abspath(a.baseline_tree)
-        names += ["aoprim@base", "aoprim-epoll@base"]
-    names += ["aoprim@new", "aoprim-epoll@new"]
+        names += ["aoprim.aio@base", "aoprim@base", "aoprim-epoll@base"]
+    names += ["aoprim.aio@new", "aoprim@new", "aoprim-epoll@new"]
     scen = a.scenarios.split(",")
     rows = {}
     for p in range(a.passes):

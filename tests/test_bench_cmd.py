@@ -222,6 +222,20 @@ def test_new_loops_and_backends_join_the_server_groups_when_they_exist(monkeypat
     assert servers.server_cmd("aoprim.aio", "u16")[-2:] == ["--loop", "aio"]
 
 
+def test_a_tree_swaps_aoprim_aio_and_the_backends_not_the_asyncio_servers(monkeypatch):
+    # large_compare --baseline-tree sets TREES["aoprim"]: aoprim.aio must come from that
+    # checkout too (it did not: its @base row measured this checkout's aoprim.aio)
+    from aoprim.benchmarks import servers
+    monkeypatch.setitem(servers.TREES, "aoprim", "/some/checkout")
+    monkeypatch.setitem(servers.TREES, "aoprim-base", "/other")
+    for name in ("aoprim.aio", "aoprim", "aoprim-epoll", "aoprim-selectors"):
+        assert servers._tree_of(name) == "/some/checkout", name
+    assert servers._tree_of("aoprim-base") == "/other"
+    assert servers._tree_of("asyncio") is None and servers._tree_of("uvloop") is None
+    assert servers._env(servers._tree_of("aoprim.aio"))["PYTHONPATH"].split(os.pathsep)[0] \
+        == "/some/checkout"
+
+
 def test_a_server_that_cannot_start_is_reported_not_fatal():
     from aoprim.benchmarks import servers
     with pytest.raises(servers.ServerUnavailable, match="did not start"):

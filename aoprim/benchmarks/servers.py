@@ -99,6 +99,15 @@ def _backend_of(server):
     return m.group(1) if m and m.group(1) != "base" else None
 
 
+def _tree_of(server):
+    """The checkout ``server`` is imported from (None: this process's aoprim): a backend
+    variant and aoprim.aio are the same package as "aoprim" unless TREES names them, so
+    large_compare's --baseline-tree swaps aoprim.aio too (issue 20)."""
+    if server in TREES:
+        return TREES[server]
+    return TREES.get("aoprim") if _backend_of(server) or server == "aoprim.aio" else None
+
+
 def server_cmd(server, framing, max_frame=None):
     """The argv that starts ``server`` (see the module docstring) on a free port;
     ``max_frame``: aoprim's --max-frame (the asyncio servers take any frame)."""
@@ -269,10 +278,7 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
     ``send_syscalls_per_msg``, and with ``syscalls`` ``syscalls_per_msg`` when perf can count.
     ``warm``: warm_up() it first (the steady state); otherwise it is measured as started."""
     sc = SCENARIOS[scenario]
-    # a backend variant is the same package as "aoprim" unless TREES names it
-    tree = TREES[server] if server in TREES else (TREES.get("aoprim") if _backend_of(server)
-                                                  else None)
-    env = _env(tree)
+    env = _env(_tree_of(server))
     p = subprocess.Popen(server_cmd(server, sc["framing"], sc.get("max_frame")),
                          stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=CWD, env=env)
