@@ -721,11 +721,20 @@ cdef object _schedule_at(object loop, object when, object callback, tuple args,
     return h
 
 
-def call_soon(self, callback, *args, context=None):
+cdef _unexpected_keyword(str name, dict kw):
+    # asyncio's methods are Python functions: CPython names the class in this message
+    # (3.11-3.13 alike); a Cython signature without **kw would say only "call_soon()".
+    raise TypeError(f"BaseEventLoop.{name}() got an unexpected keyword argument "
+                    f"'{next(iter(kw))}'")
+
+
+def call_soon(self, callback, *args, context=None, **kw):
     """``BaseEventLoop.call_soon`` in C: the same checks, an ``asyncio.Handle`` appended to
     ``_ready``.  In debug mode, or where the loop's class overrides a helper call_soon
     calls (``_check_closed``, ``_call_soon``, ``get_debug``) or asyncio's handle classes
     were patched, it is asyncio's own (thread check, callback check, source traceback)."""
+    if kw:
+        _unexpected_keyword('call_soon', kw)
     if self._debug or not _class_bits(self) & _C_SCHED:
         return _py_call_soon(self, callback, *args, context=context)
     if self._closed:
@@ -735,8 +744,10 @@ def call_soon(self, callback, *args, context=None):
     return h
 
 
-def call_at(self, when, callback, *args, context=None):
+def call_at(self, when, callback, *args, context=None, **kw):
     """``BaseEventLoop.call_at`` in C (asyncio's where call_soon's is, above)."""
+    if kw:
+        _unexpected_keyword('call_at', kw)
     if when is None:
         raise TypeError("when cannot be None")
     if self._debug or not _class_bits(self) & _C_SCHED:
@@ -746,9 +757,11 @@ def call_at(self, when, callback, *args, context=None):
     return _schedule_at(self, when, callback, args, context)
 
 
-def call_later(self, delay, callback, *args, context=None):
+def call_later(self, delay, callback, *args, context=None, **kw):
     """``BaseEventLoop.call_later`` in C: ``time() + delay`` (``time.monotonic()`` where the
     loop keeps BaseEventLoop's time(), as the iteration), then call_at's body."""
+    if kw:
+        _unexpected_keyword('call_later', kw)
     if delay is None:
         raise TypeError('delay must not be None')
     cdef int bits = _class_bits(self)

@@ -455,3 +455,24 @@ def test_scheduling_falls_back_to_asyncio_in_debug_mode_and_on_overrides():
         assert lp.call_later(1.5, print).when() == 101.5 and t0 == [1]
     finally:
         lp.close()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("name, lead", [("call_soon", ()), ("call_later", (1,)),
+                                        ("call_at", (1,)), ("call_soon_threadsafe", ())])
+def test_unexpected_keyword_raises_as_asyncio(name, lead, debug):
+    """``loop.call_soon(cb, x=1)`` raises asyncio's TypeError word for word (the compiled
+    call_soon/call_at/call_later once said "call_soon() got ..." without the class); also
+    with several unknown keywords and with ``context=`` beside them, compiled and debug."""
+    for kw in ({"x": 1}, {"context": None, "y": 2, "z": 3}):
+        msgs = []
+        for loop in (asyncio.new_event_loop(), aoprim.aio.new_event_loop()):
+            try:
+                loop.set_debug(debug)
+                with pytest.raises(TypeError) as info:
+                    getattr(loop, name)(*lead, print, **kw)
+                msgs.append(str(info.value))
+                assert not loop._ready and not loop._scheduled
+            finally:
+                loop.close()
+        assert msgs[1] == msgs[0], (name, kw)
