@@ -27,11 +27,14 @@ def backend(request):
     return request.param
 
 
-def tls_connect(srv, ctx, hostname="localhost", timeout=10.0):
+def tls_connect(srv, ctx, hostname="localhost", timeout=10.0, strict_eof=False):
+    """A TLS client socket; ``strict_eof``: a TCP EOF without close_notify raises
+    SSLEOFError (by default recv answers b"" for both, as ssl's suppress_ragged_eofs)."""
     raw = socket.create_connection(srv.address, timeout=timeout)
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        return ctx.wrap_socket(raw, server_hostname=hostname)
+        return ctx.wrap_socket(raw, server_hostname=hostname,
+                               suppress_ragged_eofs=not strict_eof)
     except BaseException:
         raw.close()
         raise
@@ -184,7 +187,7 @@ class CloseAfterReply(Handler):
 
 def test_close_sends_close_notify_after_the_reply(make_server, tls_certs):
     srv = make_server(CloseAfterReply(), framing="u16", ssl=tls_certs.server_ctx())
-    with tls_connect(srv, tls_certs.client_ctx()) as s:
+    with tls_connect(srv, tls_certs.client_ctx(), strict_eof=True) as s:
         s.sendall(frame(b"bye"))
         assert read_u16(s) == b"bye"
         # close_notify: a clean TLS EOF (recv returns b""), not SSLEOFError / a reset
@@ -196,7 +199,7 @@ def test_shutdown_sends_close_notify(backend, tls_certs):
     srv = Server(Echo(), HOST, 0, framing="u16", backend=backend,
                  ssl=tls_certs.server_ctx()).start()
     try:
-        with tls_connect(srv, tls_certs.client_ctx()) as s:
+        with tls_connect(srv, tls_certs.client_ctx(), strict_eof=True) as s:
             s.sendall(frame(b"a"))
             assert read_u16(s) == b"a"
             threading.Thread(target=srv.shutdown).start()

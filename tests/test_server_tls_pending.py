@@ -65,3 +65,27 @@ def test_a_burst_under_max_pending_is_delivered_whole(make_server, tls_certs):
     assert got == b"".join(bytes([65 + i]) * PIECE for i in range(5))
     assert h.closed_after == [False]
     assert srv.stats()["closes"].get("max_pending") is None
+
+
+class ReplyThenClose(Handler):
+    def on_read(self, session, data):
+        session.send(bytes(data))
+        session.close()
+
+
+def test_close_sends_the_reply_then_close_notify_then_the_tcp_eof(make_server, tls_certs):
+    """session.close(): the reply, then close_notify (a client that does not forgive a ragged
+    EOF gets b"", not SSLEOFError), then -- once the client answers with its own
+    close_notify -- the TCP EOF of the lingering close, and the session is gone."""
+    srv = make_server(ReplyThenClose(), ssl=tls_certs.server_ctx(), framing="raw")
+    s = tls_connect(srv, tls_certs.client_ctx(), strict_eof=True)
+    try:
+        s.sendall(b"bye")
+        assert recv_exact(s, 3) == b"bye"
+        assert s.recv(10) == b""            # close_notify (a bare FIN raises SSLEOFError)
+        plain = s.unwrap()                  # ours back; the server then ends the TCP stream
+        assert plain.recv(10) == b""
+        plain.close()
+    finally:
+        s.close()
+    wait_for(lambda: srv.stats()["connections"] == 0, 10, "closed")
