@@ -83,9 +83,7 @@ def _client(port, n, size, mode="raw"):
 def instructions(server, n, size, tree, keep, mode="raw"):
     """(instructions, callgrind output file or None) of ``server`` for N messages."""
     cert, key = btls.certs()
-    env = dict(os.environ)
-    # str hashes decide type-cache slots: a random seed moves the count by ~2k between runs
-    env["PYTHONHASHSEED"] = "0"
+    env = dict(os.environ)                  # callgrind.run pins PYTHONHASHSEED=0
     if tree:
         env["PYTHONPATH"] = tree
     return callgrind.run(btls.server_cmd(server, "raw" if mode == "raw" else "u16", cert, key),

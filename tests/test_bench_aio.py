@@ -158,3 +158,28 @@ def test_callgrind_per_message_is_the_difference_over_n_and_removes_its_files(tm
     per, tops = callgrind.per_message(count, 50, top=3)
     assert per == 7.0 and set(tops) == {"inclusive", "self"}
     assert len(kept) == 3 and not any(f.exists() for f in kept)
+
+
+def test_callgrind_runs_the_server_with_a_fixed_hash_seed(monkeypatch):
+    """``callgrind.run`` starts the measured server with PYTHONHASHSEED=0 (str hashes decide
+    type-cache slots: a random seed moved per-message counts by ~2.5k between runs), unless
+    the caller's environment names a seed; the caller's dict is not changed."""
+    from aoprim.benchmarks import callgrind
+    seen = []
+
+    class Started(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        seen.append(kw["env"])
+        raise Started
+
+    monkeypatch.setattr(callgrind.subprocess, "Popen", popen)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    mine = {"A": "1"}
+    for env in (None, mine, {"PYTHONHASHSEED": "7"}):
+        with pytest.raises(Started):
+            callgrind.run(["server"], lambda port: None, env=env)
+    assert seen[0]["PYTHONHASHSEED"] == "0"
+    assert seen[1] == {"A": "1", "PYTHONHASHSEED": "0"} and mine == {"A": "1"}
+    assert seen[2]["PYTHONHASHSEED"] == "7"

@@ -7,7 +7,10 @@ first line of output (``listening on HOST:PORT``), hands the port to a client fu
 exchanges the messages, stops the server with SIGINT and reads callgrind's total.  The cost
 per message (``per_message``) is the difference between a run of 2N messages and a run of N,
 divided by N: start-up, warm-up and shutdown cancel out, and the figure does not move with
-the machine's load (kernel work is not counted: callgrind sees user space only).
+the machine's load (kernel work is not counted: callgrind sees user space only).  The
+server runs with ``PYTHONHASHSEED=0`` unless the caller's environment names a seed: str
+hashes decide CPython's type-cache slots, and a random seed moves a per-message count by up
+to ~2.5k instructions between runs (a collision on a hot attribute name).
 ``by_function`` splits a run's total by C function (``callgrind_annotate``).
 """
 import os
@@ -16,7 +19,7 @@ import signal
 import subprocess
 import tempfile
 
-__all__ = ["run", "per_message", "by_function", "print_top"]
+__all__ = ["run", "per_message", "by_function", "print_top", "with_fixed_hash_seed"]
 
 CWD = tempfile.gettempdir()       # never import an uncompiled checkout by accident
 
@@ -26,6 +29,7 @@ def run(cmd, client, env=None, keep=False, name=None, timeout=600):
     callgrind while ``client(port)`` talked to it, and, with ``keep``, its callgrind output
     file (the caller removes it; None without ``keep``)."""
     name = name or os.path.basename(cmd[0])
+    env = with_fixed_hash_seed(env)
     out = tempfile.mktemp(prefix="aoprim_cg_")
     p = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"] + cmd,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -55,6 +59,13 @@ def run(cmd, client, env=None, keep=False, name=None, timeout=600):
         return int(m.group(1)), out
     os.unlink(out)
     return int(m.group(1)), None
+
+
+def with_fixed_hash_seed(env=None):
+    """``env`` (or os.environ) copied, with PYTHONHASHSEED=0 unless it names a seed."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("PYTHONHASHSEED", "0")
+    return env
 
 
 def by_function(out_file, inclusive):
