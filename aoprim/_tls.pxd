@@ -66,6 +66,7 @@ cdef class TLSConn(_RxSource):
     cdef public object tls_reason    # why the TLS layer failed (for the close reason)
 
     cdef bint _gone(self) noexcept
+    cdef int _mark(self) except -1
     cdef void _records(self, const unsigned char *d, Py_ssize_t n) noexcept
     cdef int _pull(self) except -1
     cdef Py_ssize_t c_flush(self) except? -1

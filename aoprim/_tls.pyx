@@ -179,9 +179,8 @@ cdef inline bint _byref(TLSConn c, data) noexcept:
 
 cdef inline object _added(TLSConn c, object p):
     # the batch's add returned p: mark the session dirty when it added (p >= 0)
-    if p >= 0 and not c.dirty and not c._gone():
-        c.dirty = True
-        c.tls.dirty.append(c)
+    if p >= 0:
+        c._mark()
     return p
 
 
@@ -234,9 +233,14 @@ cdef class TLSConn(_RxSource):
 
     def mark(self):
         """Have this session flushed at the end of this iteration (loop thread)."""
+        self._mark()
+
+    cdef int _mark(self) except -1:
+        # the one place a session joins the iteration's dirty list (mark, send_frame/copy)
         if not self.dirty and not self._gone():
             self.dirty = True
             self.tls.dirty.append(self)
+        return 0
 
     def close(self):
         """The session's teardown: drop every reference (breaks the cycle with it)."""

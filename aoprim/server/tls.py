@@ -148,7 +148,8 @@ class TLSSession(Session):
             if p == -1:
                 self._send_slow(data)       # another thread: queued for the loop
                 return
-            # -2: a memoryview of at least _BYREF_MIN bytes (by reference)
+            # -2: a memoryview of at least _BYREF_MIN bytes (by reference), or the
+            # TLS object already closed: the session's own send path decides
         Session.send(self, data)
         # marked on the loop thread only: a send from another thread was queued for the
         # loop, whose _drain_foreign marks the session (the dirty list is the loop's)
@@ -350,7 +351,8 @@ class RawTLSSession(TLSSession):
             if p == -1:
                 self._send_slow(data)       # another thread: queued for the loop
                 return
-            # -2: a memoryview of at least _BYREF_MIN bytes (by reference)
+            # -2: a memoryview of at least _BYREF_MIN bytes (by reference), or the
+            # TLS object already closed: the session's own send path decides
         self._send_raw(data)
         if _get_ident() == self._loop.thread_id:
             self._t.mark()
