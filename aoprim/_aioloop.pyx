@@ -660,7 +660,8 @@ cdef int _class_bits(object loop) except -1:
     if t.time is _base_time:
         bits |= _C_TIME
     if (_FAST_SCHEDULE and t._check_closed is _base_check_closed and
-            t._call_soon is _base__call_soon and t.get_debug is _base_get_debug and
+            t._call_soon is _base__call_soon and
+            (t.get_debug is _base_get_debug or t.get_debug is _get_debug) and
             _Handle.__init__ is _handle_init and _TimerHandle.__init__ is _timer_init):
         bits |= _C_SCHED
     tag = aio_type_tag(t)               # assigned by the lookups above, if it was not
@@ -776,6 +777,16 @@ def call_later(self, delay, callback, *args, context=None, **kw):
     if self._closed:
         raise RuntimeError('Event loop is closed')
     return _schedule_at(self, when, callback, args, context)
+
+
+def get_debug(self):
+    """``BaseEventLoop.get_debug`` without its Python frame: ``self._debug``.  asyncio's
+    ``Future.__init__`` (the C ``_asyncio.Future``'s too) asks the loop once per future,
+    and ``Handle.__init__`` once per handle where asyncio builds one."""
+    return self._debug
+
+
+cdef object _get_debug = get_debug
 
 
 def create_future(self):

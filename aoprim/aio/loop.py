@@ -153,6 +153,7 @@ class Loop(asyncio.SelectorEventLoop, metaclass=_NoPatch):
     call_at = _aioloop.call_at
     call_later = _aioloop.call_later
     create_future = _aioloop.create_future
+    get_debug = _aioloop.get_debug      # BaseEventLoop's (self._debug), no Python frame
 
     def _aio_flush_all(self):
         flush = self._aio_flush
