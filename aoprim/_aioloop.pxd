@@ -26,3 +26,21 @@ cdef class _Events:
     cdef object group            # the loop's FlushGroup (the selector's _group)
     cdef object flush            # its flush (the loop's _aio_flush)
     cdef int reserve(self, int n) except -1
+
+
+cdef class LoopCore:
+    # aoprim.aio.Loop's first base: the loop state asyncio's Python code keeps as instance
+    # attributes, held in C fields behind data descriptors of the same names (asyncio's
+    # methods read and write ``self._ready`` unchanged; the compiled iteration reads the
+    # field, no dict lookup).  Invariant: each is exactly what the last assignment stored
+    # (None before BaseEventLoop.__init__ ran, or after a GC clear).
+    cdef public object _ready                   # collections.deque of Handles
+    cdef public object _scheduled               # heapq list of TimerHandles
+    cdef public object _selector
+    cdef public object _stopping
+    cdef public object _debug
+    cdef public object _closed
+    cdef public object _clock_resolution
+    cdef public object _timer_cancelled_count
+    cdef object _evs_sel                        # the selector _evs was read from
+    cdef _Events _evs                           # its _aio_events (read once per selector)

@@ -402,7 +402,13 @@ cdef int _wait(_Events evs, int epfd, int maxev, double timeout) except -1:
 cdef int _queue(object loop, object ready, object handle, object fileobj,
                 bint reader) except -1:
     """_process_events for one handle: a cancelled one removes the reader / writer, a live
-    one is appended to the ready queue (_add_callback: if not cancelled)."""
+    one is appended to the ready queue (_add_callback: if not cancelled).  An exact
+    asyncio.Handle (what add_reader / add_writer register) has its ``_cancelled`` slot read
+    directly; any other value there, or any other type, is asked by attribute."""
+    if (_FAST_HANDLES and type(handle) is _Handle and
+            aio_slot(handle, _OFF_CANCELLED) == Py_False):
+        ready.append(handle)
+        return 0
     if handle._cancelled:
         if reader:
             loop._remove_reader(fileobj)
@@ -413,7 +419,7 @@ cdef int _queue(object loop, object ready, object handle, object fileobj,
     return 0
 
 
-cdef int _iteration(object loop, _Events evs, bint own_time) except -1:
+cdef int _iteration(LoopCore loop, _Events evs, bint own_time) except -1:
     cdef list scheduled = loop._scheduled
     cdef Py_ssize_t sched_count = len(scheduled)
     cdef object ready = loop._ready
@@ -671,7 +677,7 @@ cdef int _class_bits(object loop) except -1:
     return bits
 
 
-cdef inline int _compiled_ok(object loop, object sel) except -1:
+cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
     """0: asyncio's Python iteration; 1: the compiled one; 2: the compiled one, and the
     loop's time() is BaseEventLoop's (in neither its class nor its __dict__)."""
     if type(sel) is not _selector_type or loop._debug:
@@ -795,7 +801,20 @@ def create_future(self):
     return _Future(loop=self)
 
 
-def run_once(loop):
+cdef class LoopCore:
+    """The first base of ``aoprim.aio.Loop`` (see the .pxd): ``_ready``, ``_scheduled``,
+    ``_selector``, ``_stopping``, ``_debug``, ``_closed``, ``_clock_resolution`` and
+    ``_timer_cancelled_count`` in C fields behind data descriptors of the same names, so
+    asyncio's Python code keeps ``self._ready`` etc. unchanged while the compiled iteration
+    reads the fields (uvloop keeps its loop state in C fields likewise).  The difference a
+    caller can see: these names are not in ``vars(loop)``.
+
+    GC: the fields are traversed and cleared as any object's; after a clear (a loop
+    collected in a cycle) they are None, and a method called then fails as on asyncio's
+    loop after its __dict__ was cleared."""
+
+
+def run_once(LoopCore loop):
     """``Loop._run_once``: flush what was written outside a callback, one iteration
     (compiled, or asyncio's -- see the module docstring), then flush the iteration's
     writes -- also when a callback raised out of the loop (KeyboardInterrupt,
@@ -805,8 +824,14 @@ def run_once(loop):
     sel = loop._selector
     ok = _compiled_ok(loop, sel)
     if ok:
-        # the loop's own _Selector: its _Events holds the group and the flush
-        evs = <_Events>sel._aio_events
+        # the loop's own _Selector: its _Events holds the group and the flush (looked up
+        # once per selector: wait_state sets a selector's _aio_events when it is made)
+        if sel is loop._evs_sel and loop._evs is not None:
+            evs = loop._evs
+        else:
+            evs = <_Events>sel._aio_events
+            loop._evs = evs
+            loop._evs_sel = sel
         group = evs.group
         flush = evs.flush
     else:

@@ -476,3 +476,89 @@ def test_unexpected_keyword_raises_as_asyncio(name, lead, debug):
             finally:
                 loop.close()
         assert msgs[1] == msgs[0], (name, kw)
+
+
+# -- LoopCore: the loop state in C fields behind descriptors --------------------------------
+
+CORE_FIELDS = ("_ready", "_scheduled", "_selector", "_stopping", "_debug", "_closed",
+               "_clock_resolution", "_timer_cancelled_count")
+
+
+def test_loop_state_lives_in_loopcore_fields_that_asyncio_code_reads_and_writes():
+    """aoprim.aio.Loop's first base is LoopCore: the names asyncio's __init__ assigns are
+    its data descriptors (not in the instance __dict__), holding what asyncio stored."""
+    loop = aoprim.aio.new_event_loop()
+    try:
+        assert type(loop).__mro__[1] is _aioloop.LoopCore
+        for name in CORE_FIELDS:
+            assert name not in vars(loop), name
+        assert type(loop._ready).__name__ == "deque" and loop._scheduled == []
+        assert loop._closed is False and loop._stopping is False
+        assert loop._timer_cancelled_count == 0
+        assert loop._clock_resolution == time.get_clock_info("monotonic").resolution
+        loop.set_debug(True)
+        assert loop._debug is True and loop.get_debug() is True
+        loop.set_debug(False)
+        assert loop._debug is False
+    finally:
+        loop.close()
+    assert loop._closed is True and loop.is_closed()
+
+
+def test_compiled_iteration_follows_a_replaced_ready_queue_and_timer_heap():
+    """The iteration reads the fields each time: a _ready deque or _scheduled list that
+    Python code replaced is the one that runs (a cached old object would lose these)."""
+    import collections
+    import heapq
+    loop = aoprim.aio.new_event_loop()
+    out = []
+    try:
+        loop._ready = collections.deque()
+        loop.call_soon(out.append, "soon")
+        loop._scheduled = []
+        h = asyncio.TimerHandle(loop.time() - 1, out.append, ("timer",), loop)
+        heapq.heappush(loop._scheduled, h)
+        h._scheduled = True
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+        assert out == ["soon", "timer"]
+        assert len(loop._ready) == 0 and loop._scheduled == []
+    finally:
+        loop.close()
+
+
+def test_cancelled_reader_handle_is_removed_by_the_iteration(pair):
+    """_process_events: a reader Handle cancelled behind the loop's back (not through
+    remove_reader) is dropped by the next event on its fd, on both loops alike."""
+    name, loop = pair
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    hits = []
+    try:
+        loop.add_reader(a, hits.append, 1)
+        key = loop._selector.get_key(a)
+        key.data[0].cancel()            # the reader Handle itself
+        b.send(b"x")
+        loop.call_later(0.05, loop.stop)
+        loop.run_forever()
+        assert hits == []
+        with pytest.raises(KeyError):
+            loop._selector.get_key(a)   # removed by the iteration
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_loop_in_a_reference_cycle_is_collected():
+    """LoopCore's fields are traversed: a cycle through _ready (a handle whose callback
+    holds the loop) is found by the collector and the loop freed."""
+    import gc
+    import weakref
+    loop = aoprim.aio.new_event_loop()
+    loop.close()
+    loop._ready.append(asyncio.Handle(lambda lp=loop: lp, (), loop))
+    loop._scheduled.append(loop)
+    ref = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert ref() is None

@@ -108,7 +108,7 @@ class _NoPatch(type):
 _aioloop.configure(_base_run_once, _Selector)
 
 
-class Loop(asyncio.SelectorEventLoop, metaclass=_NoPatch):
+class Loop(_aioloop.LoopCore, asyncio.SelectorEventLoop, metaclass=_NoPatch):
     """An asyncio event loop (``asyncio.SelectorEventLoop``) whose TCP and Unix stream
     transports batch their writes: everything written during one iteration leaves at the
     end of that iteration, one ``sendmsg`` per transport, under one GIL release."""
