@@ -37,6 +37,8 @@ from libc.stdlib cimport realloc, free
 from libc.math cimport ceil
 from cpython.exc cimport PyErr_CheckSignals, PyErr_SetFromErrno
 from cpython.dict cimport PyDict_GetItem
+cdef extern from "Python.h":
+    dict PyObject_GenericGetDict(object o, void *context)
 from cpython.ref cimport PyObject
 from cpython.object cimport Py_TYPE, PyTypeObject
 from cpython.contextvars cimport PyContext_CopyCurrent
@@ -52,6 +54,7 @@ from aoprim.atomic_h cimport (aop_store_u32, aop_load_u64p, aop_store_u64p, AOP_
 import sys as _sys
 import time as _time
 import heapq as _heapq
+import collections as _collections
 import selectors as _selectors
 from asyncio import base_events as _be
 from asyncio import selector_events as _se
@@ -399,6 +402,21 @@ cdef int _wait(_Events evs, int epfd, int maxev, double timeout) except -1:
                 ms = 0
 
 
+# collections.deque's own append / popleft (method descriptors): called with the deque as
+# the first argument when _ready is exactly a deque -- no bound-method lookup per call
+cdef object _deque = _collections.deque
+cdef object _deque_append = _collections.deque.append
+cdef object _deque_popleft = _collections.deque.popleft
+
+
+cdef inline int _ready_append(object ready, object handle) except -1:
+    if type(ready) is _deque:
+        _deque_append(ready, handle)
+    else:
+        ready.append(handle)
+    return 0
+
+
 cdef int _queue(object loop, object ready, object handle, object fileobj,
                 bint reader) except -1:
     """_process_events for one handle: a cancelled one removes the reader / writer, a live
@@ -407,7 +425,7 @@ cdef int _queue(object loop, object ready, object handle, object fileobj,
     directly; any other value there, or any other type, is asked by attribute."""
     if (_FAST_HANDLES and type(handle) is _Handle and
             aio_slot(handle, _OFF_CANCELLED) == Py_False):
-        ready.append(handle)
+        _ready_append(ready, handle)
         return 0
     if handle._cancelled:
         if reader:
@@ -415,7 +433,7 @@ cdef int _queue(object loop, object ready, object handle, object fileobj,
         else:
             loop._remove_writer(fileobj)
     else:
-        ready.append(handle)
+        _ready_append(ready, handle)
     return 0
 
 
@@ -519,14 +537,19 @@ cdef int _iteration(LoopCore loop, _Events evs, bint own_time) except -1:
             break
         handle = aio_heappop(scheduled)
         handle._scheduled = False
-        ready.append(handle)
+        _ready_append(ready, handle)
 
     # the handles queued so far, in order (not those they queue)
     ntodo = len(ready)
-    popleft = ready.popleft
-    for j in range(ntodo):
-        handle = popleft()
-        _run_handle(handle)
+    if type(ready) is _deque:
+        for j in range(ntodo):
+            handle = _deque_popleft(ready)
+            _run_handle(handle)
+    else:
+        popleft = ready.popleft
+        for j in range(ntodo):
+            handle = popleft()
+            _run_handle(handle)
     return 0
 
 
@@ -685,7 +708,9 @@ cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
     cdef int bits = _class_bits(loop)
     if not bits & _C_EVENTS:
         return 0
-    d = loop.__dict__
+    # the instance dict itself (PyObject_GenericGetDict: what loop.__dict__ returns, without
+    # the attribute lookup of "__dict__" and its descriptor)
+    cdef dict d = PyObject_GenericGetDict(loop, NULL)
     if "_process_events" in d:
         return 0
     if bits & _C_TIME and "time" not in d:

@@ -562,3 +562,39 @@ def test_a_loop_in_a_reference_cycle_is_collected():
     del loop
     gc.collect()
     assert ref() is None
+
+
+def test_a_ready_queue_of_another_type_is_used_through_its_own_methods():
+    """The iteration calls deque.append / deque.popleft directly only on an exact deque:
+    a subclass's (or another type's) append and popleft are called, as asyncio does --
+    for the due timer, the fd event and the run of the queue."""
+    import collections
+    calls = []
+
+    class Q(collections.deque):
+        def append(self, x):
+            calls.append("append")
+            super().append(x)
+
+        def popleft(self):
+            calls.append("popleft")
+            return super().popleft()
+
+    loop = aoprim.aio.new_event_loop()
+    a, b = socket.socketpair()
+    out = []
+    try:
+        loop._ready = Q()
+        loop.call_at(loop.time() - 1, out.append, "timer")
+        loop.add_reader(a, lambda: (out.append(a.recv(10)), loop.remove_reader(a),
+                                    loop.stop()))
+        b.send(b"x")
+        calls.clear()
+        loop.run_forever()
+        assert out == ["timer", b"x"] or out == [b"x", "timer"]
+        # the timer and the reader handle were queued by append, each run popped by popleft
+        assert calls.count("append") >= 2 and calls.count("popleft") >= 2
+    finally:
+        a.close()
+        b.close()
+        loop.close()
