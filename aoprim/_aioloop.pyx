@@ -40,6 +40,7 @@ from cpython.dict cimport PyDict_GetItem
 cdef extern from "Python.h":
     dict PyObject_GenericGetDict(object o, void *context)
 from cpython.ref cimport PyObject
+from cpython.float cimport PyFloat_CheckExact, PyFloat_AS_DOUBLE
 from cpython.object cimport Py_TYPE, PyTypeObject
 from cpython.contextvars cimport PyContext_CopyCurrent
 from libc.stdint cimport uint64_t
@@ -437,6 +438,17 @@ cdef int _queue(object loop, object ready, object handle, object fileobj,
     return 0
 
 
+cdef inline bint _due(object handle, double end_time) except -1:
+    """``not (handle._when >= end_time)``: an exact TimerHandle's float ``_when`` compared
+    as a double (what float's >= computes, nan included), anything else by attribute."""
+    cdef PyObject *p
+    if _FAST_SCHEDULE and type(handle) is _TimerHandle:
+        p = aio_slot(handle, _OFF_WHEN)
+        if p != NULL and PyFloat_CheckExact(<object>p):
+            return not (PyFloat_AS_DOUBLE(<object>p) >= end_time)
+    return not (handle._when >= end_time)
+
+
 cdef int _iteration(LoopCore loop, _Events evs, bint own_time) except -1:
     cdef list scheduled = loop._scheduled
     cdef Py_ssize_t sched_count = len(scheduled)
@@ -532,11 +544,13 @@ cdef int _iteration(LoopCore loop, _Events evs, bint own_time) except -1:
     else:
         end_time = (_monotonic() if own_time else loop.time()) + loop._clock_resolution
     while len(scheduled):
-        handle = scheduled[0]
-        if handle._when >= end_time:
+        if not _due(scheduled[0], end_time):
             break
         handle = aio_heappop(scheduled)
-        handle._scheduled = False
+        if _FAST_SCHEDULE and type(handle) is _TimerHandle:
+            aio_set_slot(handle, _OFF_SCHEDULED, False)
+        else:
+            handle._scheduled = False
         _ready_append(ready, handle)
 
     # the handles queued so far, in order (not those they queue)
@@ -737,6 +751,24 @@ cdef object _new_handle(type t, object callback, tuple args, object loop, object
     return h
 
 
+# the loop state the scheduling calls read: LoopCore's C fields on aoprim.aio's loops (as
+# the iteration reads them), the attribute on any other loop these functions are bound to
+cdef inline object _debug_of(object loop):
+    return (<LoopCore>loop)._debug if isinstance(loop, LoopCore) else loop._debug
+
+
+cdef inline object _closed_of(object loop):
+    return (<LoopCore>loop)._closed if isinstance(loop, LoopCore) else loop._closed
+
+
+cdef inline object _ready_of(object loop):
+    return (<LoopCore>loop)._ready if isinstance(loop, LoopCore) else loop._ready
+
+
+cdef inline object _scheduled_of(object loop):
+    return (<LoopCore>loop)._scheduled if isinstance(loop, LoopCore) else loop._scheduled
+
+
 cdef object _schedule_at(object loop, object when, object callback, tuple args,
                          object context):
     """call_at's body after its checks: a TimerHandle pushed on ``loop._scheduled`` by
@@ -744,7 +776,7 @@ cdef object _schedule_at(object loop, object when, object callback, tuple args,
     h = _new_handle(_TimerHandle, callback, args, loop, context)
     aio_init_slot(h, _OFF_WHEN, when)
     aio_init_slot(h, _OFF_SCHEDULED, False)
-    scheduled = loop._scheduled
+    scheduled = _scheduled_of(loop)
     if type(scheduled) is list:
         aio_heappush(<list>scheduled, h)
     else:
@@ -767,12 +799,12 @@ def call_soon(self, callback, *args, context=None, **kw):
     were patched, it is asyncio's own (thread check, callback check, source traceback)."""
     if kw:
         _unexpected_keyword('call_soon', kw)
-    if self._debug or not _class_bits(self) & _C_SCHED:
+    if _debug_of(self) or not _class_bits(self) & _C_SCHED:
         return _py_call_soon(self, callback, *args, context=context)
-    if self._closed:
+    if _closed_of(self):
         raise RuntimeError('Event loop is closed')
     h = _new_handle(_Handle, callback, args, self, context)
-    self._ready.append(h)
+    _ready_append(_ready_of(self), h)
     return h
 
 
@@ -782,9 +814,9 @@ def call_at(self, when, callback, *args, context=None, **kw):
         _unexpected_keyword('call_at', kw)
     if when is None:
         raise TypeError("when cannot be None")
-    if self._debug or not _class_bits(self) & _C_SCHED:
+    if _debug_of(self) or not _class_bits(self) & _C_SCHED:
         return _py_call_at(self, when, callback, *args, context=context)
-    if self._closed:
+    if _closed_of(self):
         raise RuntimeError('Event loop is closed')
     return _schedule_at(self, when, callback, args, context)
 
@@ -797,15 +829,17 @@ def call_later(self, delay, callback, *args, context=None, **kw):
     if delay is None:
         raise TypeError('delay must not be None')
     cdef int bits = _class_bits(self)
-    if self._debug or not bits & _C_SCHED:
+    if _debug_of(self) or not bits & _C_SCHED:
         return _py_call_later(self, delay, callback, *args, context=context)
-    if bits & _C_TIME and "time" not in self.__dict__:
+    # the instance dict itself (PyObject_GenericGetDict: what self.__dict__ returns,
+    # without the descriptor lookup), as _compiled_ok reads it
+    if bits & _C_TIME and "time" not in PyObject_GenericGetDict(self, NULL):
         when = _monotonic() + delay
     else:
         when = self.time() + delay
     if when is None:
         raise TypeError("when cannot be None")
-    if self._closed:
+    if _closed_of(self):
         raise RuntimeError('Event loop is closed')
     return _schedule_at(self, when, callback, args, context)
 
@@ -814,7 +848,7 @@ def get_debug(self):
     """``BaseEventLoop.get_debug`` without its Python frame: ``self._debug``.  asyncio's
     ``Future.__init__`` (the C ``_asyncio.Future``'s too) asks the loop once per future,
     and ``Handle.__init__`` once per handle where asyncio builds one."""
-    return self._debug
+    return _debug_of(self)
 
 
 cdef object _get_debug = get_debug

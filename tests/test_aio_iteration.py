@@ -3,6 +3,7 @@ asyncio's own ``_run_once``: the same scenarios on both loops must record the sa
 callbacks, timers and fd events, the same clean-up of cancelled timers and reader handles;
 debug mode, a mocked ``_process_events`` and a caller's selector take asyncio's path."""
 import asyncio
+import heapq
 import logging
 import selectors
 import socket
@@ -598,3 +599,33 @@ def test_a_ready_queue_of_another_type_is_used_through_its_own_methods():
         a.close()
         b.close()
         loop.close()
+
+
+def test_due_timers_leave_the_heap_as_asyncios():
+    """The iteration's due-timer pops (an exact TimerHandle's float ``_when`` compared and
+    its ``_scheduled`` cleared by slot): float, int and equal deadlines, a subclass
+    of TimerHandle pushed by heapq, run in asyncio's order and marked unscheduled, and a
+    timer in the future stays scheduled -- the same on both loops."""
+    class Sub(asyncio.TimerHandle):
+        pass
+
+    res = {}
+    for name, make in LOOPS.items():
+        lp = make()
+        try:
+            out = []
+            base = lp.time()
+            hs = [lp.call_at(base - 1.0, out.append, "f1"),
+                  lp.call_at(int(base) - 2, out.append, "int"),
+                  lp.call_at(base - 1.0, out.append, "f1b"),
+                  lp.call_at(base + 3600.0, out.append, "later")]
+            sub = Sub(base - 1.5, out.append, ("sub",), lp)
+            heapq.heappush(lp._scheduled, sub)
+            sub._scheduled = True
+            hs.append(sub)
+            lp.run_until_complete(asyncio.sleep(0))
+            res[name] = (out, [h._scheduled for h in hs], len(lp._scheduled))
+        finally:
+            lp.close()
+    assert res["aoprim"] == res["asyncio"]
+    assert res["aoprim"][1] == [False, False, False, True, False], res
