@@ -870,7 +870,15 @@ cdef class LoopCore:
 
     GC: the fields are traversed and cleared as any object's; after a clear (a loop
     collected in a cycle) they are None, and a method called then fails as on asyncio's
-    loop after its __dict__ was cleared."""
+    loop after its __dict__ was cleared.  The finalizer (BaseEventLoop.__del__) runs
+    before any clear, so it sees them intact.
+
+    Threads (a free-threaded build has no GIL to order a field's read against its
+    replacement): the only fields another thread reads are the ones asyncio's thread-safe
+    entry points read -- ``_ready`` (assigned once, in __init__) and ``_closed`` /
+    ``_debug`` / ``_stopping`` (bools, immortal from 3.12, so a read racing a write never
+    sees a freed object); ``_scheduled``, ``_timer_cancelled_count`` and the cached
+    ``_evs`` are the loop thread's, as in asyncio."""
 
 
 def run_once(LoopCore loop):
