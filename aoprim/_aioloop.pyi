@@ -2,10 +2,12 @@ import asyncio
 import selectors
 from typing import Any, Callable, Never
 from contextvars import Context
+from typing_extensions import disjoint_base
 
 def configure(base_run_once: Callable[[Any], None], selector_type: type) -> None: ...
 def wait_state(sel: selectors.BaseSelector) -> None: ...
 def wait_closed(sel: selectors.BaseSelector) -> None: ...
+@disjoint_base
 class LoopCore:
     _ready: Any
     _scheduled: Any

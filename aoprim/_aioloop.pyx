@@ -860,6 +860,7 @@ def create_future(self):
     return _Future(loop=self)
 
 
+@cython.auto_pickle(False)     # a loop is not picklable (asyncio's neither)
 cdef class LoopCore:
     """The first base of ``aoprim.aio.Loop`` (see the .pxd): ``_ready``, ``_scheduled``,
     ``_selector``, ``_stopping``, ``_debug``, ``_closed``, ``_clock_resolution`` and
