@@ -866,8 +866,9 @@ cdef class LoopCore:
     ``_selector``, ``_stopping``, ``_debug``, ``_closed``, ``_clock_resolution`` and
     ``_timer_cancelled_count`` in C fields behind data descriptors of the same names, so
     asyncio's Python code keeps ``self._ready`` etc. unchanged while the compiled iteration
-    reads the fields (uvloop keeps its loop state in C fields likewise).  The difference a
-    caller can see: these names are not in ``vars(loop)``.
+    reads the fields (uvloop keeps its loop state in C fields likewise).  The differences a
+    caller can see: these names are not in ``vars(loop)``, ``del loop._ready`` (etc.) sets
+    None instead of removing the attribute, and a loop cannot be pickled or copied.
 
     GC: the fields are traversed and cleared as any object's; after a clear (a loop
     collected in a cycle) they are None, and a method called then fails as on asyncio's
