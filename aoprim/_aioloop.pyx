@@ -680,6 +680,8 @@ cdef enum:
     _C_EVENTS = 2           # the class's _process_events is asyncio's (selector loop's)
     _C_TIME = 4             # its time() is BaseEventLoop's: time.monotonic() is it
     _C_SCHED = 8            # call_soon / call_at / call_later's helpers are asyncio's
+    _C_FIELDS = 16          # a LoopCore whose class reaches LoopCore's own descriptor for
+                            # every field name: self._ready etc. are the C fields
 
 # (version tag << 8) | the _C_ bits of the last loop class checked: one word, so a reader
 # on another thread (free-threaded build, two loops) sees a tag and its own class's bits;
@@ -698,6 +700,8 @@ cdef int _class_bits(object loop) except -1:
     if tag != 0 and <unsigned int>(c >> 8) == tag:
         return <int>(c & 0xff)
     bits = _C_KNOWN
+    if isinstance(loop, LoopCore) and _fields_are_loopcores(t):
+        bits |= _C_FIELDS
     if t._process_events is _base_process_events:
         bits |= _C_EVENTS
     if t.time is _base_time:
@@ -714,13 +718,36 @@ cdef int _class_bits(object loop) except -1:
     return bits
 
 
+cdef tuple _FIELD_NAMES = ("_ready", "_scheduled", "_selector", "_stopping", "_debug",
+                           "_closed", "_clock_resolution", "_timer_cancelled_count")
+
+
+cdef bint _fields_are_loopcores(object t) except -1:
+    """True when an attribute lookup of each field name on an instance of ``t`` finds
+    LoopCore's own descriptor: no class before LoopCore in the MRO has its own attribute
+    of that name (a subclass's __slots__ slot, property or plain class attribute would be
+    what asyncio's code reads and writes, not the C field)."""
+    core = LoopCore.__dict__
+    for name in _FIELD_NAMES:
+        for klass in t.__mro__:
+            d = klass.__dict__
+            if name in d:
+                if d[name] is not core[name]:
+                    return False
+                break
+    return True
+
+
 cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
     """0: asyncio's Python iteration; 1: the compiled one; 2: the compiled one, and the
-    loop's time() is BaseEventLoop's (in neither its class nor its __dict__)."""
-    if type(sel) is not _selector_type or loop._debug:
-        return 0
+    loop's time() is BaseEventLoop's (in neither its class nor its __dict__).  The compiled
+    one reads the loop state from LoopCore's C fields: only where they are what asyncio's
+    code reads (_C_FIELDS), and with an exact list as the timer heap (heapq takes a list
+    subclass: asyncio's iteration then)."""
     cdef int bits = _class_bits(loop)
-    if not bits & _C_EVENTS:
+    if not bits & _C_FIELDS or not bits & _C_EVENTS:
+        return 0
+    if type(sel) is not _selector_type or loop._debug or type(loop._scheduled) is not list:
         return 0
     # the instance dict itself (PyObject_GenericGetDict: what loop.__dict__ returns, without
     # the attribute lookup of "__dict__" and its descriptor)
@@ -752,31 +779,32 @@ cdef object _new_handle(type t, object callback, tuple args, object loop, object
 
 
 # the loop state the scheduling calls read: LoopCore's C fields on aoprim.aio's loops (as
-# the iteration reads them), the attribute on any other loop these functions are bound to
-cdef inline object _debug_of(object loop):
-    return (<LoopCore>loop)._debug if isinstance(loop, LoopCore) else loop._debug
+# the iteration reads them) where the class reaches them (_C_FIELDS of its _class_bits),
+# the attribute on any other loop these functions are bound to
+cdef inline object _debug_of(object loop, int bits):
+    return (<LoopCore>loop)._debug if bits & _C_FIELDS else loop._debug
 
 
-cdef inline object _closed_of(object loop):
-    return (<LoopCore>loop)._closed if isinstance(loop, LoopCore) else loop._closed
+cdef inline object _closed_of(object loop, int bits):
+    return (<LoopCore>loop)._closed if bits & _C_FIELDS else loop._closed
 
 
-cdef inline object _ready_of(object loop):
-    return (<LoopCore>loop)._ready if isinstance(loop, LoopCore) else loop._ready
+cdef inline object _ready_of(object loop, int bits):
+    return (<LoopCore>loop)._ready if bits & _C_FIELDS else loop._ready
 
 
-cdef inline object _scheduled_of(object loop):
-    return (<LoopCore>loop)._scheduled if isinstance(loop, LoopCore) else loop._scheduled
+cdef inline object _scheduled_of(object loop, int bits):
+    return (<LoopCore>loop)._scheduled if bits & _C_FIELDS else loop._scheduled
 
 
 cdef object _schedule_at(object loop, object when, object callback, tuple args,
-                         object context):
+                         object context, int bits):
     """call_at's body after its checks: a TimerHandle pushed on ``loop._scheduled`` by
     heapq's algorithm (aio_heappush), then marked scheduled."""
     h = _new_handle(_TimerHandle, callback, args, loop, context)
     aio_init_slot(h, _OFF_WHEN, when)
     aio_init_slot(h, _OFF_SCHEDULED, False)
-    scheduled = _scheduled_of(loop)
+    scheduled = _scheduled_of(loop, bits)
     if type(scheduled) is list:
         aio_heappush(<list>scheduled, h)
     else:
@@ -799,12 +827,13 @@ def call_soon(self, callback, *args, context=None, **kw):
     were patched, it is asyncio's own (thread check, callback check, source traceback)."""
     if kw:
         _unexpected_keyword('call_soon', kw)
-    if _debug_of(self) or not _class_bits(self) & _C_SCHED:
+    cdef int bits = _class_bits(self)
+    if not bits & _C_SCHED or _debug_of(self, bits):
         return _py_call_soon(self, callback, *args, context=context)
-    if _closed_of(self):
+    if _closed_of(self, bits):
         raise RuntimeError('Event loop is closed')
     h = _new_handle(_Handle, callback, args, self, context)
-    _ready_append(_ready_of(self), h)
+    _ready_append(_ready_of(self, bits), h)
     return h
 
 
@@ -814,11 +843,12 @@ def call_at(self, when, callback, *args, context=None, **kw):
         _unexpected_keyword('call_at', kw)
     if when is None:
         raise TypeError("when cannot be None")
-    if _debug_of(self) or not _class_bits(self) & _C_SCHED:
+    cdef int bits = _class_bits(self)
+    if not bits & _C_SCHED or _debug_of(self, bits):
         return _py_call_at(self, when, callback, *args, context=context)
-    if _closed_of(self):
+    if _closed_of(self, bits):
         raise RuntimeError('Event loop is closed')
-    return _schedule_at(self, when, callback, args, context)
+    return _schedule_at(self, when, callback, args, context, bits)
 
 
 def call_later(self, delay, callback, *args, context=None, **kw):
@@ -829,7 +859,7 @@ def call_later(self, delay, callback, *args, context=None, **kw):
     if delay is None:
         raise TypeError('delay must not be None')
     cdef int bits = _class_bits(self)
-    if _debug_of(self) or not bits & _C_SCHED:
+    if not bits & _C_SCHED or _debug_of(self, bits):
         return _py_call_later(self, delay, callback, *args, context=context)
     # the instance dict itself (PyObject_GenericGetDict: what self.__dict__ returns,
     # without the descriptor lookup), as _compiled_ok reads it
@@ -839,16 +869,16 @@ def call_later(self, delay, callback, *args, context=None, **kw):
         when = self.time() + delay
     if when is None:
         raise TypeError("when cannot be None")
-    if _closed_of(self):
+    if _closed_of(self, bits):
         raise RuntimeError('Event loop is closed')
-    return _schedule_at(self, when, callback, args, context)
+    return _schedule_at(self, when, callback, args, context, bits)
 
 
 def get_debug(self):
     """``BaseEventLoop.get_debug`` without its Python frame: ``self._debug``.  asyncio's
     ``Future.__init__`` (the C ``_asyncio.Future``'s too) asks the loop once per future,
     and ``Handle.__init__`` once per handle where asyncio builds one."""
-    return _debug_of(self)
+    return _debug_of(self, _class_bits(self))
 
 
 cdef object _get_debug = get_debug

@@ -629,3 +629,83 @@ def test_due_timers_leave_the_heap_as_asyncios():
             lp.close()
     assert res["aoprim"] == res["asyncio"]
     assert res["aoprim"][1] == [False, False, False, True, False], res
+
+
+def _shadowing_subclasses(base):
+    """Subclasses of ``base`` that put their own attribute in front of a name asyncio's
+    loop state lives in (LoopCore's fields on aoprim.aio): a __slots__ slot, a property,
+    a plain class attribute asyncio's __init__ then overrides in the instance __dict__."""
+    import collections
+
+    class Slots(base):
+        __slots__ = ("_ready",)
+
+    class ReadyProp(base):
+        @property
+        def _ready(self):
+            return self.__dict__.setdefault("rq", collections.deque())
+
+        @_ready.setter
+        def _ready(self, v):
+            self.__dict__["rq"] = v
+
+    class DebugProp(base):
+        @property
+        def _debug(self):
+            return self.__dict__.get("dbg", False)
+
+        @_debug.setter
+        def _debug(self, v):
+            self.__dict__["dbg"] = v
+
+    class ClassAttrs(base):
+        _scheduled = None
+        _selector = None
+        _stopping = None
+        _closed = None
+        _clock_resolution = None
+        _timer_cancelled_count = None
+
+    class SchedSub(base):
+        def __init__(self):
+            super().__init__()
+
+            class HeapList(list):
+                pass
+            self._scheduled = HeapList()
+
+    return [Slots, ReadyProp, DebugProp, ClassAttrs, SchedSub]
+
+
+def _shadow_scenario(cls):
+    loop = cls()
+    out = []
+    try:
+        loop.call_soon(out.append, "soon")
+        h = loop.call_later(0.001, out.append, "later")
+        loop.call_later(0.002, out.append, "cancelled").cancel()
+        loop.call_at(loop.time() - 1, out.append, "past")
+        fut = loop.create_future()
+        fut.add_done_callback(lambda f: out.append(f.result()))
+        loop.call_soon(fut.set_result, "fut")
+        loop.run_until_complete(asyncio.sleep(0.005))
+        out.append(("debug", loop.get_debug(), h._scheduled, len(loop._ready)))
+        loop.set_debug(True)
+        out.append(("debug", loop.get_debug()))
+    finally:
+        loop.close()
+    out.append(("closed", loop.is_closed()))
+    return out
+
+
+@pytest.mark.parametrize("i", range(5))
+def test_a_subclass_shadowing_the_loop_state_names_runs_as_on_asyncio(i):
+    """A Loop subclass whose own class attribute (a slot, a property, a plain value) comes
+    before LoopCore's descriptor for ``_ready``, ``_debug``, ``_scheduled``...: asyncio's
+    code stores and reads through the subclass's attribute, so the compiled paths must too
+    (they read LoopCore's C fields, None there) -- and a list subclass as the timer heap is
+    what heapq takes.  The same scenario on asyncio's loop and the same subclass of
+    aoprim.aio.Loop records the same."""
+    want = _shadow_scenario(_shadowing_subclasses(asyncio.SelectorEventLoop)[i])
+    got = _shadow_scenario(_shadowing_subclasses(aoprim.aio.Loop)[i])
+    assert got == want
