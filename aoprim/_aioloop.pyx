@@ -199,6 +199,65 @@ cdef extern from *:
         Py_XDECREF(old);
     }
 
+    /* asyncio's Handle and TimerHandle traversed by their slots' fixed offsets.  Both are
+       Python classes with __slots__, so CPython gives them subtype_traverse, which finds
+       the slots by walking the class chain and each class's member table on every visit
+       -- the largest part of the cycle collector's cost per queued handle (callgrind,
+       docs/aio-compiled.md).  aio_trav_visit visits exactly what subtype_traverse visits
+       for an instance of these classes: every __slots__ object of the class and its bases
+       (not __weakref__, which is not a member), and the heap type itself (a subclass's
+       subtype_traverse leaves that visit to a base whose traverse is not its own).  It is
+       installed only where every check of install_traverse holds (see there). */
+    #define AIO_TRAV_MAX 16
+    typedef struct { traverseproc orig; int n; Py_ssize_t off[AIO_TRAV_MAX]; } aio_trav_t;
+    static aio_trav_t aio_trav[2];
+    static inline int aio_trav_visit(aio_trav_t *t, PyObject *self, visitproc visit,
+                                     void *arg) {
+        int i;
+        for (i = 0; i < t->n; i++) {
+            PyObject *v = *(PyObject **)((char *)self + t->off[i]);
+            Py_VISIT(v);
+        }
+        Py_VISIT((PyObject *)Py_TYPE(self));
+        return 0;
+    }
+    static int aio_trav0(PyObject *self, visitproc visit, void *arg) {
+        return aio_trav_visit(&aio_trav[0], self, visit, arg);
+    }
+    static int aio_trav1(PyObject *self, visitproc visit, void *arg) {
+        return aio_trav_visit(&aio_trav[1], self, visit, arg);
+    }
+    static traverseproc aio_trav_fn(int which) { return which ? aio_trav1 : aio_trav0; }
+    /* a member descriptor of an object slot (what traverse_slots visits); -1 otherwise */
+    static Py_ssize_t aio_object_member_offset(PyObject *descr) {
+        if (Py_TYPE(descr) != &PyMemberDescr_Type) return -1;
+        if (((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) return -1;
+        return ((PyMemberDescrObject *)descr)->d_member->offset;
+    }
+    static inline void *aio_tp_traverse(PyObject *t) {
+        return (void *)((PyTypeObject *)t)->tp_traverse;
+    }
+    static inline Py_ssize_t aio_type_nmembers(PyObject *t) { return Py_SIZE(t); }
+    /* which: 0 or 1; t's traverse set to aio_trav<which> with these offsets (or back to
+       t's original one with on == 0) */
+    static void aio_trav_set(PyObject *t, int which, int on) {
+        aio_trav_t *tr = &aio_trav[which];
+        __atomic_store_n(&((PyTypeObject *)t)->tp_traverse,
+                         on ? aio_trav_fn(which) : tr->orig, __ATOMIC_RELEASE);
+    }
+    static int aio_trav_prepare(PyObject *t, int which, PyObject *offsets) {
+        aio_trav_t *tr = &aio_trav[which];
+        Py_ssize_t i, n = PyList_GET_SIZE(offsets);
+        if (n > AIO_TRAV_MAX) return 0;
+        for (i = 0; i < n; i++) {
+            tr->off[i] = PyLong_AsSsize_t(PyList_GET_ITEM(offsets, i));
+            if (tr->off[i] < 0) { PyErr_Clear(); return 0; }
+        }
+        tr->n = (int)n;
+        if (tr->orig == NULL) tr->orig = ((PyTypeObject *)t)->tp_traverse;
+        return 1;
+    }
+
     /* object.__new__(t) for a type without __new__ / __init__ of its own to run: what
        object_new does (tp_alloc: the slots NULL, the object tracked by the GC) */
     static inline PyObject *aio_alloc(PyTypeObject *t) {
@@ -247,6 +306,11 @@ cdef extern from *:
     int aio_heappush(list heap, object item) except -1
     void aio_set_slot(object o, Py_ssize_t off, object v)
     object aio_alloc(PyTypeObject *t)
+    Py_ssize_t aio_object_member_offset(object descr)
+    void *aio_tp_traverse(object t)
+    Py_ssize_t aio_type_nmembers(object t)
+    void aio_trav_set(object t, int which, int on)
+    int aio_trav_prepare(object t, int which, list offsets)
     unsigned int aio_type_tag(object t) nogil
     object aio_heappop(list heap)
 
@@ -293,6 +357,74 @@ cdef Py_ssize_t _OFF_SCHEDULED = aio_member_offset(_TimerHandle.__dict__["_sched
 cdef bint _FAST_SCHEDULE = (_FAST_HANDLES and _OFF_LOOP > 0 and _OFF_REPR > 0 and
                             _OFF_SOURCE_TB > 0 and _OFF_WHEN > 0 and _OFF_SCHEDULED > 0)
 aio_off_when = _OFF_WHEN if _FAST_SCHEDULE else -1
+
+
+# ---- asyncio's handle classes traversed by fixed slot offsets (aio_trav_visit above) ----
+
+class _SlotsProbe:             # a Python class with __slots__: CPython's subtype_traverse
+    __slots__ = ("a",)
+
+
+cdef void *_subtype_traverse = aio_tp_traverse(_SlotsProbe)
+
+
+cdef list _traverse_offsets(object t):
+    """The offsets of every object slot subtype_traverse visits on an instance of ``t``, or
+    None where it would visit anything more or other: each class up to ``object`` must be a
+    plain Python class (metaclass ``type``, one base) with subtype_traverse, no ``__dict__``,
+    and exactly as many object-slot member descriptors of its own as its member table."""
+    cdef list offs = []
+    cdef Py_ssize_t off
+    cdef tuple mro = t.__mro__
+    if len(mro) < 2 or mro[len(mro) - 1] is not object:
+        return None
+    for k in mro[:len(mro) - 1]:
+        if (type(k) is not type or len(k.__bases__) != 1 or
+                aio_tp_traverse(k) != _subtype_traverse or k.__dictoffset__ != 0 or
+                k.__flags__ & (1 << 4) or not k.__flags__ & (1 << 9)):  # MANAGED_DICT, HEAPTYPE
+            return None
+        own = []
+        for v in vars(k).values():
+            off = aio_object_member_offset(v)
+            if off > 0 and v.__objclass__ is k:
+                own.append(off)
+        if len(own) != aio_type_nmembers(k):
+            return None
+        own.sort()                  # subtype_traverse's order: the class's members, then
+        offs.extend(own)            # its base's
+    if not offs:
+        return None
+    return offs
+
+
+cdef tuple _TRAV_TYPES = (_Handle, _TimerHandle)
+cdef bint _trav_ready = False
+cdef bint _trav_on = False
+
+
+cdef _trav_init():
+    global _trav_ready
+    cdef list o0 = _traverse_offsets(_Handle), o1 = _traverse_offsets(_TimerHandle)
+    if (o0 is not None and o1 is not None and aio_trav_prepare(_Handle, 0, o0) and
+            aio_trav_prepare(_TimerHandle, 1, o1)):
+        _trav_ready = True
+
+
+def handle_traverse(on=None):
+    """Whether asyncio's ``Handle`` and ``TimerHandle`` are traversed by the compiled
+    function (on at import where the checks of _traverse_offsets hold; False where they
+    do not).  ``on`` True / False installs / restores CPython's own (tests compare the
+    two)."""
+    global _trav_on
+    if on is not None and _trav_ready:
+        for i, t in enumerate(_TRAV_TYPES):
+            aio_trav_set(t, i, 1 if on else 0)
+        _trav_on = bool(on)
+    return _trav_on
+
+
+_trav_init()
+handle_traverse(True)
 aio_timer_type = <PyTypeObject *>_TimerHandle
 _timer_lt_ref = _TimerHandle.__dict__["__lt__"]       # kept alive by this module
 aio_timer_lt = <PyObject *>_timer_lt_ref

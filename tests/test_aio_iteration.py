@@ -709,3 +709,67 @@ def test_a_subclass_shadowing_the_loop_state_names_runs_as_on_asyncio(i):
     want = _shadow_scenario(_shadowing_subclasses(asyncio.SelectorEventLoop)[i])
     got = _shadow_scenario(_shadowing_subclasses(aoprim.aio.Loop)[i])
     assert got == want
+
+
+def _referents_by_identity(o):
+    import gc
+    return sorted(map(id, gc.get_referents(o)))
+
+
+def test_handles_are_traversed_by_the_compiled_function_exactly_as_by_cpythons():
+    """asyncio's Handle and TimerHandle get a compiled tp_traverse (their slots at fixed
+    offsets): the cycle collector must see exactly the references CPython's own
+    subtype_traverse shows -- every slot and the type, for the exact classes and for
+    subclasses (with a __dict__, with slots of their own, with a second level)."""
+    import gc
+    assert _aioloop.handle_traverse() is True      # installed on every supported CPython
+    loop = asyncio.SelectorEventLoop()
+
+    class Sub(asyncio.TimerHandle):
+        pass
+
+    class Slotted(asyncio.Handle):
+        __slots__ = ("extra",)
+
+    class Deeper(Slotted):
+        pass
+
+    try:
+        objs = [asyncio.Handle(print, (1, [2]), loop), asyncio.TimerHandle(1.5, print, (), loop),
+                Sub(2.0, print, ("s",), loop), Slotted(print, (), loop), Deeper(len, ("x",), loop)]
+        objs[2].attr = [3]
+        objs[3].extra = {"e": 1}
+        objs[4].extra = ["deep"]
+        objs[4].more = ("m", [4])
+        objs[0].cancel()                    # slots cleared to None
+        on = [_referents_by_identity(o) for o in objs]
+        exact_on = [gc.get_referents(o) for o in objs[:2]]
+        _aioloop.handle_traverse(False)
+        try:
+            off = [_referents_by_identity(o) for o in objs]
+            exact_off = [gc.get_referents(o) for o in objs[:2]]
+        finally:
+            _aioloop.handle_traverse(True)
+        assert on == off
+        assert exact_on == exact_off        # the exact classes: the same order too
+        assert all(type(o) in gc.get_referents(o) for o in objs)
+    finally:
+        loop.close()
+
+
+def test_a_cycle_through_a_queued_handle_is_collected():
+    """A handle queued by call_soon / call_later whose callback refers back to it (and to
+    the loop) is found by the collector once the loop is dropped: traversed slots."""
+    import gc
+    import weakref
+    loop = aoprim.aio.new_event_loop()
+    box = []
+    h = loop.call_soon(box.append, box)
+    box.append(h)
+    t = loop.call_later(3600, box.append, box)
+    box.append(t)
+    refs = [weakref.ref(h), weakref.ref(t), weakref.ref(loop)]
+    loop.close()        # close() clears _ready and _scheduled; the cycle holds the handles
+    del h, t, loop, box
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
