@@ -44,3 +44,8 @@ cdef class LoopCore:
     cdef public object _timer_cancelled_count
     cdef object _evs_sel                        # the selector _evs was read from
     cdef _Events _evs                           # its _aio_events (read once per selector)
+    # what the instance __dict__ overrides (_DICT_* bits), as of the dict's version tag
+    # _dict_tag (CPython's ma_version_tag: a new value, unique in the process, on every
+    # change of any dict): the loop thread's, like _evs
+    cdef unsigned long long _dict_tag
+    cdef int _dict_bits

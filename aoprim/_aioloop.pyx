@@ -258,6 +258,47 @@ cdef extern from *:
         return 1;
     }
 
+    /* collections.deque's own append (METH_O) and popleft (METH_NOARGS), called through
+       their C functions (the method descriptors' ml_meth) on an exact deque: what
+       calling the descriptor does, without the vectorcall and argument checks around it.
+       NULL (not set) where the descriptors are not of that kind: then the descriptors are
+       called. */
+    static PyCFunction aio_dq_append_fn = NULL, aio_dq_popleft_fn = NULL;
+    static void aio_deque_init(PyObject *append, PyObject *popleft) {
+        PyMethodDef *a, *p;
+        if (Py_TYPE(append) != &PyMethodDescr_Type || Py_TYPE(popleft) != &PyMethodDescr_Type)
+            return;
+        a = ((PyMethodDescrObject *)append)->d_method;
+        p = ((PyMethodDescrObject *)popleft)->d_method;
+        if ((a->ml_flags & ~METH_COEXIST) == METH_O && (p->ml_flags & ~METH_COEXIST) == METH_NOARGS) {
+            aio_dq_append_fn = a->ml_meth;
+            aio_dq_popleft_fn = p->ml_meth;
+        }
+    }
+    static inline int aio_deque_append(PyObject *dq, PyObject *item) {
+        PyObject *r = aio_dq_append_fn(dq, item);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    static inline PyObject *aio_deque_popleft(PyObject *dq) {
+        return aio_dq_popleft_fn(dq, NULL);
+    }
+    static inline int aio_deque_fast(void) { return aio_dq_append_fn != NULL; }
+
+    /* a dict's version tag (ma_version_tag, deprecated from 3.12 but kept through 3.13,
+       where every change of a dict still stores a new, process-unique value in it) */
+    static inline unsigned long long aio_dict_tag(PyObject *d) {
+    #if PY_VERSION_HEX < 0x030E0000
+    #pragma GCC diagnostic push
+    #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+        return (unsigned long long)((PyDictObject *)d)->ma_version_tag;
+    #pragma GCC diagnostic pop
+    #else
+        return 0;       /* not kept: every check reads the dict */
+    #endif
+    }
+
     /* object.__new__(t) for a type without __new__ / __init__ of its own to run: what
        object_new does (tp_alloc: the slots NULL, the object tracked by the GC) */
     static inline PyObject *aio_alloc(PyTypeObject *t) {
@@ -306,6 +347,11 @@ cdef extern from *:
     int aio_heappush(list heap, object item) except -1
     void aio_set_slot(object o, Py_ssize_t off, object v)
     object aio_alloc(PyTypeObject *t)
+    unsigned long long aio_dict_tag(object d)
+    void aio_deque_init(object append, object popleft)
+    int aio_deque_append(object dq, object item) except -1
+    object aio_deque_popleft(object dq)
+    bint aio_deque_fast()
     Py_ssize_t aio_object_member_offset(object descr)
     void *aio_tp_traverse(object t)
     Py_ssize_t aio_type_nmembers(object t)
@@ -540,11 +586,15 @@ cdef int _wait(_Events evs, int epfd, int maxev, double timeout) except -1:
 cdef object _deque = _collections.deque
 cdef object _deque_append = _collections.deque.append
 cdef object _deque_popleft = _collections.deque.popleft
+aio_deque_init(_deque_append, _deque_popleft)
 
 
 cdef inline int _ready_append(object ready, object handle) except -1:
     if type(ready) is _deque:
-        _deque_append(ready, handle)
+        if aio_deque_fast():
+            aio_deque_append(ready, handle)
+        else:
+            _deque_append(ready, handle)
     else:
         ready.append(handle)
     return 0
@@ -689,7 +739,7 @@ cdef int _iteration(LoopCore loop, _Events evs, bint own_time) except -1:
     ntodo = len(ready)
     if type(ready) is _deque:
         for j in range(ntodo):
-            handle = _deque_popleft(ready)
+            handle = aio_deque_popleft(ready) if aio_deque_fast() else _deque_popleft(ready)
             _run_handle(handle)
     else:
         popleft = ready.popleft
@@ -870,6 +920,24 @@ cdef bint _fields_are_loopcores(object t) except -1:
     return True
 
 
+cdef enum:
+    _DICT_EVENTS = 1        # the instance __dict__ has "_process_events"
+    _DICT_TIME = 2          # ... "time"
+
+
+cdef inline int _dict_bits(LoopCore loop) except -1:
+    """The _DICT_ bits of the loop's instance __dict__ (PyObject_GenericGetDict: what
+    ``loop.__dict__`` returns, without the attribute lookup): looked up again only when
+    the dict's version tag is not the one they were found under."""
+    cdef dict d = PyObject_GenericGetDict(loop, NULL)
+    cdef unsigned long long tag = aio_dict_tag(d)
+    if tag == 0 or tag != loop._dict_tag:
+        loop._dict_bits = ((_DICT_EVENTS if "_process_events" in d else 0) |
+                           (_DICT_TIME if "time" in d else 0))
+        loop._dict_tag = tag
+    return loop._dict_bits
+
+
 cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
     """0: asyncio's Python iteration; 1: the compiled one; 2: the compiled one, and the
     loop's time() is BaseEventLoop's (in neither its class nor its __dict__).  The compiled
@@ -881,12 +949,10 @@ cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
         return 0
     if type(sel) is not _selector_type or loop._debug or type(loop._scheduled) is not list:
         return 0
-    # the instance dict itself (PyObject_GenericGetDict: what loop.__dict__ returns, without
-    # the attribute lookup of "__dict__" and its descriptor)
-    cdef dict d = PyObject_GenericGetDict(loop, NULL)
-    if "_process_events" in d:
+    cdef int d = _dict_bits(loop)
+    if d & _DICT_EVENTS:
         return 0
-    if bits & _C_TIME and "time" not in d:
+    if bits & _C_TIME and not d & _DICT_TIME:
         return 2
     return 1
 
@@ -993,9 +1059,10 @@ def call_later(self, delay, callback, *args, context=None, **kw):
     cdef int bits = _class_bits(self)
     if not bits & _C_SCHED or _debug_of(self, bits):
         return _py_call_later(self, delay, callback, *args, context=context)
-    # the instance dict itself (PyObject_GenericGetDict: what self.__dict__ returns,
-    # without the descriptor lookup), as _compiled_ok reads it
-    if bits & _C_TIME and "time" not in PyObject_GenericGetDict(self, NULL):
+    # a time() in the instance dict: as _compiled_ok finds it (_dict_bits)
+    if bits & _C_TIME and not (
+            _dict_bits(<LoopCore>self) & _DICT_TIME if isinstance(self, LoopCore)
+            else "time" in PyObject_GenericGetDict(self, NULL)):
         when = _monotonic() + delay
     else:
         when = self.time() + delay

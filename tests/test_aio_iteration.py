@@ -773,3 +773,45 @@ def test_a_cycle_through_a_queued_handle_is_collected():
     del h, t, loop, box
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
+
+
+def test_instance_overrides_set_and_removed_between_iterations_are_seen_at_once():
+    """The iteration and call_later remember what the loop's instance __dict__ overrides
+    (``_process_events``, ``time``) until the dict changes (its version tag): an override
+    set after many compiled iterations is used by the very next one, its removal too, and
+    changes of other attributes or of another dict never hide one."""
+    loop = aoprim.aio.new_event_loop()
+    seen = []
+    orig = loop._process_events
+    other = {}
+
+    def step():
+        loop.run_until_complete(asyncio.sleep(0))
+
+    try:
+        for _ in range(20):
+            step()                      # compiled iterations; the dict's bits remembered
+        loop._process_events = lambda ev: (seen.append("pe"), orig(ev))
+        step()
+        assert seen, "the override set after compiled iterations was not called"
+        n = len(seen)
+        loop.unrelated = 1              # another key changes: the override stays seen
+        other["_process_events"] = 1    # another dict changing does not matter
+        step()
+        assert len(seen) > n
+        del loop._process_events
+        n = len(seen)
+        step()
+        step()
+        assert len(seen) == n           # removed: the compiled iteration again
+        fake = [loop.time() + 1000.0]
+        loop.time = lambda: fake[0]     # call_later and the due check use it at once
+        h = loop.call_later(5, lambda: None)
+        assert h.when() == fake[0] + 5
+        del loop.time
+        h2 = loop.call_later(5, lambda: None)
+        assert h2.when() < fake[0]
+        h.cancel()
+        h2.cancel()
+    finally:
+        loop.close()
