@@ -1,7 +1,7 @@
 """Deterministic user-space cost per message of the three loops: instructions counted by
 valgrind's callgrind in the server process, immune to the machine's noise.
 
-    python bench/aio_callgrind.py [--app raw|proto-u16|streams-u16] [--size 1024] [--n 2000]
+    python bench/aio_callgrind.py [--app raw|proto-u16|streams-u16] [--size 1024] [--n 10000]
                                   [--tree CHECKOUT]
                                   [--base-tree CHECKOUT] [--loop L ...] [--by-function K]
 
@@ -44,7 +44,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--app", choices=("raw", "proto-u16", "streams-u16", "streams-raw"),
                     default="raw")
-    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--n", type=int, default=10000)
     ap.add_argument("--size", type=int, default=1024, help="raw message bytes")
     ap.add_argument("--tree")
     ap.add_argument("--base-tree", help="also count aoprim.aio from this checkout "

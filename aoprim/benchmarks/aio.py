@@ -90,10 +90,14 @@ TARGETS = {
     "aio-loop-call_soon": 1.0, "aio-loop-call_later": 1.0, "aio-loop-future": 1.0,
 }
 INSTR_TARGET = {"aio-raw-1k-10": 1.3}     # callgrind instructions/msg vs uvloop's
-# per mode: rounds, seconds per run, warm-up seconds, SSE streams, callgrind N (0: skip)
+# per mode: rounds, seconds per run, warm-up seconds, SSE streams, callgrind N (0: skip).
+# The callgrind figure is (run of 2N - run of N) / N: a one-off cost in one of the two runs
+# (a lazy import, a collection of the whole heap: 1-2 M instructions) moves it by up to
+# 500-1,000 instructions at N = 2,000, by a fifth of that at 10,000 (each run is mostly
+# start-up either way).
 MODES = {
-    "full": dict(rounds=3, duration=2.0, warmup=0.5, streams=400, callgrind_n=2000),
-    "quick": dict(rounds=1, duration=1.0, warmup=0.3, streams=400, callgrind_n=1000),
+    "full": dict(rounds=3, duration=2.0, warmup=0.5, streams=400, callgrind_n=10000),
+    "quick": dict(rounds=1, duration=1.0, warmup=0.3, streams=400, callgrind_n=3000),
     "tiny": dict(rounds=1, duration=0.3, warmup=0.1, streams=20, callgrind_n=0),
 }
 
