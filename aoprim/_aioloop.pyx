@@ -39,7 +39,7 @@ from cpython.exc cimport PyErr_CheckSignals, PyErr_SetFromErrno
 from cpython.dict cimport PyDict_GetItem
 cdef extern from "Python.h":
     dict PyObject_GenericGetDict(object o, void *context)
-from cpython.ref cimport PyObject
+from cpython.ref cimport PyObject, Py_INCREF
 from cpython.float cimport PyFloat_CheckExact, PyFloat_AS_DOUBLE
 from cpython.object cimport Py_TYPE, PyTypeObject
 from cpython.contextvars cimport PyContext_CopyCurrent
@@ -299,6 +299,66 @@ cdef extern from *:
     #endif
     }
 
+    /* call_soon's argument parsing, as CPython parses asyncio's
+       ``def call_soon(self, callback, *args, context=None)`` (its TypeErrors word for
+       word), as a METH_FASTCALL | METH_KEYWORDS method of LoopCore: no keyword dict, no
+       argument tuple beyond the handle's own.  The body is _call_soon_body (Cython). */
+    typedef PyObject *(*aio_soon_body_t)(PyObject *, PyObject *, PyObject *, PyObject *);
+    static aio_soon_body_t aio_soon_body = NULL;
+    static PyObject *aio_s_context = NULL;      /* "context", interned (call sites' kwnames
+                                                   are interned: compared by pointer first) */
+    static PyObject *aio_call_soon_fast(PyObject *self, PyObject *const *args,
+                                        Py_ssize_t nargs, PyObject *kwnames) {
+        PyObject *callback = nargs >= 1 ? args[0] : NULL, *context = Py_None, *rest, *r;
+        Py_ssize_t i, nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+        for (i = 0; i < nk; i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+            if (k == aio_s_context || PyUnicode_CompareWithASCIIString(k, "context") == 0) {
+                context = args[nargs + i];
+            } else if (PyUnicode_CompareWithASCIIString(k, "callback") == 0) {
+                if (callback != NULL) {
+                    PyErr_SetString(PyExc_TypeError, "BaseEventLoop.call_soon() got "
+                                    "multiple values for argument 'callback'");
+                    return NULL;
+                }
+                callback = args[nargs + i];
+            } else {
+                PyErr_Format(PyExc_TypeError, "BaseEventLoop.call_soon() got an "
+                             "unexpected keyword argument '%S'", k);
+                return NULL;
+            }
+        }
+        if (callback == NULL) {
+            PyErr_SetString(PyExc_TypeError, "BaseEventLoop.call_soon() missing 1 required "
+                            "positional argument: 'callback'");
+            return NULL;
+        }
+        rest = nargs > 1 ? PyTuple_New(nargs - 1) : PyTuple_New(0);
+        if (rest == NULL) return NULL;
+        for (i = 1; i < nargs; i++) {
+            Py_INCREF(args[i]);
+            PyTuple_SET_ITEM(rest, i - 1, args[i]);
+        }
+        r = aio_soon_body(self, callback, rest, context);
+        Py_DECREF(rest);
+        return r;
+    }
+    static PyMethodDef aio_call_soon_def = {
+        "call_soon", (PyCFunction)(void (*)(void))aio_call_soon_fast,
+        METH_FASTCALL | METH_KEYWORDS,
+        "call_soon($self, callback, *args, context=None)\\n--\\n\\n"
+        "``BaseEventLoop.call_soon`` in C: the same checks, an ``asyncio.Handle`` appended "
+        "to ``_ready``.  In debug mode, or where the loop's class overrides a helper "
+        "call_soon calls (``_check_closed``, ``_call_soon``, ``get_debug``) or asyncio's "
+        "handle classes were patched, it is asyncio's own (thread check, callback check, "
+        "source traceback)."};
+    static PyObject *aio_make_call_soon(PyObject *cls, aio_soon_body_t body) {
+        aio_soon_body = body;
+        if (aio_s_context == NULL && (aio_s_context = PyUnicode_InternFromString("context")) == NULL)
+            return NULL;
+        return PyDescr_NewMethod((PyTypeObject *)cls, &aio_call_soon_def);
+    }
+
     /* object.__new__(t) for a type without __new__ / __init__ of its own to run: what
        object_new does (tp_alloc: the slots NULL, the object tracked by the GC) */
     static inline PyObject *aio_alloc(PyTypeObject *t) {
@@ -347,6 +407,8 @@ cdef extern from *:
     int aio_heappush(list heap, object item) except -1
     void aio_set_slot(object o, Py_ssize_t off, object v)
     object aio_alloc(PyTypeObject *t)
+    ctypedef PyObject *(*aio_soon_body_t)(PyObject *, PyObject *, PyObject *, PyObject *) except NULL
+    object aio_make_call_soon(object cls, aio_soon_body_t body)
     unsigned long long aio_dict_tag(object d)
     void aio_deque_init(object append, object popleft)
     int aio_deque_append(object dq, object item) except -1
@@ -1018,13 +1080,16 @@ cdef _unexpected_keyword(str name, dict kw):
                     f"'{next(iter(kw))}'")
 
 
-def call_soon(self, callback, *args, context=None, **kw):
-    """``BaseEventLoop.call_soon`` in C: the same checks, an ``asyncio.Handle`` appended to
-    ``_ready``.  In debug mode, or where the loop's class overrides a helper call_soon
-    calls (``_check_closed``, ``_call_soon``, ``get_debug``) or asyncio's handle classes
-    were patched, it is asyncio's own (thread check, callback check, source traceback)."""
-    if kw:
-        _unexpected_keyword('call_soon', kw)
+cdef PyObject *_call_soon_body(PyObject *self_, PyObject *callback_, PyObject *args_,
+                               PyObject *context_) except NULL:
+    """call_soon after its arguments were parsed (aio_call_soon_fast): a new reference, or
+    NULL with the error set."""
+    r = _call_soon(<object>self_, <object>callback_, <tuple>args_, <object>context_)
+    Py_INCREF(r)
+    return <PyObject *>r
+
+
+cdef object _call_soon(object self, object callback, tuple args, object context):
     cdef int bits = _class_bits(self)
     if not bits & _C_SCHED or _debug_of(self, bits):
         return _py_call_soon(self, callback, *args, context=context)
@@ -1087,6 +1152,11 @@ def create_future(self):
     """``BaseEventLoop.create_future`` without its Python frame: ``asyncio.Future(loop=self)``
     (the C ``_asyncio.Future`` where it is asyncio's)."""
     return _Future(loop=self)
+
+
+# call_soon: a method (descriptor) of LoopCore whose C function parses the arguments as
+# CPython parses asyncio's Python signature (aio_call_soon_fast), then _call_soon
+call_soon = aio_make_call_soon(LoopCore, _call_soon_body)
 
 
 @cython.auto_pickle(False)     # a loop is not picklable (asyncio's neither)

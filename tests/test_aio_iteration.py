@@ -815,3 +815,31 @@ def test_instance_overrides_set_and_removed_between_iterations_are_seen_at_once(
         h2.cancel()
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_call_soon_parses_its_arguments_as_asyncio(debug):
+    """call_soon is a C method that parses its arguments itself (no keyword dict): every
+    way of calling it gives asyncio's result or asyncio's TypeError word for word, and
+    its signature is asyncio's."""
+    import inspect
+    calls = [((), {}), ((print, 1), {"callback": print}), ((print,), {"x": 1}),
+             ((), {"callback": print}), ((print, 1, 2), {"context": None, "y": 2}),
+             ((), {"context": None}), ((print, 1), {"context": None}),
+             ((), {"callback": print, "context": None})]
+    res = []
+    for loop in (asyncio.SelectorEventLoop(), aoprim.aio.new_event_loop()):
+        try:
+            loop.set_debug(debug)
+            out = []
+            for args, kw in calls:
+                try:
+                    h = loop.call_soon(*args, **kw)
+                    out.append(("ok", type(h), h._args, h._callback))
+                except TypeError as e:
+                    out.append(("TypeError", str(e)))
+            out.append(str(inspect.signature(loop.call_soon)))
+            res.append(out)
+        finally:
+            loop.close()
+    assert res[1] == res[0]
