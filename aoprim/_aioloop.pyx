@@ -211,12 +211,23 @@ cdef extern from *:
     #define AIO_TRAV_MAX 16
     typedef struct { traverseproc orig; int n; Py_ssize_t off[AIO_TRAV_MAX]; } aio_trav_t;
     static aio_trav_t aio_trav[2];
+    #define AIO_TRAV_V(i) { PyObject *v_ = *(PyObject **)(base + off[i]); \
+        if (v_ != NULL) { int r_ = visit(v_, arg); if (r_) return r_; } }
     static inline int aio_trav_visit(aio_trav_t *t, PyObject *self, visitproc visit,
                                      void *arg) {
-        int i;
-        for (i = 0; i < t->n; i++) {
-            PyObject *v = *(PyObject **)((char *)self + t->off[i]);
-            Py_VISIT(v);
+        const Py_ssize_t *off = t->off;
+        char *base = (char *)self;
+        int i, n = t->n;
+        /* straight-line for the two layouts CPython 3.11-3.13 give Handle (8 slots) and
+           TimerHandle (10): no loop counter kept across the visit calls */
+        if (n == 8) {
+            AIO_TRAV_V(0) AIO_TRAV_V(1) AIO_TRAV_V(2) AIO_TRAV_V(3)
+            AIO_TRAV_V(4) AIO_TRAV_V(5) AIO_TRAV_V(6) AIO_TRAV_V(7)
+        } else if (n == 10) {
+            AIO_TRAV_V(0) AIO_TRAV_V(1) AIO_TRAV_V(2) AIO_TRAV_V(3) AIO_TRAV_V(4)
+            AIO_TRAV_V(5) AIO_TRAV_V(6) AIO_TRAV_V(7) AIO_TRAV_V(8) AIO_TRAV_V(9)
+        } else {
+            for (i = 0; i < n; i++) AIO_TRAV_V(i)
         }
         Py_VISIT((PyObject *)Py_TYPE(self));
         return 0;
@@ -307,14 +318,23 @@ cdef extern from *:
     static aio_soon_body_t aio_soon_body = NULL;
     static PyObject *aio_s_context = NULL;      /* "context", interned (call sites' kwnames
                                                    are interned: compared by pointer first) */
+    static PyObject *aio_s_context_seen = NULL; /* another "context" object a caller passed
+                                                   (_asyncio's Future builds its own, not
+                                                   interned, once): a reference kept */
     static PyObject *aio_call_soon_fast(PyObject *self, PyObject *const *args,
                                         Py_ssize_t nargs, PyObject *kwnames) {
         PyObject *callback = nargs >= 1 ? args[0] : NULL, *context = Py_None, *rest, *r;
         Py_ssize_t i, nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
         for (i = 0; i < nk; i++) {
             PyObject *k = PyTuple_GET_ITEM(kwnames, i);
-            if (k == aio_s_context || PyUnicode_CompareWithASCIIString(k, "context") == 0) {
+            if (k == aio_s_context || k == aio_s_context_seen) {
                 context = args[nargs + i];
+            } else if (PyUnicode_CompareWithASCIIString(k, "context") == 0) {
+                context = args[nargs + i];
+                if (aio_s_context_seen == NULL) {   /* first one kept (a race keeps one) */
+                    Py_INCREF(k);
+                    aio_s_context_seen = k;
+                }
             } else if (PyUnicode_CompareWithASCIIString(k, "callback") == 0) {
                 if (callback != NULL) {
                     PyErr_SetString(PyExc_TypeError, "BaseEventLoop.call_soon() got "
