@@ -30,6 +30,7 @@ Loop microbenchmarks (in-process, kind ``python``, CPU ns/op of the measuring th
 ``TARGETS`` holds issue 23's goals; ``markdown(doc)`` the README's table (``--markdown``).
 """
 import contextlib
+import gc
 import json
 import re
 import selectors
@@ -473,7 +474,11 @@ class AioMicroGroup:
     rotating).  A sample is ``k`` calls of the body (``n`` operations each, ``k`` calibrated
     so a sample takes about ``sample_s``) timed by this thread's CPU clock
     (``time.thread_time_ns``), so that time the thread spends preempted on a loaded machine
-    is not counted; the figure is CPU ns per operation (ops/s = 1e9 / it)."""
+    is not counted; the figure is CPU ns per operation (ops/s = 1e9 / it).  Every sample
+    starts from a collected heap (``gc.collect()`` before it, not timed): the bodies keep
+    thousands of GC-tracked handles alive at once, and without it one loop's sample paid
+    for collecting what the loop measured before it left (spreads of 386-579 ns around a
+    470 ns median)."""
     kind = "python"
     family = "aio"
     compete = True
@@ -509,6 +514,7 @@ class AioMicroGroup:
                 order = loops[r % len(loops):] + loops[:r % len(loops)]
                 for lp in order:
                     _, fn, k, samples = live[lp]
+                    gc.collect()
                     t0 = time.thread_time_ns()
                     for _ in range(k):
                         fn()
@@ -529,7 +535,7 @@ class AioMicroGroup:
         return runner.finish_group(self, entries, skipped)
 
 
-MICRO_MODES = {"full": dict(rounds=9, sample_s=0.05, scale=1.0),
+MICRO_MODES = {"full": dict(rounds=15, sample_s=0.1, scale=1.0),
                "quick": dict(rounds=5, sample_s=0.02, scale=1.0),
                "tiny": dict(rounds=2, sample_s=0.002, scale=0.05)}
 
