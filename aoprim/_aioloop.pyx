@@ -207,7 +207,9 @@ cdef extern from *:
        for an instance of these classes: every __slots__ object of the class and its bases
        (not __weakref__, which is not a member), and the heap type itself (a subclass's
        subtype_traverse leaves that visit to a base whose traverse is not its own).  It is
-       installed only where every check of install_traverse holds (see there). */
+       installed only where every check of _traverse_offsets holds (see there); the types'
+       tp_clear / tp_dealloc stay CPython's.  It applies process-wide: every loop's asyncio
+       handles (the same references, so only faster). */
     #define AIO_TRAV_MAX 16
     typedef struct { traverseproc orig; int n; Py_ssize_t off[AIO_TRAV_MAX]; } aio_trav_t;
     static aio_trav_t aio_trav[2];
@@ -253,6 +255,10 @@ cdef extern from *:
        t's original one with on == 0) */
     static void aio_trav_set(PyObject *t, int which, int on) {
         aio_trav_t *tr = &aio_trav[which];
+        /* release: the offsets aio_trav_prepare wrote are visible before the function
+           that reads them is; a collector reads tp_traverse (in the free-threaded build
+           with the world stopped, which orders it anyway); one pointer-sized store, never
+           torn */
         __atomic_store_n(&((PyTypeObject *)t)->tp_traverse,
                          on ? aio_trav_fn(which) : tr->orig, __ATOMIC_RELEASE);
     }
@@ -320,21 +326,27 @@ cdef extern from *:
                                                    are interned: compared by pointer first) */
     static PyObject *aio_s_context_seen = NULL; /* another "context" object a caller passed
                                                    (_asyncio's Future builds its own, not
-                                                   interned, once): a reference kept */
+                                                   interned, once): a reference kept, so
+                                                   its address is never reused */
     static PyObject *aio_call_soon_fast(PyObject *self, PyObject *const *args,
                                         Py_ssize_t nargs, PyObject *kwnames) {
         PyObject *callback = nargs >= 1 ? args[0] : NULL, *context = Py_None, *rest, *r;
         Py_ssize_t i, nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
         for (i = 0; i < nk; i++) {
             PyObject *k = PyTuple_GET_ITEM(kwnames, i);
-            if (k == aio_s_context || k == aio_s_context_seen) {
+            /* relaxed load: a stale NULL only falls to the string compare below */
+            if (k == aio_s_context || k == __atomic_load_n(&aio_s_context_seen, __ATOMIC_RELAXED)) {
                 context = args[nargs + i];
             } else if (PyUnicode_CompareWithASCIIString(k, "context") == 0) {
+                PyObject *none = NULL;
                 context = args[nargs + i];
-                if (aio_s_context_seen == NULL) {   /* first one kept (a race keeps one) */
-                    Py_INCREF(k);
-                    aio_s_context_seen = k;
-                }
+                /* the first one kept, once: a reference taken, then published by a CAS
+                   (relaxed: the pointer is only compared, never dereferenced, by readers);
+                   a thread that loses the race gives its reference back */
+                Py_INCREF(k);
+                if (!__atomic_compare_exchange_n(&aio_s_context_seen, &none, k, 0,
+                                                 __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                    Py_DECREF(k);
             } else if (PyUnicode_CompareWithASCIIString(k, "callback") == 0) {
                 if (callback != NULL) {
                     PyErr_SetString(PyExc_TypeError, "BaseEventLoop.call_soon() got "
