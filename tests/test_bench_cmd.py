@@ -167,6 +167,32 @@ def test_plan_selection_rules():
     assert sizes == [64, 1024, 16384, 65536, 262144, 1 << 20]
 
 
+def test_large_message_scenarios_run_more_shorter_rounds_in_the_full_mode():
+    """The 64 KiB - 1 MiB points are kernel-copy bound and bimodal round to round: the full
+    run gives them 5 rounds of 1.5 s; every other scenario keeps the mode's 3 of 2 s."""
+    g = suite.ServerGroup("raw-256k-10")
+    calls = []
+
+    def run_one(name, scenario, duration, warmup, syscalls):
+        calls.append((name, scenario, duration, syscalls))
+        return {"server_cpu": {"cpu_us_per_msg": 10.0 + len(calls), "user_us_per_msg": 1.0,
+                               "sys_us_per_msg": 9.0},
+                "msgs_per_s": 1000.0, "p50_us": 1, "p99_us": 2}
+
+    g.run_one = run_one
+    res = suite._server_group(g, ["asyncio", "aoprim"], suite.MODES["full"], None, {}, True)
+    assert len(calls) == 10 and {c[2] for c in calls} == {1.5}
+    assert [c[3] for c in calls].count(True) == 2          # syscalls: first round only
+    assert [e["rounds"] for e in res["entries"]] == [5, 5]
+    small = suite.ServerGroup("raw-1k-10")
+    calls.clear()
+    small.run_one = run_one
+    suite._server_group(small, ["asyncio"], suite.MODES["full"], None, {}, True)
+    assert [c[2] for c in calls] == [2.0, 2.0, 2.0]
+    assert suite._server_settings(suite.MODES["quick"], "raw-64k-10")["rounds"] == 1
+    assert suite.steps([g, small], "full", 2) == 5 * 2 + 3 * 2
+
+
 def test_u32_large_frame_point_runs_on_asyncio_and_aoprim():
     # issue 20 item 3: u32 frames of 1 MiB, aoprim served with --max-frame 1 MiB
     from aoprim.benchmarks import servers
