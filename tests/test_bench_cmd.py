@@ -206,6 +206,33 @@ def test_u32_large_frame_point_runs_on_asyncio_and_aoprim():
         assert res["faults_per_msg"] >= 0
 
 
+def test_large_message_scenarios_put_server_and_load_generator_on_one_cpu(monkeypatch):
+    """one_cpu scenarios: both processes pinned to the same CPU before the measured window
+    (the kernel copy's cost must not depend on where the host placed the vCPUs); the
+    others are left free."""
+    import os
+    from aoprim.benchmarks import servers
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: nothing to pin")
+    seen = []
+    real = servers._pin
+
+    def pin(pid, cpu):
+        real(pid, cpu)
+        seen.append((cpu, os.sched_getaffinity(pid)))
+
+    monkeypatch.setattr(servers, "_pin", pin)
+    res = servers.run_one("asyncio", "raw-64k-10", duration=0.3, warmup=0.1)
+    cpu = max(os.sched_getaffinity(0))
+    assert res["errors"] == [] and res["one_cpu"] == cpu
+    assert seen == [(cpu, {cpu}), (cpu, {cpu})]        # the server, then the generator
+    assert "one CPU" in suite.ServerGroup("raw-1m-10").title
+    seen.clear()
+    res = servers.run_one("asyncio", "raw-1k-10", duration=0.3, warmup=0.1)
+    assert "one_cpu" not in res and all(c is None for c, _ in seen)
+    assert "one CPU" not in suite.ServerGroup("raw-1k-10").title
+
+
 def test_loadgen_counts_the_server_page_faults_and_builds_large_messages_fast():
     import time
 

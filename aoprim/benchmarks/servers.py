@@ -46,7 +46,8 @@ import tempfile
 import threading
 import time
 
-__all__ = ["HOST", "SCENARIOS", "TREES", "server_cmd", "warm_up", "run_one", "available_servers",
+__all__ = ["HOST", "SCENARIOS", "TREES", "server_cmd", "warm_up", "run_one", "one_cpu",
+           "available_servers",
            "syscall_method", "count_syscalls"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,12 +63,40 @@ SCENARIOS = {
     "raw-1k-1000": dict(framing="raw", size=1024, conns=1000, pipeline=1),
     "raw-64-10": dict(framing="raw", size=64, conns=10, pipeline=1),
     "raw-16k-10": dict(framing="raw", size=16384, conns=10, pipeline=1),
-    "raw-64k-10": dict(framing="raw", size=65536, conns=10, pipeline=1),
-    "raw-256k-10": dict(framing="raw", size=262144, conns=10, pipeline=1),
-    "raw-1m-10": dict(framing="raw", size=1048576, conns=10, pipeline=1),
+    # the large messages run with the server and the load generator on one CPU (one_cpu:
+    # why below)
+    "raw-64k-10": dict(framing="raw", size=65536, conns=10, pipeline=1, one_cpu=True),
+    "raw-256k-10": dict(framing="raw", size=262144, conns=10, pipeline=1, one_cpu=True),
+    "raw-1m-10": dict(framing="raw", size=1048576, conns=10, pipeline=1, one_cpu=True),
     # u32 frames of 1 MiB, ping-pong (aoprim: --max-frame 1 MiB)
-    "u32-1m-10": dict(framing="u32", size=1048576, conns=10, pipeline=1, max_frame=1048576),
+    "u32-1m-10": dict(framing="u32", size=1048576, conns=10, pipeline=1, max_frame=1048576,
+                      one_cpu=True),
 }
+
+
+def one_cpu():
+    """The CPU a ``one_cpu`` scenario puts both the server and the load generator on (this
+    process's last allowed CPU), or None where there is nothing to choose.
+
+    Why: a large message's CPU is mostly the kernel copying it, and what that copy costs
+    depends on where the sender's cache lines are.  With the two processes free to run on
+    either vCPU of this VM, one round's sys time per 64 KiB message was 24 us and the next
+    35-50 us, for every server alike (the host places the vCPUs), so a median of a few rounds
+    ranked the servers by luck.  On one CPU the spread is a few per cent and every server
+    pays the same copy; the server's CPU per message is what the scenario measures."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    return cpus[-1] if len(cpus) > 1 else None
+
+
+def _pin(pid, cpu):
+    if cpu is not None:
+        try:
+            os.sched_setaffinity(pid, {cpu})
+        except OSError:         # the process is already gone: its run reports that
+            pass
 # where each aoprim variant is imported from: None = this interpreter's aoprim; a path = a
 # checkout with an in-place build (echo_compare's --tree / --baseline-tree)
 TREES = {"aoprim": None, "aoprim-base": None}
@@ -282,6 +311,8 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
     p = subprocess.Popen(server_cmd(server, sc["framing"], sc.get("max_frame")),
                          stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=CWD, env=env)
+    cpu = one_cpu() if sc.get("one_cpu") else None
+    _pin(p.pid, cpu)
     try:
         line = p.stdout.readline()
         if not line.startswith("listening on"):
@@ -303,6 +334,7 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
              "--warmup", str(warmup), "--procs", str(procs), "--cpu-pid", str(p.pid),
              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=CWD,
             env=lg_env)
+        _pin(lg.pid, cpu)       # before its warm-up ends and the measured window opens
         counted = {}
         window = SYSCALL_WINDOW * duration
         if syscalls:
@@ -342,6 +374,8 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
         res["server"] = server if warm else f"{server}-cold"
         res["scenario"] = scenario
         res["warm"] = warm
+        if cpu is not None:
+            res["one_cpu"] = cpu
         return res
     finally:
         if p.poll() is None:

@@ -85,6 +85,8 @@ class ServerGroup:
         self.scenario = scenario
         self.id = f"server-{scenario}"
         self.title = SERVER_TITLES[sc["framing"]].format(**sc)
+        if sc.get("one_cpu"):
+            self.title += "; server and load generator on one CPU"
         self.params = dict(sc)
         self.series = [s for s, (_, scs) in SERVER_SERIES.items() if scenario in scs]
         if sc["pipeline"] > 1:
