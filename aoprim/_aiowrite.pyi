@@ -3,6 +3,8 @@ from typing import Any
 from aoprim._sendbatch import SendBatch
 from typing_extensions import Self, disjoint_base
 
+SEND_NOW: int
+
 @disjoint_base
 class SleepFlag:
     sleeping: bool

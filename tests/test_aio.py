@@ -531,6 +531,44 @@ def test_write_above_high_water_taken_whole_runs_no_python_of_the_transport(loop
     peer.close()
 
 
+def test_a_batch_of_64k_goes_to_the_kernel_at_once_whatever_the_high_water_mark(loop):
+    """From aoprim._aiowrite.SEND_NOW (64 KiB) pending bytes on, write() hands the batch to
+    the kernel inside the call, below a high-water mark too (issue 20: a large echo left
+    for the iteration's end is copied out of a cold cache); below it, batched.  The same in
+    the compiled write, the Python one (a bytearray) and writelines; in order."""
+    from aoprim._aiowrite import SEND_NOW
+    assert SEND_NOW == 65536
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, socket.AF_INET)
+    tr.set_write_buffer_limits(high=4 << 20)
+    seen = []
+    a, b = b"a" * 1000, b"b" * (SEND_NOW - 1001)
+    c = bytearray(b"c" * SEND_NOW)
+    d = [b"d" * 30000, b"e" * 40000]
+
+    def burst():
+        tr.write(a)
+        tr.write(b)                              # SEND_NOW - 1 pending: batched
+        seen.append(tr._batch.pending_bytes)
+        tr.write(b"f")                           # SEND_NOW: to the kernel now
+        seen.append(tr._batch.pending_bytes)
+        tr.write(c)                              # the Python path (not bytes)
+        seen.append(tr._batch.pending_bytes)
+        tr.writelines(d)
+        seen.append(tr._batch.pending_bytes)
+        tr.write(b"g" * 10)                      # small: batched again
+        seen.append(tr._batch.pending_bytes)
+    loop.call_soon(burst)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert seen == [SEND_NOW - 1, 0, 0, 0, 10]
+    want = a + b + b"f" + bytes(c) + b"".join(d) + b"g" * 10
+    assert recv_exactly(peer, len(want)) == want
+    assert p.events == ["made"]                  # never paused
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+
+
 def test_streams_drain_waits_for_resume(loop):
     async def main():
         a, b = socket.socketpair()

@@ -62,7 +62,7 @@ from asyncio import trsock as _trsock
 from asyncio.log import logger
 
 from aoprim import SendBatch
-from aoprim._aiowrite import TransportWriter
+from aoprim._aiowrite import SEND_NOW, TransportWriter
 from aoprim._aiotransport import TransportReader, make_write_method
 
 IOV_MAX = 1024                   # segments one sendmsg takes (the kernel's UIO_MAXIOV)
@@ -316,7 +316,8 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                 logger.warning('socket.send() raised exception.')
             self._conn_lost += 1
             return
-        if self._add(data) > self._high_water:
+        p = self._add(data)
+        if p > self._high_water or p >= SEND_NOW:     # as the compiled write (its doc)
             self._over_high()
         if self._sel.sleeping:
             self._aio_wake()
@@ -334,7 +335,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         p = 0
         for data in items:
             p = add(data)
-        if p > self._high_water:
+        if p > self._high_water or p >= SEND_NOW:
             self._over_high()
         if self._sel.sleeping:
             self._aio_wake()
