@@ -20,7 +20,7 @@ DESCRIPTION = (
     "lock and queues under contention (1-8 threads), and aoprim's server beside asyncio and "
     "uvloop under the project's load generator; print a table per group (median, spread, "
     "ratio to the baseline, winner), and optionally write JSON, compare with an earlier run "
-    "and draw charts.  The full run takes several minutes (under 10); --quick under one.")
+    "and draw charts.  The full run takes about 11 minutes; --quick under one.")
 
 
 def build_parser(p=None):

@@ -4,7 +4,7 @@
 JSON document (schema.py).  Modes:
 
   full   every default group; 9 interleaved rounds (5 for threaded cases); servers: every
-         scenario, 3 rounds of 2 s each (5 of 1.5 s for 64 KiB and up)      (< 10 minutes)
+         scenario, 3 rounds of 2 s each (5 of 1.5 s for 64 KiB and up)    (~11 minutes)
   quick  the same groups, 5 rounds (2 threaded, smaller); servers: 4 scenarios, 1 round of
          1 s                                                                 (< 1 minute)
   tiny   for the test suite only (``--tiny``): everything, as small as still runs end to end
