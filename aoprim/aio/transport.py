@@ -378,7 +378,8 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self._writer.high = self._high_water     # the compiled write()'s copy
 
     def _over_high(self):
-        # Above the high-water mark: hand the batch to the kernel now (asyncio's write()
+        # Above the high-water mark, or at SEND_NOW pending bytes (aoprim._aiowrite's doc:
+        # why): hand the batch to the kernel now (asyncio's write()
         # sends at once); what the kernel leaves goes through the writer (block), as
         # asyncio's write() registers its writer -- not retried by this iteration's group
         # flush.  Then pause only if the batch is still above the mark.  (The compiled

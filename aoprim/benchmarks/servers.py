@@ -97,6 +97,8 @@ def _pin(pid, cpu):
             os.sched_setaffinity(pid, {cpu})
         except OSError:         # the process is already gone: its run reports that
             pass
+
+
 # where each aoprim variant is imported from: None = this interpreter's aoprim; a path = a
 # checkout with an in-place build (echo_compare's --tree / --baseline-tree)
 TREES = {"aoprim": None, "aoprim-base": None}

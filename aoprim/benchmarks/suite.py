@@ -32,9 +32,8 @@ MODES = {
                                         "raw-1k-1000", "raw-64-10", "raw-16k-10",
                                         "raw-64k-10", "raw-256k-10", "raw-1m-10",
                                         "u32-1m-10"],
-                             # the large messages: a kernel copy, whose cost on a 2-vCPU VM is
-                             # bimodal round to round (sys time 24 or 35-50 us at 64 KiB for
-                             # any server): five shorter rounds for a steadier median
+                             # the large messages (pinned to one CPU: servers.one_cpu, why
+                             # there): five shorter rounds, a steadier median for ~the time
                              per_scenario={sc: dict(rounds=5, duration=1.5)
                                            for sc in ("raw-64k-10", "raw-256k-10",
                                                       "raw-1m-10", "u32-1m-10")})),
