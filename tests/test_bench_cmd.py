@@ -168,7 +168,7 @@ def test_plan_selection_rules():
 
 
 def test_large_message_scenarios_run_more_shorter_rounds_in_the_full_mode():
-    """The 64 KiB - 1 MiB points are kernel-copy bound and bimodal round to round: the full
+    """The 64 KiB - 1 MiB points (kernel-copy bound, pinned to one CPU): the full
     run gives them 5 rounds of 1.5 s; every other scenario keeps the mode's 3 of 2 s."""
     g = suite.ServerGroup("raw-256k-10")
     calls = []
