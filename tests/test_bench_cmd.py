@@ -193,6 +193,19 @@ def test_large_message_scenarios_run_more_shorter_rounds_in_the_full_mode():
     assert suite.steps([g, small], "full", 2) == 5 * 2 + 3 * 2
 
 
+def test_per_scenario_settings_name_known_scenarios():
+    """A per-scenario override keyed by a misspelt scenario would silently never apply."""
+    from aoprim.benchmarks import servers, tls
+    known = set(servers.SCENARIOS) | set(tls.SCENARIOS)
+    for mode, m in suite.MODES.items():
+        extra = set(m["server"].get("per_scenario", {})) - known
+        assert not extra, (mode, extra)
+    full = suite.MODES["full"]
+    assert suite._server_settings(full, "tls-raw-1k-10")["rounds"] == 7
+    assert suite._server_settings(full, "tls-u16-64x16-10")["rounds"] == 3
+    assert suite._server_settings(suite.MODES["quick"], "tls-raw-1k-10")["rounds"] == 1
+
+
 def test_u32_large_frame_point_runs_on_asyncio_and_aoprim():
     # issue 20 item 3: u32 frames of 1 MiB, aoprim served with --max-frame 1 MiB
     from aoprim.benchmarks import servers
