@@ -51,6 +51,7 @@ cdef class TLSConn(_RxSource):
     cdef Py_ssize_t ct_off           # bytes of ct already sent
     cdef aop_atomic_i64 ct_left      # len(ct) - ct_off (any thread reads: `pending`)
     cdef public int64_t raw_in       # ciphertext bytes received
+    cdef readonly int64_t raw_out    # ciphertext bytes sent (loop thread)
     cdef Py_ssize_t rec_left         # bytes of the current record still to come
     cdef int rec_hn                  # bytes of a record header received so far (< 5)
     cdef unsigned char rec_hdr[5]

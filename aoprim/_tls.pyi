@@ -37,6 +37,8 @@ class TLSConn:
     @property
     def rec_begun(self) -> int: ...
     raw_in: int
+    @property
+    def raw_out(self) -> int: ...
     byref_min: int
     app: bool
     tls_reason: str | None

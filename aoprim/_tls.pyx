@@ -477,6 +477,7 @@ cdef class TLSConn(_RxSource):
                 _set(&self.ct_left, 0)
                 return -e
         _set(&self.tls.nbytes, aop_load_i64(&self.tls.nbytes, AOP_RELAXED) + n)
+        self.raw_out += n
         off += n
         if off < size:
             self.ct_off = off

@@ -562,3 +562,73 @@ def test_a_concurrent_shutdown_returns_only_once_the_loop_thread_is_gone(backend
     alive = srv._thread.is_alive()
     first.join(30)
     assert not alive, "shutdown() returned with the loop thread still running"
+
+
+# -- the idle clock under back-pressure counts ciphertext sent, not plaintext encrypted ----------
+
+class OneBigReply(Handler):
+    SIZE = 4 << 20
+
+    def on_read(self, session, data):
+        session.send(b"\xab" * self.SIZE)      # one send: one segment, encrypted at once
+
+
+@pytest.mark.parametrize("tls", [True, False])
+def test_a_peer_reading_one_large_reply_steadily_is_not_cut_by_the_idle_timeout(
+        make_server, tls_certs, logs, tls):
+    """Back-pressure holds the idle clock while the peer takes our bytes.  Over TLS the
+    progress measure was the plaintext handed to OpenSSL: one large send is encrypted in
+    one go, and while its ciphertext drained to a peer reading it steadily that figure
+    stood still -- the session was cut by idle_timeout mid-reply (the break-it review of
+    session 17: 5 of 6 MiB arrived; plain TCP delivered all)."""
+    kw = {"ssl": tls_certs.server_ctx()} if tls else {}
+    srv = make_server(OneBigReply(), framing="raw", idle_timeout=0.4, max_pending=64 << 20,
+                      **kw)
+    raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    raw.settimeout(10)
+    raw.connect(srv.address)
+    s = tls_certs.client_ctx().wrap_socket(raw, server_hostname="localhost") if tls else raw
+    try:
+        s.sendall(b"go")
+        got = 0
+        t0 = time.monotonic()
+        while got < OneBigReply.SIZE:
+            # ~2 MB/s: the reply takes ~2 s, five idle timeouts, and the peer is never
+            # silent on our side for longer than a few ms
+            d = s.recv(min(16 << 10, OneBigReply.SIZE - got))
+            if not d:
+                break
+            got += len(d)
+            time.sleep(0.008)
+        assert got == OneBigReply.SIZE, f"{got} bytes of {OneBigReply.SIZE}"
+        assert time.monotonic() - t0 > 1.0      # the scenario: longer than the idle timeout
+        assert not [r for r in logs.records if "idle timeout" in r.getMessage()]
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("size", [200 << 10, 4 << 20])
+@pytest.mark.parametrize("tls", [True, False])
+def test_a_peer_that_takes_none_of_a_reply_is_still_cut_by_the_idle_timeout(
+        make_server, tls_certs, tls, size):
+    """The other side of the test above: output owed to a peer that reads nothing is no
+    activity -- whether it waits in the batch (back-pressure) or only in the kernel's send
+    queue (a reply below the high-water mark)."""
+    class Reply(Handler):
+        def on_read(self, session, data):
+            session.send(b"\xcd" * size)
+
+    kw = {"ssl": tls_certs.server_ctx()} if tls else {}
+    srv = make_server(Reply(), framing="raw", idle_timeout=0.3, frame_timeout=None,
+                      max_pending=64 << 20, **kw)
+    raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.settimeout(10)
+    raw.connect(srv.address)
+    s = tls_certs.client_ctx().wrap_socket(raw, server_hostname="localhost") if tls else raw
+    try:
+        s.sendall(b"go")
+        wait_for(lambda: srv.stats()["closes"].get("timeout") == 1, 10, "the idle timeout")
+    finally:
+        s.close()

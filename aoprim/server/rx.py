@@ -89,12 +89,15 @@ class Rx:
             self.receiver.hold = False
         return bool(was) and not self.paused
 
-    def sweep(self, now, idle_timeout, frame_timeout, proxy_timeout=None, held=False):
+    def sweep(self, now, idle_timeout, frame_timeout, proxy_timeout=None, held=False,
+              active=False):
         """The timeout check; returns a reason to cut the session, or None.  ``held``: the
         server itself kept this session from being read since the last sweep (see
         Session.check_timeouts): neither the idle nor the frame clock runs meanwhile -- a
         frame cannot complete while we do not read it.  ``proxy_timeout``: the PROXY
-        header's own deadline, from the connection's start (None: no deadline)."""
+        header's own deadline, from the connection's start (None: no deadline).  ``active``:
+        the peer took bytes we owed since the last sweep -- the idle clock restarts (a byte
+        moved), the frame clock does not stop."""
         dt = now - self._swept
         self._swept = now
         r = self.receiver
@@ -103,7 +106,7 @@ class Rx:
             buffered = r.buffered
         else:
             b, buffered = self.wire()
-        if b != self._seen_bytes or held:
+        if b != self._seen_bytes or held or active:
             self._seen_bytes = b
             self.last_active = now
         if idle_timeout is not None and now - self.last_active > idle_timeout:

@@ -98,7 +98,7 @@ class Session:
                  "_loop", "_state", "_reason", "_exc", "_rc", "_batch",
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
-                 "_proxy_wait", "_sent_seen", "__weakref__")
+                 "_proxy_wait", "_sent_seen", "_owed_seen", "__weakref__")
 
     def __init__(self, ctx, sock, sid, peer):
         self.id = sid
@@ -142,7 +142,8 @@ class Session:
         # True while the handler has not met this session (no on_connect yet, so no on_close
         # and no broadcasts): the PROXY protocol until the header is read, a failed start()
         self._proxy_wait = ctx.settings.proxy_protocol is not None
-        self._sent_seen = 0                 # bytes written when the sweep last looked
+        self._sent_seen = 0                 # bytes the peer had taken when the sweep last
+        self._owed_seen = False             #   looked, and whether output was owed then
 
     # the Receiver looks for the PROXY header (a TLS session reads it before the handshake)
     _rx_proxy = True
@@ -558,16 +559,34 @@ class Session:
             return
         rx = self._rx
         held = bool(rx.paused & _SERVER_HOLDS)
-        if rx.paused & PAUSE_BACKPRESSURE:
-            # back-pressure is ours only while the peer takes our bytes; a peer that takes
-            # nothing is the one stalling, and its clocks run
-            sent = self._batch.stats["bytes"]
-            if sent != self._sent_seen:
-                self._sent_seen = sent
-                held = True
-        reason = rx.sweep(now, idle_timeout, frame_timeout, proxy_timeout, held)
+        active = False
+        bp = rx.paused & PAUSE_BACKPRESSURE
+        if bp or (idle_timeout is not None and now - rx.last_active > 0.5 * idle_timeout):
+            # A peer still taking output we owe is neither idle ("without any byte") nor, under
+            # back-pressure, the one stalling: a long reply, its tail in the kernel's send
+            # queue included.  Progress is what the peer took since the last look: written
+            # minus still unsent (SIOCOUTQNSD), counted only if output was owed at that look
+            # -- a peer that takes nothing is stalling and its clocks run, and one to which
+            # nothing was owed is not kept alive by our sends.  Looked at under back-pressure
+            # and once the idle clock is past half its limit (an ioctl per sweep then only).
+            unsent = _unsent(self._fd)
+            taken = self._bytes_written() - unsent
+            if taken != self._sent_seen and self._owed_seen:
+                if bp:
+                    held = True         # both clocks stop (the frame clock too: we hold it)
+                else:
+                    active = True       # the idle clock restarts; the frame clock runs on
+            self._sent_seen = taken
+            self._owed_seen = unsent > 0 or self.pending_bytes > 0
+        else:
+            self._owed_seen = False
+        reason = rx.sweep(now, idle_timeout, frame_timeout, proxy_timeout, held, active)
         if reason is not None:
             self._abort(reason, level=logging.WARNING, cause="timeout")
+
+    def _bytes_written(self):
+        """Bytes this session wrote to its socket so far (check_timeouts' progress)."""
+        return self._batch.stats["bytes"]
 
     def close_for_shutdown(self):
         self._close("server shutdown", level=logging.DEBUG, cause="shutdown")

@@ -217,6 +217,12 @@ class TLSSession(Session):
         return (t.raw_in, self._rx.receiver.buffered + t.rec_begun + self._inc.pending +
                 self._sslobj.pending())
 
+    def _bytes_written(self):
+        """Ciphertext written to the socket (check_timeouts' progress: the batch's own
+        count is plaintext handed to OpenSSL, which stands still while one large
+        segment's ciphertext drains)."""
+        return self._t.raw_out
+
     def _header_wait(self):
         """The PROXY header is still due (read here, before the handshake)."""
         return self._pp is not None
