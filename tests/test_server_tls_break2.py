@@ -564,7 +564,7 @@ def test_a_concurrent_shutdown_returns_only_once_the_loop_thread_is_gone(backend
     assert not alive, "shutdown() returned with the loop thread still running"
 
 
-# -- the idle clock under back-pressure counts ciphertext sent, not plaintext encrypted ----------
+# -- the idle clock counts what the peer takes of a reply we owe (ciphertext, for TLS) ----------
 
 class OneBigReply(Handler):
     SIZE = 4 << 20
@@ -576,11 +576,12 @@ class OneBigReply(Handler):
 @pytest.mark.parametrize("tls", [True, False])
 def test_a_peer_reading_one_large_reply_steadily_is_not_cut_by_the_idle_timeout(
         make_server, tls_certs, logs, tls):
-    """Back-pressure holds the idle clock while the peer takes our bytes.  Over TLS the
-    progress measure was the plaintext handed to OpenSSL: one large send is encrypted in
-    one go, and while its ciphertext drained to a peer reading it steadily that figure
-    stood still -- the session was cut by idle_timeout mid-reply (the break-it review of
-    session 17: 5 of 6 MiB arrived; plain TCP delivered all)."""
+    """A peer taking a reply we owe is not idle.  Over TLS the progress measure was the
+    plaintext handed to OpenSSL: one large send is encrypted in one go, and while its
+    ciphertext drained to a peer reading it steadily that figure stood still -- the session
+    was cut by idle_timeout mid-reply (the break-it review of session 17: 5 of 6 MiB
+    arrived).  Over plain TCP, once the reply's tail sat in the kernel's send queue (no
+    back-pressure any more) nothing counted it either, and this slower reader was cut too."""
     kw = {"ssl": tls_certs.server_ctx()} if tls else {}
     srv = make_server(OneBigReply(), framing="raw", idle_timeout=0.4, max_pending=64 << 20,
                       **kw)
