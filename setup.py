@@ -12,6 +12,7 @@ import os
 
 from Cython.Build import cythonize
 from setuptools import Extension, find_namespace_packages, setup
+from setuptools.command.build_ext import build_ext as _build_ext
 
 try:                                        # setuptools >= 70.1 has its own
     from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
@@ -81,7 +82,28 @@ class _ReleaseWheel:
         super().run()
 
 
-CMDCLASS = {}
+def _jobs():
+    """Compile jobs: AOPRIM_BUILD_JOBS, else one per CPU this process may run on."""
+    n = int(os.environ.get("AOPRIM_BUILD_JOBS", "0"))
+    if n > 0:
+        return n
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                  # not Linux
+        return os.cpu_count() or 1
+
+
+class build_ext(_build_ext):
+    """The extensions compile in parallel (pip's build runs ``build_ext`` without ``-j``; at
+    -O3 the C compile is most of an install's time); ``-j N`` on the command line wins."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel and _jobs() > 1:
+            self.parallel = _jobs()
+
+
+CMDCLASS = {"build_ext": build_ext}
 if _bdist_wheel is not None:
     CMDCLASS["bdist_wheel"] = type("bdist_wheel", (_ReleaseWheel, _bdist_wheel), {})
 

@@ -21,10 +21,19 @@ import platform
 import subprocess
 import sys
 
+import pytest
 
 # bench/ and tests/ (for support helpers) on the path, never the checkout root
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """A timed run is serial: pyproject's addopts spread a run over pytest-xdist workers,
+    and pytest-benchmark turns itself off under them (its timings would share the CPUs)."""
+    if config.getoption("benchmark_enable") or config.getoption("benchmark_only"):
+        config.option.numprocesses = 0
 
 
 def _commit():
