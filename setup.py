@@ -53,6 +53,11 @@ if os.environ.get("AOPRIM_SANITIZE") == "1":
     LDFLAGS = SANITIZE
 
 
+def _env_jobs():
+    """AOPRIM_BUILD_JOBS (0 when unset): parallel jobs for cythonize, and for the C compile."""
+    return int(os.environ.get("AOPRIM_BUILD_JOBS", "0"))
+
+
 def extensions():
     exts = []
     for pyx in sorted(glob.glob(os.path.join("aoprim", "*.pyx"))):
@@ -61,7 +66,7 @@ def extensions():
                               extra_compile_args=CFLAGS, extra_link_args=LDFLAGS,
                               depends=glob.glob(INCLUDE + "/*.h")))
     return cythonize(exts, compiler_directives=COMPILER_DIRECTIVES, include_path=["."],
-                     nthreads=int(os.environ.get("AOPRIM_BUILD_JOBS", "0")) or None)
+                     nthreads=_env_jobs() or None)
 
 
 # Appended after CFLAGS when a wheel is built (the last -g option wins over Python's -g).
@@ -83,8 +88,8 @@ class _ReleaseWheel:
 
 
 def _jobs():
-    """Compile jobs: AOPRIM_BUILD_JOBS, else one per CPU this process may run on."""
-    n = int(os.environ.get("AOPRIM_BUILD_JOBS", "0"))
+    """C compile jobs: AOPRIM_BUILD_JOBS, else one per CPU this process may run on."""
+    n = _env_jobs()
     if n > 0:
         return n
     try:
@@ -99,8 +104,9 @@ class build_ext(_build_ext):
 
     def finalize_options(self):
         super().finalize_options()
-        if not self.parallel and _jobs() > 1:
-            self.parallel = _jobs()
+        jobs = _jobs()
+        if not self.parallel and jobs > 1:
+            self.parallel = jobs
 
 
 CMDCLASS = {"build_ext": build_ext}
