@@ -14,6 +14,12 @@
 #ifndef AOP_ATOMIC_H
 #define AOP_ATOMIC_H
 
+
+#ifndef AOP_FUNC
+/* A helper defined in this header: static, and unused in a module that does not call it
+ * (no -Wunused-function warning in a cimporting extension). */
+#define AOP_FUNC static __attribute__((unused))
+#endif
 #include <stdint.h>
 #include <time.h>
 #include <errno.h>
@@ -235,7 +241,7 @@ AOP_INLINE int aop_spin_locked(aop_spinlock_t *l)
  * that leaves never owns the lock, and the word it leaves at 2 at worst costs the next
  * unlock one needless wake.  A park that ended in EINTR was not woken (the kernel reports a
  * wake that raced with the signal as a wake), so leaving then swallows no wake-up. */
-static int aop_spin_lock_wait_(aop_spinlock_t *l, int64_t timeout_ns, int intr)
+AOP_FUNC int aop_spin_lock_wait_(aop_spinlock_t *l, int64_t timeout_ns, int intr)
 {
     int64_t deadline = 0;
     int step, i, r;
@@ -274,13 +280,13 @@ static int aop_spin_lock_wait_(aop_spinlock_t *l, int64_t timeout_ns, int intr)
 
 /* Acquire, waiting at most timeout_ns (< 0: forever).  Returns 1 if acquired, 0 on timeout.
  * Signals do not end the wait. */
-static int aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns)
+AOP_FUNC int aop_spin_lock_timed(aop_spinlock_t *l, int64_t timeout_ns)
 {
     return aop_spin_lock_wait_(l, timeout_ns, 0);
 }
 
 /* As aop_spin_lock_timed, but returns AOP_SPIN_INTR when a signal interrupts the park. */
-static int aop_spin_lock_intr(aop_spinlock_t *l, int64_t timeout_ns)
+AOP_FUNC int aop_spin_lock_intr(aop_spinlock_t *l, int64_t timeout_ns)
 {
     return aop_spin_lock_wait_(l, timeout_ns, 1);
 }

@@ -79,6 +79,12 @@
 #ifndef AOP_QUEUE_H
 #define AOP_QUEUE_H
 
+
+#ifndef AOP_FUNC
+/* A helper defined in this header: static, and unused in a module that does not call it
+ * (no -Wunused-function warning in a cimporting extension). */
+#define AOP_FUNC static __attribute__((unused))
+#endif
 #include <stdlib.h>
 #include <string.h>
 #include "aop_atomic.h"
@@ -175,7 +181,7 @@ typedef int (*aop_q_try_fn)(void *queue, void *arg);
  * has passed (then AOP_Q_RETRY).  Spin, yield, park on w (protocol at the top); BUSY (the
  * other side is mid-operation and will not notify) never parks, it yields.  Runs without the
  * GIL and touches no Python object. */
-static int aop_q_wait(aop_qwait_t *w, aop_q_try_fn try_fn, void *queue, void *arg,
+AOP_FUNC int aop_q_wait(aop_qwait_t *w, aop_q_try_fn try_fn, void *queue, void *arg,
                       int64_t timeout_ns)
 {
     int64_t deadline = 0, left = -1;
@@ -272,7 +278,7 @@ typedef struct {
 } aop_mpmc_t;
 
 /* NULL on allocation failure.  capacity >= 1, rounded up to a power of two. */
-static aop_mpmc_t *aop_mpmc_new(uint64_t capacity)
+AOP_FUNC aop_mpmc_t *aop_mpmc_new(uint64_t capacity)
 {
     uint64_t cap = aop_q_round_capacity(capacity), i;
     aop_mpmc_t *q = (aop_mpmc_t *)aop_q_alloc(sizeof(aop_mpmc_t));
@@ -286,7 +292,7 @@ static aop_mpmc_t *aop_mpmc_new(uint64_t capacity)
     return q;
 }
 
-static void aop_mpmc_free(aop_mpmc_t *q)
+AOP_FUNC void aop_mpmc_free(aop_mpmc_t *q)
 {
     if (q) { free(q->cells); free(q); }
 }
@@ -379,7 +385,7 @@ AOP_INLINE int aop_mpmc_pop_(aop_mpmc_t *q, uint64_t *out)
 
 /* Push up to n words with one claim.  *pushed receives how many (0 .. n); returns OK if any
  * were pushed (or n == 0), else RETRY / BUSY (full) or CLOSED. */
-static int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n, uint64_t *pushed)
+AOP_FUNC int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n, uint64_t *pushed)
 {
     uint64_t pos = aop_load_u64p(&q->tail, AOP_RELAXED), k, seq, i;
     uint32_t w;
@@ -417,7 +423,7 @@ static int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n, uin
 
 /* Pop up to n words with one claim into out.  *popped receives how many; returns OK if any
  * (or n == 0 and not drained-and-closed), else RETRY / BUSY (empty) or CLOSED. */
-static int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n, uint64_t *popped)
+AOP_FUNC int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n, uint64_t *popped)
 {
     uint64_t pos = aop_load_u64p(&q->head, AOP_RELAXED), k, seq, i;
     uint32_t w;
@@ -477,20 +483,20 @@ AOP_INLINE int aop_mpmc_closed(aop_mpmc_t *q)
 
 AOP_INLINE void aop_mpmc_close(aop_mpmc_t *q) { aop_q_close(&q->tail, &q->not_empty, &q->not_full); }
 
-static int aop_mpmc_try_push_cb(void *q, void *arg)
+AOP_FUNC int aop_mpmc_try_push_cb(void *q, void *arg)
 { return aop_mpmc_push_((aop_mpmc_t *)q, *(uint64_t *)arg); }
-static int aop_mpmc_try_pop_cb(void *q, void *arg)
+AOP_FUNC int aop_mpmc_try_pop_cb(void *q, void *arg)
 { return aop_mpmc_pop_((aop_mpmc_t *)q, (uint64_t *)arg); }
 
 /* Blocking forms (no GIL needed): timeout_ns < 0 waits forever, 0 tries once. */
-static int aop_mpmc_push_wait_(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns)
+AOP_FUNC int aop_mpmc_push_wait_(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns)
 {
     int r = aop_mpmc_push_(q, v);
     if (!AOP_Q_AGAIN(r)) return r;
     if (timeout_ns == 0) return AOP_Q_RETRY;
     return aop_q_wait(&q->not_full, aop_mpmc_try_push_cb, q, &v, timeout_ns);
 }
-static int aop_mpmc_pop_wait_(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns)
+AOP_FUNC int aop_mpmc_pop_wait_(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns)
 {
     int r = aop_mpmc_pop_(q, out);
     if (!AOP_Q_AGAIN(r)) return r;
@@ -506,7 +512,7 @@ static int aop_mpmc_pop_wait_(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns)
  * wake-up argument at the top holds for it unchanged (W4 sees N1 or the notifier sees the
  * waiter).  OK means "try the operation" (it may still lose a race: the caller waits again);
  * BUSY and RETRY mean what they mean for the operation; CLOSED is final. */
-static int aop_mpmc_can_push_(void *queue, void *unused)
+AOP_FUNC int aop_mpmc_can_push_(void *queue, void *unused)
 {
     aop_mpmc_t *q = (aop_mpmc_t *)queue;
     /* relaxed, as in aop_mpmc_push_: the cell's seq (acquire) decides */
@@ -518,7 +524,7 @@ static int aop_mpmc_can_push_(void *queue, void *unused)
     if ((int64_t)(seq - 2 * pos) < 0) return aop_mpmc_push_fail_(q, pos);
     return AOP_Q_OK;                    /* free for pos, or tail moved on: try */
 }
-static int aop_mpmc_can_pop_(void *queue, void *unused)
+AOP_FUNC int aop_mpmc_can_pop_(void *queue, void *unused)
 {
     aop_mpmc_t *q = (aop_mpmc_t *)queue;
     uint64_t pos = aop_load_u64p(&q->head, AOP_RELAXED), seq;    /* relaxed: as in pop_ */
@@ -530,16 +536,16 @@ static int aop_mpmc_can_pop_(void *queue, void *unused)
 }
 /* Uniform signatures (queue, word pointer, timeout) for the Python layer's interruptible
  * wait loop, which calls these in slices so that signals (Ctrl-C) are seen. */
-static int aop_mpmc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
+AOP_FUNC int aop_mpmc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
 { (void)unused; return aop_q_wait(&((aop_mpmc_t *)q)->not_full, aop_mpmc_can_push_, q, NULL, timeout_ns); }
-static int aop_mpmc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
+AOP_FUNC int aop_mpmc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
 { (void)unused; return aop_q_wait(&((aop_mpmc_t *)q)->not_empty, aop_mpmc_can_pop_, q, NULL, timeout_ns); }
 
 /* Call fn(word, arg) for every published item, oldest first; stops at the first non-zero
  * return, which it returns.  Only meaningful while nothing pushes or pops concurrently (the
  * cyclic GC: GIL held, every OBJ-mode operation runs under it).  relaxed loads: that caller
  * already synchronises with every operation through the GIL. */
-static int aop_mpmc_each_(aop_mpmc_t *q, int (*fn)(uint64_t, void *), void *arg)
+AOP_FUNC int aop_mpmc_each_(aop_mpmc_t *q, int (*fn)(uint64_t, void *), void *arg)
 {
     uint64_t h = aop_load_u64p(&q->head, AOP_RELAXED);
     uint64_t t = aop_load_u64p(&q->tail, AOP_RELAXED) & ~AOP_Q_MARK, pos;
@@ -567,17 +573,17 @@ AOP_INLINE int aop_mpmc_try_pop_u64(aop_mpmc_t *q, uint64_t *out)
     r = aop_mpmc_pop_(q, out);
     return r == AOP_Q_BUSY ? AOP_Q_RETRY : r;
 }
-static int aop_mpmc_push_u64(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns)
+AOP_FUNC int aop_mpmc_push_u64(aop_mpmc_t *q, uint64_t v, int64_t timeout_ns)
 {
     if (!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW)) return AOP_Q_BADMODE;
     return aop_mpmc_push_wait_(q, v, timeout_ns);
 }
-static int aop_mpmc_pop_u64(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns)
+AOP_FUNC int aop_mpmc_pop_u64(aop_mpmc_t *q, uint64_t *out, int64_t timeout_ns)
 {
     if (!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW)) return AOP_Q_BADMODE;
     return aop_mpmc_pop_wait_(q, out, timeout_ns);
 }
-static int aop_mpmc_push_many_u64(aop_mpmc_t *q, const uint64_t *v, uint64_t n, uint64_t *pushed)
+AOP_FUNC int aop_mpmc_push_many_u64(aop_mpmc_t *q, const uint64_t *v, uint64_t n, uint64_t *pushed)
 {
     int r;
     *pushed = 0;
@@ -585,7 +591,7 @@ static int aop_mpmc_push_many_u64(aop_mpmc_t *q, const uint64_t *v, uint64_t n, 
     r = aop_mpmc_push_many_(q, v, n, pushed);
     return r == AOP_Q_BUSY ? AOP_Q_RETRY : r;
 }
-static int aop_mpmc_pop_many_u64(aop_mpmc_t *q, uint64_t *out, uint64_t n, uint64_t *popped)
+AOP_FUNC int aop_mpmc_pop_many_u64(aop_mpmc_t *q, uint64_t *out, uint64_t n, uint64_t *popped)
 {
     int r;
     *popped = 0;
@@ -618,7 +624,7 @@ typedef struct {
     aop_qwait_t not_full;    /* the producer parks here */
 } aop_spsc_t;
 
-static aop_spsc_t *aop_spsc_new(uint64_t capacity)
+AOP_FUNC aop_spsc_t *aop_spsc_new(uint64_t capacity)
 {
     uint64_t cap = aop_q_round_capacity(capacity);
     aop_spsc_t *q = (aop_spsc_t *)aop_q_alloc(sizeof(aop_spsc_t));
@@ -630,7 +636,7 @@ static aop_spsc_t *aop_spsc_new(uint64_t capacity)
     return q;
 }
 
-static void aop_spsc_free(aop_spsc_t *q)
+AOP_FUNC void aop_spsc_free(aop_spsc_t *q)
 {
     if (q) { free(q->buf); free(q); }
 }
@@ -762,18 +768,18 @@ AOP_INLINE int aop_spsc_closed(aop_spsc_t *q)
 
 AOP_INLINE void aop_spsc_close(aop_spsc_t *q) { aop_q_close(&q->tail, &q->not_empty, &q->not_full); }
 
-static int aop_spsc_try_push_cb(void *q, void *arg)
+AOP_FUNC int aop_spsc_try_push_cb(void *q, void *arg)
 { return aop_spsc_push_((aop_spsc_t *)q, *(uint64_t *)arg); }
-static int aop_spsc_try_pop_cb(void *q, void *arg)
+AOP_FUNC int aop_spsc_try_pop_cb(void *q, void *arg)
 { return aop_spsc_pop_((aop_spsc_t *)q, (uint64_t *)arg); }
 
-static int aop_spsc_push_wait_(aop_spsc_t *q, uint64_t v, int64_t timeout_ns)
+AOP_FUNC int aop_spsc_push_wait_(aop_spsc_t *q, uint64_t v, int64_t timeout_ns)
 {
     int r = aop_spsc_push_(q, v);
     if (r != AOP_Q_RETRY || timeout_ns == 0) return r;   /* SPSC never reports BUSY */
     return aop_q_wait(&q->not_full, aop_spsc_try_push_cb, q, &v, timeout_ns);
 }
-static int aop_spsc_pop_wait_(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns)
+AOP_FUNC int aop_spsc_pop_wait_(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns)
 {
     int r = aop_spsc_pop_(q, out);
     if (r != AOP_Q_RETRY || timeout_ns == 0) return r;
@@ -782,7 +788,7 @@ static int aop_spsc_pop_wait_(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns)
 
 /* Probes (see the MPMC ones).  Each runs on its own side's thread only, so updating that
  * side's private cached index is allowed, as the operations do. */
-static int aop_spsc_can_push_(void *queue, void *unused)
+AOP_FUNC int aop_spsc_can_push_(void *queue, void *unused)
 {
     aop_spsc_t *q = (aop_spsc_t *)queue;
     /* relaxed: we are the only writer of tail besides close(); as in push_many_ */
@@ -791,7 +797,7 @@ static int aop_spsc_can_push_(void *queue, void *unused)
     if (t & AOP_Q_MARK) return AOP_Q_CLOSED;
     return aop_spsc_room_(q, t, 1) ? AOP_Q_OK : AOP_Q_RETRY;
 }
-static int aop_spsc_can_pop_(void *queue, void *unused)
+AOP_FUNC int aop_spsc_can_pop_(void *queue, void *unused)
 {
     aop_spsc_t *q = (aop_spsc_t *)queue;
     uint64_t h = aop_load_u64p(&q->head, AOP_RELAXED);   /* relaxed: only we write head */
@@ -800,13 +806,13 @@ static int aop_spsc_can_pop_(void *queue, void *unused)
     if (aop_spsc_avail_(q, h, 1, &closed)) return AOP_Q_OK;
     return closed ? AOP_Q_CLOSED : AOP_Q_RETRY;
 }
-static int aop_spsc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
+AOP_FUNC int aop_spsc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
 { (void)unused; return aop_q_wait(&((aop_spsc_t *)q)->not_full, aop_spsc_can_push_, q, NULL, timeout_ns); }
-static int aop_spsc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
+AOP_FUNC int aop_spsc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
 { (void)unused; return aop_q_wait(&((aop_spsc_t *)q)->not_empty, aop_spsc_can_pop_, q, NULL, timeout_ns); }
 
 /* Every published item, oldest first (see aop_mpmc_each_; same conditions). */
-static int aop_spsc_each_(aop_spsc_t *q, int (*fn)(uint64_t, void *), void *arg)
+AOP_FUNC int aop_spsc_each_(aop_spsc_t *q, int (*fn)(uint64_t, void *), void *arg)
 {
     uint64_t h = aop_load_u64p(&q->head, AOP_RELAXED);   /* relaxed: see aop_mpmc_each_ */
     uint64_t t = aop_load_u64p(&q->tail, AOP_RELAXED) & ~AOP_Q_MARK, i;
@@ -827,23 +833,23 @@ AOP_INLINE int aop_spsc_try_pop_u64(aop_spsc_t *q, uint64_t *out)
     if (AOP_Q_UNLIKELY(!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW))) return AOP_Q_BADMODE;
     return aop_spsc_pop_(q, out);
 }
-static int aop_spsc_push_u64(aop_spsc_t *q, uint64_t v, int64_t timeout_ns)
+AOP_FUNC int aop_spsc_push_u64(aop_spsc_t *q, uint64_t v, int64_t timeout_ns)
 {
     if (!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW)) return AOP_Q_BADMODE;
     return aop_spsc_push_wait_(q, v, timeout_ns);
 }
-static int aop_spsc_pop_u64(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns)
+AOP_FUNC int aop_spsc_pop_u64(aop_spsc_t *q, uint64_t *out, int64_t timeout_ns)
 {
     if (!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW)) return AOP_Q_BADMODE;
     return aop_spsc_pop_wait_(q, out, timeout_ns);
 }
-static int aop_spsc_push_many_u64(aop_spsc_t *q, const uint64_t *v, uint64_t n, uint64_t *pushed)
+AOP_FUNC int aop_spsc_push_many_u64(aop_spsc_t *q, const uint64_t *v, uint64_t n, uint64_t *pushed)
 {
     *pushed = 0;
     if (!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW)) return AOP_Q_BADMODE;
     return aop_spsc_push_many_(q, v, n, pushed);
 }
-static int aop_spsc_pop_many_u64(aop_spsc_t *q, uint64_t *out, uint64_t n, uint64_t *popped)
+AOP_FUNC int aop_spsc_pop_many_u64(aop_spsc_t *q, uint64_t *out, uint64_t n, uint64_t *popped)
 {
     *popped = 0;
     if (!aop_q_mode_ok(&q->mode, AOP_Q_MODE_RAW)) return AOP_Q_BADMODE;

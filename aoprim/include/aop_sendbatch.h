@@ -20,6 +20,12 @@
 #ifndef AOP_SENDBATCH_H
 #define AOP_SENDBATCH_H
 
+
+#ifndef AOP_FUNC
+/* A helper defined in this header: static, and unused in a module that does not call it
+ * (no -Wunused-function warning in a cimporting extension). */
+#define AOP_FUNC static __attribute__((unused))
+#endif
 #include <sys/types.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -39,11 +45,11 @@
 #endif
 
 /* EAGAIN and EWOULDBLOCK may or may not be the same number: test both, in C. */
-static inline int aop_sb_would_block(int e) { return e == EAGAIN || e == EWOULDBLOCK; }
+AOP_FUNC inline int aop_sb_would_block(int e) { return e == EAGAIN || e == EWOULDBLOCK; }
 
 /* aop_sb_write with extra send flags for sockets (MSG_DONTWAIT: never block, whatever the
  * fd's mode); `flags` is ignored for write()/writev(). */
-static inline ssize_t aop_sb_write_flags(int fd, struct iovec *iov, int cnt, int is_sock,
+AOP_FUNC inline ssize_t aop_sb_write_flags(int fd, struct iovec *iov, int cnt, int is_sock,
                                          int flags)
 {
     ssize_t n;
@@ -63,7 +69,7 @@ static inline ssize_t aop_sb_write_flags(int fd, struct iovec *iov, int cnt, int
     return n < 0 ? -(ssize_t)errno : n;
 }
 
-static inline ssize_t aop_sb_write(int fd, struct iovec *iov, int cnt, int is_sock)
+AOP_FUNC inline ssize_t aop_sb_write(int fd, struct iovec *iov, int cnt, int is_sock)
 {
     return aop_sb_write_flags(fd, iov, cnt, is_sock, 0);
 }

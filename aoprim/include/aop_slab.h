@@ -42,6 +42,12 @@
 #ifndef AOP_SLAB_H
 #define AOP_SLAB_H
 
+
+#ifndef AOP_FUNC
+/* A helper defined in this header: static, and unused in a module that does not call it
+ * (no -Wunused-function warning in a cimporting extension). */
+#define AOP_FUNC static __attribute__((unused))
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -206,7 +212,7 @@ AOP_INLINE char *aop_slab_ptr(aop_slab_t *s, int64_t i) { return s->arena + i * 
 /* Allocate a pool.  Returns NULL with *err = EINVAL (bad sizes) or ENOMEM.
  * Alignment: a page for slots of at least a page (each slot then starts on a page), else 64
  * bytes (each slot starts on its own cache line; no false sharing between neighbours). */
-static aop_slab_t *aop_slab_new(int64_t slot_size, int64_t nslots, int *err)
+AOP_FUNC aop_slab_t *aop_slab_new(int64_t slot_size, int64_t nslots, int *err)
 {
     aop_slab_t *s = NULL;
     void *arena = NULL, *mem = NULL;
@@ -250,7 +256,7 @@ static aop_slab_t *aop_slab_new(int64_t slot_size, int64_t nslots, int *err)
 }
 
 /* Free a pool.  The caller guarantees nobody uses it any more. */
-static void aop_slab_destroy(aop_slab_t *s)
+AOP_FUNC void aop_slab_destroy(aop_slab_t *s)
 {
     if (s == NULL) return;
     free(s->cells);

@@ -30,6 +30,12 @@
 #ifndef AOP_SOCKFD_H
 #define AOP_SOCKFD_H
 
+
+#ifndef AOP_FUNC
+/* A helper defined in this header: static, and unused in a module that does not call it
+ * (no -Wunused-function warning in a cimporting extension). */
+#define AOP_FUNC static __attribute__((unused))
+#endif
 #include <Python.h>
 #include <stdint.h>
 
@@ -45,13 +51,13 @@ typedef struct {
 
 /* `_socket.socket`, and whether the layout check passed: written once at module import,
  * read-only afterwards (each extension module that includes this header has its own). */
-static PyTypeObject *aop_sockfd_type = NULL;
-static int aop_sockfd_ok = 0;
+AOP_FUNC PyTypeObject *aop_sockfd_type = NULL;
+AOP_FUNC int aop_sockfd_ok = 0;
 
 /* Remember `_socket.socket` (a strong reference, kept for the process).  1: its instances
  * are large enough to hold the struct above (the caller then probes the fields), 0: they
  * are not (stay on the methods), -1 with an exception. */
-static int aop_sockfd_init(PyObject *socket_type)
+AOP_FUNC int aop_sockfd_init(PyObject *socket_type)
 {
     if (!PyType_Check(socket_type)) {
         PyErr_SetString(PyExc_TypeError, "_socket.socket is not a type");
@@ -66,32 +72,32 @@ static int aop_sockfd_init(PyObject *socket_type)
 }
 
 /* The import-time check's reads: (fd, timeout in ns) of `sock`, any layout. */
-static inline int aop_sockfd_probe_fd(PyObject *sock)
+AOP_FUNC inline int aop_sockfd_probe_fd(PyObject *sock)
 {
     return __atomic_load_n(&((aop_sockfd_obj *)sock)->sock_fd, __ATOMIC_RELAXED);
 }
-static inline int64_t aop_sockfd_probe_timeout(PyObject *sock)
+AOP_FUNC inline int64_t aop_sockfd_probe_timeout(PyObject *sock)
 {
     return __atomic_load_n(&((aop_sockfd_obj *)sock)->sock_timeout, __ATOMIC_RELAXED);
 }
 
 /* The check passed and `o` is a `_socket.socket` (or subclass) instance: its fields may be
  * read directly. */
-static inline int aop_sockfd_fast(PyObject *o)
+AOP_FUNC inline int aop_sockfd_fast(PyObject *o)
 {
     return aop_sockfd_ok && (Py_TYPE(o) == aop_sockfd_type ||
                              PyType_IsSubtype(Py_TYPE(o), aop_sockfd_type));
 }
 
 /* fileno(): the fd, -1 when closed.  Only when aop_sockfd_fast(sock). */
-static inline int aop_sockfd_fd(PyObject *sock)
+AOP_FUNC inline int aop_sockfd_fd(PyObject *sock)
 {
     /* relaxed: see the header comment */
     return __atomic_load_n(&((aop_sockfd_obj *)sock)->sock_fd, __ATOMIC_RELAXED);
 }
 
 /* gettimeout() == 0.0: the socket is non-blocking now.  Only when aop_sockfd_fast(sock). */
-static inline int aop_sockfd_nonblocking(PyObject *sock)
+AOP_FUNC inline int aop_sockfd_nonblocking(PyObject *sock)
 {
     /* relaxed: see the header comment */
     return __atomic_load_n(&((aop_sockfd_obj *)sock)->sock_timeout, __ATOMIC_RELAXED) == 0;

@@ -51,6 +51,12 @@
 #ifndef AOP_SOCKPIN_H
 #define AOP_SOCKPIN_H
 
+
+#ifndef AOP_FUNC
+/* A helper defined in this header: static, and unused in a module that does not call it
+ * (no -Wunused-function warning in a cimporting extension). */
+#define AOP_FUNC static __attribute__((unused))
+#endif
 #include <Python.h>
 #include <structmember.h>
 
@@ -62,12 +68,12 @@
 
 /* Offsets of socket.socket's `_io_refs` and `_closed` slots; 0 until aop_sockpin_init.
  * Written once at module import (before any batch exists), read-only afterwards. */
-static Py_ssize_t aop_sp_off_refs = 0;
-static Py_ssize_t aop_sp_off_closed = 0;
-static PyObject *aop_sp_descr_refs = NULL;     /* strong references, kept for the process */
-static PyObject *aop_sp_descr_closed = NULL;
+AOP_FUNC Py_ssize_t aop_sp_off_refs = 0;
+AOP_FUNC Py_ssize_t aop_sp_off_closed = 0;
+AOP_FUNC PyObject *aop_sp_descr_refs = NULL;     /* strong references, kept for the process */
+AOP_FUNC PyObject *aop_sp_descr_closed = NULL;
 
-static Py_ssize_t aop_sp_slot_offset(PyObject *descr)
+AOP_FUNC Py_ssize_t aop_sp_slot_offset(PyObject *descr)
 {
     PyMemberDef *m;
     if (!Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
@@ -83,7 +89,7 @@ static Py_ssize_t aop_sp_slot_offset(PyObject *descr)
 }
 
 /* Called once with socket.socket.__dict__['_io_refs'] and ['_closed']. */
-static int aop_sockpin_init(PyObject *d_refs, PyObject *d_closed)
+AOP_FUNC int aop_sockpin_init(PyObject *d_refs, PyObject *d_closed)
 {
     Py_ssize_t a = aop_sp_slot_offset(d_refs), b;
     if (a < 0)
@@ -105,7 +111,7 @@ static int aop_sockpin_init(PyObject *d_refs, PyObject *d_closed)
 /* One step on `_io_refs` (delta +1: pin; -1: unpin, never below 0) and a read of `_closed`,
  * in ONE critical section.  Returns 1 when `_closed` is True, 0 when not, -1 with an
  * exception (`_io_refs` unset, not an int, or at PY_SSIZE_T_MAX: nothing changed). */
-static int aop_sock_refs_step(PyObject *sock, int delta)
+AOP_FUNC int aop_sock_refs_step(PyObject *sock, int delta)
 {
     PyObject **refs = AOP_SP_SLOT(sock, aop_sp_off_refs);
     PyObject **closed = AOP_SP_SLOT(sock, aop_sp_off_closed);
@@ -141,7 +147,7 @@ static int aop_sock_refs_step(PyObject *sock, int delta)
 
 /* Pin: returns 1 (pinned, open), 0 (pinned, but close() was already called: unpin it all
  * the same), -1 with an exception (nothing taken). */
-static inline int aop_sock_pin(PyObject *sock)
+AOP_FUNC inline int aop_sock_pin(PyObject *sock)
 {
     int r = aop_sock_refs_step(sock, 1);
     return r < 0 ? -1 : !r;
@@ -149,7 +155,7 @@ static inline int aop_sock_pin(PyObject *sock)
 
 /* Unpin: returns 1 when close() was called meanwhile (the caller calls sock.close() now,
  * outside the section: it runs Python code), 0 otherwise, -1 with an exception. */
-static inline int aop_sock_unpin(PyObject *sock)
+AOP_FUNC inline int aop_sock_unpin(PyObject *sock)
 {
     return aop_sock_refs_step(sock, -1);
 }
@@ -157,7 +163,7 @@ static inline int aop_sock_unpin(PyObject *sock)
 /* `_closed` is True: close() was called (while pinned, the fd is still open).  One pointer
  * load, compared, never dereferenced.  Relaxed: advisory -- while the pin is held the number
  * cannot be reused whatever this reads; it only makes a flush stop sooner after a close(). */
-static inline int aop_sock_closing(PyObject *sock)
+AOP_FUNC inline int aop_sock_closing(PyObject *sock)
 {
     return __atomic_load_n(AOP_SP_SLOT(sock, aop_sp_off_closed), __ATOMIC_RELAXED) == Py_True;
 }
@@ -166,7 +172,7 @@ static inline int aop_sock_closing(PyObject *sock)
  * through the slots above: generic attribute access, and `io_refs` / `closed` -- what the
  * type's MRO resolves the two names to, found by the caller -- are socket.socket's own
  * descriptors.  Checked once per batch, at SendBatch.__init__. */
-static int aop_sockpin_type_ok(PyTypeObject *t, PyObject *io_refs, PyObject *closed)
+AOP_FUNC int aop_sockpin_type_ok(PyTypeObject *t, PyObject *io_refs, PyObject *closed)
 {
     return aop_sp_descr_refs != NULL && io_refs == aop_sp_descr_refs &&
            closed == aop_sp_descr_closed &&
