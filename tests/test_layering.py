@@ -52,11 +52,28 @@ def _module_path(name):
     return PKG / f"{name}.py"
 
 
+def _typing_only(tree):
+    """The nodes under ``if TYPE_CHECKING:``: imports a type checker reads and the
+    interpreter never runs (annotations naming a type of another layer), so no layering
+    dependency at run time."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+                (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING") or
+                (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")):
+            for stmt in node.body:
+                skip.update(id(n) for n in ast.walk(stmt))
+    return skip
+
+
 def imports_of(path):
     tree = ast.parse(path.read_text())
     server_mods, top = set(), set()
     here = path.parent
+    typing_only = _typing_only(tree)
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             for a in node.names:
                 top.add(a.name.split(".")[0])
@@ -159,6 +176,12 @@ def test_the_import_checker_catches_a_violation(tmp_path):
     q.write_text("import socket\nfrom aoprim.server import loop\n")
     mods, top = imports_of(q)
     assert mods == {"loop"} and "socket" in top
+    # an import only a type checker runs is no dependency; the same import at run time is
+    q.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                 "    import socket\n    from aoprim.server import session\n"
+                 "else:\n    from aoprim.server import loop\n")
+    mods, top = imports_of(q)
+    assert mods == {"loop"} and "socket" not in top
 
 
 def test_the_private_checker_catches_a_violation(tmp_path):

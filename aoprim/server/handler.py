@@ -24,17 +24,24 @@ Rules for handlers:
   raises, on any thread, is logged and nothing else happens (its session is closed already).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .session import Session
+
 __all__ = ["Handler"]
 
 
 class Handler:
     """Base class of the Layer 3 code.  All hooks default to doing nothing."""
 
-    def on_connect(self, session):
+    def on_connect(self, session: Session) -> None:
         """A session was accepted (before any of its frames is read)."""
 
-    def on_read(self, session, data):
+    def on_read(self, session: Session, data: memoryview | bytes) -> None:
         """One frame arrived; ``data`` is valid during this call only."""
 
-    def on_close(self, session, exc):
+    def on_close(self, session: Session, exc: BaseException | None) -> None:
         """The session is closed; ``exc`` is the exception that closed it, or None."""
