@@ -12,7 +12,9 @@ A runnable block is a fenced ```python block right after a marker line:
 Each block runs as its own test (id: its position and the README heading above it), in a
 fresh Python process, as a script in an empty folder (so the checkout cannot shadow the
 package) against the aoprim that this test run imports, bounded in time: a snippet that
-starts a server must stop it itself.  A line ``print(...)  # TEXT`` says what it prints:
+starts a server must stop it itself.  It passes when it exits 0, writes nothing at all to
+stderr (an exception an event loop logs and carries on from, a warning: what a newcomer would
+see is a failure), and prints what it says.  A line ``print(...)  # TEXT`` says what it prints:
 the output line must be TEXT, or TEXT must start with the output line and ": " (a comment
 after the value).  Prints without such a comment may print anything.
 """
@@ -127,6 +129,10 @@ def run_snippet(snippet, earlier, workdir):
         return f"did not finish within {timeout:g} s (stdout: {e.stdout!r})"
     if proc.returncode != 0:
         return f"exited {proc.returncode}\n--- stderr:\n{proc.stderr}\n--- stdout:\n{proc.stdout}"
+    if proc.stderr:
+        # a traceback logged by the event loop, a warning, a compiler's complaint: a newcomer
+        # who runs the snippet sees it, so it is a failure even when the exit status is 0
+        return f"wrote to stderr\n--- stderr:\n{proc.stderr}\n--- stdout:\n{proc.stdout}"
     expect = expected_output(snippet.code)
     got = proc.stdout.splitlines()
     if not output_matches(expect, got):
@@ -225,6 +231,13 @@ from helper import VALUE
 print(VALUE)   # 42: from the earlier file= snippet
 ```
 
+<!-- runnable -->
+```python
+import sys
+print("ok")    # ok
+print("Exception in callback ...", file=sys.stderr)
+```
+
 ```python
 print("not marked")
 ```
@@ -233,7 +246,7 @@ print("not marked")
 
 def test_a_broken_snippet_fails(tmp_path):
     snippets = parse(BROKEN)
-    assert [s.marked for s in snippets] == [True, True, True, True, True, False]
+    assert [s.marked for s in snippets] == [True, True, True, True, True, True, False]
     runnable = [s for s in snippets if s.marked]
     results = []
     for i, s in enumerate(runnable):
@@ -245,6 +258,7 @@ def test_a_broken_snippet_fails(tmp_path):
     assert "did not finish within 2 s" in results[2]
     assert results[3] is None
     assert results[4] is None
+    assert "wrote to stderr" in results[5] and "Exception in callback" in results[5]
 
 
 def test_expected_output_rules():
