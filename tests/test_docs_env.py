@@ -29,8 +29,10 @@ def _code_files():
     files = [ROOT / "setup.py"]
     for d in READERS:
         for p in (ROOT / d).rglob("*"):
+            # build/ inside the checkout (.ci/sanitize's copy), not a folder of that name
+            # above it: the checkout may sit anywhere
             if p.is_file() and p.suffix in SUFFIXES and p.name != "test_docs_env.py" \
-                    and "build" not in p.parts:
+                    and "build" not in p.relative_to(ROOT).parts:
                 files.append(p)
     return files
 
