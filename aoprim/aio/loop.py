@@ -34,6 +34,9 @@ Handle), and the epoll selector's ``_fd_to_key`` / ``_selector``), ``_make_socke
 hooks its create_connection / create_server / create_unix_* / connect_accepted_socket /
 start_tls paths call), ``_ensure_fd_no_transport``, ``_write_to_self`` (the self-pipe
 wake-up), and ``asyncio.sslproto.SSLProtocol``.
+Where asyncio deprecates its event loop policies (3.14+, per its documented source; not
+run here): ``asyncio._DefaultEventLoopPolicy`` and ``asyncio.events._set_event_loop_policy``
+(see ``_policy_api``).
 
 The notify callback is ``SocketTransport._aio_flushed`` itself (a plain function taking
 ``(transport, status)``), so the flush adds no Python frame of the loop's own.
@@ -41,6 +44,8 @@ The notify callback is ``SocketTransport._aio_flushed`` itself (a plain function
 import asyncio
 import asyncio.constants as _aconst
 import selectors
+import warnings
+from typing import TYPE_CHECKING
 import asyncio.sslproto as _sslproto
 
 from aoprim import FlushGroup
@@ -209,8 +214,35 @@ def new_event_loop():
     return Loop()
 
 
-class EventLoopPolicy(asyncio.DefaultEventLoopPolicy):
-    """asyncio's default policy (child watchers included), making :class:`Loop` s."""
+def _policy_api(aio):
+    """``(deprecated, base, setter)`` for the asyncio module ``aio``: whether its event loop
+    policies are deprecated, the default policy class to derive from, and the function that
+    sets the policy (``None``, ``None`` where asyncio has no policies any more).
+
+    On 3.11-3.13 the policy names are public and silent.  3.14 deprecates them (removal
+    planned for 3.16): ``asyncio.DefaultEventLoopPolicy`` is served by the module's
+    ``__getattr__`` with a ``DeprecationWarning`` and ``asyncio.set_event_loop_policy()``
+    warns, each wrapping a private name (``asyncio._DefaultEventLoopPolicy``,
+    ``asyncio.events._set_event_loop_policy``) that is used here instead, so that importing
+    this module and :func:`install` raise none of CPython's warnings.  The branch follows
+    what the module holds, not a version number."""
+    if "DefaultEventLoopPolicy" in vars(aio):
+        return False, aio.DefaultEventLoopPolicy, aio.set_event_loop_policy
+    return (True, vars(aio).get("_DefaultEventLoopPolicy"),
+            getattr(getattr(aio, "events", None), "_set_event_loop_policy", None))
+
+
+POLICIES_DEPRECATED, _policy_base, _set_policy = _policy_api(asyncio)
+if TYPE_CHECKING:
+    _PolicyBase = asyncio.DefaultEventLoopPolicy
+else:                                        # no policies: EventLoopPolicy is a plain class
+    _PolicyBase = _policy_base if _policy_base is not None else object
+
+
+class EventLoopPolicy(_PolicyBase):
+    """asyncio's default policy (child watchers included), making :class:`Loop` s.  Where
+    asyncio has event loop policies only; a loop factory needs none: pass
+    ``loop_factory=new_event_loop`` to ``asyncio.run()`` (3.12+) or ``asyncio.Runner``."""
 
     def new_event_loop(self):
         return Loop()
@@ -233,5 +265,22 @@ def run(main, *, debug=None):
 
 def install():
     """Make :class:`Loop` asyncio's default: ``asyncio.set_event_loop_policy(
-    EventLoopPolicy())``."""
-    asyncio.set_event_loop_policy(EventLoopPolicy())
+    EventLoopPolicy())``.
+
+    Where asyncio deprecates its policies (3.14+) this still sets the policy, without
+    CPython's warning, and emits one ``DeprecationWarning`` of its own that names the loop
+    factory to use instead; where asyncio has no policies it raises ``RuntimeError``."""
+    if _set_policy is None:
+        raise RuntimeError(
+            "aoprim.aio.install() needs asyncio's event loop policies, which this Python does "
+            "not have: run the code with asyncio.run(main(), "
+            "loop_factory=aoprim.aio.new_event_loop), asyncio.Runner(loop_factory="
+            "aoprim.aio.new_event_loop) or aoprim.aio.run(main())")
+    if POLICIES_DEPRECATED:
+        warnings.warn(
+            "aoprim.aio.install() sets an asyncio event loop policy; asyncio deprecates "
+            "policies from Python 3.14 (removal planned for 3.16): use asyncio.run(main(), "
+            "loop_factory=aoprim.aio.new_event_loop), asyncio.Runner(loop_factory="
+            "aoprim.aio.new_event_loop) or aoprim.aio.run(main()) instead",
+            DeprecationWarning, stacklevel=2)
+    _set_policy(EventLoopPolicy())
