@@ -13,9 +13,12 @@ the loop stops, every pool slot is back (``stats()["rx_slots_in_use"] == 0``), e
 closed and every worker thread joined -- or, for a worker stuck in a handler, an error is
 logged and its session's buffers go back when the handler returns.
 """
+from __future__ import annotations
+
 import logging
 import socket
 import threading
+from typing import TYPE_CHECKING, Any
 
 from aoprim import SlabPool, Slot, RxArena
 
@@ -28,6 +31,19 @@ from .session import RawSession, Session, SessionContext
 from .stats import Stats
 from .tx import Flusher, check_payload
 
+if TYPE_CHECKING:
+    import ssl as _ssl
+    from collections.abc import Iterable
+    from types import TracebackType
+
+    from typing_extensions import Buffer, Self
+
+    from aoprim import TLSFlush
+
+    from .dispatch import WorkState
+    from .handler import Handler
+    from .loop import EventLoop
+
 __all__ = ["Server"]
 
 log = logging.getLogger("aoprim.server")
@@ -37,11 +53,11 @@ log = logging.getLogger("aoprim.server")
 _COPY_MAX = 2048
 
 
-def _nothing():
+def _nothing() -> None:
     pass
 
 
-def _prefault(pool):
+def _prefault(pool: SlabPool) -> None:
     """Write every slot of a fresh ``pool`` once, so its pages are resident before the first
     recv (the pool keeps its memory until it is freed: no page is faulted in twice)."""
     slots = [pool.acquire() for _ in range(pool.slots)]
@@ -72,8 +88,10 @@ class Server:
     instead of ``host``/``port``.
     """
 
-    def __init__(self, handler, host="127.0.0.1", port=0, framing="raw", *, sock=None,
-                 ssl=None, handshake_timeout=10.0, **settings):
+    def __init__(self, handler: Handler, host: str | None = "127.0.0.1", port: int = 0,
+                 framing: str = "raw", *, sock: socket.socket | None = None,
+                 ssl: _ssl.SSLContext | None = None, handshake_timeout: float = 10.0,
+                 **settings: Any) -> None:
         for hook in ("on_connect", "on_read", "on_close"):
             if not callable(getattr(handler, hook, None)):
                 raise TypeError(f"handler must have a callable {hook}() (subclass Handler)")
@@ -86,7 +104,7 @@ class Server:
         self.handler = handler
         self.framing = st.framing
         self.max_frame = st.max_frame
-        self._loop = create_loop(st.backend)
+        self._loop: EventLoop = create_loop(st.backend)
         self.backend = self._loop.backend
         self._rx_pool = SlabPool(st.rx_slot_size, st.rx_slots)
         self._tx_pool = SlabPool(st.tx_slot_size, st.tx_slots)
@@ -94,22 +112,22 @@ class Server:
         # slots of this pool (a 64 KiB message is one recv, not four slot-sized ones and an
         # empty one), and a large echo is sent by reference from that slot.  Its memory is
         # the project's, touched once here: no page of it is ever faulted in again.
-        self._raw_pool = None
+        self._raw_pool: SlabPool | None = None
         if st.framing == "raw" and st.rx_read_size > st.rx_slot_size:
             self._raw_pool = SlabPool(st.rx_read_size, st.rx_read_slots)
             _prefault(self._raw_pool)
-        self._arena = None
+        self._arena: RxArena | None = None
         self._stats = Stats()
-        self._sessions = {}             # id -> Session (open or closing)
-        self._live = set()              # sessions whose RefCount is above zero
+        self._sessions: dict[int, Session] = {}     # id -> Session (open or closing)
+        self._live: set[Session] = set()    # sessions whose RefCount is above zero
         self._next_id = 0
         self._stopping = False
         self._workers_left = 0
-        self._dispatch = None
-        self._listener = None
-        self._flusher = None
-        self._ctx = None
-        self._thread = None
+        self._dispatch: InlineDispatch | WorkerDispatch | None = None
+        self._listener: Listener | None = None
+        self._flusher: Flusher | None = None
+        self._ctx: SessionContext | None = None
+        self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._started = False
         # PROXY protocol: who may connect (checked at accept, before reading); None: off
@@ -124,11 +142,12 @@ class Server:
         except BaseException:
             self._loop.close()
             raise
-        # (host, port), or the path of an AF_UNIX socket passed as sock=
-        self.address = sock_address(self._lsock)
+        # (host, port) -- for IPv6 too -- or the path of an AF_UNIX socket passed as sock=
+        # (typed as the TCP case, which is what nearly every caller has)
+        self.address: tuple[str, int] = sock_address(self._lsock)
 
     # -- set-up --------------------------------------------------------------------------
-    def _prepare(self):
+    def _prepare(self) -> None:
         if self._started:
             raise RuntimeError("a Server can be started once")
         self._started = True
@@ -142,7 +161,7 @@ class Server:
             self._done.set()
             raise
 
-    def _prepare_parts(self):
+    def _prepare_parts(self) -> None:
         st = self.settings
         loop = self._loop
         if st.workers:
@@ -184,7 +203,7 @@ class Server:
                  describe_address(self.address), st.framing, st.workers, self.backend,
                  ", TLS" if st.ssl is not None else "")
 
-    def start(self):
+    def start(self) -> Self:
         """Serve in a background thread; returns once the server accepts connections."""
         self._prepare()
         ready = threading.Event()
@@ -194,7 +213,7 @@ class Server:
         ready.wait()
         return self
 
-    def serve_forever(self):
+    def serve_forever(self) -> None:
         """Serve in the calling thread until shutdown() or SIGINT/SIGTERM (main thread)."""
         import signal
         self._prepare()
@@ -211,7 +230,7 @@ class Server:
             for sig, h in old.items():
                 signal.signal(sig, h)
 
-    def _run(self, ready):
+    def _run(self, ready: threading.Event | None) -> None:
         try:
             self._loop.call_soon(self._listener.start)
             if ready is not None:
@@ -226,7 +245,7 @@ class Server:
             self._cleanup()
             self._done.set()
 
-    def shutdown(self, timeout=None):
+    def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting, let workers finish, flush what is pending, close every session,
         stop the loop, and wait until it has stopped and cleaned up (every slot back, every
         fd closed) -- whether it runs in start()'s thread or in serve_forever() in a thread
@@ -261,17 +280,18 @@ class Server:
         if self._thread is not None:
             self._thread.join()         # (start()'s thread: it ends right after _done)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type: type[BaseException] | None,
+                 exc: BaseException | None, tb: TracebackType | None) -> None:
         self.shutdown()
 
     # -- accepting (loop thread) -----------------------------------------------------------
-    def _has_room(self):
+    def _has_room(self) -> bool:
         return len(self._sessions) < self.settings.max_connections
 
-    def _accept(self, sock, addr):
+    def _accept(self, sock: socket.socket, addr: Any) -> None:
         if self._trusted is not None and not self._trusted(addr):    # PROXY protocol
             self._stats.connections_total += 1
             refuse_untrusted(sock, addr, self._stats)
@@ -305,7 +325,7 @@ class Server:
         except Exception as e:
             s.handler_failed("on_connect", e)
 
-    def _kick(self):
+    def _kick(self) -> None:
         """Application code ran where this iteration's flush may be past the batches it
         sent to (on_close or a write-limit callback, run from the flush's report): if any
         batch is left dirty, the loop comes round again at once instead of waiting for its
@@ -314,14 +334,14 @@ class Server:
         if len(tls if tls is not None else self._flusher.group):
             self._loop.call_soon(_nothing)
 
-    def _session_closed(self, s):
+    def _session_closed(self, s: Session) -> None:
         self._sessions.pop(s.id, None)
         if self._listener is not None:
             self._listener.room_freed()
         self._check_done()
 
     # -- timeouts (loop thread) ------------------------------------------------------------
-    def _sweep(self):
+    def _sweep(self) -> None:
         """Timeouts (every sweep_every seconds, or 1 s without timeouts) and the receive
         pool's health."""
         st = self.settings
@@ -347,7 +367,7 @@ class Server:
             self._fallbacks_seen = fb
 
     # -- shutdown (loop thread) ------------------------------------------------------------
-    def _begin_shutdown(self):
+    def _begin_shutdown(self) -> None:
         if self._stopping:
             return
         self._stopping = True
@@ -361,30 +381,30 @@ class Server:
         else:
             self._close_all()
 
-    def _worker_exited(self):
+    def _worker_exited(self) -> None:
         if not self._loop.call_soon_threadsafe(self._one_worker_gone):
             self._workers_left -= 1     # the loop is gone: nothing waits for this any more
 
-    def _one_worker_gone(self):
+    def _one_worker_gone(self) -> None:
         self._workers_left -= 1
         if self._workers_left == 0 and self._stopping:
             self._close_all()
 
-    def _close_all(self):
+    def _close_all(self) -> None:
         for s in list(self._sessions.values()):
             s.close_for_shutdown()
         self._check_done()
 
-    def _force_stop(self):
+    def _force_stop(self) -> None:
         for s in list(self._sessions.values()):
             s.abort_for_shutdown("shutdown timeout: unsent data dropped")
         self._loop.stop()
 
-    def _check_done(self):
+    def _check_done(self) -> None:
         if self._stopping and not self._workers_left and not self._sessions:
             self._loop.stop()
 
-    def _cleanup(self):
+    def _cleanup(self) -> None:
         for s in list(self._sessions.values()):
             s.abort_for_shutdown("server stopped")
         if self._dispatch is not None:
@@ -404,7 +424,8 @@ class Server:
         log.info("aoprim server stopped: %s", self.stats())
 
     # -- public ----------------------------------------------------------------------------
-    def broadcast(self, data, sessions=None, exclude=None):
+    def broadcast(self, data: Buffer | Slot, sessions: Iterable[Session] | None = None,
+                  exclude: Session | None = None) -> None:
         """Send one buffer to many sessions (all open ones by default) without copying it per
         session: the payload is written once into a pool ``Slot`` that every session's batch
         retains (a payload small enough to be copied into each batch -- as cheap as a
@@ -452,19 +473,22 @@ class Server:
             if slot is not None:
                 slot.release()          # each session retained its own reference
 
-    def _targets(self, sessions, exclude):
+    def _targets(self, sessions: Iterable[Session] | None,
+                 exclude: Session | None) -> list[Session]:
         # (a copy of the dict first: atomic on any build, also from another thread)
         targets = self._sessions.copy().values() if sessions is None else sessions
         return [s for s in targets if s is not exclude and s.server is self]
 
-    def _broadcast_now(self, item, sessions, exclude):
+    def _broadcast_now(self, item: bytes | Slot, sessions: Iterable[Session] | None,
+                       exclude: Session | None) -> None:
         k = 0
         for s in self._targets(sessions, exclude):
             if s.send_broadcast(item):
                 k += 1
         self._stats.frames_out += k
 
-    def _broadcast_foreign(self, item, sessions, exclude):
+    def _broadcast_foreign(self, item: bytes | Slot, sessions: Iterable[Session] | None,
+                           exclude: Session | None) -> None:
         k = 0
         for s in self._targets(sessions, exclude):
             if s.queue_broadcast(item):
@@ -472,29 +496,29 @@ class Server:
         self._stats.frames_out_x.fetch_add(k)   # any thread: atomic
 
     @property
-    def sessions(self):
+    def sessions(self) -> list[Session]:
         """The open and closing sessions (a snapshot list; a closing one drops sends)."""
         return list(self._sessions.values())
 
     @property
-    def live_sessions(self):
+    def live_sessions(self) -> int:
         """How many sessions still hold references (0 after shutdown when nothing leaked)."""
         return len(self._live)
 
     @property
-    def rx_pool(self):
+    def rx_pool(self) -> SlabPool:
         return self._rx_pool
 
     @property
-    def tx_pool(self):
+    def tx_pool(self) -> SlabPool:
         return self._tx_pool
 
     @property
-    def loop(self):
+    def loop(self) -> EventLoop:
         """The Layer 1 loop (for timers and call_soon_threadsafe from handlers)."""
         return self._loop
 
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         """Counters (JSON-serialisable): connections, frames and bytes in/out, syscalls,
         pool slots in use, close causes."""
         lst = self._listener

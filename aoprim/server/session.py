@@ -24,6 +24,8 @@ a worker holds one more.  At zero the session leaves the server's live set.
 Threads: everything but ``send``, ``close``, ``abort``, ``pause_reading``, ``resume_reading``
 (and the dispatch hooks a worker calls) runs on the loop thread; those hop to it.
 """
+from __future__ import annotations
+
 import errno
 import logging
 import os
@@ -31,6 +33,7 @@ import socket
 import sys
 import threading
 import traceback
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from aoprim import Receiver, RefCount, SendBatch, Slot
 
@@ -41,6 +44,22 @@ from .rx import (PAUSE_BACKLOG, PAUSE_BACKPRESSURE, PAUSE_CLOSING, PAUSE_EOF, PA
                  RX_TOO_LARGE, Rx)
 from .tx import ForeignSends, foreign_item, release_item
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, TypeAlias
+
+    from aoprim import RxArena, TLSFlush
+
+    from .config import Settings
+    from .dispatch import InlineDispatch, WorkerDispatch
+    from .loop import EventLoop, Timer
+    from .server import Server
+    from .stats import Stats
+    from .tx import Flusher
+
+    #: what send() takes: any bytes-like object (bytes, bytearray, memoryview, ...) or a
+    #: pool Slot (retained, not copied)
+    SendData: TypeAlias = Union[Buffer, Slot]
+
 __all__ = ["Session", "SessionContext"]
 
 log = logging.getLogger("aoprim.server")
@@ -50,7 +69,7 @@ _get_ident = threading.get_ident
 try:
     import fcntl
 except ImportError:
-    fcntl = None
+    fcntl = None    # type: ignore[assignment]
 # Linux's SIOCOUTQNSD (linux/sockios.h): bytes in a socket's send queue not sent yet
 _SIOCOUTQNSD = 0x894B if fcntl is not None and sys.platform.startswith("linux") else None
 # sends of a receive frame view at least this long go by reference (issue 20): see
@@ -67,7 +86,7 @@ _DISCARD = 65536
 _SERVER_HOLDS = PAUSE_USER | PAUSE_BACKLOG | PAUSE_SHUTDOWN | PAUSE_EOF
 
 
-def _unsent(fd, _buf=bytes(4)):
+def _unsent(fd: int, _buf: bytes = bytes(4)) -> int:
     """Bytes in the kernel's send queue of ``fd`` not sent yet (the peer's window is full):
     ``SIOCOUTQNSD``; 0 where it cannot be asked."""
     if _SIOCOUTQNSD is None:
@@ -83,6 +102,18 @@ class SessionContext:
 
     __slots__ = ("server", "loop", "settings", "flusher", "arena", "dispatch", "stats",
                  "session_closed", "session_gone", "tls", "kick")
+
+    server: Server
+    loop: EventLoop
+    settings: Settings
+    flusher: Flusher
+    arena: RxArena
+    dispatch: InlineDispatch | WorkerDispatch
+    stats: Stats
+    session_closed: Callable[[Session], None]
+    session_gone: Callable[[Session], None]
+    tls: TLSFlush | None
+    kick: Callable[[], None]
 
 
 class Session:
@@ -100,7 +131,17 @@ class Session:
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "__weakref__")
 
-    def __init__(self, ctx, sock, sid, peer):
+    id: int                 # 1, 2, ... in the order the server accepted them
+    #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
+    #: ``(host, port, flowinfo, scope_id)`` for IPv6, a path for AF_UNIX) or, with the PROXY
+    #: protocol, the ``(host, port)`` its header names
+    peer: Any
+    proxy_peer: Any         # the balancer's address under the PROXY protocol, else None
+    server: Server
+    user: Any               # free for the application
+    work: WorkState | None  # the session's place in the worker dispatch (workers only)
+
+    def __init__(self, ctx: SessionContext, sock: socket.socket, sid: int, peer: Any) -> None:
         self.id = sid
         self.peer = peer
         self.proxy_peer = None
@@ -112,9 +153,9 @@ class Session:
         loop = ctx.loop
         self._loop = loop
         self._state = OPEN
-        self._reason = None
-        self._exc = None
-        self._rc = RefCount(1, self._on_zero)
+        self._reason: str | None = None
+        self._exc: BaseException | None = None
+        self._rc: RefCount = RefCount(1, self._on_zero)
         # (a TLS session's batch stays out of the FlushGroup: TLSFlush encrypts it)
         self._batch = ctx.flusher.new_batch(sock, self, ctx.tls is None)
         self._batch.owner_thread = loop.thread_id   # sends from other threads: -1 (slow path)
@@ -130,11 +171,12 @@ class Session:
                       self._rx_event, self, d.copy_frames, loop.time(), self._rx_proxy)
         self._reader = self._rx.receiver.on_readable
         self._writing = False               # write interest armed (the socket would block)
-        self._wm = None                     # (high, low, on_high, on_low): set_write_limits
+        # (high, low, on_high, on_low): set_write_limits
+        self._wm: tuple[int, int, Callable[[], object], Callable[[], object]] | None = None
         self._wm_paused = False
-        self._timer = None                  # close linger / lingering-close timer
+        self._timer: Timer | None = None    # close linger / lingering-close timer
         self._lingering = False             # draining unread input after SHUT_WR
-        self._sockname = None
+        self._sockname: Any = None
         # a close decided on another thread (close(), abort(), a hook's exception on a
         # worker, max_pending of a queued send) that the loop has not run yet: from then on
         # no frame is delivered and sends are dropped
@@ -148,32 +190,32 @@ class Session:
     # the Receiver looks for the PROXY header (a TLS session reads it before the handshake)
     _rx_proxy = True
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         st = ("open", "closing", "closed")[self._state]
         return f"<Session {self.id} {self.peer} {st}>"
 
     # -- public API ---------------------------------------------------------------------
     @property
-    def closed(self):
+    def closed(self) -> bool:
         """True once the session is closing or closed (sends are then dropped)."""
         return self._state != OPEN or self._close_requested
 
     @property
-    def close_reason(self):
+    def close_reason(self) -> str | None:
         return self._reason
 
     @property
-    def pending_bytes(self):
+    def pending_bytes(self) -> int:
         """Bytes accepted by send() and not yet written (approximate off the loop thread)."""
         return self._batch.pending_bytes
 
     @property
-    def socket(self):
+    def socket(self) -> socket.socket:
         """The connection's socket, for inspection and socket options.  Close the session
         with close()/abort(), never the socket itself: the loop owns its fd."""
         return self._sock
 
-    def get_extra_info(self, name, default=None):
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
         """As asyncio's transports: ``"peername"`` (the client's address: ``peer``, the
         PROXY header's when the PROXY protocol is on), ``"sockname"``; TLS sessions also
         answer ``"ssl_object"``, ``"peercert"``, ``"cipher"``, ``"selected_alpn_protocol"``.
@@ -185,7 +227,7 @@ class Session:
         return default
 
     @property
-    def sockname(self):
+    def sockname(self) -> Any:
         if self._sockname is None:
             try:
                 self._sockname = self._sock.getsockname()
@@ -193,7 +235,7 @@ class Session:
                 return None
         return self._sockname
 
-    def send(self, data):
+    def send(self, data: SendData) -> None:
         """Queue ``data`` (bytes-like or ``Slot``) for sending; with u16/u32 framing a header
         is added.  Thread-safe; what one thread sends leaves in that order.  The data is
         copied (a ``Slot`` is retained instead), so the caller may reuse its buffer at once.
@@ -218,7 +260,7 @@ class Session:
         if p > self._hw:
             self._over_high()
 
-    def _send_frame_view(self, data):
+    def _send_frame_view(self, data: memoryview) -> int:
         """send() of a large receive frame view with u16/u32 framing (loop thread): its
         header, then the view by reference -- an export the batch holds until it is sent,
         as in _send_raw (issue 20).  The header is built first (ValueError: nothing
@@ -233,7 +275,7 @@ class Session:
             raise
         return self._write_now(b)
 
-    def _write_now(self, b):
+    def _write_now(self, b: SendBatch) -> int:
         """After a large by-reference send (loop thread): hand the batch to the kernel now,
         as asyncio's ``write()`` does, instead of at the iteration's end; returns the bytes
         still pending.  A large echo has nothing to coalesce with, and waiting costs cache:
@@ -257,7 +299,7 @@ class Session:
             pass
         return b.pending_bytes
 
-    def _send_raw(self, data):
+    def _send_raw(self, data: SendData) -> None:
         """send() with raw framing (installed as ``send`` by :class:`RawSession`)."""
         if self._state:
             self._send_slow(data)
@@ -290,7 +332,7 @@ class Session:
         if p > self._hw:
             self._over_high()
 
-    def close(self):
+    def close(self) -> None:
         """Close gracefully: stop reading, flush what is owed, shut the write side, close.
         Thread-safe."""
         if self._state != OPEN:
@@ -303,7 +345,7 @@ class Session:
             self._close_requested = True
             self._loop.call_soon_threadsafe(self._close, "closed by the application")
 
-    def abort(self):
+    def abort(self) -> None:
         """Close at once, dropping what is unsent.  Thread-safe."""
         if self._state == CLOSED:
             return
@@ -314,13 +356,14 @@ class Session:
             self._close_requested = True
             self._loop.call_soon_threadsafe(self._abort, "aborted by the application")
 
-    def pause_reading(self):
+    def pause_reading(self) -> None:
         self._set_pause(PAUSE_USER, True)
 
-    def resume_reading(self):
+    def resume_reading(self) -> None:
         self._set_pause(PAUSE_USER, False)
 
-    def set_write_limits(self, high, low, on_high, on_low):
+    def set_write_limits(self, high: int, low: int, on_high: Callable[[], object],
+                         on_low: Callable[[], object]) -> None:
         """Call ``on_high()`` once unsent bytes exceed ``high``, then ``on_low()`` once they
         drop to ``low`` or below (loop thread; used by the asyncio adapter)."""
         self._wm = (high, low, on_high, on_low)
@@ -329,7 +372,7 @@ class Session:
         self._check_wm()
 
     # -- sending (slow paths) -----------------------------------------------------------
-    def _send_slow(self, data):
+    def _send_slow(self, data: SendData) -> None:
         """send() when closed (dropped) or from a thread other than the loop's: validate and
         copy here (a ``Slot`` is retained instead), hand the payload over as ONE item, wake
         the loop.  The loop thread frames it with ``SendBatch.add_frame`` -- the one place
@@ -340,7 +383,7 @@ class Session:
         if item is not None and self._push_foreign(item):
             self._ctx.stats.frames_out_x.fetch_add(1)   # any thread: atomic
 
-    def _push_foreign(self, item):
+    def _push_foreign(self, item: bytes | Slot) -> bool:
         """Queue an item for the loop thread (any thread); False if it was dropped."""
         n = self._hs + (len(item) if type(item) is bytes else item.length)
         limit = self._ctx.settings.max_pending
@@ -356,7 +399,7 @@ class Session:
                 "peer does not read", None, logging.WARNING, "max_pending")
         return bool(ok)
 
-    def queue_broadcast(self, item):
+    def queue_broadcast(self, item: bytes | Slot) -> bool:
         """A broadcast made on a thread other than the loop's (``item``: the payload as
         bytes or a pool Slot, retained here for this session): queued behind this thread's
         earlier sends to this session, so what one thread sends leaves in its order."""
@@ -366,7 +409,7 @@ class Session:
             item.retain()
         return self._push_foreign(item)
 
-    def _drain_foreign(self, items):
+    def _drain_foreign(self, items: list[bytes | Slot]) -> None:
         """Loop thread: add the payloads other threads sent, in their order (framed here,
         by the one encoder: add_frame)."""
         b = self._batch
@@ -388,7 +431,7 @@ class Session:
         if self._state != CLOSED and b.pending_bytes > self._hw:
             self._over_high()
 
-    def send_broadcast(self, item):
+    def send_broadcast(self, item: bytes | Slot) -> bool:
         """Add a broadcast's payload (bytes or a pool Slot, framed here by add_frame):
         loop thread."""
         if self._state or self._proxy_wait:     # (PROXY: not before the handler met us)
@@ -403,7 +446,7 @@ class Session:
         return True
 
     # -- back-pressure and the flush (loop thread) --------------------------------------
-    def _over_high(self):
+    def _over_high(self) -> None:
         """A send left more than ``_hw`` bytes pending: the lower of the server's high-water
         mark and ``max_pending``, or -1 while write limits are set (so that every send
         checks them).  ``max_pending`` is checked first and on its own: a high-water mark
@@ -426,8 +469,8 @@ class Session:
         if self._wm is not None:
             self._check_wm()
 
-    def _check_wm(self):
-        high, low, on_high, on_low = self._wm
+    def _check_wm(self) -> None:
+        high, low, on_high, on_low = self._wm     # type: ignore[misc]  # (set: caller checked)
         p = self.pending_bytes
         if not self._wm_paused:
             if p > high:
@@ -439,12 +482,12 @@ class Session:
             on_low()
             self._ctx.kick()
 
-    def _sync_watch(self):
+    def _sync_watch(self) -> None:
         """The flush reports this session after every flush while anything depends on it."""
         self._batch.watch = bool(self._state or self._writing or self._wm is not None or
                                  self._rx.paused & PAUSE_BACKPRESSURE)
 
-    def flushed(self, status):
+    def flushed(self, status: int) -> None:
         """The per-iteration flush's report (loop thread): 0 all sent (watched), 1 data
         still pending (would block or budget used up), -errno the write failed."""
         if self._state == CLOSED:
@@ -479,19 +522,19 @@ class Session:
             return
         self._sync_watch()
 
-    def _on_writable(self):
+    def _on_writable(self) -> None:
         if self._state != CLOSED:
             self._requeue()                     # flushed at the end of this iteration
 
-    def _requeue(self):
+    def _requeue(self) -> None:
         """Have this session's batch flushed at the end of this iteration."""
         self._ctx.flusher.requeue(self._batch)
 
-    def _owes_output(self):
+    def _owes_output(self) -> int:
         """Something is still to be written before the write side may be shut."""
         return self._batch.pending_msgs
 
-    def _update_interest(self):
+    def _update_interest(self) -> None:
         if self._state == CLOSED:
             return
         if self._lingering:
@@ -500,7 +543,7 @@ class Session:
             r = self._reader if not self._rx.paused else None
         self._loop.set_callbacks(self._fd, r, self._on_writable if self._writing else None)
 
-    def _set_pause(self, reason, on):
+    def _set_pause(self, reason: int, on: bool) -> None:
         if _get_ident() != self._loop.thread_id:
             self._loop.call_soon_threadsafe(self._set_pause, reason, on)
             return
@@ -512,7 +555,7 @@ class Session:
         elif self._rx.resume(reason):
             self._reading_resumed()
 
-    def _reading_resumed(self):
+    def _reading_resumed(self) -> None:
         """The last pause reason was cleared (loop thread)."""
         self._update_interest()
         if self._rx.receiver.pending:
@@ -520,41 +563,42 @@ class Session:
             # once held): no readiness event will come for them
             self._loop.call_soon(self._deliver_held)
 
-    def _deliver_held(self):
+    def _deliver_held(self) -> None:
         if self._state == OPEN and not self._rx.paused:
             self._reader()
 
     # -- hooks for the server's parts ---------------------------------------------------
-    def start(self):
+    def start(self) -> None:
         """Register with the loop (loop thread, right after accept)."""
         self._update_interest()
 
-    def fail_start(self, reason):
+    def fail_start(self, reason: str) -> None:
         """start() failed (loop thread): close at once, before the handler met the session
         (no on_close), giving back everything the accept took."""
         self._proxy_wait = True         # the handler has not met us: no on_close
         self._abort(reason, level=logging.WARNING, cause="register")
 
-    def stop_reading(self):
+    def stop_reading(self) -> None:
         """The server is shutting down: no more reads (loop thread)."""
         self._set_pause(PAUSE_SHUTDOWN, True)
 
-    def pause_for_backlog(self, on):
+    def pause_for_backlog(self, on: bool) -> None:
         """The worker backlog is full (True) / drained (False); any thread."""
         self._set_pause(PAUSE_BACKLOG, on)
 
-    def ref(self):
+    def ref(self) -> None:
         self._rc.incref()
 
-    def unref(self):
+    def unref(self) -> None:
         rc = self._rc           # _on_zero drops the attribute
         rc.decref()
 
-    def counters(self):
+    def counters(self) -> tuple[Receiver, SendBatch, int]:
         """(receiver, batch, frames sent on the loop thread) for the stats."""
         return self._rx.receiver, self._batch, self._nout
 
-    def check_timeouts(self, now, idle_timeout, frame_timeout, proxy_timeout=None):
+    def check_timeouts(self, now: float, idle_timeout: float | None,
+                       frame_timeout: float | None, proxy_timeout: float | None = None) -> None:
         if self._state != OPEN:
             return
         rx = self._rx
@@ -584,17 +628,17 @@ class Session:
         if reason is not None:
             self._abort(reason, level=logging.WARNING, cause="timeout")
 
-    def _bytes_written(self):
+    def _bytes_written(self) -> int:
         """Bytes this session wrote to its socket so far (check_timeouts' progress)."""
         return self._batch.stats["bytes"]
 
-    def close_for_shutdown(self):
+    def close_for_shutdown(self) -> None:
         self._close("server shutdown", level=logging.DEBUG, cause="shutdown")
 
-    def abort_for_shutdown(self, reason):
+    def abort_for_shutdown(self, reason: str) -> None:
         self._abort(reason, level=logging.WARNING, cause="shutdown")
 
-    def run_on_close(self):
+    def run_on_close(self) -> None:
         """Run the handler's on_close (once; the loop thread or the session's worker)."""
         if self._proxy_wait:
             return      # on_connect never ran (PROXY header refused, start() failed)
@@ -603,13 +647,13 @@ class Session:
         except BaseException as e:      # (on a worker: the thread must live on)
             log.error("session %d: handler on_close raised", self.id, exc_info=e)
 
-    def frames_done(self, reason, level, cause):
+    def frames_done(self, reason: str, level: int, cause: str) -> None:
         """Worker thread (or the loop thread, once the completion queue is closed): every
         frame before a close the input asked for has been handled (see
         _close_after_frames)."""
         self._loop.call_soon_threadsafe(self._close, reason, None, level, cause)
 
-    def handler_failed(self, hook, exc):
+    def handler_failed(self, hook: str, exc: BaseException) -> None:
         """A handler hook raised: log it, close this session only (any thread)."""
         log.error("session %d %s: handler %s raised; closing this session", self.id,
                   self.peer, hook, exc_info=exc)
@@ -628,7 +672,7 @@ class Session:
                                             "handler")
 
     # -- receiving (loop thread) --------------------------------------------------------
-    def _rx_event(self, owner, code, arg):
+    def _rx_event(self, owner: object, code: int, arg: Any) -> None:
         """The receiver's report: EOF, a recv error, a header above max_frame, or a handler
         exception."""
         if code == RX_EOF:
@@ -647,7 +691,7 @@ class Session:
             self._proxy_event(code, arg)
 
     # -- PROXY protocol (loop thread; the policy is in proxy.py) ------------------------
-    def _proxy_event(self, code, arg):
+    def _proxy_event(self, code: int, arg: Any) -> None:
         """The PROXY header: parsed (the client's address becomes ``peer``, then the
         handler's on_connect runs, before any frame), or refused (closed, counted)."""
         if code == RX_PROXY_ERROR:
@@ -660,7 +704,7 @@ class Session:
         except Exception as e:
             self.handler_failed("on_connect", e)
 
-    def _proxy_peer_is(self, arg):
+    def _proxy_peer_is(self, arg: Any) -> None:
         """The PROXY header ``arg`` was read: the client's address becomes ``peer``, the
         balancer's ``proxy_peer``."""
         peer = self.peer
@@ -670,11 +714,11 @@ class Session:
         log.debug("session %d: PROXY v%d %s %s from %s", self.id, arg[0], arg[1], arg[2],
                   balancer)
 
-    def _peer_closed(self):
+    def _peer_closed(self) -> None:
         self._ctx.stats.eofs += 1
         self._close_after_frames("peer closed the connection", logging.DEBUG, "eof")
 
-    def _close_after_frames(self, reason, level, cause):
+    def _close_after_frames(self, reason: str, level: int, cause: str) -> None:
         """A graceful close the input asked for (the peer's EOF, a protocol violation).
         With workers, frames read before it may still be queued or running: a mark travels
         behind them and the close happens from there, so their replies still go out (a
@@ -688,7 +732,8 @@ class Session:
         self._ctx.dispatch.post(self, (EOF_MARK, reason, level, cause))
 
     # -- closing (loop thread) ----------------------------------------------------------
-    def _close(self, reason, exc=None, level=logging.INFO, cause="closed"):
+    def _close(self, reason: str, exc: BaseException | None = None, level: int = logging.INFO,
+               cause: str = "closed") -> None:
         """Graceful: stop reading, flush what is owed, then shut the write side."""
         if self._state != OPEN:
             return
@@ -709,7 +754,7 @@ class Session:
         else:
             self._finish_close()
 
-    def _finish_close(self):
+    def _finish_close(self) -> None:
         """Everything owed is written: shut the write side, then drain unread input before
         closing (a close with unread input resets the connection and can destroy the reply
         still in flight)."""
@@ -737,7 +782,7 @@ class Session:
         self._timer = self._loop.call_later(min(2.0, self._ctx.settings.close_linger),
                                             self._teardown)
 
-    def _drain_input(self):
+    def _drain_input(self) -> int | None:
         """Read and drop unread input.  None: EOF or an error; else the bytes dropped (0:
         nothing was there; more may come)."""
         recv = self._sock.recv
@@ -754,12 +799,13 @@ class Session:
             total += len(data)
         return total
 
-    def _discard_input(self):
+    def _discard_input(self) -> None:
         """The lingering close's read callback: the peer's EOF (or an error) ends it."""
         if self._drain_input() is None:
             self._teardown()
 
-    def _abort(self, reason, exc=None, level=logging.INFO, cause="aborted"):
+    def _abort(self, reason: str, exc: BaseException | None = None, level: int = logging.INFO,
+               cause: str = "aborted") -> None:
         if self._state == CLOSED:
             return
         if self._state == OPEN:
@@ -771,7 +817,7 @@ class Session:
             log.log(level, "session %d %s: %s", self.id, self.peer, reason)
         self._teardown()
 
-    def _teardown(self):
+    def _teardown(self) -> None:
         if self._state == CLOSED:
             return
         self._state = CLOSED
@@ -802,14 +848,14 @@ class Session:
         rc = self._rc
         rc.decref()                     # the loop's reference (_on_zero may drop _rc)
 
-    def _on_zero(self):
+    def _on_zero(self) -> None:
         """The last reference is gone (exactly once).  Break the session's last reference
         cycle (its RefCount holds this bound method; the hand-off queue and the receiver
         dropped theirs at teardown), so a closed session is freed by reference counting,
         not left for the cyclic GC."""
         self._rx.close()
         self._ctx.session_gone(self)
-        self._rc = None
+        self._rc = None     # type: ignore[assignment]  # (no ref() after zero)
 
 
 class RawSession(Session):
