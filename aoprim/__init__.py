@@ -7,12 +7,24 @@ import os as _os
 import sys as _sys
 from importlib.machinery import EXTENSION_SUFFIXES as _EXT
 
+# The Pythons pyproject.toml's requires-python admits and the suite runs on.  An install
+# forced past requires-python (pip --ignore-requires-python) would import and then fail
+# deep inside (aoprim.aio needs asyncio's 3.11 names): refuse here, saying what is supported.
+_SUPPORTED = "CPython 3.11, 3.12 and 3.13"
+if _sys.version_info < (3, 11):
+    raise ImportError(
+        f"aoprim supports {_SUPPORTED} (pyproject.toml: requires-python >= 3.11); this is "
+        f"Python {_sys.version.split()[0]} ({_sys.executable}): install aoprim with a "
+        "supported Python")
+
 
 def _defer_to_installed_build():
     """A source checkout has no compiled extensions.  When it is imported anyway -- e.g.
     ``python -m aoprim serve`` run from the repository root, which puts the checkout first on
     sys.path -- serve the package's modules from the installed build instead, so the README's
-    command works from any directory.  An installed (or in-place built) package is untouched."""
+    command works from any directory.  An installed (or in-place built) package is untouched.
+    With no build anywhere on sys.path, ImportError says what to do (instead of ``No module
+    named 'aoprim._atomic'``)."""
     here = _os.path.dirname(_os.path.abspath(__file__))
 
     def built(folder):
@@ -25,6 +37,13 @@ def _defer_to_installed_build():
         if cand != here and built(cand):
             __path__[:] = [cand]     # submodules (and __main__) now load from the build
             return
+    raise ImportError(
+        f"aoprim's compiled modules are missing: {here} is aoprim's source, not a built "
+        f"package (no _atomic{_EXT[0]} for this Python, "
+        f"{_sys.version.split()[0]}).  Run `pip install .` in the checkout (it needs a C "
+        "compiler and Python's headers), then run Python from outside the checkout: from "
+        "inside it, its aoprim/ folder is imported instead of the installed package.",
+        name="aoprim", path=here)
 
 
 _defer_to_installed_build()

@@ -1,8 +1,13 @@
 """The package metadata says what is true (issue 22): the licence is the LICENSE file's, and
 the Pythons it claims are the ones requires-python admits, the release wheels are built for
 and CI runs the suite on."""
+import glob
+import os
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -58,3 +63,69 @@ def test_supported_pythons_agree(meta):
     ci = ci_run.read_text()
     m = re.search(r"^VERSIONS=\(([^)]*)\)", ci, re.M)
     assert m and m.group(1).split() == versions
+
+
+# -- what `import aoprim` says where it cannot work -------------------------------------------
+
+def _source_only_copy(tmp_path):
+    """The installed package's Python files (no compiled module) in tmp_path/aoprim: what a
+    checkout that was never built holds."""
+    import aoprim
+    pkg = pathlib.Path(aoprim.__file__).resolve().parent
+    for src in pkg.rglob("*.py"):
+        dst = tmp_path / "aoprim" / src.relative_to(pkg)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+    assert not list((tmp_path / "aoprim").rglob("*.so"))
+    return tmp_path
+
+
+def _import_there(python, folder):
+    """``import aoprim`` with ``folder`` as the current directory and first on sys.path, and
+    no site-packages (-S): nothing else can provide a built aoprim."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    return subprocess.run([python, "-S", "-c", "import aoprim"], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_import_from_an_unbuilt_checkout_says_to_install(tmp_path):
+    r = _import_there(sys.executable, _source_only_copy(tmp_path))
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: aoprim's compiled modules are missing"), r.stderr
+    assert "`pip install .`" in last and "outside the checkout" in last, last
+    assert str(tmp_path / "aoprim") in last           # which folder it imported
+
+
+def _python310():
+    """A CPython 3.10 (on PATH, or pyenv's), or None."""
+    cands = [shutil.which("python3.10")]
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    cands += sorted(glob.glob(os.path.join(root, "versions", "3.10.*", "bin", "python3.10")),
+                    reverse=True)
+    for c in filter(None, cands):
+        try:
+            out = subprocess.run([c, "-c", "import sys; print(sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=30).stdout
+        except OSError:
+            continue
+        if out.strip() == "(3, 10)":
+            return c
+    return None
+
+
+def test_import_on_python_310_names_the_supported_pythons(tmp_path):
+    py = _python310()
+    if py is None:
+        pytest.skip("no CPython 3.10 here (python3.10 on PATH or pyenv's versions/3.10.*)")
+    r = _import_there(py, _source_only_copy(tmp_path))
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: aoprim supports CPython 3.11, 3.12 and 3.13"), r.stderr
+    assert "this is Python 3.10." in last, last
+
+
+def test_the_supported_pythons_named_on_import_are_the_classifiers(meta):
+    import aoprim
+    versions = _python_classifiers(meta["project"])
+    assert aoprim._SUPPORTED == "CPython " + ", ".join(versions[:-1]) + " and " + versions[-1]
