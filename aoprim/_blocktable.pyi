@@ -1,12 +1,12 @@
-import sys
 from typing import final, Optional, SupportsIndex, Union
 from typing_extensions import Buffer, Self  # Buffer: collections.abc.Buffer from 3.12 on
 from aoprim._slab import SlabPool
 
 @final
 class _TailBuffer:
-    if sys.version_info >= (3, 12):     # PEP 688: the buffer protocol as a method
-        def __buffer__(self, flags: int, /) -> memoryview: ...
+    # the buffer protocol, as a type checker reads it on every version (typing_extensions'
+    # Buffer: memoryview(x), bytes(x)); a method of the type from 3.12 on (PEP 688)
+    def __buffer__(self, flags: int, /) -> memoryview: ...
     def __len__(self) -> int: ...
 
 @final

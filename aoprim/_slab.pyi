@@ -1,4 +1,3 @@
-import sys
 from types import TracebackType
 from typing import final, Optional, SupportsIndex, Type
 from typing_extensions import Self
@@ -43,8 +42,9 @@ class Slot:
     def refs(self) -> int: ...
     @property
     def views(self) -> int: ...
-    if sys.version_info >= (3, 12):     # PEP 688: the buffer protocol as a method
-        def __buffer__(self, flags: int, /) -> memoryview: ...
+    # the buffer protocol, as a type checker reads it on every version (typing_extensions'
+    # Buffer: memoryview(x), bytes(x)); a method of the type from 3.12 on (PEP 688)
+    def __buffer__(self, flags: int, /) -> memoryview: ...
     def __enter__(self) -> Slot: ...
     def __exit__(self, exc_type: Optional[Type[BaseException]],
                  exc_value: Optional[BaseException],

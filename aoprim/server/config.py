@@ -4,19 +4,39 @@ Every setting is validated here and nowhere else (the server checks only what is
 setting: the handler's hooks, ``port``); nothing changes a ``Settings`` after it is built
 (``dataclasses.replace`` makes a new one).
 """
+from __future__ import annotations
+
 import dataclasses
 import math
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .framing import DEFAULT_MAX_FRAME, FRAMINGS
 from .proxy import (DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER, DEFAULT_TRUSTED, parse_mode,
                     parse_trusted)
+
+if TYPE_CHECKING:
+    import ssl as _ssl
+    from collections.abc import Iterable
+    from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+
+    from typing_extensions import TypeAlias
+
+    _Network: TypeAlias = "str | IPv4Network | IPv6Network"
+    #: trusted_proxies as given: one network, or an iterable of networks or addresses
+    #: (stored as a tuple of ipaddress networks)
+    _TrustedProxies: TypeAlias = ("_Network | Iterable[_Network | IPv4Address | IPv6Address] "
+                                 "| tuple[IPv4Network | IPv6Network, ...]")
 
 __all__ = ["Settings"]
 
 _HEADER_SIZE = {"raw": 0, "u16": 2, "u32": 4}
 
 
-def _int(name, v, lo, allow_none=False):
+@overload
+def _int(name: str, v: int, lo: int, allow_none: Literal[False] = ...) -> int: ...
+@overload
+def _int(name: str, v: int | None, lo: int, allow_none: Literal[True]) -> int | None: ...
+def _int(name: str, v: Any, lo: int, allow_none: bool = False) -> int | None:
     if v is None and allow_none:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
@@ -26,7 +46,7 @@ def _int(name, v, lo, allow_none=False):
     return v
 
 
-def _seconds(name, v, allow_none=True):
+def _seconds(name: str, v: Any, allow_none: bool = True) -> float | None:
     if v is None and allow_none:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -51,12 +71,12 @@ class Settings:
     max_frame: int = DEFAULT_MAX_FRAME
     max_connections: int = 10000
     max_pending: int = 4 << 20
-    idle_timeout: float = None
+    idle_timeout: float | None = None
     frame_timeout: float = 30.0
     workers: int = 0
     backend: str = "selectors"
-    high_water: int = None          # None: min(256 KiB, max_pending // 2)
-    low_water: int = None           # None: high_water // 4
+    high_water: int | None = None   # None: min(256 KiB, max_pending // 2)
+    low_water: int | None = None    # None: high_water // 4
     flush_budget: int = 256 << 10
     backlog: int = 1024
     reuse_port: bool = False
@@ -76,16 +96,16 @@ class Settings:
     accept_batch: int = 64          # connections accepted per readiness event
     # PROXY protocol (proxy.py): None (off), "v1", "v2" or "any"; who may send the header
     # (networks; stored as a tuple of ipaddress networks); the longest header accepted
-    proxy_protocol: str = None
-    trusted_proxies: tuple = DEFAULT_TRUSTED
+    proxy_protocol: str | None = None
+    trusted_proxies: _TrustedProxies = DEFAULT_TRUSTED
     proxy_max_header: int = DEFAULT_MAX_HEADER
     proxy_header_timeout: float = DEFAULT_HEADER_TIMEOUT    # from the connection's start
     # TLS (tls.py): a server-side ssl.SSLContext, or None (plain TCP); the handshake's limit
     # in seconds from the accept (the PROXY header, when on, included)
-    ssl: object = None
+    ssl: _ssl.SSLContext | None = None
     handshake_timeout: float = 10.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.framing not in FRAMINGS:
             raise ValueError(f"framing must be one of {FRAMINGS}, not {self.framing!r}")
         _int("max_frame", self.max_frame, 1)
@@ -145,17 +165,17 @@ class Settings:
                              f"header the format can announce), not {self.proxy_max_header}")
 
     @property
-    def header_size(self):
+    def header_size(self) -> int:
         """Bytes of the length header: 0 (raw), 2 (u16) or 4 (u32)."""
         return _HEADER_SIZE[self.framing]
 
     @property
-    def proxy_mode(self):
+    def proxy_mode(self) -> int:
         """PROXY header versions accepted: 0 (off), 1 (v1), 2 (v2), 3 (either)."""
         return parse_mode(self.proxy_protocol)
 
     @property
-    def sweep_every(self):
+    def sweep_every(self) -> float | None:
         """How often the timeout sweep runs (None: no timeouts set): a tenth of the shortest
         timeout, between 10 ms and 1 s."""
         ticks = [t for t in (self.idle_timeout, self.frame_timeout,

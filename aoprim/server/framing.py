@@ -35,9 +35,19 @@ Two interfaces:
 - :class:`FrameDecoder` -- ``feed(bytes) -> [bytes, ...]``, the same rules with its own
   buffer; convenient for clients, tests and tools.
 """
+from __future__ import annotations
+
 import operator
+from typing import TYPE_CHECKING, Any
 
 from aoprim import Receiver, SendBatch
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from typing_extensions import Buffer
+
+    from aoprim import Slot
 
 _scan_frames = Receiver.scan_frames
 _frame_header = SendBatch.frame_header
@@ -51,16 +61,17 @@ DEFAULT_MAX_FRAME = 65536
 class FrameTooLarge(ValueError):
     """A length header announced a frame above ``max_frame``."""
 
-    def __init__(self, length, max_frame, spans=(), pos=0):
+    def __init__(self, length: int, max_frame: int, spans: Iterable[tuple[int, int]] = (),
+                 pos: int = 0) -> None:
         super().__init__(f"frame header announces {length} bytes, above max_frame={max_frame}")
         self.length = length
         self.max_frame = max_frame
         self.spans = list(spans)   # complete frames before the bad header (scan)
         self.pos = pos             # where the bad header starts (scan)
-        self.frames = []           # complete frames before the bad header (FrameDecoder)
+        self.frames: list[bytes] = []  # complete frames before the bad header (FrameDecoder)
 
 
-def _payload_bytes(payload):
+def _payload_bytes(payload: Buffer | Slot) -> bytes:
     """The bytes add_frame / Session.send take from ``payload``: a Slot (or slot-like: retain,
     release and length) gives its first ``length`` bytes, anything else all its bytes in C
     order."""
@@ -81,7 +92,12 @@ class Framing:
 
     __slots__ = ("kind", "max_frame", "header_size", "max_payload")
 
-    def __init__(self, kind="raw", max_frame=DEFAULT_MAX_FRAME):
+    kind: str                   # "raw", "u16" or "u32"
+    max_frame: int
+    header_size: int            # 0, 2 or 4
+    max_payload: int | None     # the largest payload the header can announce (None: raw)
+
+    def __init__(self, kind: str = "raw", max_frame: int = DEFAULT_MAX_FRAME) -> None:
         if kind not in FRAMINGS:
             raise ValueError(f"framing must be one of {FRAMINGS}, not {kind!r}")
         if isinstance(max_frame, bool) or not isinstance(max_frame, int):
@@ -97,11 +113,12 @@ class Framing:
             self.header_size = 2 if kind == "u16" else 4
             self.max_payload = (1 << (8 * self.header_size)) - 1
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Framing({self.kind!r}, max_frame={self.max_frame})"
 
     # -- decoding -------------------------------------------------------------------------
-    def scan(self, buf, pos, end):
+    def scan(self, buf: Buffer | Slot, pos: int, end: int
+             ) -> tuple[list[tuple[int, int]], int, int]:
         """Find the complete frames in ``buf[pos:end]`` (any buffer: bytes, bytearray,
         memoryview, a Slot; not copied).
 
@@ -123,13 +140,13 @@ class Framing:
         return spans, pos, need
 
     # -- encoding -------------------------------------------------------------------------
-    def header(self, n):
+    def header(self, n: int) -> bytes:
         """The header for an ``n``-byte payload (``b""`` for raw)."""
         if self.kind == "raw":
             return b""
         return _frame_header(n, self.header_size)
 
-    def encode(self, payload):
+    def encode(self, payload: Buffer | Slot) -> bytes:
         """Header + payload as one bytes object, the bytes the server's ``add_frame`` sends:
         the header counts the payload's bytes (an ``array.array("I", [1, 2])`` is 8 of them),
         and a ``Slot`` gives its first ``length`` bytes (not the whole slot)."""
@@ -149,17 +166,19 @@ class FrameDecoder:
 
     __slots__ = ("framing", "_buf", "_error")
 
-    def __init__(self, kind="raw", max_frame=DEFAULT_MAX_FRAME):
+    framing: Framing
+
+    def __init__(self, kind: str | Framing = "raw", max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.framing = kind if isinstance(kind, Framing) else Framing(kind, max_frame)
         self._buf = bytearray()
-        self._error = None
+        self._error: FrameTooLarge | None = None
 
     @property
-    def pending(self):
+    def pending(self) -> int:
         """Bytes buffered for an unfinished frame."""
         return len(self._buf)
 
-    def feed(self, data):
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
         if self._error is not None:
             raise self._error
         fr = self.framing

@@ -70,7 +70,13 @@ The contract every backend keeps:
 
 This module knows nothing about sockets, sessions or frames.
 """
+from __future__ import annotations
+
 import abc
+from typing import Any, Callable, Optional
+
+#: a readiness callback (None: not interested)
+FdCallback = Optional[Callable[[], object]]
 
 __all__ = ["EventLoop", "Timer", "BACKENDS", "BackendUnavailable", "create_loop"]
 
@@ -86,7 +92,7 @@ class Timer(abc.ABC):
     """What :meth:`EventLoop.call_at` returns."""
 
     @abc.abstractmethod
-    def cancel(self):
+    def cancel(self) -> None:
         """Do not run the callback (loop thread; harmless after it ran, and twice).  Not for
         other threads -- it may rebuild the loop's heap under a running timer phase: from
         there, ``loop.call_soon_threadsafe(timer.cancel)``."""
@@ -98,58 +104,58 @@ class EventLoop(abc.ABC):
     """The Layer 1 interface.  See the module docstring for the contract."""
 
     #: the backend's name, one of BACKENDS
-    backend = None
+    backend: str | None = None
     #: the thread running run(), or None
-    thread_id = None
+    thread_id: int | None = None
     #: iterations completed (a statistic)
-    iterations = 0
+    iterations: int = 0
 
     # -- file descriptors (loop thread) -----------------------------------------------
     @abc.abstractmethod
-    def set_callbacks(self, fd, on_read, on_write):
+    def set_callbacks(self, fd: int, on_read: FdCallback, on_write: FdCallback) -> None:
         """Register ``fd``'s readiness callbacks at once (``None`` = not interested; both
         ``None`` unregisters).  Replacing a callback with another costs no syscall.  On a
         closed loop: ``RuntimeError`` (``remove`` is then a no-op)."""
 
-    def add_reader(self, fd, callback):
+    def add_reader(self, fd: int, callback: Callable[[], object]) -> None:
         self.set_callbacks(fd, callback, self.writer_of(fd))
 
-    def remove_reader(self, fd):
+    def remove_reader(self, fd: int) -> None:
         self.set_callbacks(fd, None, self.writer_of(fd))
 
-    def add_writer(self, fd, callback):
+    def add_writer(self, fd: int, callback: Callable[[], object]) -> None:
         self.set_callbacks(fd, self.reader_of(fd), callback)
 
-    def remove_writer(self, fd):
+    def remove_writer(self, fd: int) -> None:
         self.set_callbacks(fd, self.reader_of(fd), None)
 
     @abc.abstractmethod
-    def reader_of(self, fd):
+    def reader_of(self, fd: int) -> FdCallback:
         """The read callback registered for ``fd``, or None."""
 
     @abc.abstractmethod
-    def writer_of(self, fd):
+    def writer_of(self, fd: int) -> FdCallback:
         """The write callback registered for ``fd``, or None."""
 
     @abc.abstractmethod
-    def remove(self, fd):
+    def remove(self, fd: int) -> None:
         """Forget ``fd`` entirely (call before closing it)."""
 
     # -- callbacks and timers ---------------------------------------------------------
     @abc.abstractmethod
-    def call_soon(self, callback, *args):
+    def call_soon(self, callback: Callable[..., object], *args: Any) -> None:
         """Run ``callback(*args)`` in this or the next callback phase (loop thread)."""
 
     @abc.abstractmethod
-    def call_soon_threadsafe(self, callback, *args):
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any) -> bool:
         """``call_soon`` from any thread; wakes the loop.  False once the loop is closed."""
 
     @abc.abstractmethod
-    def call_at(self, when, callback, *args):
+    def call_at(self, when: float, callback: Callable[..., object], *args: Any) -> Timer:
         """Run ``callback(*args)`` once :meth:`time` reaches ``when``; returns a Timer.
         ``when`` is a float; NaN raises ``ValueError``."""
 
-    def call_later(self, delay, callback, *args):
+    def call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> Timer:
         """``call_at(clock() + delay)``; a negative delay counts as 0, NaN raises
         ``ValueError``, ``inf`` never fires."""
         if isinstance(delay, (str, bytes, bytearray)):     # float() would parse them
@@ -160,50 +166,50 @@ class EventLoop(abc.ABC):
         return self.call_at(self.clock() + (delay if delay > 0.0 else 0.0), callback, *args)
 
     @abc.abstractmethod
-    def time(self):
+    def time(self) -> float:
         """The monotonic time cached at the start of this iteration."""
 
     @abc.abstractmethod
-    def clock(self):
+    def clock(self) -> float:
         """The monotonic time now (not cached)."""
 
     @abc.abstractmethod
-    def add_iteration_hook(self, hook):
+    def add_iteration_hook(self, hook: Callable[[], object]) -> None:
         """``hook()`` runs at the end of every iteration; several run in the order added."""
 
     @property
     @abc.abstractmethod
-    def pending_timers(self):
+    def pending_timers(self) -> int:
         """Timers scheduled and not yet run, cancelled ones included until compacted."""
 
     # -- running ----------------------------------------------------------------------
     @abc.abstractmethod
-    def run(self):
+    def run(self) -> None:
         """Run iterations until :meth:`stop` (loop thread)."""
 
     @abc.abstractmethod
-    def stop(self):
+    def stop(self) -> None:
         """Make :meth:`run` return after the current iteration (any thread)."""
 
     @abc.abstractmethod
-    def run_ready(self):
+    def run_ready(self) -> None:
         """Run the queued callbacks now, after :meth:`run` returned (clean-up)."""
 
     @abc.abstractmethod
-    def close(self):
+    def close(self) -> None:
         """Release the backend's resources (after :meth:`run` returned); idempotent."""
 
     @property
     @abc.abstractmethod
-    def closed(self):
+    def closed(self) -> bool:
         """True once :meth:`close` ran."""
 
-    def in_loop_thread(self):
+    def in_loop_thread(self) -> bool:
         import threading
         return threading.get_ident() == self.thread_id
 
 
-def create_loop(backend="selectors"):
+def create_loop(backend: str = "selectors") -> EventLoop:
     """A new loop of the named backend.  Unknown names raise ``ValueError``; a known backend
     that cannot run here raises :class:`BackendUnavailable` with the reason."""
     if backend == "uring":

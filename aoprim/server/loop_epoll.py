@@ -17,7 +17,9 @@ __all__ = ["EpollLoop"]
 Timer.register(EpollTimer)
 
 
-class EpollLoop(EpollCore, EventLoop):
+# (type checkers do not see Timer.register above -- EpollTimer is a Timer -- nor that the
+# core's read-only `iterations` counter is what EventLoop declares as a plain attribute)
+class EpollLoop(EpollCore, EventLoop):  # type: ignore[misc, override]
     """The ``epoll`` backend."""
 
     backend = "epoll"

@@ -24,8 +24,17 @@ The handler meets a session only once its header is read: ``on_connect`` runs th
 ``peer`` already the client's), and a session refused before that gets no ``on_close``
 and no broadcasts.
 """
+from __future__ import annotations
+
 import ipaddress
 import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import socket
+
+    from .config import _TrustedProxies
+    from .stats import Stats
 
 __all__ = ["PROXY_MODES", "DEFAULT_TRUSTED", "DEFAULT_MAX_HEADER", "DEFAULT_HEADER_TIMEOUT", "parse_mode",
            "parse_trusted", "TrustedPeers", "client_address", "refuse_untrusted"]
@@ -33,7 +42,7 @@ __all__ = ["PROXY_MODES", "DEFAULT_TRUSTED", "DEFAULT_MAX_HEADER", "DEFAULT_HEAD
 log = logging.getLogger("aoprim.server")
 
 # proxy_protocol -> Receiver(proxy=...): which versions the parser accepts
-PROXY_MODES = {None: 0, "v1": 1, "v2": 2, "any": 3}
+PROXY_MODES: dict[str | None, int] = {None: 0, "v1": 1, "v2": 2, "any": 3}
 DEFAULT_TRUSTED = ("127.0.0.0/8", "::1/128")
 _MAPPED = ipaddress.ip_network("::ffff:0:0/96")    # IPv4-mapped IPv6 addresses
 # The longest header accepted (16-byte v2 fixed part + addresses + TLVs).  The format allows
@@ -47,7 +56,7 @@ DEFAULT_MAX_HEADER = 4096
 DEFAULT_HEADER_TIMEOUT = 10.0
 
 
-def parse_mode(v):
+def parse_mode(v: object) -> int:
     """``proxy_protocol`` -> 0..3 (TypeError for a non-string, ValueError for another
     string)."""
     if v is not None and not isinstance(v, str):
@@ -58,7 +67,8 @@ def parse_mode(v):
     return PROXY_MODES[v]
 
 
-def parse_trusted(v):
+def parse_trusted(v: _TrustedProxies
+                  ) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
     """``trusted_proxies`` (a network string or an iterable of them, or of ipaddress
     networks/addresses) -> a tuple of ipaddress networks.  Host bits are allowed
     ("10.1.2.3/8" means 10.0.0.0/8); a bare address is a /32 or /128."""
@@ -84,11 +94,12 @@ class TrustedPeers:
 
     __slots__ = ("v4", "v6")
 
-    def __init__(self, networks):
-        v4 = [n for n in networks if n.version == 4]
+    def __init__(self, networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+                 ) -> None:
+        v4 = [n for n in networks if isinstance(n, ipaddress.IPv4Network)]
         v6 = []
         for n in networks:
-            if n.version == 6:
+            if isinstance(n, ipaddress.IPv6Network):
                 if n.subnet_of(_MAPPED) and n.prefixlen >= 96:
                     # an IPv4-mapped network ("::ffff:127.0.0.1/128") is that IPv4 network:
                     # it matches the peer whether a dual-stack or an IPv4 listener saw it
@@ -98,7 +109,7 @@ class TrustedPeers:
         self.v4 = tuple(v4)
         self.v6 = tuple(v6)
 
-    def __call__(self, addr):
+    def __call__(self, addr: Any) -> bool:
         if not isinstance(addr, tuple):
             return True                 # AF_UNIX: guarded by the filesystem
         try:
@@ -111,7 +122,7 @@ class TrustedPeers:
         return any(ip in n for n in nets)
 
 
-def client_address(header, balancer):
+def client_address(header: tuple[int, str, str, Any, Any], balancer: Any) -> Any:
     """The session's ``peer`` for a parsed header ``(version, command, family, src, dst)``:
     the client's ``(host, port)`` when the header carries one, else ``balancer``."""
     src = header[3]
@@ -120,7 +131,7 @@ def client_address(header, balancer):
     return balancer
 
 
-def refuse_untrusted(sock, addr, stats):
+def refuse_untrusted(sock: socket.socket, addr: Any, stats: Stats) -> None:
     """Close an accepted connection from outside ``trusted_proxies`` before reading it."""
     stats.count_close("proxy_untrusted")
     log.info("connection from %s refused: not in trusted_proxies (proxy_protocol is on)",

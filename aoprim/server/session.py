@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
     #: what send() takes: any bytes-like object (bytes, bytearray, memoryview, ...) or a
     #: pool Slot (retained, not copied)
-    SendData: TypeAlias = Union[Buffer, Slot]
+    _SendData: TypeAlias = Union[Buffer, Slot]
 
 __all__ = ["Session", "SessionContext"]
 
@@ -235,7 +235,7 @@ class Session:
                 return None
         return self._sockname
 
-    def send(self, data: SendData) -> None:
+    def send(self, data: _SendData) -> None:
         """Queue ``data`` (bytes-like or ``Slot``) for sending; with u16/u32 framing a header
         is added.  Thread-safe; what one thread sends leaves in that order.  The data is
         copied (a ``Slot`` is retained instead), so the caller may reuse its buffer at once.
@@ -299,7 +299,7 @@ class Session:
             pass
         return b.pending_bytes
 
-    def _send_raw(self, data: SendData) -> None:
+    def _send_raw(self, data: _SendData) -> None:
         """send() with raw framing (installed as ``send`` by :class:`RawSession`)."""
         if self._state:
             self._send_slow(data)
@@ -372,7 +372,7 @@ class Session:
         self._check_wm()
 
     # -- sending (slow paths) -----------------------------------------------------------
-    def _send_slow(self, data: SendData) -> None:
+    def _send_slow(self, data: _SendData) -> None:
         """send() when closed (dropped) or from a thread other than the loop's: validate and
         copy here (a ``Slot`` is retained instead), hand the payload over as ONE item, wake
         the loop.  The loop thread frames it with ``SendBatch.add_frame`` -- the one place

@@ -6,7 +6,18 @@ it sent on the loop thread); a session folds its figures into :class:`Stats` at 
 (once closed, not while closing), and a snapshot adds the figures of the sessions not torn
 down yet (open and closing) to the folded ones.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from aoprim import AtomicInt
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from aoprim import Receiver, SendBatch, TLSFlush
+
+    from .session import Session
 
 __all__ = ["Stats"]
 
@@ -15,7 +26,7 @@ class Stats:
     """Counters of one server.  Loop-thread counters are plain ints; counters bumped by other
     threads are ``AtomicInt``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.connections_total = 0
         self.reads = 0                  # recv calls that returned data (closed sessions)
         self.bytes_in = 0
@@ -24,17 +35,17 @@ class Stats:
         self.frames_out_x = AtomicInt(0)    # sends from other threads
         self.eofs = 0                   # recv calls that returned EOF
         self.handler_errors = AtomicInt(0)
-        self.closes = {}                # close cause -> count (reset, protocol, ...)
+        self.closes: dict[str, int] = {}    # close cause -> count (reset, protocol, ...)
         self.batches = {"syscalls": 0, "messages": 0, "bytes": 0}
         # a TLS server's TLSFlush (aoprim._tls), or None: it counts the sends of ciphertext
         # (`sends`: not the batches' -- a TLS batch is encrypted, not written) and their
         # bytes (`bytes_out`: the bytes on the wire are not the plaintext bytes_out counts)
-        self.tls = None
+        self.tls: TLSFlush | None = None
 
-    def count_close(self, cause):
+    def count_close(self, cause: str) -> None:
         self.closes[cause] = self.closes.get(cause, 0) + 1
 
-    def fold_session(self, receiver, batch, frames_out):
+    def fold_session(self, receiver: Receiver, batch: SendBatch, frames_out: int) -> None:
         """A session ended: keep its figures."""
         self.reads += receiver.reads
         self.bytes_in += receiver.bytes_in
@@ -44,7 +55,7 @@ class Stats:
         for k in self.batches:
             self.batches[k] += st.get(k, 0)
 
-    def snapshot(self, sessions, extra):
+    def snapshot(self, sessions: Sequence[Session], extra: dict[str, Any]) -> dict[str, Any]:
         """The ``stats()`` dict: folded figures plus the open ``sessions``' own; ``extra``
         adds the parts' gauges (pool slots, listener, loop)."""
         agg = dict(self.batches)
@@ -62,7 +73,7 @@ class Stats:
         tls = self.tls
         tls_sends, tls_bytes = (tls.sends, tls.bytes_out) if tls is not None else (0, 0)
         sends = agg["syscalls"] + tls_sends
-        d = {
+        d: dict[str, Any] = {
             "connections": len(sessions),
             "connections_total": self.connections_total,
             "frames_in": fin,
