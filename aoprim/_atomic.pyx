@@ -7,19 +7,28 @@ Invariants
   never with a plain load or store, so no access is torn and none is reordered past another.
 - Every Python-level AtomicInt operation is sequentially consistent (API.md): one total order
   of all of them exists that every thread agrees on.
+- An AtomicInt operator either is one atomic read-modify-write or performs exactly one
+  seq_cst load (per AtomicInt operand) and then works on plain Python ints; no operator is
+  a load followed by a store.  One atomic step: ``+= -= &= |= ^=`` (fetch_add, fetch_sub,
+  fetch_and, fetch_or, fetch_xor; ``a`` stays the same object).  A load, then Python: the
+  comparisons, binary ``+ - & | ^`` (either side), unary ``- + ~``, ``abs()``, ``bool()``,
+  ``int()``, ``float()``.  No other arithmetic operator is defined, so that ``a *= 2`` can
+  never fall back to ``a = a * 2`` and silently rebind ``a`` to a plain int.
 - 0 <= ``RefCount.cell`` <= 2**63-1 always.  Increments and decrements are CAS loops that
   refuse to move the count away from 0 (and an increment past 2**63-1: it raises
   OverflowError having stored nothing), so 0 is terminal and the 1 -> 0 transition happens
   exactly once: exactly one thread (the one whose CAS performed it) runs ``on_zero``.
 """
 cimport cython
-from cpython.long cimport PyLong_CheckExact, PyLong_AsLongLong
-from cpython.number cimport PyNumber_Index
+from cpython.long cimport PyLong_Check, PyLong_CheckExact, PyLong_AsLongLong
+from cpython.number cimport PyNumber_Index, PyIndex_Check
+from cpython.object cimport PyObject_RichCompare
 from libc.stdint cimport int64_t
 
 from aoprim.atomic_h cimport (
     AOP_RELAXED, AOP_ACQUIRE, AOP_RELEASE, AOP_ACQ_REL, AOP_SEQ_CST,
     aop_load_i64, aop_store_i64, aop_exchange_i64, aop_fetch_add_i64, aop_fetch_sub_i64,
+    aop_fetch_and_i64, aop_fetch_or_i64, aop_fetch_xor_i64,
     aop_cas_i64, aop_cas_weak_i64,
 )
 from aoprim.errors import RefCountError
@@ -33,11 +42,28 @@ cdef inline int64_t as_i64(object v) except? -1:
     return PyLong_AsLongLong(v)
 
 
+cdef inline object load_of(AtomicInt a):
+    return aop_load_i64(&a.cell, AOP_SEQ_CST)     # seq_cst: API.md
+
+
+cdef inline object int_operand(object x):
+    """The int value of a binary operator's other operand: an int as it is, an AtomicInt's
+    current value (one seq_cst load), None for anything else (the operator then returns
+    NotImplemented and Python's TypeError names both types)."""
+    if PyLong_Check(x):
+        return x
+    if isinstance(x, AtomicInt):
+        return load_of(<AtomicInt>x)
+    return None
+
+
 # GC: not tracked: a C integer, no references.
 cdef class AtomicInt:
     """A signed 64-bit integer with sequentially consistent atomic operations.
 
-    Arithmetic wraps modulo 2**64 (two's complement), as C atomics do.
+    Arithmetic wraps modulo 2**64 (two's complement), as C atomics do.  ``+= -= &= |= ^=``
+    are one atomic step each; comparisons and ``+ - & | ^ -a ~a abs() bool()`` read the value
+    once and return what Python's int gives (docs/atomics-and-lock.md).  Unhashable (mutable).
     """
 
     def __cinit__(self, value=0):
@@ -62,6 +88,21 @@ cdef class AtomicInt:
         """Subtract ``d``; return the value before the change."""
         cdef int64_t x = as_i64(d)
         return aop_fetch_sub_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: API.md
+
+    def fetch_and(self, m):
+        """Set the value to ``value & m``; return the value before the change."""
+        cdef int64_t x = as_i64(m)
+        return aop_fetch_and_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: API.md
+
+    def fetch_or(self, m):
+        """Set the value to ``value | m``; return the value before the change."""
+        cdef int64_t x = as_i64(m)
+        return aop_fetch_or_i64(&self.cell, x, AOP_SEQ_CST)    # seq_cst RMW: API.md
+
+    def fetch_xor(self, m):
+        """Set the value to ``value ^ m``; return the value before the change."""
+        cdef int64_t x = as_i64(m)
+        return aop_fetch_xor_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: API.md
 
     def exchange(self, v):
         """Set the value to ``v``; return the old value."""
@@ -92,6 +133,121 @@ cdef class AtomicInt:
 
     def __reduce__(self):
         return (AtomicInt, (aop_load_i64(&self.cell, AOP_SEQ_CST),))
+
+    # ---- as a number ----------------------------------------------------------------------
+    # In-place operators: one seq_cst read-modify-write each, the same instruction as the
+    # fetch_* method of the same name, and they return self (the name stays bound to this
+    # AtomicInt).  They take what the methods take (an int or any __index__ object;
+    # OverflowError outside the signed 64-bit range, nothing stored); for anything else they
+    # return NotImplemented, so Python raises "unsupported operand type(s) for +=: 'AtomicInt'
+    # and 'float'".
+
+    def __iadd__(self, d):
+        if not PyIndex_Check(d):
+            return NotImplemented
+        cdef int64_t x = as_i64(d)
+        aop_fetch_add_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: API.md
+        return self
+
+    def __isub__(self, d):
+        if not PyIndex_Check(d):
+            return NotImplemented
+        cdef int64_t x = as_i64(d)
+        aop_fetch_sub_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: API.md
+        return self
+
+    def __iand__(self, m):
+        if not PyIndex_Check(m):
+            return NotImplemented
+        cdef int64_t x = as_i64(m)
+        aop_fetch_and_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: API.md
+        return self
+
+    def __ior__(self, m):
+        if not PyIndex_Check(m):
+            return NotImplemented
+        cdef int64_t x = as_i64(m)
+        aop_fetch_or_i64(&self.cell, x, AOP_SEQ_CST)       # seq_cst RMW: API.md
+        return self
+
+    def __ixor__(self, m):
+        if not PyIndex_Check(m):
+            return NotImplemented
+        cdef int64_t x = as_i64(m)
+        aop_fetch_xor_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: API.md
+        return self
+
+    # Comparisons: one seq_cst load of each AtomicInt operand, then int's comparison (an int
+    # operand of any size compares exactly).  Against anything but an int or an AtomicInt:
+    # NotImplemented (== falls back to identity, < raises TypeError naming both types).
+    # Defining them leaves tp_hash unset, and PyType_Ready makes the type unhashable
+    # (__hash__ = None): a value that changes cannot be a dict key.
+
+    def __richcmp__(self, other, int op):
+        o = int_operand(other)
+        if o is None:
+            return NotImplemented
+        return PyObject_RichCompare(aop_load_i64(&self.cell, AOP_SEQ_CST), o, op)  # seq_cst
+
+    __hash__ = None
+
+    # Binary and unary operators: one seq_cst load (of each AtomicInt operand), then Python's
+    # int operation; the result is a plain int (no wrap: -AtomicInt(-2**63) is 2**63).
+
+    def __add__(self, other):
+        o = int_operand(other)
+        return NotImplemented if o is None else load_of(self) + o
+
+    def __radd__(self, other):
+        o = int_operand(other)
+        return NotImplemented if o is None else o + load_of(self)
+
+    def __sub__(self, other):
+        o = int_operand(other)
+        return NotImplemented if o is None else load_of(self) - o
+
+    def __rsub__(self, other):
+        o = int_operand(other)
+        return NotImplemented if o is None else o - load_of(self)
+
+    def __and__(self, other):
+        o = int_operand(other)
+        return NotImplemented if o is None else load_of(self) & o
+
+    def __rand__(self, other):
+        o = int_operand(other)
+        return NotImplemented if o is None else o & load_of(self)
+
+    def __or__(self, other):
+        o = int_operand(other)
+        return NotImplemented if o is None else load_of(self) | o
+
+    def __ror__(self, other):
+        o = int_operand(other)
+        return NotImplemented if o is None else o | load_of(self)
+
+    def __xor__(self, other):
+        o = int_operand(other)
+        return NotImplemented if o is None else load_of(self) ^ o
+
+    def __rxor__(self, other):
+        o = int_operand(other)
+        return NotImplemented if o is None else o ^ load_of(self)
+
+    def __neg__(self):
+        return -load_of(self)
+
+    def __pos__(self):
+        return load_of(self)
+
+    def __invert__(self):
+        return ~load_of(self)
+
+    def __abs__(self):
+        return abs(load_of(self))
+
+    def __bool__(self):
+        return aop_load_i64(&self.cell, AOP_SEQ_CST) != 0          # seq_cst: API.md
 
 
 # GC: tracked (on_zero may close a cycle) but no_gc_clear: a cycle through on_zero is broken

@@ -26,6 +26,9 @@ cdef extern from "aop_atomic.h" nogil:
     int64_t aop_exchange_i64(aop_atomic_i64 *a, int64_t v, int order) noexcept
     int64_t aop_fetch_add_i64(aop_atomic_i64 *a, int64_t d, int order) noexcept
     int64_t aop_fetch_sub_i64(aop_atomic_i64 *a, int64_t d, int order) noexcept
+    int64_t aop_fetch_and_i64(aop_atomic_i64 *a, int64_t m, int order) noexcept
+    int64_t aop_fetch_or_i64(aop_atomic_i64 *a, int64_t m, int order) noexcept
+    int64_t aop_fetch_xor_i64(aop_atomic_i64 *a, int64_t m, int order) noexcept
     bint aop_cas_i64(aop_atomic_i64 *a, int64_t *expected, int64_t desired,
                      int success_order, int failure_order) noexcept
     bint aop_cas_weak_i64(aop_atomic_i64 *a, int64_t *expected, int64_t desired,

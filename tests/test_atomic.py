@@ -1,5 +1,6 @@
 """AtomicInt and RefCount: every semantic and error case of API.md, plus threaded stress."""
 import operator
+import re
 import threading
 
 import pytest
@@ -269,3 +270,225 @@ def test_try_incref_race_with_last_decref():
         run_threads([upgrader, upgrader, killer])
         assert calls == [1]
         assert r.count == 0
+
+
+# ---- AtomicInt as a number ---------------------------------------------------------------
+# One atomic step: a += n, a -= n, a &= n, a |= n, a ^= n (seq_cst fetch_add / fetch_sub /
+# fetch_and / fetch_or / fetch_xor; `a` stays the same object).  A load followed by Python's
+# int operation (the result is a plain int): comparisons, a + n, a - n, a & n, a | n, a ^ n
+# (and reflected), -a, +a, ~a, abs(a), bool(a).  Not provided: *, /, //, %, **, <<, >>.
+
+CMP_VALUES = [I64_MIN, -5, -1, 0, 1, 5, I64_MAX, 2**63, -(2**63) - 1, 2**100]
+
+
+@pytest.mark.parametrize("v", [I64_MIN, -1, 0, 1, I64_MAX])
+@pytest.mark.parametrize("x", CMP_VALUES)
+def test_comparisons_against_ints(v, x):
+    a = AtomicInt(v)
+    assert (a == x) is (v == x)
+    assert (a != x) is (v != x)
+    assert (a < x) is (v < x)
+    assert (a <= x) is (v <= x)
+    assert (a > x) is (v > x)
+    assert (a >= x) is (v >= x)
+    # reflected: the int on the left
+    assert (x == a) is (x == v)
+    assert (x != a) is (x != v)
+    assert (x < a) is (x < v)
+    assert (x <= a) is (x <= v)
+    assert (x > a) is (x > v)
+    assert (x >= a) is (x >= v)
+
+
+def test_comparisons_read_the_current_value():
+    a = AtomicInt(1)
+    assert a == 1 and a == True  # noqa: E712 - bool is an int
+    a.store(2)
+    assert a == 2 and a != 1 and a > 1 and 1 < a
+
+
+@pytest.mark.parametrize("v,w", [(0, 0), (-3, 4), (4, -3), (I64_MIN, I64_MAX), (7, 7)])
+def test_comparisons_between_atomicints(v, w):
+    a, b = AtomicInt(v), AtomicInt(w)
+    assert (a == b) is (v == w)
+    assert (a != b) is (v != w)
+    assert (a < b) is (v < w)
+    assert (a <= b) is (v <= w)
+    assert (a > b) is (v > w)
+    assert (a >= b) is (v >= w)
+    assert a == a and not (a < a)
+    assert sorted([AtomicInt(3), AtomicInt(1), AtomicInt(2)]) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("other", [1.0, "1", None, [1], Idx(1)])
+def test_comparisons_with_non_ints(other):
+    a = AtomicInt(1)
+    # not compared: equality falls back to identity, ordering names both types
+    assert (a == other) is False
+    assert (a != other) is True
+    for op in (operator.lt, operator.le, operator.gt, operator.ge):
+        with pytest.raises(TypeError, match="AtomicInt"):
+            op(a, other)
+
+
+def test_hash_refused():
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(AtomicInt(1))
+    with pytest.raises(TypeError):
+        {AtomicInt(1)}
+
+
+@pytest.mark.parametrize("d", [0, 1, -1, 5, I64_MAX, I64_MIN, Idx(3), True, AtomicInt(4)])
+def test_inplace_add_sub_are_fetch_add_sub(d):
+    n = operator.index(d)
+    a = AtomicInt(10)
+    b = a
+    a += d
+    assert a is b and type(a) is AtomicInt
+    assert a.load() == (10 + n + 2**63) % 2**64 - 2**63     # wraps modulo 2**64
+    a -= d
+    assert a is b and a.load() == 10
+
+
+def test_inplace_wraps_modulo_2_64():
+    a = AtomicInt(I64_MAX)
+    a += 1
+    assert a.load() == I64_MIN
+    a -= 1
+    assert a.load() == I64_MAX
+    a -= -1
+    assert a.load() == I64_MIN
+    a += I64_MIN
+    assert a.load() == 0
+
+
+@pytest.mark.parametrize("v,d", [(0b1100, 0b1010), (-1, 0x0F0F), (I64_MIN, -1), (0, 0),
+                                 (I64_MAX, I64_MIN), (-6, 5)])
+def test_inplace_bitwise_are_atomic_and_same_object(v, d):
+    for op, pyop in ((operator.iand, operator.and_), (operator.ior, operator.or_),
+                     (operator.ixor, operator.xor)):
+        a = AtomicInt(v)
+        r = op(a, d)
+        assert r is a
+        assert a.load() == pyop(v, d)         # two's complement: Python's & | ^ agree
+
+
+def test_bitwise_fetch_methods_return_old_value():
+    a = AtomicInt(0b1100)
+    assert a.fetch_and(0b0110) == 0b1100 and a.load() == 0b0100
+    assert a.fetch_or(0b0011) == 0b0100 and a.load() == 0b0111
+    assert a.fetch_xor(0b0101) == 0b0111 and a.load() == 0b0010
+    assert a.fetch_or(I64_MIN) == 0b0010 and a.load() == I64_MIN | 0b0010
+
+
+@pytest.mark.parametrize("bad", [2**63, -(2**63) - 1, 2**64, 2**100])
+def test_inplace_overflow_error_changes_nothing(bad):
+    a = AtomicInt(1)
+    b = a
+    for op in (operator.iadd, operator.isub, operator.iand, operator.ior, operator.ixor):
+        with pytest.raises(OverflowError):
+            op(a, bad)
+    for m in (a.fetch_and, a.fetch_or, a.fetch_xor):
+        with pytest.raises(OverflowError):
+            m(bad)
+    assert a is b and a.load() == 1
+
+
+@pytest.mark.parametrize("bad", [1.0, 1.5, "1", None, [1], 1j])
+def test_inplace_type_error_changes_nothing(bad):
+    a = AtomicInt(1)
+    for op, sym in ((operator.iadd, "+="), (operator.isub, "-="), (operator.iand, "&="),
+                    (operator.ior, "|="), (operator.ixor, "^=")):
+        with pytest.raises(TypeError, match=re.escape(sym) + ".*AtomicInt"):
+            op(a, bad)
+    for m in (a.fetch_and, a.fetch_or, a.fetch_xor):
+        with pytest.raises(TypeError):
+            m(bad)
+    assert a.load() == 1
+
+
+@pytest.mark.parametrize("v", [I64_MIN, -7, -1, 0, 1, 7, I64_MAX])
+@pytest.mark.parametrize("x", [-3, 0, 2, I64_MAX, 2**64, AtomicInt(5)])
+def test_binary_operators_are_load_then_int(v, x):
+    a = AtomicInt(v)
+    n = operator.index(x)
+    for op in (operator.add, operator.sub, operator.and_, operator.or_, operator.xor):
+        r = op(a, x)
+        assert type(r) is int and r == op(v, n)    # Python's int: no wrap
+        if not isinstance(x, AtomicInt):
+            r = op(x, a)
+            assert type(r) is int and r == op(n, v)
+    assert a.load() == v                           # a binary operator never stores
+
+
+@pytest.mark.parametrize("v", [I64_MIN, -7, -1, 0, 1, 7, I64_MAX])
+def test_unary_operators_and_bool(v):
+    a = AtomicInt(v)
+    for f in (operator.neg, operator.pos, operator.invert, abs):
+        r = f(a)
+        assert type(r) is int and r == f(v)        # -AtomicInt(-2**63) is 2**63: no wrap
+    assert bool(a) is bool(v)
+    assert float(a) == float(v)
+    assert a.load() == v
+
+
+def test_unprovided_operators_refuse_and_never_rebind():
+    a = AtomicInt(6)
+    b = a
+    for op in (operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+               operator.lshift, operator.rshift, divmod):
+        with pytest.raises(TypeError, match="AtomicInt"):
+            op(a, 2)
+    for op in (operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+               operator.ipow, operator.ilshift, operator.irshift):
+        with pytest.raises(TypeError, match="AtomicInt"):
+            op(a, 2)
+    assert a is b and a.load() == 6
+    with pytest.raises(TypeError, match="AtomicInt"):
+        a + 1.5
+    with pytest.raises(TypeError, match="AtomicInt"):
+        a + "x"
+
+
+@pytest.mark.timeout(60)
+def test_inplace_add_threads_exact_total():
+    a = AtomicInt()
+    box = [a]
+    n = scaled(50_000)
+
+    def work():
+        x = box[0]
+        for _ in range(n):
+            x += 1
+        assert x is a           # the in-place operator never rebound the name
+
+    def work_sub():
+        x = box[0]
+        for _ in range(n):
+            x -= -1
+
+    run_threads([work, work, work, work_sub])
+    assert a.load() == 4 * n
+
+
+@pytest.mark.timeout(60)
+def test_inplace_bitwise_threads_no_lost_bits():
+    # each thread owns 16 bits and toggles them with ^= / sets with |= / clears with &=;
+    # a lost update (a load-then-store) would leave some other thread's bit wrong
+    a = AtomicInt()
+    n = scaled(20_000)
+
+    def work(k):
+        def run():
+            x = a
+            for i in range(n):
+                bit = 1 << (k * 16 + i % 16)
+                x |= bit
+                x ^= bit
+                x ^= bit
+                x &= ~bit
+        return run
+
+    a |= 1 << 62            # a bit no thread touches: must survive
+    run_threads([work(k) for k in range(3)])
+    assert a.load() == 1 << 62

@@ -65,6 +65,14 @@ AOP_INLINE int64_t aop_fetch_add_i64(aop_atomic_i64 *a, int64_t d, int order)
 { return (int64_t)__atomic_fetch_add((uint64_t *)&a->v, (uint64_t)d, order); }
 AOP_INLINE int64_t aop_fetch_sub_i64(aop_atomic_i64 *a, int64_t d, int order)
 { return (int64_t)__atomic_fetch_sub((uint64_t *)&a->v, (uint64_t)d, order); }
+/* Bitwise read-modify-writes (one locked instruction or LL/SC loop each); return the value
+ * before the change.  On the unsigned type, as above: the bits are the same. */
+AOP_INLINE int64_t aop_fetch_and_i64(aop_atomic_i64 *a, int64_t m, int order)
+{ return (int64_t)__atomic_fetch_and((uint64_t *)&a->v, (uint64_t)m, order); }
+AOP_INLINE int64_t aop_fetch_or_i64(aop_atomic_i64 *a, int64_t m, int order)
+{ return (int64_t)__atomic_fetch_or((uint64_t *)&a->v, (uint64_t)m, order); }
+AOP_INLINE int64_t aop_fetch_xor_i64(aop_atomic_i64 *a, int64_t m, int order)
+{ return (int64_t)__atomic_fetch_xor((uint64_t *)&a->v, (uint64_t)m, order); }
 /* Strong CAS.  On failure *expected receives the current value.  Returns 1 on success. */
 AOP_INLINE int aop_cas_i64(aop_atomic_i64 *a, int64_t *expected, int64_t desired,
                            int success_order, int failure_order)
