@@ -41,11 +41,13 @@ run here): ``asyncio._DefaultEventLoopPolicy`` and ``asyncio.events._set_event_l
 The notify callback is ``SocketTransport._aio_flushed`` itself (a plain function taking
 ``(transport, status)``), so the flush adds no Python frame of the loop's own.
 """
+from __future__ import annotations
+
 import asyncio
 import asyncio.constants as _aconst
 import selectors
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 import asyncio.sslproto as _sslproto
 
 from aoprim import FlushGroup
@@ -53,6 +55,14 @@ from aoprim._aiowrite import SleepFlag
 from aoprim._readbuf import ReadBuffer
 from aoprim import _aioloop
 from aoprim.aio.transport import SocketTransport
+
+if TYPE_CHECKING:
+    import socket
+    import ssl
+    from collections.abc import Coroutine
+    from types import ModuleType
+
+_T = TypeVar("_T")
 
 __all__ = ["Loop", "new_event_loop", "EventLoopPolicy", "run", "install", "READ_BUFFER_SIZE"]
 
@@ -62,13 +72,14 @@ __all__ = ["Loop", "new_event_loop", "EventLoopPolicy", "run", "install", "READ_
 READ_BUFFER_SIZE = 512 * 1024
 
 
-_base_run_once = asyncio.SelectorEventLoop._run_once     # (no super() object per iteration)
+# (no super() object per iteration; a private method typeshed does not declare)
+_base_run_once = asyncio.SelectorEventLoop._run_once  # type: ignore[attr-defined]
 
 #: flushes per iteration end while notifications keep writing (then: select() does not sleep)
 FLUSH_ROUNDS = 8
 
 
-def _noop():
+def _noop() -> None:
     pass
 
 
@@ -78,17 +89,18 @@ class _Selector(selectors.DefaultSelector):
     write made meanwhile (signal handler, thread) either is seen by the check or sees the
     flag and wakes the loop."""
 
-    def __init__(self, group, sleep):
+    def __init__(self, group: FlushGroup, sleep: SleepFlag) -> None:
         super().__init__()
         self._sleep = sleep
         self._group = group
         _aioloop.wait_state(self)       # the compiled iteration's wait reads the epoll fd
 
-    def close(self):
+    def close(self) -> None:
         _aioloop.wait_closed(self)      # before the epoll fd is closed and its number reused
         super().close()
 
-    def select(self, timeout=None):
+    def select(self, timeout: float | None = None
+               ) -> list[tuple[selectors.SelectorKey, int]]:
         sleep = self._sleep
         sleep.sleeping = True
         try:
@@ -103,7 +115,7 @@ class _NoPatch(type):
     """Metaclass refusing what nest_asyncio does to a loop's class (it replaces _run_once,
     so no flush would ever run again, for every aoprim loop in the process)."""
 
-    def __setattr__(cls, name, value):
+    def __setattr__(cls, name: str, value: Any) -> None:
         if name in ("_run_once", "run_forever", "run_until_complete", "_check_running"):
             raise ValueError(f"Can't patch loop of type {cls!r}: aoprim.aio.Loop flushes "
                              f"its batched writes in _run_once (nest_asyncio is not supported)")
@@ -118,7 +130,7 @@ class Loop(_aioloop.LoopCore, asyncio.SelectorEventLoop, metaclass=_NoPatch):
     transports batch their writes: everything written during one iteration leaves at the
     end of that iteration, one ``sendmsg`` per transport, under one GIL release."""
 
-    def __init__(self, selector=None):
+    def __init__(self, selector: selectors.BaseSelector | None = None) -> None:
         group = FlushGroup()
         group.notify = SocketTransport._aio_flushed
         self._aio_group = group
@@ -138,7 +150,7 @@ class Loop(_aioloop.LoopCore, asyncio.SelectorEventLoop, metaclass=_NoPatch):
 
     # ---- aoprim's public extras -----------------------------------------------------------
 
-    def flush_stats(self):
+    def flush_stats(self) -> dict[str, int]:
         """The loop's FlushGroup counters (flushes, batches_flushed, syscalls, bytes,
         gil_releases, pending, ...): ``syscalls / batches_flushed`` is the number of system
         calls per flushed transport-iteration."""
@@ -160,7 +172,7 @@ class Loop(_aioloop.LoopCore, asyncio.SelectorEventLoop, metaclass=_NoPatch):
     create_future = _aioloop.create_future
     get_debug = _aioloop.get_debug      # BaseEventLoop's (self._debug), no Python frame
 
-    def _aio_flush_all(self):
+    def _aio_flush_all(self) -> None:
         flush = self._aio_flush
         group = self._aio_group
         for _ in range(FLUSH_ROUNDS):
@@ -169,7 +181,7 @@ class Loop(_aioloop.LoopCore, asyncio.SelectorEventLoop, metaclass=_NoPatch):
                 return
         self.call_soon(_noop)           # still dirty: the next select() must not sleep
 
-    def run_forever(self):
+    def run_forever(self) -> None:
         if self.is_running() or self.is_closed():
             return super().run_forever()    # asyncio's RuntimeError
         sleep = self._aio_sleep
@@ -179,42 +191,51 @@ class Loop(_aioloop.LoopCore, asyncio.SelectorEventLoop, metaclass=_NoPatch):
         finally:
             sleep.sleeping = True           # not running: write() sends at once
 
-    def close(self):
+    def close(self) -> None:
         if not self.is_running() and not self.is_closed() and len(self._aio_group):
             self._aio_flush_all()       # deliver what was written before close()
         super().close()
 
-    def _make_socket_transport(self, sock, protocol, waiter=None, *, extra=None,
-                               server=None):
-        self._ensure_fd_no_transport(sock)
+    def _make_socket_transport(
+            self, sock: socket.socket, protocol: asyncio.BaseProtocol,
+            waiter: asyncio.Future[Any] | None = None, *, extra: dict[str, Any] | None = None,
+            server: asyncio.AbstractServer | None = None) -> SocketTransport:
+        self._ensure_fd_no_transport(sock)  # type: ignore[attr-defined]
         return SocketTransport(self, sock, protocol, waiter, extra, server)
 
-    def _make_ssl_transport(self, rawsock, protocol, sslcontext, waiter=None, *,
-                            server_side=False, server_hostname=None, extra=None,
-                            server=None,
-                            ssl_handshake_timeout=_aconst.SSL_HANDSHAKE_TIMEOUT,
-                            ssl_shutdown_timeout=_aconst.SSL_SHUTDOWN_TIMEOUT):
+    def _make_ssl_transport(self, rawsock: socket.socket, protocol: asyncio.BaseProtocol,
+                            sslcontext: ssl.SSLContext,
+                            waiter: asyncio.Future[Any] | None = None, *,
+                            server_side: bool = False, server_hostname: str | None = None,
+                            extra: dict[str, Any] | None = None,
+                            server: asyncio.AbstractServer | None = None,
+                            ssl_handshake_timeout: float | None = _aconst.SSL_HANDSHAKE_TIMEOUT,
+                            ssl_shutdown_timeout: float | None = _aconst.SSL_SHUTDOWN_TIMEOUT,
+                            ) -> asyncio.Transport:
         # as asyncio's selector loop does it, over aoprim's socket transport: the TLS records
         # SSLProtocol writes during an iteration are batched like any other writes
-        self._ensure_fd_no_transport(rawsock)
+        self._ensure_fd_no_transport(rawsock)  # type: ignore[attr-defined]
+        # (typeshed's SSLProtocol takes a waiter and int timeouts only; asyncio's own loop
+        # passes these same values)
         ssl_protocol = _sslproto.SSLProtocol(
-            self, protocol, sslcontext, waiter, server_side, server_hostname,
-            ssl_handshake_timeout=ssl_handshake_timeout,
+            self, protocol, sslcontext, waiter,  # type: ignore[arg-type]
+            server_side, server_hostname,
+            ssl_handshake_timeout=ssl_handshake_timeout,  # type: ignore[arg-type]
             ssl_shutdown_timeout=ssl_shutdown_timeout)
         SocketTransport(self, rawsock, ssl_protocol, extra=extra, server=server)
         return ssl_protocol._app_transport
 
-    def read_stats(self):
+    def read_stats(self) -> dict[str, int]:
         """The loop's read buffer counters: reads (recv calls into it) and bytes."""
         return self._aio_rbuf.stats
 
 
-def new_event_loop():
+def new_event_loop() -> Loop:
     """A new :class:`Loop`."""
     return Loop()
 
 
-def _policy_api(aio):
+def _policy_api(aio: ModuleType) -> tuple[bool, Any, Any]:
     """``(deprecated, base, setter)`` for the asyncio module ``aio``: whether its event loop
     policies are deprecated, the default policy class to derive from, and the function that
     sets the policy (``None``, ``None`` where asyncio has no policies any more).
@@ -244,15 +265,15 @@ class EventLoopPolicy(_PolicyBase):
     asyncio has event loop policies only; a loop factory needs none: pass
     ``loop_factory=new_event_loop`` to ``asyncio.run()`` (3.12+) or ``asyncio.Runner``."""
 
-    def new_event_loop(self):
+    def new_event_loop(self) -> Loop:
         return Loop()
 
 
-def run(main, *, debug=None):
+def run(main: Coroutine[Any, Any, _T], *, debug: bool | None = None) -> _T:
     """``asyncio.run(main, debug=debug)`` on a new :class:`Loop`: like asyncio.run, the loop
     is the policy's current loop while it runs (``asyncio.set_event_loop``), and none
     after."""
-    def factory():
+    def factory() -> Loop:
         loop = Loop()
         asyncio.set_event_loop(loop)
         return loop
@@ -263,7 +284,7 @@ def run(main, *, debug=None):
         asyncio.set_event_loop(None)
 
 
-def install():
+def install() -> None:
     """Make :class:`Loop` asyncio's default: ``asyncio.set_event_loop_policy(
     EventLoopPolicy())``.
 
