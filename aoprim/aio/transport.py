@@ -51,8 +51,11 @@ asyncio's semantics, and how they map here:
   sent it) and drop only what the kernel does not take.
 - A write error reported by the flush is a fatal write error, as in asyncio.
 """
+from __future__ import annotations
+
 import os
 import socket
+from typing import TYPE_CHECKING, Any, Callable
 from operator import attrgetter as _attrgetter
 from threading import get_ident as _get_ident
 
@@ -65,6 +68,14 @@ from aoprim import SendBatch
 from aoprim._aiowrite import SEND_NOW, TransportWriter
 from aoprim._aiotransport import TransportReader, make_write_method
 
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Iterable
+
+    from typing_extensions import Buffer
+
+    from aoprim.aio.loop import Loop
+
 IOV_MAX = 1024                   # segments one sendmsg takes (the kernel's UIO_MAXIOV)
 
 __all__ = ["SocketTransport"]
@@ -72,7 +83,7 @@ __all__ = ["SocketTransport"]
 _BYTES_LIKE = (bytes, bytearray, memoryview)
 
 
-def _server_takes_transport():
+def _server_takes_transport() -> bool:
     import asyncio.base_events as be
     return be.Server._attach.__code__.co_argcount == 2     # 3.13+: _attach(self, transport)
 
@@ -80,12 +91,12 @@ def _server_takes_transport():
 _SERVER_ARG = _server_takes_transport()
 
 
-def _set_result_unless_cancelled(fut, result):
+def _set_result_unless_cancelled(fut: asyncio.Future[Any], result: Any) -> None:
     if not fut.cancelled():
         fut.set_result(result)
 
 
-def _set_nodelay(sock):
+def _set_nodelay(sock: socket.socket) -> None:
     # as asyncio does for its TCP transports: writes leave without waiting for an ACK
     if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
             and sock.proto == socket.IPPROTO_TCP):
@@ -100,11 +111,11 @@ class _TransportSocket(_trsock.TransportSocket):
 
     __slots__ = ("_aio_batch",)
 
-    def __init__(self, sock, batch):
+    def __init__(self, sock: socket.socket, batch: SendBatch) -> None:
         super().__init__(sock)
         self._aio_batch = batch
 
-    def shutdown(self, how):
+    def shutdown(self, how: int) -> None:
         batch = self._aio_batch
         if batch.pending_bytes:
             try:
@@ -125,9 +136,24 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     _start_tls_compatible = True
     _sendfile_compatible = _constants._SendfileMode.TRY_NATIVE
     max_size = 256 * 1024
-    _sock = None                    # for __del__ if __init__ failed early
+    _sock: socket.socket | None = None      # for __del__ if __init__ failed early
 
-    def __init__(self, loop, sock, protocol, waiter=None, extra=None, server=None):
+    if TYPE_CHECKING:
+        # state asyncio's base classes keep (private; typeshed leaves it out): the loop
+        # (None once connection_lost ran, so Any rather than an Optional checked at every
+        # use), the extra-info dict, the write buffer limits and the pause flag
+        _loop: Any
+        _extra: dict[str, Any]
+        _high_water: int
+        _low_water: int
+        _protocol_paused: bool
+        _server: Any
+        _empty_waiter: asyncio.Future[None] | None
+
+    def __init__(self, loop: Loop, sock: socket.socket, protocol: asyncio.BaseProtocol,
+                 waiter: asyncio.Future[Any] | None = None,
+                 extra: dict[str, Any] | None = None,
+                 server: Any = None) -> None:
         batch = SendBatch(sock, max_msgs=IOV_MAX, auto_flush=False)
         self._batch = batch
         self._add = batch.add_copy       # asyncio copies what it buffers: so does add_copy
@@ -177,7 +203,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         if waiter is not None:
             loop.call_soon(_set_result_unless_cancelled, waiter, None)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         info = [self.__class__.__name__]
         if self._sock is None:
             info.append('closed')
@@ -190,7 +216,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                         f'bufsize={self.get_write_buffer_size()}>')
         return '<{}>'.format(' '.join(info))
 
-    def __del__(self, _warn=__import__('warnings').warn):
+    def __del__(self, _warn: Callable[..., None] = __import__('warnings').warn) -> None:
         if self._sock is not None:
             _warn(f"unclosed transport {self!r}", ResourceWarning, source=self)
             self._sock.close()
@@ -206,14 +232,14 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     # ---- aoprim's extras ---------------------------------------------------------------------
 
     @property
-    def send_stats(self):
+    def send_stats(self) -> dict[str, int]:
         """The transport's SendBatch counters: syscalls, messages, bytes, partial_writes,
         would_block."""
         return self._batch.stats
 
     # ---- protocol, state ---------------------------------------------------------------------
 
-    def set_protocol(self, protocol):
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         if (self._protocol_connected and self._protocol_paused and not self._blocked
                 and self._batch.pending_bytes):
             # A protocol switch (start_tls) while the old protocol is paused by writes not
@@ -229,7 +255,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     _protocol = property(_attrgetter("_reader.protocol"),
                          lambda self, protocol: self._reader.set_protocol(protocol))
     @property
-    def _buffered(self):
+    def _buffered(self) -> bool:
         # a def, not property(attrgetter): mypy (and so .ci/package's stubtest) reads only
         # the decorator form as read-only; nothing per message reads it
         """The protocol is a BufferedProtocol: reads use get_buffer()."""
@@ -240,16 +266,16 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                           doc="Set when the call to connection_lost is scheduled; then "
                               "counts writes made after it.")
 
-    def get_protocol(self):
+    def get_protocol(self) -> asyncio.BaseProtocol:
         return self._protocol
 
-    def is_closing(self):
+    def is_closing(self) -> bool:
         return self._closing
 
-    def is_reading(self):
+    def is_reading(self) -> bool:
         return not self._closing and not self._paused
 
-    def pause_reading(self):
+    def pause_reading(self) -> None:
         if not self.is_reading():
             return
         self._paused = True
@@ -257,7 +283,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         if self._loop.get_debug():
             logger.debug("%r pauses reading", self)
 
-    def resume_reading(self):
+    def resume_reading(self) -> None:
         if self._closing or not self._paused:
             return
         self._paused = False
@@ -265,43 +291,43 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         if self._loop.get_debug():
             logger.debug("%r resumes reading", self)
 
-    def _add_reader(self, fd, callback):
+    def _add_reader(self, fd: int, callback: Callable[[], object]) -> None:
         if not self.is_reading():
             return
         self._loop._add_reader(fd, callback)
 
-    def can_write_eof(self):
+    def can_write_eof(self) -> bool:
         return True
 
     # ---- write side --------------------------------------------------------------------------
 
-    def _can_fast(self):
+    def _can_fast(self) -> bool:
         return not self._eof and self._empty_waiter is None and not self._conn_lost
 
     @property
-    def _blocked(self):
+    def _blocked(self) -> bool:
         """Writer registered, batch out of the group: the compiled writer's flag (its
         write() flushes above the high-water mark only when unset)."""
         return self._writer.blocked
 
     @_blocked.setter
-    def _blocked(self, value):
+    def _blocked(self, value: bool) -> None:
         self._writer.blocked = value
 
     @property
-    def _fast(self):
+    def _fast(self) -> bool:
         """write() may take the short path: the compiled writer's flag."""
         return self._writer.fast
 
     @_fast.setter
-    def _fast(self, value):
+    def _fast(self, value: bool) -> None:
         self._writer.fast = value
 
     # write(data): a C method of this class (set below the class: make_write_method), no
     # Python frame: bytes go to the batch (above the high-water mark, to the kernel at once),
     # a sleeping loop is woken; anything else takes _write_slow (asyncio's checks)
 
-    def _write_slow(self, data):
+    def _write_slow(self, data: bytes | bytearray | memoryview) -> None:
         if not isinstance(data, _BYTES_LIKE):
             raise TypeError(f'data argument must be a bytes-like object, '
                             f'not {type(data).__name__!r}')
@@ -322,7 +348,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         if self._sel.sleeping:
             self._aio_wake()
 
-    def writelines(self, list_of_data):
+    def writelines(self, list_of_data: Iterable[Buffer]) -> None:
         items = list_of_data if type(list_of_data) is list else list(list_of_data)
         if not self._fast:
             # the same checks, errors and order as asyncio's (which joins, then writes)
@@ -340,7 +366,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         if self._sel.sleeping:
             self._aio_wake()
 
-    def _aio_wake(self):
+    def _aio_wake(self) -> None:
         """write() saw the loop's SleepFlag set.  The loop is running (sleeping in select():
         the write came from a signal handler or another thread): wake it through its
         self-pipe.  The loop is not running (before it started, between two runs, after
@@ -352,7 +378,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         elif not self._blocked:
             self._flush_now()
 
-    def get_write_buffer_size(self):
+    def get_write_buffer_size(self) -> int:
         # What the kernel has not taken, as on asyncio -- also right after a write: asyncio's
         # write() hands data to the kernel at once, so what this iteration wrote is handed
         # to it now (blocks if data is left, as _over_high).  Read by a caller that watches
@@ -368,16 +394,17 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                 self._flush_now()
         return batch.pending_bytes
 
-    def set_write_buffer_limits(self, high=None, low=None):
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         self._set_write_buffer_limits(high=high, low=low)
         if self._batch.pending_bytes > self._high_water:
             self._over_high()
 
-    def _set_write_buffer_limits(self, high=None, low=None):
+    def _set_write_buffer_limits(self, high: int | None = None,
+                                 low: int | None = None) -> None:
         super()._set_write_buffer_limits(high=high, low=low)
         self._writer.high = self._high_water     # the compiled write()'s copy
 
-    def _over_high(self):
+    def _over_high(self) -> None:
         # Above the high-water mark, or at SEND_NOW pending bytes (aoprim._aiowrite's doc:
         # why): hand the batch to the kernel now (asyncio's write()
         # sends at once); what the kernel leaves goes through the writer (block), as
@@ -397,7 +424,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                 self._block()
         self._maybe_pause_protocol()
 
-    def _maybe_pause_protocol(self):
+    def _maybe_pause_protocol(self) -> None:
         if self._batch.pending_bytes <= self._high_water:
             return
         if not self._protocol_paused:
@@ -412,7 +439,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                     'message': 'protocol.pause_writing() failed',
                     'exception': exc, 'transport': self, 'protocol': self._protocol})
 
-    def _maybe_resume_protocol(self):
+    def _maybe_resume_protocol(self) -> None:
         if (self._protocol_paused and not self._conn_lost
                 and self._batch.pending_bytes <= self._low_water):
             self._protocol_paused = False
@@ -426,7 +453,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                     'message': 'protocol.resume_writing() failed',
                     'exception': exc, 'transport': self, 'protocol': self._protocol})
 
-    def _aio_flushed(self, status):
+    def _aio_flushed(self, status: int) -> None:
         """The loop's FlushGroup notify callback, called as ``notify(transport, status)`` for
         this transport after a flush: 1 = data left (block: writer), < 0 = -errno of a write
         error, 0 = all sent and the batch is watched (the protocol is paused).  Nothing for
@@ -449,26 +476,26 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                     'message': 'Exception in the write-flush callback of a transport',
                     'exception': exc, 'transport': self, 'protocol': self._protocol})
 
-    def _block(self):
+    def _block(self) -> None:
         if self._blocked or self._conn_lost or self._sock is None:
             return
         self._blocked = True
         self._group.detach(self._batch)
         self._loop._add_writer(self._sock_fd, self._write_ready)
 
-    def _unblock(self):
+    def _unblock(self) -> None:
         self._blocked = False
         self._loop._remove_writer(self._sock_fd)
         self._group.attach(self._batch, self)
 
-    def _write_error(self, exc):
+    def _write_error(self, exc: BaseException) -> None:
         self._batch.clear()
         self._fatal_error(exc, 'Fatal write error on socket transport')
         w = self._empty_waiter
         if w is not None and not w.done():
             w.set_exception(exc)
 
-    def _flush_now(self):
+    def _flush_now(self) -> bool:
         """Flush at once (close, write_eof, sendfile); block if data is left.  False if the
         write failed (the transport is then being closed)."""
         if not self._flush_or_fail():
@@ -477,7 +504,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
             self._block()
         return True
 
-    def _flush_or_fail(self):
+    def _flush_or_fail(self) -> bool:
         """One flush of the batch; False if the write failed (the transport is then being
         closed).  KeyboardInterrupt and SystemExit pass through."""
         try:
@@ -489,7 +516,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
             return False
         return True
 
-    def _write_ready(self):
+    def _write_ready(self) -> None:
         if self._conn_lost:
             return
         if not self._flush_or_fail():
@@ -518,7 +545,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
             elif self._eof:
                 self._sock.shutdown(socket.SHUT_WR)
 
-    def _send_resumed_writes(self):
+    def _send_resumed_writes(self) -> bool:
         """_write_ready(): flush what resume_writing() wrote into the drained batch, unless it
         paused the protocol again (then the writer sends it, and a resume follows from
         there).  False if the write failed (the transport is then being closed)."""
@@ -526,7 +553,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
             return self._flush_or_fail()
         return True
 
-    def write_eof(self):
+    def write_eof(self) -> None:
         if self._closing or self._eof:
             return
         self._eof = True
@@ -537,7 +564,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         if not self._batch.pending_bytes:
             self._sock.shutdown(socket.SHUT_WR)
 
-    def close(self):
+    def close(self) -> None:
         if self._closing:
             return
         self._closing = True
@@ -551,10 +578,11 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
             self._loop._remove_writer(self._sock_fd)
             self._loop.call_soon(self._call_connection_lost, None)
 
-    def abort(self):
+    def abort(self) -> None:
         self._force_close(None)
 
-    def _fatal_error(self, exc, message='Fatal error on transport'):
+    def _fatal_error(self, exc: BaseException,
+                     message: str = 'Fatal error on transport') -> None:
         if isinstance(exc, OSError):
             if self._loop.get_debug():
                 logger.debug("%r: %s", self, message, exc_info=True)
@@ -564,7 +592,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                 'transport': self, 'protocol': self._protocol})
         self._force_close(exc)
 
-    def _force_close(self, exc):
+    def _force_close(self, exc: BaseException | None) -> None:
         if self._conn_lost:
             return
         batch = self._batch
@@ -586,7 +614,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self._fast = False
         self._loop.call_soon(self._call_connection_lost, exc)
 
-    def _call_connection_lost(self, exc):
+    def _call_connection_lost(self, exc: BaseException | None) -> None:
         self._blocked = True                # never re-attached
         self._fast = False
         if not self._conn_lost:
@@ -615,7 +643,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
 
     # ---- sendfile (the loop's native path waits for the buffer to drain) ----------------------
 
-    def _make_empty_waiter(self):
+    def _make_empty_waiter(self) -> asyncio.Future[None]:
         if self._empty_waiter is not None:
             raise RuntimeError("Empty waiter is already set")
         self._empty_waiter = self._loop.create_future()
@@ -626,7 +654,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
             self._empty_waiter.set_result(None)
         return self._empty_waiter
 
-    def _reset_empty_waiter(self):
+    def _reset_empty_waiter(self) -> None:
         self._empty_waiter = None
         self._fast = self._can_fast()
 
@@ -636,7 +664,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     # __init__; a plain protocol's data and a BufferedProtocol's get_buffer() /
     # buffer_updated() are handled there, end of stream here
 
-    def _read_ready__on_eof(self):
+    def _read_ready__on_eof(self) -> None:
         if self._loop.get_debug():
             logger.debug("%r received EOF", self)
         try:
