@@ -3,21 +3,25 @@
 - ``uvicorn app:app --loop aoprim.aio:new_event_loop`` (uvicorn >= 0.36 imports a
   ``module:function`` loop factory), and the same command with ``--loop asyncio`` as the
   baseline: every check below must pass on both.
-- gunicorn with uvicorn's worker: gunicorn has no loop option of its own, but the worker's
-  ``CONFIG_KWARGS`` are uvicorn's ``Config`` arguments, so a two-line worker subclass with
-  ``{"loop": "aoprim.aio:new_event_loop"}`` (``gunicorn app:app -k app.AoprimWorker``) runs
-  each worker on aoprim.aio.
+- ``gunicorn app:app -k aoprim.aio.gunicorn.Worker``: aoprim's gunicorn worker class
+  (uvicorn-worker's ``UvicornWorker`` with uvicorn's loop option set to aoprim.aio's loop
+  factory).  The child also reports its pid and parent pid: the app runs in a worker
+  process whose parent is the gunicorn master this test started.
 - hypercorn takes no loop factory: its ``-k`` worker classes are only ``asyncio``, ``uvloop``
-  and ``trio``.  Its documented programmatic entry point, ``hypercorn.asyncio.serve(app,
-  config)``, runs on whatever loop is running, so the test runs
-  ``aoprim.aio.run(serve(app, config))`` -- what a user of hypercorn would write.
+  and ``trio``.  Two ways work, both run here: its documented programmatic entry point,
+  ``hypercorn.asyncio.serve(app, config)``, runs on whatever loop is running, so
+  ``aoprim.aio.run(serve(app, config))`` (a loop factory: no policy); and the CLI
+  (``hypercorn app_installed:app``) with ``aoprim.aio.install()`` at the top of the app
+  module, which hypercorn imports before it makes its loop through asyncio's policy.
+- granian (a Rust server) is covered by ``tests/test_aio_granian.py``.
 
 The application is a small Starlette app written into ``tmp_path``; each server runs with
 ``cwd=tmp_path`` (the checkout's ``aoprim/`` folder, which has no compiled extensions, can
 never shadow the package under test) and ``proc_support.child_env()`` (the child imports the
 same aoprim build as this process).  Each server is started plain and under TLS (a
 self-signed certificate made with the ``openssl`` CLI; TLS cases skip if it is absent), and
-is ready when its log names the port it listens on (``--port 0``).  The child reports which
+is ready when its log names the port it listens on (``--port 0``), and must exit with
+status 0 on SIGTERM.  The child reports which
 loop it really runs (``type(asyncio.get_running_loop())``) and, on aoprim.aio, that its
 FlushGroup made the sends.
 
@@ -49,6 +53,7 @@ pytest.importorskip("uvicorn")
 
 APP = r'''
 import asyncio
+import os
 
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -65,7 +70,7 @@ async def loop_info(request):
     loop = asyncio.get_running_loop()
     stats = dict(loop.flush_stats()) if hasattr(loop, "flush_stats") else None
     return JSONResponse({"module": type(loop).__module__, "name": type(loop).__qualname__,
-                         "stats": stats})
+                         "stats": stats, "pid": os.getpid(), "ppid": os.getppid()})
 
 
 async def hello(request):
@@ -116,17 +121,15 @@ app = Starlette(routes=[
     Route("/sse", sse),
     WebSocketRoute("/ws", ws),
 ])
+'''
 
-try:                                            # gunicorn's worker, on aoprim.aio's loop
-    try:
-        from uvicorn_worker import UvicornWorker
-    except ImportError:
-        from uvicorn.workers import UvicornWorker
-except ImportError:
-    pass
-else:
-    class AoprimWorker(UvicornWorker):
-        CONFIG_KWARGS = {"loop": "aoprim.aio:new_event_loop", "http": "auto"}
+# hypercorn's CLI imports the app module, then makes its loop through asyncio's policy
+APP_INSTALLED = r'''
+import aoprim.aio
+
+aoprim.aio.install()
+
+from app import app  # noqa: E402
 '''
 
 HYPERCORN = r'''
@@ -153,7 +156,7 @@ READY = re.compile(r"(?:Uvicorn running on|Running on|Listening at:) https?://12
 
 # (server, loop): the loop the test asks the server for
 SERVERS = [("uvicorn", "aoprim"), ("uvicorn", "asyncio"), ("gunicorn", "aoprim"),
-           ("hypercorn", "aoprim")]
+           ("hypercorn", "aoprim"), ("hypercorn-cli", "aoprim")]
 LOOP_CLASS = {"aoprim": ("aoprim.aio.loop", "Loop"),
               "asyncio": ("asyncio.unix_events", "_UnixSelectorEventLoop")}
 
@@ -230,8 +233,12 @@ def command(server, loop, tls):
         if tls:
             cmd += ["--ssl-keyfile", str(tls[0]), "--ssl-certfile", str(tls[1])]
     elif server == "gunicorn":
-        cmd = [py, "-m", "gunicorn", "app:app", "-k", "app.AoprimWorker", "-w", "1",
+        cmd = [py, "-m", "gunicorn", "app:app", "-k", "aoprim.aio.gunicorn.Worker", "-w", "1",
                "-b", f"{HOST}:0"]
+        if tls:
+            cmd += ["--keyfile", str(tls[0]), "--certfile", str(tls[1])]
+    elif server == "hypercorn-cli":
+        cmd = [py, "-m", "hypercorn", "app_installed:app", "--bind", f"{HOST}:0"]
         if tls:
             cmd += ["--keyfile", str(tls[0]), "--certfile", str(tls[1])]
     else:
@@ -244,6 +251,7 @@ def appdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("asgi")
     (d / "app.py").write_text(APP)
     (d / "hc.py").write_text(HYPERCORN)
+    (d / "app_installed.py").write_text(APP_INSTALLED)
     return d
 
 
@@ -253,21 +261,28 @@ def appdir(tmp_path_factory):
 def server(request, appdir):
     name, loop, tls = request.param
     if name == "gunicorn":
-        pytest.importorskip("gunicorn")
-    if name == "hypercorn":
-        pytest.importorskip("hypercorn")
+        pytest.importorskip("gunicorn", reason="gunicorn is not installed")
+        pytest.importorskip("uvicorn_worker", reason="uvicorn-worker is not installed: "
+                            "aoprim.aio.gunicorn.Worker builds on it")
+    if name.startswith("hypercorn"):
+        pytest.importorskip("hypercorn", reason="hypercorn is not installed")
     ctx = files = None
     if tls == "tls":
         files = make_cert(appdir)
         ctx = ssl.create_default_context(cafile=str(files[1]))
     s = Served(command(name, loop, files), appdir, ctx)
     s.loop = loop
+    s.name = name
     try:
         yield s
     finally:
         rc = s.stop()
         log = s.log()
-        assert rc is not None, f"{name} did not stop on SIGTERM:\n{log[-4000:]}"
+        # uvicorn re-raises the signal it caught once its graceful shutdown is done (on every
+        # loop): its clean exit is death by SIGTERM after "Finished server process"
+        clean = ((0, -signal.SIGTERM) if name == "uvicorn" and "Finished server process" in log
+                 else (0,))
+        assert rc in clean, f"{name} did not stop cleanly on SIGTERM (exit {rc}):\n{log[-4000:]}"
         assert "Traceback" not in log, log[-8000:]
 
 
@@ -284,6 +299,9 @@ def test_the_loop_is_the_one_asked_for(server):
     if server.loop == "aoprim":
         # the responses above went out through the loop's FlushGroup
         assert info["stats"]["syscalls"] > 0 and info["stats"]["bytes"] > 0
+    if server.name == "gunicorn":
+        # served inside a gunicorn worker: a child of the master process this test started
+        assert info["ppid"] == server.p.pid != info["pid"]
 
 
 def test_keep_alive_requests(server):
