@@ -76,7 +76,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # bound for type checkers; at run time by __getattr__ below (it loads ssl)
     from aoprim._tls import TLSConn, TLSFlush
 
-from aoprim._version import __version__  # noqa: E402  (one version, in aoprim/_version.py)
+# (one version, in aoprim/_version.py; "as": re-exported for type checkers)
+from aoprim._version import __version__ as __version__  # noqa: E402
 
 __all__ = [
     "AtomicInt", "RefCount", "SpinLock",

@@ -41,7 +41,9 @@ Example::
     ...
     srv.shutdown()
 """
-from typing import TYPE_CHECKING
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
 
 from .config import Settings
 from .framing import FRAMINGS, FrameDecoder, FrameTooLarge, Framing
@@ -53,14 +55,28 @@ from .session import Session
 if TYPE_CHECKING:
     # what a type checker (and mypy.stubtest) sees; at run time these two are loaded on
     # first use by __getattr__ below
+    import asyncio
+    import socket
+    import ssl
+
+    from typing_extensions import Unpack
+
     from .adapters.asyncio_protocol import ProtocolHandler, SessionTransport
+    from .config import SettingsArgs
+
+    class _ServeArgs(SettingsArgs, total=False):
+        # serve_protocol's keywords: Server's (framing can only be "raw")
+        framing: str
+        sock: socket.socket | None
+        ssl: ssl.SSLContext | None
+        handshake_timeout: float
 
 __all__ = ["Server", "Session", "Handler", "Settings", "serve_protocol", "Framing",
            "FrameDecoder", "FrameTooLarge", "FRAMINGS", "BACKENDS", "BackendUnavailable",
            "SessionTransport", "ProtocolHandler"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # the asyncio adapter (and with it asyncio and ssl, most of this package's import time)
     # is loaded on first use, not by ``import aoprim.server``
     if name in ("ProtocolHandler", "SessionTransport"):
@@ -69,7 +85,9 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def serve_protocol(protocol_factory, host="127.0.0.1", port=0, *, forever=False, **kwargs):
+def serve_protocol(protocol_factory: Callable[[], asyncio.BaseProtocol],
+                   host: str | None = "127.0.0.1", port: int = 0, *, forever: bool = False,
+                   **kwargs: Unpack[_ServeArgs]) -> Server:
     """Run an unchanged ``asyncio.Protocol`` / ``asyncio.BufferedProtocol`` on this server.
 
     ``protocol_factory()`` is called once per connection, as with ``loop.create_server``.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 from .framing import DEFAULT_MAX_FRAME, FRAMINGS
 from .proxy import (DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER, DEFAULT_TRUSTED, parse_mode,
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     _TrustedProxies: TypeAlias = ("_Network | Iterable[_Network | IPv4Address | IPv6Address] "
                                  "| tuple[IPv4Network | IPv6Network, ...]")
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "SettingsArgs"]
 
 _HEADER_SIZE = {"raw": 0, "u16": 2, "u32": 4}
 
@@ -72,7 +72,7 @@ class Settings:
     max_connections: int = 10000
     max_pending: int = 4 << 20
     idle_timeout: float | None = None
-    frame_timeout: float = 30.0
+    frame_timeout: float | None = 30.0
     workers: int = 0
     backend: str = "selectors"
     high_water: int | None = None   # None: min(256 KiB, max_pending // 2)
@@ -99,7 +99,7 @@ class Settings:
     proxy_protocol: str | None = None
     trusted_proxies: _TrustedProxies = DEFAULT_TRUSTED
     proxy_max_header: int = DEFAULT_MAX_HEADER
-    proxy_header_timeout: float = DEFAULT_HEADER_TIMEOUT    # from the connection's start
+    proxy_header_timeout: float | None = DEFAULT_HEADER_TIMEOUT   # from the connection's start
     # TLS (tls.py): a server-side ssl.SSLContext, or None (plain TCP); the handshake's limit
     # in seconds from the accept (the PROXY header, when on, included)
     ssl: _ssl.SSLContext | None = None
@@ -181,3 +181,40 @@ class Settings:
         ticks = [t for t in (self.idle_timeout, self.frame_timeout,
                              self.proxy_header_timeout if self.proxy_protocol else None) if t]
         return min(1.0, max(0.01, min(ticks) / 10)) if ticks else None
+
+
+class SettingsArgs(TypedDict, total=False):
+    """The keyword settings ``Server(...)`` takes besides ``framing``, ``ssl`` and
+    ``handshake_timeout``, for type checkers (``**settings: Unpack[SettingsArgs]``): a
+    misspelt or mistyped setting is an error there, as it is at run time.  One key per
+    :class:`Settings` field (tests/test_typing.py checks that they stay the same)."""
+
+    max_frame: int
+    max_connections: int
+    max_pending: int
+    idle_timeout: float | None
+    frame_timeout: float | None
+    workers: int
+    backend: str
+    high_water: int | None
+    low_water: int | None
+    flush_budget: int
+    backlog: int
+    reuse_port: bool
+    rx_slot_size: int
+    rx_slots: int
+    rx_reads: int
+    rx_read_size: int
+    rx_read_slots: int
+    rx_frame_cache: int
+    tx_slot_size: int
+    tx_slots: int
+    close_linger: float
+    shutdown_timeout: float
+    worker_backlog: int
+    worker_queue: int
+    accept_batch: int
+    proxy_protocol: str | None
+    trusted_proxies: _TrustedProxies
+    proxy_max_header: int
+    proxy_header_timeout: float | None

@@ -15,10 +15,20 @@ is not called; ``connection_lost(None)`` is), and ``write_eof`` is not supported
 (``serve_protocol(..., ssl=ctx)``) ``get_extra_info`` answers asyncio's TLS names
 (``sslcontext``, ``ssl_object``, ``peercert``, ``cipher``, ``compression``).
 """
+from __future__ import annotations
+
 import asyncio
 import logging
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..handler import Handler
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from typing_extensions import Buffer
+
+    from ..session import Session
 
 __all__ = ["ProtocolHandler", "SessionTransport"]
 
@@ -32,7 +42,7 @@ _TLS_NAMES = frozenset(("sslcontext", "ssl_object", "peercert", "cipher", "compr
 class SessionTransport(asyncio.Transport):
     """An ``asyncio.Transport`` over one session."""
 
-    def __init__(self, session, protocol):
+    def __init__(self, session: Session, protocol: asyncio.BaseProtocol) -> None:
         super().__init__({"peername": session.peer})
         self._session = session
         self._protocol = protocol
@@ -42,7 +52,7 @@ class SessionTransport(asyncio.Transport):
         self.set_write_buffer_limits()
 
     # -- writing -------------------------------------------------------------------------
-    def write(self, data):
+    def write(self, data: Buffer) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data argument must be a bytes-like object, "
                             f"not {type(data).__name__!r}")
@@ -50,21 +60,21 @@ class SessionTransport(asyncio.Transport):
             return
         self._session.send(data)
 
-    def writelines(self, list_of_data):
+    def writelines(self, list_of_data: Iterable[Buffer]) -> None:
         data = b"".join(list_of_data)
         if data:
             self.write(data)
 
-    def can_write_eof(self):
+    def can_write_eof(self) -> bool:
         return False
 
-    def get_write_buffer_size(self):
+    def get_write_buffer_size(self) -> int:
         return self._session.pending_bytes
 
-    def get_write_buffer_limits(self):
+    def get_write_buffer_limits(self) -> tuple[int, int]:
         return (self._low, self._high)
 
-    def set_write_buffer_limits(self, high=None, low=None):
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         if high is None:
             high = 4 * low if low is not None else 64 * 1024
         if low is None:
@@ -74,49 +84,49 @@ class SessionTransport(asyncio.Transport):
         self._high, self._low = high, low
         self._session.set_write_limits(high, low, self._pause_writing, self._resume_writing)
 
-    def _pause_writing(self):
+    def _pause_writing(self) -> None:
         try:
             self._protocol.pause_writing()
         except Exception:
             log.exception("protocol pause_writing() failed")
 
-    def _resume_writing(self):
+    def _resume_writing(self) -> None:
         try:
             self._protocol.resume_writing()
         except Exception:
             log.exception("protocol resume_writing() failed")
 
     # -- reading -------------------------------------------------------------------------
-    def is_reading(self):
+    def is_reading(self) -> bool:
         return not self._paused_reading and not self._closing
 
-    def pause_reading(self):
+    def pause_reading(self) -> None:
         if self._closing or self._paused_reading:
             return
         self._paused_reading = True
         self._session.pause_reading()
 
-    def resume_reading(self):
+    def resume_reading(self) -> None:
         if self._closing or not self._paused_reading:
             return
         self._paused_reading = False
         self._session.resume_reading()
 
     # -- closing -------------------------------------------------------------------------
-    def is_closing(self):
+    def is_closing(self) -> bool:
         return self._closing or self._session.closed
 
-    def close(self):
+    def close(self) -> None:
         if self._closing:
             return
         self._closing = True
         self._session.close()
 
-    def abort(self):
+    def abort(self) -> None:
         self._closing = True
         self._session.abort()
 
-    def get_extra_info(self, name, default=None):
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
         s = self._session
         if name == "peername":
             return s.peer
@@ -137,26 +147,26 @@ class SessionTransport(asyncio.Transport):
             return s.get_extra_info(name, default)
         return super().get_extra_info(name, default)
 
-    def get_protocol(self):
+    def get_protocol(self) -> asyncio.BaseProtocol:
         return self._protocol
 
-    def set_protocol(self, protocol):
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self._protocol = protocol
 
 
 class ProtocolHandler(Handler):
     """A Handler that drives one asyncio protocol per session."""
 
-    def __init__(self, protocol_factory):
+    def __init__(self, protocol_factory: Callable[[], asyncio.BaseProtocol]) -> None:
         self._factory = protocol_factory
 
-    def on_connect(self, session):
+    def on_connect(self, session: Session) -> None:
         proto = self._factory()
         tr = SessionTransport(session, proto)
         session.user = (proto, tr, isinstance(proto, asyncio.BufferedProtocol))
         proto.connection_made(tr)
 
-    def on_read(self, session, data):
+    def on_read(self, session: Session, data: memoryview | bytes) -> None:
         proto, tr, buffered = session.user
         if tr._closing:
             return
@@ -176,7 +186,7 @@ class ProtocolHandler(Handler):
             proto.buffer_updated(k)
             off += k
 
-    def on_close(self, session, exc):
+    def on_close(self, session: Session, exc: BaseException | None) -> None:
         if session.user is None:
             return
         proto, tr, _ = session.user
