@@ -36,10 +36,11 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
     from types import TracebackType
 
-    from typing_extensions import Buffer, Self
+    from typing_extensions import Buffer, Self, Unpack
 
     from aoprim import TLSFlush
 
+    from .config import SettingsArgs
     from .dispatch import WorkState
     from .handler import Handler
     from .loop import EventLoop
@@ -91,7 +92,7 @@ class Server:
     def __init__(self, handler: Handler, host: str | None = "127.0.0.1", port: int = 0,
                  framing: str = "raw", *, sock: socket.socket | None = None,
                  ssl: _ssl.SSLContext | None = None, handshake_timeout: float = 10.0,
-                 **settings: Any) -> None:
+                 **settings: Unpack[SettingsArgs]) -> None:
         for hook in ("on_connect", "on_read", "on_close"):
             if not callable(getattr(handler, hook, None)):
                 raise TypeError(f"handler must have a callable {hook}() (subclass Handler)")
