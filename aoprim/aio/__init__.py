@@ -3,8 +3,17 @@
     import aoprim.aio
     aoprim.aio.run(main())                  # as asyncio.run(main()), on aoprim's loop
     loop = aoprim.aio.new_event_loop()      # an asyncio.AbstractEventLoop: aoprim.aio.Loop
+    asyncio.run(main(), loop_factory=aoprim.aio.new_event_loop)   # 3.12+: no policy needed
+    with asyncio.Runner(loop_factory=aoprim.aio.new_event_loop) as runner:   # 3.11+
+        runner.run(main())
     asyncio.set_event_loop_policy(aoprim.aio.EventLoopPolicy())
-    aoprim.aio.install()                    # the same, in one call
+    aoprim.aio.install()                    # the same, in one call (where policies exist)
+
+The loop factory is the way asyncio recommends from Python 3.14, which deprecates event loop
+policies (removal planned for 3.16); :func:`install` still works there, with a
+``DeprecationWarning`` of aoprim's own.  ASGI servers: ``uvicorn app:app --loop
+aoprim.aio:new_event_loop`` (uvicorn >= 0.36), ``gunicorn app:app -k
+aoprim.aio.gunicorn.Worker`` (:mod:`aoprim.aio.gunicorn`); hypercorn and granian: docs/aio.md.
 
 The loop is asyncio's own selector loop (``asyncio.SelectorEventLoop``) with two changes:
 
