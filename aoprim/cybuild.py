@@ -13,17 +13,36 @@ the Cython include path and ``aoprim.get_include()`` on the C include path.
                 for i in range(n):
                     aop_fetch_add_i64(&a.cell, 1, AOP_SEQ_CST)
     ''')
+
+It needs Cython (>= 3.1) and setuptools: ``pip install 'aoprim[cython]'``.
+
+Without ``workdir``, a built module is cached: the first call compiles in a temporary folder
+(removed afterwards) and keeps only the built extension, as one file in ``cache_dir()``; a
+later call with the same inputs imports that file without compiling.  The file's name
+carries a digest of everything that changes the built module: the source, the module name,
+the compiler flags, aoprim's version and the contents of its installed ``.pxd``/``.pxi``
+files and C headers, the Python ABI (the extension suffix), the Cython version, the Cython
+directives, and the compiler environment variables setuptools reads (``CC``, ``CFLAGS``,
+...).  Two processes building the same module at once each compile in their own temporary
+folder and move the result into place with one ``os.replace`` (atomic on a POSIX
+filesystem): a reader sees the whole file or no file.  The cache may be deleted at any time.
 """
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
+import sysconfig
 import tempfile
 import textwrap
 
 import aoprim
 
-__all__ = ["build_module"]
+__all__ = ["build_module", "cache_dir", "CACHE_ENV"]
+
+# Moves the cache (any path; created on first use).  Unset: $XDG_CACHE_HOME/aoprim/cybuild,
+# else ~/.cache/aoprim/cybuild.
+CACHE_ENV = "AOPRIM_CYBUILD_CACHE"
 
 DIRECTIVES = {
     "language_level": 3,
@@ -32,34 +51,169 @@ DIRECTIVES = {
     "wraparound": False,
 }
 
+# What setuptools' build_ext reads from the environment to choose and drive the compiler
+# (distutils' customize_compiler): each one can change the built module.
+COMPILER_ENV = ("CC", "CXX", "CPP", "LDSHARED", "CFLAGS", "CPPFLAGS", "LDFLAGS", "AR",
+                "ARFLAGS")
+
+NEEDS = "aoprim.cybuild needs Cython>=3.1 and setuptools: pip install 'aoprim[cython]'"
+
+
+def cache_dir():
+    """The folder that holds built modules: ``$AOPRIM_CYBUILD_CACHE`` if set, else
+    ``$XDG_CACHE_HOME/aoprim/cybuild`` (an absolute XDG_CACHE_HOME only, as the XDG base
+    directory specification says), else ``~/.cache/aoprim/cybuild``."""
+    path = os.environ.get(CACHE_ENV)
+    if path:
+        return os.path.abspath(os.path.expanduser(path))
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "aoprim", "cybuild")
+
 
 def build_module(name, source, workdir=None, cflags=("-O2",)):
-    """Cythonize and compile ``source`` as module ``name`` in ``workdir`` (a fresh temporary
-    folder by default), then import and return it.  Raises on any compile error."""
+    """Cythonize and compile ``source`` as module ``name``, then import and return it.
+
+    With ``workdir``, the build happens there (the ``.pyx``, the generated C and the built
+    extension stay, for inspection), every call compiles, and the cache is not used.
+    Without it, the built extension is taken from ``cache_dir()`` when the same inputs were
+    built before, else built in a temporary folder that is removed afterwards and only the
+    extension is kept in the cache.  Raises on any compile error (the compiler's messages
+    are on stderr), ValueError on a name that is not a Python identifier, and ImportError
+    naming the ``aoprim[cython]`` extra when Cython or setuptools is missing."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"build_module: module name {name!r} is not a Python identifier")
+    source = textwrap.dedent(source)
+    cflags = tuple(cflags)
+    if workdir:
+        os.makedirs(workdir, exist_ok=True)
+        return _load(name, _compile(name, source, workdir, cflags))
+    cache = cache_dir()
+    path = os.path.join(cache, f"{name}-{_cache_key(name, source, cflags)}{_ext_suffix()}")
+    if not os.path.isfile(path):
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f"aoprim-cybuild-{name}-") as tmp:
+            _publish(_compile(name, source, tmp, cflags), path)
+    return _load(name, path)
+
+
+def _ext_suffix():
+    # '.cpython-311-x86_64-linux-gnu.so': interpreter, version, ABI flags (debug, free
+    # threading) and platform -- what decides whether a built extension can be imported here
+    return sysconfig.get_config_var("EXT_SUFFIX")
+
+
+def _package_dir():
+    return os.path.dirname(os.path.abspath(aoprim.__file__))
+
+
+def _interface_digest():
+    """A digest of every file a cimporting module compiles against: the package's .pxd and
+    .pxi files and the C headers in aoprim.get_include(), by path relative to their root."""
+    h = hashlib.sha256()
+    for root in (_package_dir(), aoprim.get_include()):
+        found = []
+        for folder, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            found += [os.path.join(folder, n) for n in names if n.endswith((".pxd", ".pxi", ".h"))]
+        for path in sorted(found):
+            with open(path, "rb") as f:
+                data = f.read()
+            rel = os.path.relpath(path, root).encode()
+            h.update(b"%d:%s%d:" % (len(rel), rel, len(data)))
+            h.update(data)
+    return h.hexdigest()
+
+
+def _cache_key(name, source, cflags):
+    """The digest that names a built module in the cache: it changes with every input that
+    changes the built extension (see the module docstring)."""
+    parts = [
+        ("name", name),
+        ("source", source),
+        ("cflags", "\0".join(cflags)),
+        ("aoprim", aoprim.__version__),
+        ("interface", _interface_digest()),
+        ("abi", f"{_ext_suffix()} {sys.implementation.cache_tag}"),
+        ("cython", _cython_version()),
+        ("directives", repr(sorted(DIRECTIVES.items()))),
+        ("env", repr([(k, os.environ.get(k)) for k in COMPILER_ENV])),
+    ]
+    h = hashlib.sha256()
+    for label, value in parts:
+        data = value.encode()
+        h.update(b"%s=%d:" % (label.encode(), len(data)))
+        h.update(data)
+    return h.hexdigest()[:32]
+
+
+def _cython_version():
+    # only Cython's small top-level module: a cache hit imports neither its compiler nor
+    # setuptools
+    try:
+        import Cython
+    except ImportError as e:
+        raise ImportError(f"{NEEDS} ({e})") from e
+    return Cython.__version__
+
+
+def _require_build_tools():
+    """ImportError naming the extra when Cython's compiler or setuptools is missing."""
+    try:
+        import Cython.Build  # noqa: F401
+        import setuptools  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"{NEEDS} ({e})") from e
+
+
+def _compile(name, source, builddir, cflags):
+    """Cythonize and compile ``source`` in ``builddir``; the built extension's path."""
+    _require_build_tools()
     from Cython.Build import cythonize
     from setuptools import Extension
     from setuptools.dist import Distribution
 
-    source = textwrap.dedent(source)
-    tag = hashlib.sha1(source.encode()).hexdigest()[:10]
-    workdir = workdir or tempfile.mkdtemp(prefix=f"aoprim-{name}-{tag}-")
-    os.makedirs(workdir, exist_ok=True)
-    pyx = os.path.join(workdir, name + ".pyx")
+    pyx = os.path.join(builddir, name + ".pyx")
     with open(pyx, "w") as f:
         f.write(source)
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(aoprim.__file__)))
+    pkg_parent = os.path.dirname(_package_dir())
     ext = Extension(name, [pyx], include_dirs=[aoprim.get_include()],
                     extra_compile_args=list(cflags))
     exts = cythonize([ext], compiler_directives=DIRECTIVES, include_path=[pkg_parent],
                      quiet=True, force=True)
     dist = Distribution({"name": name, "ext_modules": exts, "script_name": "setup.py"})
     cmd = dist.get_command_obj("build_ext")
-    cmd.build_lib = workdir
-    cmd.build_temp = os.path.join(workdir, "tmp")
+    cmd.build_lib = builddir
+    cmd.build_temp = os.path.join(builddir, "tmp")
     cmd.inplace = False
     cmd.ensure_finalized()
     cmd.run()
-    path = cmd.get_ext_fullpath(name)
+    return cmd.get_ext_fullpath(name)
+
+
+def _publish(built, path):
+    """Copy ``built`` to ``path`` through a temporary file in the same folder and one
+    ``os.replace``: another process never sees a partly written file at ``path``."""
+    fd, part = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".part",
+                                dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as out, open(built, "rb") as src:
+            shutil.copyfileobj(src, out)
+        os.chmod(part, 0o644)
+        os.replace(part, path)
+    except BaseException:
+        try:
+            os.unlink(part)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _load(name, path):
+    mod = sys.modules.get(name)
+    if mod is not None and getattr(mod, "__file__", None) == path:
+        return mod                  # this very file is already imported here
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

@@ -1,8 +1,19 @@
 """True parallelism: a Cython module compiled here, against the *installed* .pxd files and
 header (which proves that ``cimport`` works from outside the package), runs its loops
 without the GIL; several Python threads call it at once, so the loops really run in
-parallel on all cores.  Spin-locked critical sections and atomic counters must be exact."""
+parallel on all cores.  Spin-locked critical sections and atomic counters must be exact.
+
+aoprim's headers are included by every cimporting module: each one, and a module cimporting
+every .pxd, must compile without a single warning under -Wall -Wextra (a helper a module does
+not call must not give ``defined but not used``)."""
 import os
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
 import threading
 
 import pytest
@@ -150,3 +161,60 @@ def test_refcount_nogil_churn_then_single_zero(hammer):
     assert sorted(drops) == [0, 1, 2, 3]
     assert fired == [1]
     assert r.count == 0
+
+
+# -- aoprim's headers compile without warnings in a user's build ------------------------------
+
+HEADERS = sorted(p.name for p in pathlib.Path(aoprim.get_include()).glob("aop_*.h"))
+WARN_FLAGS = ["-Wall", "-Wextra"]
+
+
+def _compiler(var):
+    """The compiler a user's build_ext would run (CC / CXX, else what Python was built
+    with), as an argument list; skips when it is not installed."""
+    cmd = shlex.split(os.environ.get(var) or sysconfig.get_config_var(var) or "")
+    if not cmd or shutil.which(cmd[0]) is None:
+        pytest.skip(f"no {var} compiler on PATH ({cmd[:1] or 'none configured'})")
+    return cmd
+
+
+@pytest.mark.parametrize("lang", ["c", "c++"])
+@pytest.mark.parametrize("header", HEADERS)
+def test_header_compiles_without_warnings(header, lang, tmp_path):
+    # the header alone in a translation unit that calls none of its functions: an unused
+    # static helper warns here (Cython-generated C includes the headers the same way)
+    src = tmp_path / ("inc.c" if lang == "c" else "inc.cpp")
+    src.write_text(f'#include "{header}"\n')
+    cmd = _compiler("CC" if lang == "c" else "CXX") + WARN_FLAGS + [
+        "-c", f"-I{aoprim.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+        str(src), "-o", str(tmp_path / "inc.o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and not proc.stderr.strip(), (
+        f"{header} ({lang}, {' '.join(WARN_FLAGS)}):\n{proc.stderr}")
+
+
+def test_headers_are_found():
+    assert "aop_atomic.h" in HEADERS and len(HEADERS) >= 4, HEADERS
+
+
+def test_a_module_cimporting_every_pxd_compiles_with_warnings_as_errors(tmp_path, capfd):
+    from aoprim.cybuild import build_module
+
+    pkg = pathlib.Path(aoprim.__file__).resolve().parent
+    pxds = sorted(p.stem for p in pkg.glob("*.pxd"))
+    assert "_atomic" in pxds and "atomic_h" in pxds, pxds
+    source = "".join(f"cimport aoprim.{m}\n" for m in pxds) + "def ok():\n    return True\n"
+    name = "cimport_every_pxd"
+    try:
+        mod = build_module(name, source, workdir=str(tmp_path),
+                           cflags=["-O0", *WARN_FLAGS, "-Werror"])
+        assert mod.ok()
+    except Exception as e:   # noqa: BLE001 - the compiler's messages say what went wrong
+        out, err = capfd.readouterr()
+        ours = [line for line in (out + err).splitlines() if re.search(r"aop_\w+\.h:\d+", line)]
+        pytest.fail(f"{e}\nin aoprim's headers:\n" + "\n".join(ours)
+                    + f"\n--- compiler output:\n{err}")
+    finally:
+        sys.modules.pop(name, None)
+    out, err = capfd.readouterr()
+    assert "warning" not in (out + err), out + err

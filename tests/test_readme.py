@@ -120,6 +120,8 @@ def run_snippet(snippet, earlier, workdir):
     # the aoprim this test run imports (installed, or an in-place build on purpose)
     pkg_parent = str(pathlib.Path(aoprim.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = pkg_parent + os.pathsep + env.get("PYTHONPATH", "")
+    # aoprim.cybuild's cache of built modules: in the test's folder, not the user's ~/.cache
+    env["AOPRIM_CYBUILD_CACHE"] = str(workdir / ".cybuild-cache")
     timeout = float(snippet.opts.get("timeout", DEFAULT_TIMEOUT))
     try:
         proc = subprocess.run([sys.executable, str(script)], cwd=workdir, env=env,
