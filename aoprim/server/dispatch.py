@@ -21,12 +21,26 @@
     waits in an overflow list that the loop retries at the end of every iteration;
   * every queued item holds one reference of the session's ``RefCount``, dropped after it ran.
 """
+from __future__ import annotations
+
 import collections
 import logging
+from typing import TYPE_CHECKING, Any, Callable
 
 from aoprim import Closed, Full, SpinLock
 
 from .workers import WorkerPool
+
+if TYPE_CHECKING:
+    import threading
+
+    from .config import Settings
+    from .handler import Handler
+    from .loop import EventLoop
+    from .session import Session
+
+#: a receiver's frame callback: (session, frame)
+FrameCallback = Callable[[Any, Any], object]
 
 __all__ = ["InlineDispatch", "WorkerDispatch", "WorkState", "EOF_MARK", "CLOSE_MARK"]
 
@@ -38,26 +52,26 @@ CLOSE_MARK = object()   # run on_close, after every on_read
 
 class InlineDispatch:
     copy_frames = False
-    threads = ()
+    threads: tuple[threading.Thread, ...] = ()
     closed = False
 
-    def __init__(self, handler):
+    def __init__(self, handler: Handler) -> None:
         self.handler = handler
 
-    def frame_callback(self, session):
+    def frame_callback(self, session: Session) -> FrameCallback:
         return self.handler.on_read
 
-    def start(self, loop):
+    def start(self, loop: EventLoop) -> None:
         pass
 
-    def post(self, session, item):       # marks only (EOF never travels inline)
+    def post(self, session: Session, item: object) -> None:     # marks only (EOF never travels inline)
         if item is CLOSE_MARK:
             session.run_on_close()
 
-    def stop(self):
+    def stop(self) -> bool:
         return True
 
-    def join(self, timeout):
+    def join(self, timeout: float | None) -> bool:
         return True
 
 
@@ -66,8 +80,8 @@ class WorkState:
 
     __slots__ = ("backlog", "lock", "scheduled", "paused")
 
-    def __init__(self):
-        self.backlog = collections.deque()
+    def __init__(self) -> None:
+        self.backlog: collections.deque[Any] = collections.deque()
         self.lock = SpinLock()
         self.scheduled = False
         self.paused = False
@@ -76,36 +90,39 @@ class WorkState:
 class WorkerDispatch:
     copy_frames = True
 
-    def __init__(self, handler, settings, on_exit=None):
+    def __init__(self, handler: Handler, settings: Settings,
+                 on_exit: Callable[[], object] | None = None) -> None:
         self.handler = handler
         self._limit = settings.worker_backlog
         self._resume_at = settings.worker_backlog // 4
         self._pool = WorkerPool(settings.workers, self._run_session,
                                 capacity=settings.worker_queue, on_exit=on_exit)
-        self._overflow = collections.deque()     # sessions waiting for room (loop thread)
-        self._loop = None
+        # sessions waiting for room (loop thread)
+        self._overflow: collections.deque[Session] = collections.deque()
+        self._loop: EventLoop | None = None
         self.closed = False
 
     @property
-    def threads(self):
+    def threads(self) -> list[threading.Thread]:
         return self._pool.threads
 
-    def frame_callback(self, session):
+    def frame_callback(self, session: Session) -> FrameCallback:
         return self.post_frame
 
-    def start(self, loop):
+    def start(self, loop: EventLoop) -> None:
         self._loop = loop
         loop.add_iteration_hook(self._retry_overflow)
         self._pool.start()
 
     # -- loop thread ------------------------------------------------------------------
-    def post_frame(self, session, data):
+    def post_frame(self, session: Session, data: bytes) -> None:
         """The receiver's frame callback: queue one frame (bytes) for a worker."""
         self.post(session, data)
 
-    def post(self, session, item):
+    def post(self, session: Session, item: object) -> None:
         """Queue a frame or a mark behind the session's earlier items (loop thread)."""
-        w = session.work
+        # (every session of a worker server has a WorkState)
+        w: WorkState = session.work     # type: ignore[assignment]
         session.ref()                       # the item's reference, dropped after it ran
         with w.lock:
             w.backlog.append(item)
@@ -122,7 +139,7 @@ class WorkerDispatch:
         if schedule:
             self._schedule(session)
 
-    def _schedule(self, session):
+    def _schedule(self, session: Session) -> None:
         if self._overflow:
             self._overflow.append(session)      # keep the order of sessions waiting
             return
@@ -133,7 +150,7 @@ class WorkerDispatch:
         except Closed:                          # shutting down: run it here, in order
             self._run_session(session)
 
-    def _retry_overflow(self):
+    def _retry_overflow(self) -> None:
         ov = self._overflow
         q = self._pool.queue
         while ov:
@@ -148,9 +165,10 @@ class WorkerDispatch:
             ov.popleft()
 
     # -- worker threads (and the loop thread once the queue is closed) -----------------
-    def _run_session(self, session):
+    def _run_session(self, session: Session) -> None:
         """Run the session's items in order until its backlog is empty."""
-        w = session.work
+        # (every session of a worker server has a WorkState)
+        w: WorkState = session.work     # type: ignore[assignment]
         handler = self.handler
         while True:
             with w.lock:
@@ -179,7 +197,7 @@ class WorkerDispatch:
             item = None
             session.unref()
 
-    def stop(self):
+    def stop(self) -> None:
         """Close the completion queue: workers drain what is queued, then exit; the
         sessions still waiting in the overflow list run here, on the calling (loop)
         thread."""
@@ -189,5 +207,5 @@ class WorkerDispatch:
         while ov:
             self._run_session(ov.popleft())
 
-    def join(self, timeout):
+    def join(self, timeout: float | None) -> bool:
         return self._pool.join(timeout)

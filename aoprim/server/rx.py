@@ -23,8 +23,17 @@ worker dispatcher's ``post_frame``) directly from C.  This module decides only p
   does not stop them (that peer is the one stalling).  With the PROXY protocol the header
   has its own deadline, ``proxy_header_timeout``, from the connection's start.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
 from aoprim import (RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR, RX_TOO_LARGE,
                     Receiver)
+
+if TYPE_CHECKING:
+    from aoprim import RxArena
+
+    from .config import Settings
 
 __all__ = ["Rx", "PAUSE_USER", "PAUSE_BACKPRESSURE", "PAUSE_BACKLOG", "PAUSE_EOF",
            "PAUSE_CLOSING", "PAUSE_SHUTDOWN", "RX_EOF", "RX_ERROR", "RX_HANDLER",
@@ -46,8 +55,10 @@ class Rx:
     __slots__ = ("receiver", "paused", "_seen_bytes", "_ft_mark", "_ft_since", "last_active",
                  "_born", "_swept", "wire", "header_wait")
 
-    def __init__(self, arena, fd, settings, on_frame, on_event, owner, copy_frames, now,
-                 proxy=True):
+    def __init__(self, arena: RxArena, fd: int, settings: Settings,
+                 on_frame: Callable[[Any, Any], object],
+                 on_event: Callable[[Any, int, Any], object], owner: object,
+                 copy_frames: bool, now: float, proxy: bool = True) -> None:
         # proxy: the receiver reads the PROXY header (when on); False for a TLS session,
         # which reads it itself, before the handshake
         self.receiver = Receiver(arena, fd, settings.header_size, settings.max_frame,
@@ -65,23 +76,23 @@ class Rx:
         # None, or a callable () -> (bytes received, bytes buffered) on the wire, for a
         # session whose receiver sees other bytes than the socket's (TLS: the decrypted
         # ones): the idle and frame clocks then measure what arrives, as on plain TCP
-        self.wire = None
+        self.wire: Callable[[], tuple[int, int]] | None = None
         # None, or a callable () -> True while the PROXY header is still due, for a session
         # that reads the header itself (TLS: before the handshake) instead of its receiver
-        self.header_wait = None
+        self.header_wait: Callable[[], bool] | None = None
 
     @property
-    def reading(self):
+    def reading(self) -> bool:
         return not self.paused
 
-    def pause(self, reason):
+    def pause(self, reason: int) -> bool:
         """Set a pause reason; True if reading stopped because of it."""
         was = self.paused
         self.paused = was | reason
         self.receiver.hold = True       # also within the read burst that is running
         return not was
 
-    def resume(self, reason):
+    def resume(self, reason: int) -> bool:
         """Clear a pause reason; True if reading resumes because of it."""
         was = self.paused
         self.paused = was & ~reason
@@ -89,8 +100,9 @@ class Rx:
             self.receiver.hold = False
         return bool(was) and not self.paused
 
-    def sweep(self, now, idle_timeout, frame_timeout, proxy_timeout=None, held=False,
-              active=False):
+    def sweep(self, now: float, idle_timeout: float | None, frame_timeout: float | None,
+              proxy_timeout: float | None = None, held: bool = False,
+              active: bool = False) -> str | None:
         """The timeout check; returns a reason to cut the session, or None.  ``held``: the
         server itself kept this session from being read since the last sweep (see
         Session.check_timeouts): neither the idle nor the frame clock runs meanwhile -- a
@@ -131,6 +143,6 @@ class Rx:
             self._ft_mark = -1
         return None
 
-    def close(self):
+    def close(self) -> None:
         """Give every receive buffer back (exactly once; idempotent)."""
         self.receiver.close()

@@ -18,9 +18,20 @@ other threads, and the per-iteration flush of every dirty batch.
   the session's teardown: once :meth:`ForeignSends.close` ran, a late send releases what it
   retained at once instead of leaving it in a queue nobody drains.
 """
+from __future__ import annotations
+
 import collections
+from typing import TYPE_CHECKING, Any, Callable
 
 from aoprim import FlushGroup, SendBatch, Slot, SpinLock
+
+if TYPE_CHECKING:
+    import socket
+
+    from typing_extensions import Buffer
+
+    from .config import Settings
+    from .loop import EventLoop
 
 __all__ = ["Flusher", "ForeignSends", "IOV_MAX", "check_payload", "foreign_item",
            "release_item"]
@@ -33,13 +44,13 @@ class Flusher:
     loop iteration hook; it calls ``notify(session, status)`` for each session whose batch
     needs attention."""
 
-    def __init__(self, settings, notify):
+    def __init__(self, settings: Settings, notify: Callable[[Any, int], object]) -> None:
         self.group = FlushGroup(budget=settings.flush_budget)
         self.group.notify = notify          # notify(session, status) for the few that need it
         self._batch_bytes = max(settings.flush_budget, 65536)
         self.flush = self.group.flush       # the iteration hook: C, no Python frame
 
-    def new_batch(self, sock, owner, attach=True):
+    def new_batch(self, sock: socket.socket, owner: object, attach: bool = True) -> SendBatch:
         """A session's batch: its target is the socket (``fileno()`` is read at each flush,
         so a socket closed behind the session's back fails with EBADF instead of writing to
         whatever connection reuses the number)."""
@@ -48,10 +59,10 @@ class Flusher:
             self.group.attach(b, owner)
         return b
 
-    def forget(self, batch):
+    def forget(self, batch: SendBatch) -> None:
         self.group.detach(batch)
 
-    def requeue(self, batch):
+    def requeue(self, batch: SendBatch) -> None:
         self.group.requeue(batch)
 
 
@@ -60,16 +71,18 @@ class ForeignSends:
 
     __slots__ = ("_q", "_lock", "_scheduled", "_closed", "_loop", "_drain", "_bytes")
 
-    def __init__(self, loop, drain):
+    def __init__(self, loop: EventLoop, drain: Callable[[list[bytes | Slot]], object]) -> None:
         self._bytes = 0             # bytes queued here, not yet handed to the batch
-        self._q = collections.deque()
+        self._q: collections.deque[bytes | Slot] = collections.deque()
         self._lock = SpinLock()
         self._scheduled = False
         self._closed = False
         self._loop = loop
-        self._drain = drain         # loop-thread callable: drain(items)
+        # loop-thread callable: drain(items)
+        self._drain: Callable[[list[bytes | Slot]], object] | None = drain
 
-    def push(self, item, nbytes=0, pending=0, limit=None):
+    def push(self, item: bytes | Slot, nbytes: int = 0, pending: int = 0,
+             limit: int | None = None) -> bool | None:
         """Queue one item of ``nbytes`` bytes (any thread).  False if the session is gone
         (the item is released here).  ``limit``: refuse the item (released here; returns
         None) when ``pending`` (the batch's unsent bytes) plus what is queued here plus
@@ -93,7 +106,7 @@ class ForeignSends:
             self.close()            # the loop is closed: nobody will drain
         return True
 
-    def _run(self):
+    def _run(self) -> None:
         with self._lock:
             self._scheduled = False       # before taking: a later push schedules again
             items = list(self._q)
@@ -106,7 +119,7 @@ class ForeignSends:
             for item in items:
                 release_item(item)
 
-    def close(self):
+    def close(self) -> None:
         """No more items (loop thread, teardown, or a closed loop): release what is queued."""
         with self._lock:
             self._closed = True
@@ -117,13 +130,13 @@ class ForeignSends:
             release_item(item)
 
 
-def release_item(item):
+def release_item(item: bytes | Slot) -> None:
     """Give back what a queued item retained (a Slot; bytes hold nothing)."""
     if isinstance(item, Slot):
         item.release()
 
 
-def check_payload(n, header_size):
+def check_payload(n: int, header_size: int) -> None:
     """ValueError for a payload of ``n`` bytes too long for the header -- the encoder's own
     check and message (``SendBatch.frame_header``, add_frame's header code), raised in the
     sending thread, before anything is queued."""
@@ -131,7 +144,7 @@ def check_payload(n, header_size):
         SendBatch.frame_header(n, header_size)
 
 
-def foreign_item(data, header_size):
+def foreign_item(data: Buffer | Slot, header_size: int) -> bytes | Slot | None:
     """What a send made on another thread hands the loop: the payload's bytes (a copy: the
     caller may reuse its buffer at once; any buffer's bytes in C order, as add_frame takes
     them), or a ``Slot``, retained.  Validated here, in the sending thread (TypeError for

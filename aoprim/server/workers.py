@@ -6,8 +6,11 @@ producer's function.  Per-session ordering is the dispatch layer's business (it 
 at most once at a time, see dispatch.py).  ``close()`` closes the queue: the threads drain
 what is left, then exit; each exiting thread calls ``on_exit()``.
 """
+from __future__ import annotations
+
 import logging
 import threading
+from typing import Any, Callable
 
 from aoprim import Closed, MPMCQueue
 
@@ -17,7 +20,9 @@ log = logging.getLogger("aoprim.server")
 
 
 class WorkerPool:
-    def __init__(self, n, dispatch, capacity=4096, batch=32, on_exit=None, name="aoprim-worker"):
+    def __init__(self, n: int, dispatch: Callable[[Any], object], capacity: int = 4096,
+                 batch: int = 32, on_exit: Callable[[], object] | None = None,
+                 name: str = "aoprim-worker") -> None:
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError("workers must be an int")
         if n < 1:
@@ -29,20 +34,20 @@ class WorkerPool:
         self.threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                         for i in range(n)]
 
-    def start(self):
+    def start(self) -> None:
         for t in self.threads:
             t.start()
 
-    def close(self):
+    def close(self) -> None:
         self.queue.close()
 
-    def join(self, timeout=None):
+    def join(self, timeout: float | None = None) -> bool:
         for t in self.threads:
             if t.ident is not None:
                 t.join(timeout)
         return not any(t.is_alive() for t in self.threads)
 
-    def _run(self):
+    def _run(self) -> None:
         q = self.queue
         dispatch = self._dispatch
         batch = self._batch
