@@ -8,7 +8,9 @@ build``, cibuildwheel) is built without it (``-g0``, and the linker drops what i
 ``-Wl,--strip-debug``): the extensions' DWARF is most of a wheel's size.  AOPRIM_DEBUG_INFO=1
 keeps it in a wheel too (for perf / gdb on an installed build)."""
 import glob
+import hashlib
 import os
+import sys
 
 from Cython.Build import cythonize
 from setuptools import Extension, find_namespace_packages, setup
@@ -98,15 +100,66 @@ def _jobs():
         return os.cpu_count() or 1
 
 
+def _read_files(paths):
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.encode() + b"\0")
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h
+
+
 class build_ext(_build_ext):
     """The extensions compile in parallel (pip's build runs ``build_ext`` without ``-j``; at
-    -O3 the C compile is most of an install's time); ``-j N`` on the command line wins."""
+    -O3 the C compile is most of an install's time); ``-j N`` on the command line wins.
+
+    An extension is recompiled when what goes into it changed, not when a timestamp did.
+    pip builds a local folder in place (build/ in the checkout) and each build gets a fresh
+    isolated environment, whose newly installed Cython has .pxd files (``libc/``, ``posix/``)
+    newer than the generated C: cythonize rewrites every .c (the same bytes) and setuptools,
+    which compares times, recompiled everything -- ``pip install '.[test]'`` after ``pip
+    install .`` took the whole compile again.  Here a digest of the C sources, the headers,
+    the flags, the compiler's command line and the Python is kept beside the objects
+    (build/temp.*/inputs/); when it matches and the built module is there, the compile is
+    skipped, and any change (a .pyx edit, AOPRIM_DEBUG_INFO=1, another CFLAGS) rebuilds."""
 
     def finalize_options(self):
         super().finalize_options()
         jobs = _jobs()
         if not self.parallel and jobs > 1:
             self.parallel = jobs
+
+    def _inputs_digest(self, ext, out):
+        h = _read_files(list(ext.sources) + sorted(ext.depends))
+        for part in (out, sys.version, ext.extra_compile_args, ext.extra_link_args,
+                     ext.define_macros, ext.undef_macros, ext.include_dirs, self.include_dirs,
+                     getattr(self.compiler, "compiler_so", None),
+                     getattr(self.compiler, "linker_so", None)):
+            h.update(repr(part).encode() + b"\0")
+        return h.hexdigest()
+
+    def build_extension(self, ext):
+        out = os.path.abspath(self.get_ext_fullpath(ext.name))
+        stamp = os.path.join(self.build_temp, "inputs",
+                             hashlib.sha256(out.encode()).hexdigest()[:16] + "-" + ext.name)
+        digest = self._inputs_digest(ext, out)
+        try:
+            with open(stamp) as f:
+                same = f.read() == digest
+        except OSError:
+            same = False
+        if same and os.path.exists(out) and not self.force:
+            print(f"{ext.name}: its sources, headers and flags are those of {out}: "
+                  "not recompiled")
+            return
+        # setuptools compiles only when a source is newer than the module: without the
+        # module it always does (self.force is shared by the parallel build's threads)
+        if os.path.exists(out):
+            os.remove(out)
+        super().build_extension(ext)
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(digest)
 
 
 CMDCLASS = {"build_ext": build_ext}

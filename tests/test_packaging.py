@@ -28,14 +28,37 @@ def _python_classifiers(project):
                   if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c))
 
 
-def test_licence_is_mit_and_shipped(meta):
+def _bounds(reqs, name):
+    """(lower, upper) major versions of ``name`` in a requirement list: ``name>=L,<U``."""
+    (req,) = [r for r in reqs if re.match(rf"{name}\b", r, re.I)]
+    m = re.fullmatch(rf"{name}>=(\d+)(?:\.\d+)*(?:,<(\d+)(?:\.\d+)*)?", req.replace(" ", ""),
+                     re.I)
+    assert m, f"{req!r}: expected {name}>=L or {name}>=L,<U"
+    return int(m.group(1)), (int(m.group(2)) if m.group(2) else None)
+
+
+def test_licence_is_an_spdx_expression_and_shipped(meta):
     project = meta["project"]
-    # the table form: setuptools 64-76 refuse PEP 639's `license = "MIT"`, and an in-place
-    # build uses whatever setuptools the environment has (Python 3.11's venvs: 65.5)
-    assert project["license"] == {"text": "MIT"}
-    assert "License :: OSI Approved :: MIT License" in project["classifiers"]
+    # PEP 639's form; setuptools 77+ refuse a License classifier beside it, and warn that
+    # the older table form ({text = "MIT"}) stops building after 2027-02-18
+    assert project["license"] == "MIT"
+    assert project["license-files"] == ["LICENSE"]
+    assert not [c for c in project["classifiers"] if c.startswith("License ::")]
     assert (ROOT / "LICENSE").read_text().startswith("MIT License")
-    assert "setuptools>=64" in meta["build-system"]["requires"]
+
+
+def test_build_requirements_are_bounded_to_what_reads_the_metadata(meta):
+    # setuptools 77 is the first to read the SPDX licence; an upper bound below the next
+    # major not tried; Cython likewise.  The test extra builds in place (.ci/sanitize,
+    # `setup.py build_ext`): it needs a setuptools that reads this pyproject too.
+    build = meta["build-system"]["requires"]
+    low, high = _bounds(build, "setuptools")
+    assert low >= 77 and high is not None and high > low
+    low, high = _bounds(build, "Cython")
+    assert low >= 3 and high is not None and high > low
+    for extra in ("test", "bench"):
+        low, _ = _bounds(meta["project"]["optional-dependencies"][extra], "setuptools")
+        assert low >= 77, extra
 
 
 def test_descriptive_metadata(meta):
