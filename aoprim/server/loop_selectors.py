@@ -25,6 +25,8 @@ Invariants:
 - A wait lasts at most a day (:data:`_MAX_WAIT`, as in ``EpollCore``): an ``inf`` deadline
   or an empty heap does not overflow the selector's timeout.
 """
+from __future__ import annotations
+
 import collections
 import heapq
 import logging
@@ -35,8 +37,9 @@ import selectors
 import signal
 import threading
 import time
+from typing import Any, Callable
 
-from .loop import EventLoop, Timer
+from .loop import EventLoop, FdCallback, Timer
 
 __all__ = ["SelectorsLoop"]
 
@@ -54,11 +57,11 @@ EVENT_READ = selectors.EVENT_READ
 EVENT_WRITE = selectors.EVENT_WRITE
 
 
-def _no_hook():
+def _no_hook() -> None:
     pass
 
 
-def _restore_wakeup_fd(old):
+def _restore_wakeup_fd(old: int) -> None:
     """Put back the signal wake-up fd that was set before run(); if that fd was closed
     meanwhile (set_wakeup_fd refuses it: EBADF), set none and log it -- run()'s own pipe
     is closed either way, and is never left installed.  (EpollCore does the same.)"""
@@ -70,7 +73,7 @@ def _restore_wakeup_fd(old):
                     "none is set", old, e)
 
 
-def _as_double(x):
+def _as_double(x: Any) -> float:
     """``x`` as a float, by the rule of a C ``double`` argument (EpollCore's): a number
     (``__float__`` or ``__index__``), never a str or bytes as ``float()`` would take."""
     if isinstance(x, (str, bytes, bytearray)):
@@ -81,7 +84,8 @@ def _as_double(x):
 class _Timer(Timer):
     __slots__ = ("when", "seq", "callback", "args", "cancelled", "_loop")
 
-    def __init__(self, when, seq, callback, args, loop):
+    def __init__(self, when: float, seq: int, callback: Callable[..., object] | None,
+                 args: tuple[Any, ...] | None, loop: SelectorsLoop | None) -> None:
         self.when = when
         self.seq = seq
         self.callback = callback
@@ -89,7 +93,7 @@ class _Timer(Timer):
         self.cancelled = False
         self._loop = loop           # None once popped from the heap
 
-    def cancel(self):
+    def cancel(self) -> None:
         if self.cancelled:
             return
         self.cancelled = True
@@ -97,7 +101,7 @@ class _Timer(Timer):
         if self._loop is not None:
             self._loop._timer_cancelled()
 
-    def __lt__(self, other):
+    def __lt__(self, other: _Timer) -> bool:
         return (self.when, self.seq) < (other.when, other.seq)
 
 
@@ -106,14 +110,16 @@ class SelectorsLoop(EventLoop):
 
     backend = "selectors"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._sel = selectors.DefaultSelector()
-        self._timers = []                  # heap of _Timer
+        self._timers: list[_Timer] = []    # heap of _Timer
         self._ncancelled = 0               # cancelled timers still in the heap
         self._seq = 0
-        self._ready = collections.deque()  # (callback, args); appended from any thread
-        self._hooks = []
-        self._hook = _no_hook              # the hooks as one callable
+        # (callback, args); appended from any thread
+        self._ready: collections.deque[tuple[Callable[..., object], tuple[Any, ...]]] = \
+            collections.deque()
+        self._hooks: list[Callable[[], object]] = []
+        self._hook: Callable[[], object] = _no_hook     # the hooks as one callable
         self._wake_pending = False
         # call_soon_threadsafe's section vs close() and the loop's clear of _wake_pending.
         # Re-entrant: a Python signal handler runs on the main thread between any two
@@ -129,7 +135,7 @@ class SelectorsLoop(EventLoop):
         self.iterations = 0
         self.errors = 0                    # callbacks that raised (logged)
         self._now = time.monotonic()
-        self._cbs = {}                     # fd -> (read callback, write callback)
+        self._cbs: dict[int, tuple[FdCallback, FdCallback]] = {}   # fd -> (read, write)
         try:
             # a failure (EMFILE, ENOSPC at max_user_watches) closes what was opened, as
             # EpollCore's dealloc does -- else it waited for the GC (the loop is in a cycle)
@@ -146,13 +152,13 @@ class SelectorsLoop(EventLoop):
             raise
 
     # -- time and timers --------------------------------------------------------------
-    def time(self):
+    def time(self) -> float:
         return self._now
 
-    def clock(self):
+    def clock(self) -> float:
         return time.monotonic()
 
-    def call_at(self, when, callback, *args):
+    def call_at(self, when: float, callback: Callable[..., object], *args: Any) -> _Timer:
         if type(when) is not float:
             when = _as_double(when)
         if when != when:
@@ -163,10 +169,10 @@ class SelectorsLoop(EventLoop):
         return t
 
     @property
-    def pending_timers(self):
+    def pending_timers(self) -> int:
         return len(self._timers)
 
-    def _timer_cancelled(self):
+    def _timer_cancelled(self) -> None:
         self._ncancelled += 1
         n = self._ncancelled
         if n > _COMPACT_MIN and 2 * n > len(self._timers):
@@ -179,10 +185,10 @@ class SelectorsLoop(EventLoop):
             self._ncancelled = 0
 
     # -- callbacks --------------------------------------------------------------------
-    def call_soon(self, callback, *args):
+    def call_soon(self, callback: Callable[..., object], *args: Any) -> None:
         self._ready.append((callback, args))
 
-    def call_soon_threadsafe(self, callback, *args):
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any) -> bool:
         item = (callback, args)
         # The closed test, the append and the eventfd write form one section under _lock,
         # and close() sets _closed under the same lock before it closes the eventfd: so a
@@ -201,19 +207,19 @@ class SelectorsLoop(EventLoop):
                     pass    # the counter is full: a wake-up is pending anyway
         return True
 
-    def _drain_wakeup(self):
+    def _drain_wakeup(self) -> None:
         try:
             os.eventfd_read(self._rfd)
         except OSError:
             pass
 
-    def add_iteration_hook(self, hook):
+    def add_iteration_hook(self, hook: Callable[[], object]) -> None:
         self._hooks.append(hook)
         hooks = tuple(self._hooks)
         if len(hooks) == 1:
             self._hook = hook
         else:
-            def run_hooks():
+            def run_hooks() -> None:
                 for h in hooks:
                     try:
                         h()
@@ -222,7 +228,7 @@ class SelectorsLoop(EventLoop):
             self._hook = run_hooks
 
     # -- file descriptors -------------------------------------------------------------
-    def set_callbacks(self, fd, on_read, on_write):
+    def set_callbacks(self, fd: int, on_read: FdCallback, on_write: FdCallback) -> None:
         if self._closed:
             raise RuntimeError("the event loop is closed")
         if type(fd) is not int:
@@ -252,13 +258,13 @@ class SelectorsLoop(EventLoop):
             self._sel.modify(fd, events)    # raises: the table keeps the old pair (EpollCore)
         cbs[fd] = (on_read, on_write)
 
-    def reader_of(self, fd):
+    def reader_of(self, fd: int) -> FdCallback:
         return self._cbs.get(fd, (None, None))[0]
 
-    def writer_of(self, fd):
+    def writer_of(self, fd: int) -> FdCallback:
         return self._cbs.get(fd, (None, None))[1]
 
-    def remove(self, fd):
+    def remove(self, fd: int) -> None:
         if self._cbs.pop(fd, None) is not None:
             try:
                 self._sel.unregister(fd)
@@ -267,20 +273,20 @@ class SelectorsLoop(EventLoop):
 
     # -- running ----------------------------------------------------------------------
     @property
-    def closed(self):
+    def closed(self) -> bool:
         return self._closed
 
-    def stop(self):
+    def stop(self) -> None:
         self.call_soon_threadsafe(self._set_stopping)
 
-    def _set_stopping(self):
+    def _set_stopping(self) -> None:
         self._stopping = True
 
-    def _report(self, cb, exc):
+    def _report(self, cb: object, exc: BaseException) -> None:
         self.errors += 1
         log.error("event loop: callback %r raised; the loop goes on", cb, exc_info=exc)
 
-    def run(self):
+    def run(self) -> None:
         if self._closed:
             raise RuntimeError("the event loop is closed")
         if self._running:
@@ -320,7 +326,7 @@ class SelectorsLoop(EventLoop):
                 os.close(sig_r)
                 os.close(sig_w)
 
-    def __del__(self, _close=os.close):
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
         # an unclosed loop collected by the GC: the eventfd is a bare int nobody else
         # closes, and the selector's epoll fd was seen to outlive a collected loop -- close
         # both, as EpollCore's dealloc does.  No producer can be inside
@@ -337,14 +343,14 @@ class SelectorsLoop(EventLoop):
             except OSError:
                 pass
 
-    def _drain_sigfd(self):
+    def _drain_sigfd(self) -> None:
         try:
             while len(os.read(self._sigfd, 64)) == 64:
                 pass
         except OSError:
             pass        # empty (EAGAIN)
 
-    def _run(self):
+    def _run(self) -> None:
         cbs = self._cbs
         poll = self._poller()
         ready = self._ready
@@ -360,7 +366,7 @@ class SelectorsLoop(EventLoop):
             # The wait ends at the earliest timer, measured from `now` (taken after the
             # previous wait): a timer may fire late by one iteration's callback time.
             if ready:
-                timeout = 0
+                timeout: float = 0
             elif timers:
                 timeout = timers[0].when - now
                 if timeout < 0:
@@ -433,7 +439,7 @@ class SelectorsLoop(EventLoop):
             except Exception as e:
                 self._report(self._hook, e)
 
-    def _poller(self):
+    def _poller(self) -> Callable[[float, int], list[tuple[int, int]]]:
         """``poll(timeout_seconds, maxevents) -> [(fd, epoll_event_mask)]``: the selector's
         own epoll object (DefaultSelector.select() builds a (key, events) tuple per ready fd
         in Python, ~0.35 us per event).  Registrations stay the selector's; only the wait
@@ -441,16 +447,16 @@ class SelectorsLoop(EventLoop):
         sel = self._sel
         ep = getattr(sel, "_selector", None)
         if isinstance(ep, _epoll_type):
-            return ep.poll
+            return ep.poll      # type: ignore[no-any-return]  # (select.epoll's)
         sel_select = sel.select
 
-        def poll(timeout, maxevents):   # pragma: no cover - other platforms
+        def poll(timeout: float, maxevents: int) -> list[tuple[int, int]]:   # pragma: no cover - other platforms
             return [(key.fd, (_EPOLLIN if mask & EVENT_READ else 0) |
                      (_EPOLLOUT if mask & EVENT_WRITE else 0))
                     for key, mask in sel_select(timeout)]
         return poll
 
-    def run_ready(self):
+    def run_ready(self) -> None:
         if self._running:
             raise RuntimeError("run_ready() is for a stopped loop")
         ready = self._ready
@@ -466,7 +472,7 @@ class SelectorsLoop(EventLoop):
             except Exception as e:
                 self._report(cb, e)
 
-    def close(self):
+    def close(self) -> None:
         if self._running:
             raise RuntimeError("cannot close a running event loop")
         if self._closed:
