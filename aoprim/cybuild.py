@@ -27,6 +27,8 @@ directives, and the compiler environment variables setuptools reads (``CC``, ``C
 folder and move the result into place with one ``os.replace`` (atomic on a POSIX
 filesystem): a reader sees the whole file or no file.  The cache may be deleted at any time.
 """
+from __future__ import annotations
+
 import hashlib
 import importlib.util
 import os
@@ -35,6 +37,9 @@ import sys
 import sysconfig
 import tempfile
 import textwrap
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
 
 import aoprim
 
@@ -59,7 +64,7 @@ COMPILER_ENV = ("CC", "CXX", "CPP", "LDSHARED", "CFLAGS", "CPPFLAGS", "LDFLAGS",
 NEEDS = "aoprim.cybuild needs Cython>=3.1 and setuptools: pip install 'aoprim[cython]'"
 
 
-def cache_dir():
+def cache_dir() -> str:
     """The folder that holds built modules: ``$AOPRIM_CYBUILD_CACHE`` if set, else
     ``$XDG_CACHE_HOME/aoprim/cybuild`` (an absolute XDG_CACHE_HOME only, as the XDG base
     directory specification says), else ``~/.cache/aoprim/cybuild``."""
@@ -72,7 +77,8 @@ def cache_dir():
     return os.path.join(base, "aoprim", "cybuild")
 
 
-def build_module(name, source, workdir=None, cflags=("-O2",)):
+def build_module(name: str, source: str, workdir: str | os.PathLike[str] | None = None,
+                 cflags: Iterable[str] = ("-O2",)) -> ModuleType:
     """Cythonize and compile ``source`` as module ``name``, then import and return it.
 
     With ``workdir``, the build happens there (the ``.pyx``, the generated C and the built
@@ -84,6 +90,8 @@ def build_module(name, source, workdir=None, cflags=("-O2",)):
     naming the ``aoprim[cython]`` extra when Cython or setuptools is missing."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"build_module: module name {name!r} is not a Python identifier")
+    if isinstance(cflags, (str, bytes)):
+        raise TypeError(f"build_module: cflags is a list of flags, not one string: {cflags!r}")
     source = textwrap.dedent(source)
     cflags = tuple(cflags)
     if workdir:
@@ -98,17 +106,17 @@ def build_module(name, source, workdir=None, cflags=("-O2",)):
     return _load(name, path)
 
 
-def _ext_suffix():
+def _ext_suffix() -> str:
     # '.cpython-311-x86_64-linux-gnu.so': interpreter, version, ABI flags (debug, free
     # threading) and platform -- what decides whether a built extension can be imported here
-    return sysconfig.get_config_var("EXT_SUFFIX")
+    return str(sysconfig.get_config_var("EXT_SUFFIX"))
 
 
-def _package_dir():
+def _package_dir() -> str:
     return os.path.dirname(os.path.abspath(aoprim.__file__))
 
 
-def _interface_digest():
+def _interface_digest() -> str:
     """A digest of every file a cimporting module compiles against: the package's .pxd and
     .pxi files and the C headers in aoprim.get_include(), by path relative to their root."""
     h = hashlib.sha256()
@@ -126,7 +134,7 @@ def _interface_digest():
     return h.hexdigest()
 
 
-def _cache_key(name, source, cflags):
+def _cache_key(name: str, source: str, cflags: tuple[str, ...]) -> str:
     """The digest that names a built module in the cache: it changes with every input that
     changes the built extension (see the module docstring)."""
     parts = [
@@ -148,32 +156,32 @@ def _cache_key(name, source, cflags):
     return h.hexdigest()[:32]
 
 
-def _cython_version():
+def _cython_version() -> str:
     # only Cython's small top-level module: a cache hit imports neither its compiler nor
     # setuptools
     try:
         import Cython
     except ImportError as e:
         raise ImportError(f"{NEEDS} ({e})") from e
-    return Cython.__version__
+    return str(getattr(Cython, "__version__", "unknown"))
 
 
-def _require_build_tools():
-    """ImportError naming the extra when Cython's compiler or setuptools is missing."""
+def _build_tools() -> tuple[Any, Any, Any]:
+    """Cython's cythonize, setuptools' Extension and Distribution (imported by name: neither
+    package ships type information); ImportError naming the extra when one is missing."""
     try:
-        import Cython.Build  # noqa: F401
-        import setuptools  # noqa: F401
+        cython_build = importlib.import_module("Cython.Build")
+        setuptools = importlib.import_module("setuptools")
+        dist = importlib.import_module("setuptools.dist")
     except ImportError as e:
         raise ImportError(f"{NEEDS} ({e})") from e
+    return cython_build.cythonize, setuptools.Extension, dist.Distribution
 
 
-def _compile(name, source, builddir, cflags):
+def _compile(name: str, source: str, builddir: str | os.PathLike[str],
+             cflags: tuple[str, ...]) -> str:
     """Cythonize and compile ``source`` in ``builddir``; the built extension's path."""
-    _require_build_tools()
-    from Cython.Build import cythonize
-    from setuptools import Extension
-    from setuptools.dist import Distribution
-
+    cythonize, Extension, Distribution = _build_tools()
     pyx = os.path.join(builddir, name + ".pyx")
     with open(pyx, "w") as f:
         f.write(source)
@@ -189,10 +197,10 @@ def _compile(name, source, builddir, cflags):
     cmd.inplace = False
     cmd.ensure_finalized()
     cmd.run()
-    return cmd.get_ext_fullpath(name)
+    return str(cmd.get_ext_fullpath(name))
 
 
-def _publish(built, path):
+def _publish(built: str, path: str) -> None:
     """Copy ``built`` to ``path`` through a temporary file in the same folder and one
     ``os.replace``: another process never sees a partly written file at ``path``."""
     fd, part = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".part",
@@ -210,11 +218,13 @@ def _publish(built, path):
         raise
 
 
-def _load(name, path):
+def _load(name: str, path: str) -> ModuleType:
     mod = sys.modules.get(name)
     if mod is not None and getattr(mod, "__file__", None) == path:
         return mod                  # this very file is already imported here
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"build_module: {path} is not an extension module this Python loads")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)

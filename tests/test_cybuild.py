@@ -240,9 +240,11 @@ def test_two_processes_building_one_module_both_get_it_whole(env, tmp_path):
     assert _listing(env.tmp) == []
 
 
-def test_a_bad_name_is_refused():
+def test_bad_arguments_are_refused_naming_the_value():
     with pytest.raises(ValueError, match="'my-mod'"):
         cybuild.build_module("my-mod", SRC_1)
+    with pytest.raises(TypeError, match="'-O3 -march=native'"):    # not split into characters
+        cybuild.build_module("cyb_flags", SRC_1, cflags="-O3 -march=native")
 
 
 def test_without_cython_the_error_names_the_extra(monkeypatch, tmp_path):
