@@ -18,10 +18,10 @@ from typing import Any, ClassVar
 try:
     import uvicorn.config
     from uvicorn_worker import UvicornWorker  # type: ignore[import-untyped]
-except ImportError as exc:
+except ImportError:                   # (the missing module's error is chained as context)
     raise ImportError(
         "aoprim.aio.gunicorn.Worker needs gunicorn, uvicorn-worker and uvicorn >= 0.36: "
-        f"pip install gunicorn uvicorn-worker 'uvicorn>=0.36' ({exc})") from exc
+        "pip install gunicorn uvicorn-worker 'uvicorn>=0.36'")
 
 if not hasattr(uvicorn.config.Config, "get_loop_factory"):
     raise ImportError(
