@@ -11,9 +11,16 @@
   concern only the one connection being accepted (``ECONNABORTED``, ``EPROTO``, ``EPERM``
   from a firewall) are skipped.
 """
+from __future__ import annotations
+
 import errno
 import logging
 import socket
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .config import Settings
+    from .loop import EventLoop, Timer
 
 __all__ = ["Listener", "make_listening_socket", "check_port", "sock_address",
            "describe_address"]
@@ -24,7 +31,7 @@ _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _ONE_CONNECTION = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
 
 
-def check_port(port):
+def check_port(port: object) -> int:
     """``port`` as an int in 0..65535 (0: the kernel picks one); TypeError/ValueError else
     (the kernel would silently take it modulo 65536)."""
     if isinstance(port, bool) or not isinstance(port, int):
@@ -34,13 +41,13 @@ def check_port(port):
     return port
 
 
-def sock_address(sock):
+def sock_address(sock: socket.socket) -> Any:
     """A listening socket's address: ``(host, port)``, or the path of an AF_UNIX one."""
     name = sock.getsockname()
     return tuple(name[:2]) if isinstance(name, tuple) else name
 
 
-def describe_address(addr):
+def describe_address(addr: Any) -> str:
     """``host:port`` (``[host]:port`` for IPv6), or an AF_UNIX path as it is."""
     if not isinstance(addr, tuple):
         return addr.decode(errors="replace") if isinstance(addr, bytes) else str(addr)
@@ -48,7 +55,8 @@ def describe_address(addr):
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def make_listening_socket(host, port, backlog, reuse_port):
+def make_listening_socket(host: str | None, port: int, backlog: int,
+                          reuse_port: bool) -> socket.socket:
     check_port(port)
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, stype, proto, _, addr = infos[0]
@@ -69,7 +77,9 @@ def make_listening_socket(host, port, backlog, reuse_port):
 class Listener:
     """Accepts connections for ``on_accept(sock, addr)`` while ``has_room()`` says so."""
 
-    def __init__(self, loop, sock, settings, on_accept, has_room):
+    def __init__(self, loop: EventLoop, sock: socket.socket, settings: Settings,
+                 on_accept: Callable[[socket.socket, Any], object],
+                 has_room: Callable[[], bool]) -> None:
         self.sock = sock
         self._loop = loop
         self._fd = sock.fileno()
@@ -78,30 +88,30 @@ class Listener:
         self._has_room = has_room
         self._active = False        # registered with the loop
         self._full = False          # paused at max_connections
-        self._timer = None          # pending resume after an error
+        self._timer: Timer | None = None    # pending resume after an error
         self._backoff = 0.01
         self.closed = False
         self.pauses_full = 0        # statistics
         self.accept_errors = 0
 
     @property
-    def address(self):
+    def address(self) -> Any:
         return sock_address(self.sock)
 
-    def start(self):
+    def start(self) -> None:
         self._arm()
 
-    def _arm(self):
+    def _arm(self) -> None:
         if not self._active and not self.closed:
             self._active = True
             self._loop.add_reader(self._fd, self._on_ready)
 
-    def _disarm(self):
+    def _disarm(self) -> None:
         if self._active:
             self._active = False
             self._loop.remove_reader(self._fd)
 
-    def _on_ready(self):
+    def _on_ready(self) -> None:
         accept = self.sock.accept
         for _ in range(self._batch):
             if not self._has_room():
@@ -129,24 +139,24 @@ class Listener:
             self._backoff = 0.01
             self._on_accept(sock, addr)
 
-    def _pause(self, delay):
+    def _pause(self, delay: float) -> None:
         self._disarm()
         if self._timer is None:
             self._timer = self._loop.call_later(delay, self._resume_after_error)
 
-    def _resume_after_error(self):
+    def _resume_after_error(self) -> None:
         self._timer = None
         if not self._full:
             self._arm()
 
-    def room_freed(self):
+    def room_freed(self) -> None:
         """A session ended: resume accepting if the limit had paused it (loop thread)."""
         if self._full:
             self._full = False
             if self._timer is None:
                 self._arm()
 
-    def close(self):
+    def close(self) -> None:
         if self.closed:
             return
         self._disarm()
