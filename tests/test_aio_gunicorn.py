@@ -1,9 +1,10 @@
 """aoprim.aio.gunicorn without what it needs, and its typing.
 
 Served by a real gunicorn in ``tests/test_aio_servers.py`` (``-k aoprim.aio.gunicorn.Worker``).
-Here: importing it without uvicorn-worker, or with a uvicorn older than 0.36 (whose loop
-option takes no ``module:function`` factory), raises ``ImportError`` saying what to install;
-the module passes ``mypy --strict``.
+Here: importing it without uvicorn-worker, with a uvicorn older than 0.36 (whose loop option
+takes no ``module:function`` factory) or a uvicorn-worker older than 0.4 (which builds its loop
+with ``Config.setup_event_loop()``, gone in uvicorn 0.36), raises ``ImportError`` saying what
+to install; the module passes ``mypy --strict``.
 """
 import os
 import shutil
@@ -28,8 +29,8 @@ def test_without_uvicorn_worker_the_import_says_what_to_install(tmp_path):
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: aoprim.aio.gunicorn.Worker needs gunicorn, "
-                           "uvicorn-worker and uvicorn >= 0.36"), p.stderr
-    assert "pip install gunicorn uvicorn-worker" in last
+                           "uvicorn-worker >= 0.4 and uvicorn >= 0.36"), p.stderr
+    assert "pip install gunicorn 'uvicorn-worker>=0.4'" in last
 
 
 def test_with_a_uvicorn_before_036_the_import_says_which_version(tmp_path):
@@ -41,6 +42,17 @@ def test_with_a_uvicorn_before_036_the_import_says_which_version(tmp_path):
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
     assert "needs uvicorn >= 0.36" in last and "this is uvicorn " in last, p.stderr
+
+
+def test_with_a_uvicorn_worker_before_04_the_import_says_which_version(tmp_path):
+    pytest.importorskip("uvicorn_worker", reason="uvicorn-worker is not installed")
+    # uvicorn-worker 0.3 builds its loop with Config.setup_event_loop(), gone in uvicorn 0.36
+    p = _import_in_child(tmp_path, "import uvicorn_worker\n"
+                                   "uvicorn_worker.__version__ = '0.3.0'")
+    assert p.returncode != 0
+    last = p.stderr.strip().splitlines()[-1]
+    assert "needs uvicorn-worker >= 0.4" in last and "this is uvicorn-worker 0.3.0" in last, \
+        p.stderr
 
 
 def test_the_worker_class_names_aoprims_loop_factory():

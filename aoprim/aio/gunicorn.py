@@ -9,25 +9,34 @@ handling) whose uvicorn ``loop`` option is aoprim.aio's loop factory, as ``Uvico
 own ``CONFIG_KWARGS`` pick uvloop when it is installed.  uvicorn-worker runs the server with
 ``asyncio.Runner(loop_factory=...)``: no event loop policy is set.
 
-Needs ``gunicorn``, ``uvicorn-worker`` and uvicorn 0.36 or newer (the first that takes a
-``module:function`` loop factory); importing this module without them raises ``ImportError``
-saying what to install.
+Needs ``gunicorn``, ``uvicorn-worker`` 0.4 or newer and uvicorn 0.36 or newer (the first
+that run a ``module:function`` loop factory); importing this module without them raises
+``ImportError`` saying what to install.
 """
 from typing import Any, ClassVar
 
 try:
     import uvicorn.config
-    from uvicorn_worker import UvicornWorker  # type: ignore[import-untyped]
+    import uvicorn_worker  # type: ignore[import-untyped]
+    from uvicorn_worker import UvicornWorker
 except ImportError:                   # (the missing module's error is chained as context)
     raise ImportError(
-        "aoprim.aio.gunicorn.Worker needs gunicorn, uvicorn-worker and uvicorn >= 0.36: "
-        "pip install gunicorn uvicorn-worker 'uvicorn>=0.36'")
+        "aoprim.aio.gunicorn.Worker needs gunicorn, uvicorn-worker >= 0.4 and uvicorn >= 0.36: "
+        "pip install gunicorn 'uvicorn-worker>=0.4' 'uvicorn>=0.36'")
 
 if not hasattr(uvicorn.config.Config, "get_loop_factory"):
     raise ImportError(
         "aoprim.aio.gunicorn.Worker needs uvicorn >= 0.36 (the first whose loop option takes "
         f"a module:function loop factory); this is uvicorn {uvicorn.__version__}: "
-        "pip install 'uvicorn>=0.36' uvicorn-worker")
+        "pip install 'uvicorn>=0.36' 'uvicorn-worker>=0.4'")
+
+# uvicorn-worker 0.3 and older build the loop with Config.setup_event_loop(), which uvicorn
+# 0.36 replaced by get_loop_factory(): 0.4 is the first that runs a loop factory
+_uw_version = getattr(uvicorn_worker, "__version__", "0")
+if tuple(int(p) for p in _uw_version.split(".")[:2] if p.isdigit()) < (0, 4):
+    raise ImportError(
+        "aoprim.aio.gunicorn.Worker needs uvicorn-worker >= 0.4 (the first that runs uvicorn's "
+        f"loop factory); this is uvicorn-worker {_uw_version}: pip install 'uvicorn-worker>=0.4'")
 
 __all__ = ["Worker", "LOOP_FACTORY"]
 
