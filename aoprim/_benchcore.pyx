@@ -23,6 +23,8 @@ from aoprim.atomic_h cimport aop_fetch_add_i64, aop_spin_lock, aop_spin_unlock, 
 
 cdef extern from *:
     """
+    #include <pthread.h>
+    #include <stdlib.h>
     static int64_t aop_bc_word;
     static uint32_t aop_bc_lockword;
     static volatile uint64_t aop_bc_sink;
@@ -49,6 +51,72 @@ cdef extern from *:
         }
         aop_bc_sink = acc;
     }
+    /* the baselines: what C code without aoprim writes for the same job */
+    static pthread_mutex_t aop_bc_mutex = PTHREAD_MUTEX_INITIALIZER;
+    static volatile int64_t aop_bc_guarded;
+    /* an int64 counter behind a mutex: lock, +1, unlock */
+    static void aop_bc_mutex_add(int64_t n) {
+        for (int64_t i = 0; i < n; i++) {
+            pthread_mutex_lock(&aop_bc_mutex);
+            aop_bc_guarded = aop_bc_guarded + 1;
+            pthread_mutex_unlock(&aop_bc_mutex);
+        }
+    }
+    /* a reference count behind a mutex: +1 and -1, each under the lock */
+    static void aop_bc_mutex_incdec(int64_t n) {
+        for (int64_t i = 0; i < n; i++) {
+            pthread_mutex_lock(&aop_bc_mutex);
+            aop_bc_guarded = aop_bc_guarded + 1;
+            pthread_mutex_unlock(&aop_bc_mutex);
+            pthread_mutex_lock(&aop_bc_mutex);
+            aop_bc_guarded = aop_bc_guarded - 1;
+            pthread_mutex_unlock(&aop_bc_mutex);
+        }
+    }
+    /* an uncontended lock + unlock pair */
+    static void aop_bc_mutex_lock(int64_t n) {
+        for (int64_t i = 0; i < n; i++) {
+            pthread_mutex_lock(&aop_bc_mutex);
+            pthread_mutex_unlock(&aop_bc_mutex);
+        }
+    }
+    /* a bounded ring of words behind a mutex (each push and pop takes the lock, as a
+       thread-safe queue must): n push + pop pairs on an empty ring; returns the sum popped */
+    #define AOP_BC_RING 1024
+    static uint64_t aop_bc_ring[AOP_BC_RING];
+    static uint64_t aop_bc_ring_head, aop_bc_ring_tail;
+    static uint64_t aop_bc_mutex_ring(int64_t n) {
+        uint64_t acc = 0;
+        for (int64_t i = 0; i < n; i++) {
+            pthread_mutex_lock(&aop_bc_mutex);
+            if (aop_bc_ring_tail - aop_bc_ring_head < AOP_BC_RING) {
+                aop_bc_ring[aop_bc_ring_tail % AOP_BC_RING] = (uint64_t)i;
+                aop_bc_ring_tail++;
+            }
+            pthread_mutex_unlock(&aop_bc_mutex);
+            pthread_mutex_lock(&aop_bc_mutex);
+            if (aop_bc_ring_tail != aop_bc_ring_head) {
+                acc += aop_bc_ring[aop_bc_ring_head % AOP_BC_RING];
+                aop_bc_ring_head++;
+            }
+            pthread_mutex_unlock(&aop_bc_mutex);
+        }
+        return acc;
+    }
+    /* malloc(size) + free, the block touched once; the pointer passes through a volatile
+       so the compiler cannot drop the pair.  Returns -1 if malloc fails. */
+    static void *volatile aop_bc_block;
+    static int aop_bc_malloc_free(int64_t n, size_t size) {
+        for (int64_t i = 0; i < n; i++) {
+            char *p = (char *)malloc(size);
+            if (p == NULL)
+                return -1;
+            p[0] = (char)i;
+            aop_bc_block = p;
+            free(aop_bc_block);
+        }
+        return 0;
+    }
     #ifdef __VERSION__
     #define AOP_BC_COMPILER __VERSION__
     #else
@@ -68,6 +136,11 @@ cdef extern from *:
     void aop_bc_floor_fetch_add(int64_t n) nogil
     void aop_bc_floor_cas_xchg(int64_t n) nogil
     void aop_bc_bare_loop(int64_t n) nogil
+    void aop_bc_mutex_add(int64_t n) nogil
+    void aop_bc_mutex_incdec(int64_t n) nogil
+    void aop_bc_mutex_lock(int64_t n) nogil
+    uint64_t aop_bc_mutex_ring(int64_t n) nogil
+    int aop_bc_malloc_free(int64_t n, size_t size) nogil
     ssize_t write(int fd, const void *buf, size_t n) nogil
     const char *AOP_BC_COMPILER
     int AOP_BC_OPTIMIZE
@@ -99,6 +172,44 @@ def bare_loop(int64_t n):
     """n turns of a loop that stores and loads a volatile word."""
     with nogil:
         aop_bc_bare_loop(n)
+
+
+# -- baselines: the same job without aoprim ------------------------------------------------
+
+def mutex_add_loop(int64_t n):
+    """n pthread_mutex_lock; +1; pthread_mutex_unlock on a static int64."""
+    with nogil:
+        aop_bc_mutex_add(n)
+
+
+def mutex_incdec_loop(int64_t n):
+    """n (+1, then -1) on a static int64, each under pthread_mutex_lock / unlock."""
+    with nogil:
+        aop_bc_mutex_incdec(n)
+
+
+def mutex_lock_loop(int64_t n):
+    """n uncontended pthread_mutex_lock + pthread_mutex_unlock pairs."""
+    with nogil:
+        aop_bc_mutex_lock(n)
+
+
+def mutex_ring_loop(int64_t n):
+    """n push + pop pairs of a u64 on a 1024-word ring behind a pthread mutex (each push and
+    each pop takes the lock); returns the sum of the words popped."""
+    cdef uint64_t acc
+    with nogil:
+        acc = aop_bc_mutex_ring(n)
+    return acc
+
+
+def malloc_loop(int64_t n, size_t size):
+    """n malloc(size) + free pairs, each block touched once."""
+    cdef int r
+    with nogil:
+        r = aop_bc_malloc_free(n, size)
+    if r < 0:
+        raise MemoryError(f"malloc({size}) failed")
 
 
 # -- primitives ----------------------------------------------------------------------------

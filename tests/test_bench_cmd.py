@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from aoprim.benchmarks import cases, contention, schema, suite, tls
+from aoprim.benchmarks import cases, contention, report, schema, suite, tls
 
 from proc_support import NEUTRAL_CWD, child_env
 
@@ -47,6 +47,10 @@ def test_runs_end_to_end_with_header_tables_and_progress(tiny):
     assert "\n* " in out                            # a winner is marked
     # the progress bar went to stderr, and reached the end
     assert "[" in r.stderr and "100%" in r.stderr and "done" in r.stderr
+    # the tables printed as the groups ended are the text --load prints for the saved run,
+    # and no line is wider than 100 columns
+    assert out.startswith(report.render(doc) + "\n"), out[:2000]
+    assert max(len(line) for line in (out + r.stderr).splitlines()) <= 100
 
 
 def test_json_follows_the_documented_schema(tiny):

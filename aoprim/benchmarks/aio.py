@@ -642,12 +642,15 @@ def _fmt(x):
 
 
 def render_group(g):
-    """The terminal table of one aio group: every loop's figure, its cost relative to asyncio
-    and to uvloop (entry / other: below 1 is cheaper), and the callgrind count."""
-    from .report import _num
+    """The terminal table of one aio group: every loop's figure, its spread (with more than
+    one round), its cost relative to asyncio and to uvloop (entry / other: below 1 is
+    cheaper), and the callgrind count; within report.WIDTH columns."""
+    from .report import _num, _spread, _wrap
     ents = sorted(g["entries"], key=lambda e: e["median"], reverse=(g["better"] == "higher"))
     names = _by_name(g)
-    lines = [f"\n[{g['id']}] {g['title']}  ({g['unit']}, {g['better']} is better)"]
+    lines = _wrap(g["title"], f"\n[{g['id']}] ", "  ")
+    lines.append(f"  {g['unit']}, {g['better']} is better; /asyncio, /uvloop = the row's "
+                 "median / theirs (below 1: cheaper)")
     server = g["kind"] == "server"
     lines.append(f"  {'loop':<13} {g['unit']:>12} {'spread':>13} {'/asyncio':>9} "
                  f"{'/uvloop':>8}" + (f" {'per s':>8} {'user':>6} {'sys':>6} {'instr/msg':>10}"
@@ -659,7 +662,7 @@ def render_group(g):
             rel.append(f"x{e['median'] / o['median']:.2f}" if o and o["median"] else "-")
         name = ("* " if e["winner"] else "  ") + e["name"]
         line = (f"{name:<15} {_num(e['median']):>12} "
-                f"{_num(e['min']) + '-' + _num(e['max']):>13} {rel[0]:>9} {rel[1]:>8}")
+                f"{_spread(e, '-'):>13} {rel[0]:>9} {rel[1]:>8}")
         if server:
             ins = _med(e, "instr_per_msg")
             line += (f" {_num(_med(e, 'msgs_per_s')):>8} {_num(_med(e, 'user_us_per_msg')):>6} "
@@ -669,7 +672,7 @@ def render_group(g):
             line += f" {_num(1e9 / e['median']):>9}"
         lines.append(line)
     for s in g["skipped"]:
-        lines.append(f"  (skipped {s['name']}: {s['reason']})")
+        lines += _wrap(f"{s['name']}: {s['reason']}", "  (skipped ", "    ")
     return "\n".join(lines)
 
 

@@ -12,10 +12,11 @@ a peer).  ``n``
 defaults to ``Case.n``; the command scales it down for ``--quick``.  A case that cannot run
 here raises :class:`Unavailable` from ``setup`` (an optional peer library that is missing).
 
-Roles: ``baseline`` -- the entry every ratio in the group is taken against (stdlib or the
-obvious Python idiom; for the C-level groups, the bare hardware loop); ``candidate`` -- an
-entry that competes (aoprim's, and other ways to do the same thing); ``reference`` -- shown for
-scale, never the winner (the empty loop).
+Roles: ``baseline`` -- the entry every ratio in the group is taken against: what a user would
+otherwise write (the stdlib or the obvious Python idiom; for the C-level groups, a pthread
+mutex, malloc + free, one write() per message); ``candidate`` -- an entry that competes
+(aoprim's, and other ways to do the same thing); ``reference`` -- shown for scale, never the
+winner and never a ratio (the empty loop, the bare hardware loop: a floor).
 """
 import collections
 import contextlib
@@ -60,20 +61,21 @@ class Group:
     """Cases measured side by side; ``unit`` is what one sample is (``ns/op``: wall time per
     operation, lower is better)."""
     __slots__ = ("id", "family", "kind", "title", "cases", "compete", "default", "params",
-                 "series", "unit")
+                 "series", "unit", "note")
 
     def __init__(self, id, family, title, cases, kind="python", compete=True, default=True,
-                 params=None, series=None, unit="ns/op"):
+                 params=None, series=None, unit="ns/op", note=None):
         self.id = id
         self.family = family      # what --only selects by: atomic, lock, queue, slab, ...
         self.kind = kind          # "python" | "c" | "contention"
         self.title = title
         self.cases = cases
-        self.compete = compete    # mark a winner (False for C-level groups against a floor)
+        self.compete = compete    # mark a winner among the baseline and candidates
         self.default = default    # run by `bench` unless --only names it
         self.params = params or {}
         self.series = series      # curves: groups of one series differ only by params
         self.unit = unit
+        self.note = note          # printed under the table: what the rows measure, if not plain
 
     @property
     def baseline(self):
@@ -1110,32 +1112,69 @@ def _c_sendbatch(size, per_flush):
     return setup
 
 
+def _threads_started():
+    """Start and join one thread, once: glibc's pthread_mutex_lock skips its atomic
+    instructions in a process that has never started a thread, and a mutex that guards data
+    shared between threads lives in a process that has started them."""
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join()
+
+
+def _c_mutex(fn_name):
+    """A C-level baseline that takes a pthread mutex: _benchcore.<fn_name>(n), timed in a
+    process that has started a thread."""
+    @contextlib.contextmanager
+    def setup(n):
+        f = getattr(_core(), fn_name)
+        _threads_started()
+        yield lambda: f(n)
+    return setup
+
+
+def _c_malloc(size):
+    @contextlib.contextmanager
+    def setup(n):
+        f = _core().malloc_loop
+        _threads_started()
+        yield lambda: f(n, size)
+    return setup
+
+
 CN = 200_000      # C-level operations per call
 
+# Each C-level group's baseline is what C code without aoprim writes for the same job (a
+# pthread mutex around an int64 or a ring of words, malloc + free, one write() per message);
+# the bare hardware loop is shown beside it as a floor (role "reference": never a winner, no
+# ratio printed), the least any implementation could cost.
 group("c-atomic", "atomic", "C level: aop_fetch_add_i64 (seq_cst) on AtomicInt.cell", [
-    Case("bare __atomic_fetch_add (floor)", _c("floor_fetch_add"), CN, "baseline"),
+    Case("int64 + pthread_mutex", _c_mutex("mutex_add_loop"), CN, "baseline"),
     Case("AtomicInt: aop_fetch_add_i64", _c("atomic_add_loop", AtomicInt), CN),
-], kind="c", compete=False)
+    Case("bare __atomic_fetch_add (floor)", _c("floor_fetch_add"), CN, "reference"),
+], kind="c")
 group("c-refcount", "atomic", "C level: RefCount c_incref + c_decref", [
-    Case("bare __atomic_fetch_add (floor)", _c("floor_fetch_add"), CN, "baseline"),
+    Case("int64 + pthread_mutex +1/-1", _c_mutex("mutex_incdec_loop"), CN, "baseline"),
     Case("RefCount: c_incref + c_decref", _c("refcount_loop", RefCount), CN),
-], kind="c", compete=False)
+    Case("bare __atomic_fetch_add (floor)", _c("floor_fetch_add"), CN, "reference"),
+], kind="c")
 group("c-lock", "lock", "C level: uncontended aop_spin_lock + aop_spin_unlock", [
-    Case("bare __atomic_fetch_add (floor)", _c("floor_fetch_add"), CN, "baseline"),
-    Case("bare CAS + exchange pair (floor)", _c("floor_cas_xchg"), CN, "reference"),
+    Case("pthread_mutex lock + unlock", _c_mutex("mutex_lock_loop"), CN, "baseline"),
     Case("SpinLock: aop_spin_lock + unlock", _c("spin_loop", SpinLock), CN),
-], kind="c", compete=False)
+    Case("bare CAS + exchange pair (floor)", _c("floor_cas_xchg"), CN, "reference"),
+], kind="c")
 group("c-queue", "queue", "C level: try_push + try_pop of one u64 (raw-word mode)", [
-    Case("bare loop (floor)", _c("bare_loop"), CN, "baseline"),
+    Case("ring + pthread_mutex: push + pop", _c_mutex("mutex_ring_loop"), CN, "baseline"),
     Case("MPMCQueue: try_push + try_pop", _c("mpmc_loop", lambda: MPMCQueue(1024)), CN),
     Case("SPSCQueue: try_push + try_pop", _c("spsc_loop", lambda: SPSCQueue(1024)), CN),
-], kind="c", compete=False)
-group("c-slab", "slab", "C level: aop_slab_acquire + aop_slab_release", [
-    Case("bare loop (floor)", _c("bare_loop"), CN, "baseline"),
+    Case("bare loop (floor)", _c("bare_loop"), CN, "reference"),
+], kind="c")
+group("c-slab", "slab", "C level: a 4 KiB buffer, aop_slab_acquire + aop_slab_release", [
+    Case("malloc(4096) + free", _c_malloc(4096), CN, "baseline"),
     Case("SlabPool: acquire + release", _c("slab_loop", lambda: SlabPool(4096, 16)), CN),
-], kind="c", compete=False)
+    Case("bare loop (floor)", _c("bare_loop"), CN, "reference"),
+], kind="c")
 group("c-sendbatch", "sendbatch", "C level: 64 B messages to /dev/null, per message", [
-    Case("write() per message (floor)", _c_write(64), 20_000, "baseline"),
+    Case("write() per message", _c_write(64), 20_000, "baseline"),
     Case("SendBatch: c_add_copy x16 + c_flush", _c_sendbatch(64, 16), 20_000),
 ], kind="c")
 

@@ -3,7 +3,9 @@
     python -m aoprim bench [--quick] [--only NAME ...] [--json FILE] [--compare OLD.json]
                            [--plot DIR] [--load FILE] [--markdown] [--list]
 
-Tables go to stdout, the progress bar to stderr.  Exit status: 0 when every selected group
+Tables go to stdout, each as soon as its group ends (the header first, the run's length, load
+and warnings last); the progress bar, and each server run's figure as it ends, to stderr.
+``--markdown`` prints its tables at the end instead.  Exit status: 0 when every selected group
 ran (entries that cannot run here -- an optional library, a server -- are listed as skipped,
 with the reason); 1 when a server run failed its echo verification; 2 for a usage error
 (an unknown --only name, an unreadable or invalid JSON file, --plot without matplotlib).
@@ -26,7 +28,7 @@ DESCRIPTION = (
 def build_parser(p=None):
     p = p or argparse.ArgumentParser(prog="python -m aoprim bench", description=DESCRIPTION)
     p.add_argument("--quick", action="store_true",
-                   help="fewer rounds, smaller sizes, 4 server scenarios (under a minute)")
+                   help="fewer rounds, smaller sizes, 4 server scenarios (about a minute)")
     p.add_argument("--only", nargs="+", action="extend", metavar="NAME",
                    help="run only these: a family (atomic, lock, queue, slab, blocktable, "
                         "sendbatch, flushgroup, receiver, contention, server; aio: asyncio, uvloop, rloop and "
@@ -91,16 +93,29 @@ def main(a):
             groups = suite.plan(mode, a.only)
     except (ValueError, suite.UnknownSelection) as e:
         return _fail(str(e))
-    if not a.load:
+    if a.load:
+        print(report.markdown(doc) if a.markdown else report.render(doc), flush=True)
+    else:
         prog = Progress(1, enabled=not a.no_progress)
+
+        def show(text):
+            if not a.markdown:
+                prog.above(lambda: print(text, flush=True))
         try:
-            doc = suite.run(groups, mode, prog, only=a.only)
+            doc = suite.run(groups, mode, prog, only=a.only,
+                            on_header=lambda h: show(report.render_header({"header": h})),
+                            on_group=lambda g: show(report.render_group(g)))
         except KeyboardInterrupt:
             prog.close()
             print("aoprim bench: interrupted", file=sys.stderr)
             return 130
         prog.close()
-    print(report.markdown(doc) if a.markdown else report.render(doc), flush=True)
+        if a.markdown:
+            print(report.markdown(doc), flush=True)
+        else:
+            foot = report.render_footer(doc)
+            if foot:
+                print(foot, flush=True)
     if a.json:
         d = os.path.dirname(os.path.abspath(a.json))
         os.makedirs(d, exist_ok=True)

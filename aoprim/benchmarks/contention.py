@@ -80,6 +80,21 @@ def _queue_case(make_q, threads, put="put", get="get"):
     return setup
 
 
+# Printed under each table: these rows answer a different question from the single-thread
+# groups (lock-acquire-release, queue-1thread, queue-2p2c) the README's headline figures come
+# from, and their ratios are smaller and noisier; the note says why, beside the rows.
+LOCK_NOTE = (
+    "{t} thread(s) sharing `with lock: n += 1` under the GIL: the lock's cost as threads take "
+    "turns, the `with` and the increment included; the headline's SpinLock figure is "
+    "lock-acquire-release (one thread, no contention).  One threaded run per sample: a busy "
+    "machine moves these rows most.")
+QUEUE_NOTE = (
+    "{t} thread(s), each putting then getting on one shared queue (no get waits); the "
+    "headline's queue figures are queue-1thread and queue-2p2c (MPMCQueue(65536), 2 producer "
+    "+ 2 consumer threads).  One threaded run per sample: a busy machine moves these rows "
+    "most.")
+
+
 def groups():
     out = []
     for t in THREADS:
@@ -88,7 +103,8 @@ def groups():
             [Case("threading.Lock", _lock_case(threading.Lock, t), LOCK_N, "baseline", True),
              Case("SpinLock", _lock_case(SpinLock, t), LOCK_N, heavy=True),
              Case("threading.RLock", _lock_case(threading.RLock, t), LOCK_N, heavy=True)],
-            kind="contention", params={"threads": t}, series="contention-lock"))
+            kind="contention", params={"threads": t}, series="contention-lock",
+            note=LOCK_NOTE.format(t=t)))
     for t in THREADS:
         out.append(Group(
             f"contention-queue-{t}t", "contention",
@@ -101,5 +117,6 @@ def groups():
              Case("deque (append/popleft)",
                   _queue_case(collections.deque, t, "append", "popleft"), QUEUE_N,
                   heavy=True)],
-            kind="contention", params={"threads": t}, series="contention-queue"))
+            kind="contention", params={"threads": t}, series="contention-queue",
+            note=QUEUE_NOTE.format(t=t)))
     return out

@@ -1,13 +1,23 @@
 """Tables for the terminal, and ``--compare``.
 
-Every group prints one table: each entry's median, its spread (min-max over the rounds), and
-its ratio to the group's baseline -- ``x2.50`` is 2.5 times better than the baseline (faster
-for ns/op, less CPU per message for servers); ``*`` marks the group's winner (the best median
-among the entries that compete; references such as the empty loop or a hardware floor never
-win).
+Every group prints one table: each entry's median, its spread (min - max over the rounds,
+printed only when there was more than one round), and its ratio to the group's baseline --
+``x2.50`` is 2.5 times better than the baseline (faster for ns/op, less CPU per message for
+servers), ``~`` after it when the entry's min-max overlaps the baseline's (the difference is
+within the run's own noise); ``*`` marks the group's winner (the best median among the entries
+that compete; references such as the empty loop or a hardware floor never win and carry no
+ratio).  The heading of each table names its unit and its baseline.  No line is wider than
+``WIDTH`` columns.
+
+The command prints the header, then each group's table as the group ends, then the footer;
+``render(doc)`` is the same text for a saved run.
 """
-__all__ = ["render", "render_header", "render_group", "compare", "markdown_summary",
-           "markdown_servers", "markdown"]
+import textwrap
+
+__all__ = ["render", "render_header", "render_group", "render_footer", "compare",
+           "markdown_summary", "markdown_servers", "markdown", "WIDTH"]
+
+WIDTH = 100
 
 
 def _num(x, unit=""):
@@ -36,6 +46,49 @@ def _mmss(s):
     return f"{s // 60}:{s % 60:02d}"
 
 
+def _wrap(text, first="", rest=None):
+    """``text`` wrapped to WIDTH columns, the first line after ``first``, the others after
+    ``rest`` (spaces as wide as ``first`` by default)."""
+    rest = " " * len(first) if rest is None else rest
+    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=rest,
+                         break_on_hyphens=False) or [first.rstrip()]
+
+
+def _rounds(e):
+    return e.get("rounds") or len(e.get("samples") or ())
+
+
+def _spread(e, sep=" - "):
+    """min - max over the rounds; empty for a single round (there is no spread to show)."""
+    return f"{_num(e['min'])}{sep}{_num(e['max'])}" if _rounds(e) > 1 else ""
+
+
+def _overlaps(e, base):
+    """True when ``e`` and the baseline were each measured more than once and their min-max
+    ranges overlap: the difference between them is within this run's noise."""
+    return (e is not base and base is not None and _rounds(e) > 1 and _rounds(base) > 1
+            and e["min"] <= base["max"] and base["min"] <= e["max"])
+
+
+def _ratio_cell(e, base):
+    if e["role"] == "reference":
+        return "-"
+    return _ratio(e["ratio"]) + ("~" if _overlaps(e, base) else "")
+
+
+def _label(e):
+    return ("* " if e["winner"] else "  ") + e["name"] + {
+        "baseline": "  (baseline)", "reference": ""}.get(e["role"], "")
+
+
+LEGEND = ("median over the rounds; spread = min - max (shown only when there was more than "
+          "one round); ratio = the baseline's median / the row's: x2.00 = twice as fast (or "
+          "half the CPU) as the group's baseline, x0.50 = half as fast; ~ = the row's and the "
+          "baseline's min-max overlap (a difference within this run's noise); * = the best "
+          "median; a (floor) row is the hardware's lower bound, shown for scale, with no "
+          "ratio")
+
+
 def render_header(doc):
     h = doc["header"]
     c = h.get("compiler", {})
@@ -45,90 +98,164 @@ def render_header(doc):
         f"{', AddressSanitizer' if c.get('asan') else ''}; Python's CFLAGS: "
         f"{c.get('python_cflags', '')}")
     la = h.get("load_average")
-    lines = [
-        f"aoprim bench ({h['mode']}) -- {h['date']}, took {_mmss(h['duration_s'])}",
-        f"machine:   {h['cpu_model']}, {h['cores']} cores"
-        + (f", load average {la[0]:.2f} at the start" if la else "")
-        + (f", Linux {h['kernel']}" if h.get("kernel") else ""),
-        f"python:    {h['python']}",
-        f"aoprim:    {h['aoprim_version']}"
-        + (f" (commit {h['commit']})" if h.get("commit") else "")
-        + (f" from {h['aoprim_path']}" if h.get("aoprim_path") else ""),
-        f"compiler:  {comp}",
-    ]
+    lines = [f"aoprim bench ({h['mode']}) -- {h['date']}"]
+    lines += _wrap(f"{h['cpu_model']}, {h['cores']} cores"
+                   + (f", Linux {h['kernel']}" if h.get("kernel") else "")
+                   + (f"; load average {la[0]:.2f} at the start" if la else ""), "machine:   ")
+    lines.append(f"python:    {h['python']}")
+    lines += _wrap(f"{h['aoprim_version']}"
+                   + (f" (commit {h['commit']})" if h.get("commit") else "")
+                   + (f" from {h['aoprim_path']}" if h.get("aoprim_path") else ""), "aoprim:    ")
+    lines += _wrap(comp, "compiler:  ")
     if h.get("servers"):
-        lines.append(f"servers:   {', '.join(h['servers'])}; {h['server_warmup']}")
-        lines.append(f"syscalls:  {h['syscalls']}")
-    lines.append("figures:   median over the rounds, spread = min-max; ratio = how many times "
-                 "better than the group's baseline; * = winner")
+        lines += _wrap(f"{', '.join(h['servers'])}; {h['server_warmup']}", "servers:   ")
+        lines += _wrap(h["syscalls"], "syscalls:  ")
+    lines += _wrap(LEGEND, "figures:   ")
+    for w in _start_warnings(h):
+        lines += _wrap(w, "WARNING:   ")
     return "\n".join(lines)
+
+
+def _start_warnings(h):
+    """The warnings known at the start (the load average's); the rest are the footer's."""
+    return [w for w in h.get("warnings", []) if "at the start" in w]
+
+
+def _note(g):
+    return _wrap(g["note"], "  note: ", "        ") if g.get("note") else []
+
+
+def _heading(g):
+    base = g.get("baseline")
+    lines = _wrap(g["title"], f"\n[{g['id']}] ", "  ")
+    lines.append(f"  {g['unit']}, {g['better']} is better"
+                 + (f"; ratio = vs {base}" if base else ""))
+    return lines
+
+
+def _cells(e, name_w, cols):
+    """One table row: the label in ``name_w`` columns (on a line of its own when longer),
+    then the right-aligned ``cols`` (text, width)."""
+    label = _label(e)
+    nums = " ".join(f"{t:>{w}}" for t, w in cols)
+    if len(label) > name_w:
+        return [label, f"{'':<{name_w}} {nums}"]
+    return [f"{label:<{name_w}} {nums}"]
+
+
+def _name_width(ents, cols_w):
+    w = max([len(_label(e)) for e in ents] + [len("  server")])
+    return min(w, WIDTH - 1 - cols_w)
+
+
+def _server_tables(g, ents, base):
+    """Two blocks per server group, each within WIDTH: the CPU figure with its spread and
+    ratio, msgs/s and its ratio, p99; then user/sys, p50, syscalls and faults (and, for TLS,
+    records and wire bytes) per message."""
+    uw = max(10, len(g["unit"]))
+    tls = any("records_per_msg" in e.get("metrics", {}) for e in ents)
+    bm = base["metrics"].get("msgs_per_s", {}).get("median") if base else None
+
+    def med(e, k):
+        return e.get("metrics", {}).get(k, {}).get("median")
+
+    first = [(g["unit"], uw), ("spread", 11), ("ratio", 6), ("msgs/s", 8), ("ratio", 6),
+             ("p99 us", 7)]
+    second = [("user", 6), ("sys", 6), ("p50 us", 7), ("syscalls/msg", 13),
+              ("faults/msg", 11)] + ([("records/msg", 12), ("wire B/msg", 11)] if tls else [])
+    nw = _name_width(ents, max(sum(w + 1 for _, w in first), sum(w + 1 for _, w in second)))
+    head = {"name": "server", "winner": False, "role": "candidate"}
+    lines = _cells(head, nw, first)
+    for e in ents:
+        mps = med(e, "msgs_per_s")
+        mr = (mps / bm) if bm and mps else None
+        lines += _cells(e, nw, [(_num(e["median"]), uw), (_spread(e, "-"), 11),
+                                (_ratio_cell(e, base), 6), (_num(mps), 8),
+                                ("-" if e["role"] == "reference" else _ratio(mr), 6),
+                                (_num(med(e, "p99_us")), 7)])
+    lines += _cells(head, nw, second)
+    for e in ents:
+        sc, fl, rpm = med(e, "syscalls_per_msg"), med(e, "faults_per_msg"), \
+            med(e, "records_per_msg")
+        cols = [(_num(med(e, "user_us_per_msg")), 6), (_num(med(e, "sys_us_per_msg")), 6),
+                (_num(med(e, "p50_us")), 7), ("-" if sc is None else f"{sc:.3f}", 13),
+                ("-" if fl is None else f"{fl:.2f}", 11)]
+        if tls:
+            cols += [("-" if rpm is None else f"{rpm:.3f}", 12),
+                     (_num(med(e, "wire_bytes_per_msg")), 11)]
+        lines += _cells(dict(e, winner=False), nw, cols)
+    return lines
 
 
 def render_group(g):
     if g["family"] == "aio":
         from .aio import render_group as aio_group
         return aio_group(g)
-    lines = [f"\n[{g['id']}] {g['title']}  ({g['unit']}, {g['better']} is better)"]
-    kind = g["kind"]
+    lines = _heading(g)
     ents = sorted(g["entries"], key=lambda e: e["median"], reverse=(g["better"] == "higher"))
-    w = max([len(e["name"]) for e in ents] + [len("entry")]) + 11
-    if kind == "server":
-        uw = max(10, len(g["unit"]))
-        # the tls groups also carry TLS records and wire bytes (server to client) per message
-        tls = any("records_per_msg" in e.get("metrics", {}) for e in ents)
-        lines.append(f"  {'server':<{w}} {g['unit']:>{uw}} {'spread':>13} {'ratio':>7} "
-                     f"{'msgs/s':>8} {'ratio':>7} {'p50 us':>7} {'p99 us':>7} "
-                     f"{'syscalls/msg':>12} {'faults/msg':>10} {'user':>6} {'sys':>6}"
-                     + (f" {'records/msg':>11} {'wire B/msg':>10}" if tls else ""))
-        base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
-        bm = base["metrics"].get("msgs_per_s", {}).get("median") if base else None
-        for e in ents:
-            m = e.get("metrics", {})
-
-            def med(k):
-                return m.get(k, {}).get("median")
-            mr = (med("msgs_per_s") / bm) if bm and med("msgs_per_s") else None
-            name = ("* " if e["winner"] else "  ") + e["name"] + \
-                ("  (baseline)" if e["role"] == "baseline" else "")
-            sc = med("syscalls_per_msg")
-            fl = med("faults_per_msg")
-            rpm = med("records_per_msg")
-            lines.append(
-                f"{name:<{w + 2}} {_num(e['median']):>{uw}} "
-                f"{_num(e['min']) + '-' + _num(e['max']):>13} {_ratio(e['ratio']):>7} "
-                f"{_num(med('msgs_per_s')):>8} {_ratio(mr):>7} {_num(med('p50_us')):>7} "
-                f"{_num(med('p99_us')):>7} {'-' if sc is None else f'{sc:.3f}':>12} "
-                f"{'-' if fl is None else f'{fl:.2f}':>10} "
-                f"{_num(med('user_us_per_msg')):>6} {_num(med('sys_us_per_msg')):>6}"
-                + (f" {'-' if rpm is None else f'{rpm:.3f}':>11} "
-                   f"{_num(med('wire_bytes_per_msg')):>10}" if tls else ""))
+    base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
+    if g["kind"] == "server":
+        lines += _server_tables(g, ents, base)
     else:
-        extra = kind == "contention"
-        lines.append(f"  {'entry':<{w}} {'median':>9} {'spread (min-max)':>19} {'ratio':>8}"
-                     + (f" {'Mops/s':>8} {'CPU/wall':>8}" if extra else ""))
+        extra = g["kind"] == "contention"
+        cols = [("median", 9), ("spread (min - max)", 19), ("ratio", 7)] + \
+            ([("Mops/s", 7), ("CPU/wall", 8)] if extra else [])
+        nw = _name_width(ents, sum(w + 1 for _, w in cols))
+        lines += _cells({"name": "entry", "winner": False, "role": "candidate"}, nw, cols)
         for e in ents:
-            name = ("* " if e["winner"] else "  ") + e["name"] + \
-                {"baseline": "  (baseline)", "reference": "  (ref)"}.get(e["role"], "")
-            line = (f"{name:<{w + 2}} {_num(e['median']):>9} "
-                    f"{_num(e['min']) + ' - ' + _num(e['max']):>19} {_ratio(e['ratio']):>8}")
+            row = [(_num(e["median"]), 9), (_spread(e), 19), (_ratio_cell(e, base), 7)]
             if extra:
                 cw = e.get("metrics", {}).get("cpu_per_wall", {}).get("median")
-                line += f" {1e3 / e['median']:>8.2f} {'-' if cw is None else f'{cw:.2f}':>8}"
-            lines.append(line)
+                row += [(f"{1e3 / e['median']:.2f}", 7), ("-" if cw is None else f"{cw:.2f}", 8)]
+            lines += _cells(e, nw, row)
+    lines += _note(g)
     for s in g["skipped"]:
-        lines.append(f"  (skipped {s['name']}: {s['reason']})")
+        lines += _wrap(f"{s['name']}: {s['reason']}", "  (skipped ", "    ")
     return "\n".join(lines)
+
+
+def render_footer(doc):
+    """How long the run took, how busy the machine was, every warning, what was skipped."""
+    h = doc["header"]
+    parts = []
+    if "duration_s" in h:
+        la = h.get("load_average_end")
+        busy = [f"load average {la[0]:.2f} at the end" if la else None,
+                f"the bench kept {h['own_cpus']:.1f} of {h['cores']} cores busy"
+                if h.get("own_cpus") is not None else None,
+                f"other processes {h['other_cpus']:.1f}"
+                if h.get("other_cpus") is not None else None]
+        parts += _wrap(f"took {_mmss(h['duration_s'])}"
+                       + "".join(f"; {b}" for b in busy if b), "\nrun:       ", " " * 11)
+        for w in h.get("warnings", []):
+            if w not in _start_warnings(h):
+                parts += _wrap(w, "WARNING:   ")
+    if doc["skipped"]:
+        parts.append("\nskipped:")
+        for s in doc["skipped"]:
+            parts += _wrap(f"{s['what']}: {s['reason']}", "  ", "    ")
+    return "\n".join(parts)
 
 
 def render(doc):
     parts = [render_header(doc)]
     for g in doc["groups"]:
         parts.append(render_group(g))
-    if doc["skipped"]:
-        parts.append("\nskipped:")
-        for s in doc["skipped"]:
-            parts.append(f"  {s['what']}: {s['reason']}")
+    foot = render_footer(doc)
+    if foot:
+        parts.append(foot)
     return "\n".join(parts)
+
+
+NW = 40      # compare(): the entry-name column
+
+
+def _named(name, rest):
+    """A compare() row: the name in NW columns (on a line of its own when longer), then
+    ``rest``."""
+    if len(name) > NW:
+        return [f"  {name}", f"  {'':<{NW}} {rest}"]
+    return [f"  {name:<{NW}} {rest}"]
 
 
 def compare(old, new):
@@ -137,9 +264,10 @@ def compare(old, new):
     / ``worse`` only when the new median lies outside the old run's min-max range (and the
     change is in that direction); ``~`` otherwise."""
     oh, nh = old["header"], new["header"]
-    lines = [f"\ncompared with {oh['date']} ({oh['cpu_model']}, {oh['cores']} cores, "
-             f"{oh['python']}, aoprim {oh['aoprim_version']}"
-             + (f" {oh['commit']}" if oh.get("commit") else "") + f", {oh['mode']})"]
+    lines = _wrap(f"compared with {oh['date']} ({oh['cpu_model']}, {oh['cores']} cores, "
+                  f"{oh['python']}, aoprim {oh['aoprim_version']}"
+                  + (f" {oh['commit']}" if oh.get("commit") else "") + f", {oh['mode']})",
+                  "\n", "  ")
     if (oh["cpu_model"], oh["cores"]) != (nh["cpu_model"], nh["cores"]):
         lines.append("  (another machine: compare the ratios, not the absolute figures)")
     olds = {g["id"]: g for g in old["groups"]}
@@ -150,13 +278,13 @@ def compare(old, new):
             lines.append(f"\n[{g['id']}] not in the old run")
             continue
         lines.append(f"\n[{g['id']}] ({g['unit']}, {g['better']} is better)")
-        lines.append(f"  {'entry':<46} {'old':>9} {'new':>9} {'change':>8} "
+        lines.append(f"  {'entry':<{NW}} {'old':>9} {'new':>9} {'change':>8} "
                      f"{'ratio old':>9} {'ratio new':>9}")
         oe = {e["name"]: e for e in og["entries"]}
         for e in g["entries"]:
             o = oe.get(e["name"])
             if o is None:
-                lines.append(f"  {e['name']:<46} {'-':>9} {_num(e['median']):>9}   (new entry)")
+                lines += _named(e["name"], f"{'-':>9} {_num(e['median']):>9}   (new entry)")
                 continue
             ch = (e["median"] / o["median"] - 1) * 100 if o["median"] else None
             good = (e["median"] < o["min"]) if g["better"] == "lower" else (e["median"] > o["max"])
@@ -164,15 +292,16 @@ def compare(old, new):
             verdict = "better" if good else "worse" if bad else "~"
             n_better += good
             n_worse += bad
-            lines.append(f"  {e['name']:<46} {_num(o['median']):>9} {_num(e['median']):>9} "
-                         f"{'-' if ch is None else f'{ch:+.1f}%':>8} "
-                         f"{_ratio(o.get('ratio')):>9} {_ratio(e.get('ratio')):>9}  {verdict}")
+            lines += _named(e["name"], f"{_num(o['median']):>9} {_num(e['median']):>9} "
+                                       f"{'-' if ch is None else f'{ch:+.1f}%':>8} "
+                                       f"{_ratio(o.get('ratio')):>9} "
+                                       f"{_ratio(e.get('ratio')):>9}  {verdict}")
         gone = set(oe) - {e["name"] for e in g["entries"]}
         for name in sorted(gone):
-            lines.append(f"  {name:<46} (only in the old run)")
+            lines += _named(name, "(only in the old run)")
     missing = [gid for gid in olds if gid not in {g["id"] for g in new["groups"]}]
     if missing:
-        lines.append(f"\nonly in the old run: {', '.join(missing)}")
+        lines += _wrap(", ".join(missing), "\nonly in the old run: ", "  ")
     lines.append(f"\n{n_better} entries better, {n_worse} worse (outside the old run's "
                  "min-max), the rest within it")
     return "\n".join(lines)

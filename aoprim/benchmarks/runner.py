@@ -38,7 +38,11 @@ class Settings:
 
 class Progress:
     """A plain-text progress bar on stderr: ``[#####.....]  42%  12/40  0:31  what``.  On a
-    terminal it redraws one line; otherwise it prints a line each time the label changes."""
+    terminal it redraws one line; otherwise it prints a line each time the group changes.
+    ``note(text)`` prints a line of its own (a server run's figure as soon as the run ends),
+    and ``above(fn)`` lets ``fn`` print to stdout without the bar's line in the way."""
+
+    WIDTH = 100
 
     def __init__(self, total, stream=None, width=28, enabled=True):
         self.total = max(1, total)
@@ -57,21 +61,48 @@ class Progress:
             self.label = label
         self.draw()
 
-    def draw(self):
-        if not self.enabled:
-            return
+    def _line(self):
         frac = self.done / self.total
         fill = int(frac * self.width)
         el = int(time.monotonic() - self.t0)
         line = (f"[{'#' * fill}{'.' * (self.width - fill)}] {frac * 100:3.0f}%  "
                 f"{self.done}/{self.total}  {el // 60}:{el % 60:02d}  {self.label}")
+        return line[:self.WIDTH - 1]
+
+    def draw(self):
+        if not self.enabled:
+            return
+        line = self._line()
         if self.tty:
-            self.stream.write("\r" + line[:118].ljust(118))
+            self.stream.write("\r" + line.ljust(self.WIDTH - 1))
             self.stream.flush()
         elif self.label.split(":")[0] != self._last_label:     # one line per group
             self._last_label = self.label.split(":")[0]
             self.stream.write(line + "\n")
             self.stream.flush()
+
+    def _clear(self):
+        if self.tty:
+            self.stream.write("\r" + " " * (self.WIDTH - 1) + "\r")
+
+    def note(self, text):
+        """Print ``text`` on a line of its own now (above the bar on a terminal)."""
+        if not self.enabled:
+            return
+        self._clear()
+        self.stream.write(text[:self.WIDTH] + "\n")
+        self.stream.flush()
+        if self.tty:
+            self.draw()
+
+    def above(self, fn):
+        """Call ``fn`` (which prints to stdout) with the bar's line cleared, then redraw it."""
+        if self.tty:
+            self._clear()
+            self.stream.flush()
+        fn()
+        if self.tty:
+            self.draw()
 
     def close(self):
         if self.enabled and self.tty:
@@ -186,6 +217,8 @@ def finish_group(grp, entries, skipped, better="lower", extra=None):
            "unit": grp.unit, "better": better, "compete": grp.compete, "params": dict(grp.params),
            "series": grp.series, "baseline": base["name"] if base else None,
            "entries": entries, "skipped": skipped}
+    if getattr(grp, "note", None):
+        out["note"] = grp.note
     if extra:
         out.update(extra)
     return out

@@ -50,6 +50,7 @@ _GROUP = {
         "skipped": {"type": "array", "items": {
             "type": "object", "required": ["name", "reason"],
             "properties": {"name": {"type": "string"}, "reason": {"type": "string"}}}},
+        "note": {"type": "string"},
     },
 }
 SCHEMA = {
@@ -77,6 +78,11 @@ SCHEMA = {
                 "syscalls": {"type": "string"},
                 "duration_s": _NUM,
                 "selected": {"type": "array", "items": {"type": "string"}},
+                "load_average": {"type": ["array", "null"], "items": _NUM},
+                "load_average_end": {"type": ["array", "null"], "items": _NUM},
+                "own_cpus": {"type": ["number", "null"]},
+                "other_cpus": {"type": ["number", "null"]},
+                "warnings": {"type": "array", "items": {"type": "string"}},
             },
         },
         "groups": {"type": "array", "items": _GROUP},

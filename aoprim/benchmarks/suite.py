@@ -5,8 +5,8 @@ JSON document (schema.py).  Modes:
 
   full   every default group; 9 interleaved rounds (5 for threaded cases); servers: every
          scenario, 3 rounds of 2 s each (5 of 1.5 s for 64 KiB and up)    (~11 minutes)
-  quick  the same groups, 5 rounds (2 threaded, smaller); servers: 4 scenarios, 1 round of
-         1 s                                                                 (< 1 minute)
+  quick  the same groups, 5 rounds (2 threaded, smaller; 3 of half the size for the
+         contention curves); servers: 4 scenarios, 1 round of 1 s           (~1 minute)
   tiny   for the test suite only (``--tiny``): everything, as small as still runs end to end
          (the tls groups only when named: ``--only tls``)
 
@@ -16,7 +16,6 @@ uvloop, rloop and aoprim.aio side by side, with their own rounds and durations
 (``aio.MODES``).
 """
 import fnmatch
-import time
 
 from . import aio, cases, contention, machine, runner, servers, tls
 from .schema import SCHEMA_ID
@@ -42,7 +41,7 @@ MODES = {
                                            "tls-raw-1k-10": dict(rounds=7, duration=1.5)})),
     "quick": dict(micro=dict(rounds=5, heavy_rounds=2, sample_s=0.01, scale=1.0,
                              heavy_scale=0.05),
-                  contention_scale=0.2, contention_rounds=2,
+                  contention_scale=0.5, contention_rounds=3,
                   server=dict(rounds=1, duration=1.0, warmup=0.3,
                               scenarios=["raw-1k-10", "u16-64x16-10", "raw-1k-100",
                                          "raw-64k-10"])),
@@ -205,13 +204,21 @@ def _server_group(g, names, m, progress, skipped_servers, count_syscalls):
             if progress:
                 progress.step(1)
             if res is None:
+                if progress:
+                    progress.note(f"  {g.id}: {name} skipped: {skipped_servers[name]}")
                 continue
             cpu = res.get("server_cpu") or {}
             if res.get("errors") or "cpu_us_per_msg" not in cpu:
                 why = "; ".join(res.get("errors", [])[:2]) or "no message completed"
                 skipped.append({"name": name, "reason": f"round {r + 1}: {why}"})
+                if progress:
+                    progress.note(f"  {g.id}: {name} round {r + 1} failed: {why}")
                 continue
             runs[name].append(res)
+            if progress:
+                progress.note(f"  {g.id}: {name} (round {r + 1}/{s['rounds']}): "
+                              f"{cpu['cpu_us_per_msg']:.2f} {g.unit}, "
+                              f"{res.get('msgs_per_s', 0):,.0f} msgs/s")
     entries = []
     for name in names:
         rs = runs[name]
@@ -242,12 +249,18 @@ def _server_group(g, names, m, progress, skipped_servers, count_syscalls):
     return runner.finish_group(g, entries, skipped)
 
 
-def run(groups, mode="full", progress=None, only=None):
-    """Measure ``groups`` (from plan()); returns the document (schema.py)."""
-    t0 = time.monotonic()
+def run(groups, mode="full", progress=None, only=None, on_header=None, on_group=None):
+    """Measure ``groups`` (from plan()); returns the document (schema.py).
+
+    ``on_header(header)`` is called once the header is known, before anything is measured,
+    and ``on_group(result)`` as each group ends: the command prints each as it comes, so a
+    user sees the run working.  The header's ``duration_s``, ``load_average_end``,
+    ``own_cpus``, ``other_cpus`` and ``warnings`` are final only in the returned document."""
     m = MODES[mode]
     micro = runner.Settings(**m["micro"])
     cont = _contention_settings(m)
+    start = machine.cpu_sample()
+    samples = [start]             # one per group end: the load-average fallback's window
     header = machine.describe()
     doc_skipped = []
     server_names, server_skips = servers.available_servers()
@@ -262,22 +275,7 @@ def run(groups, mode="full", progress=None, only=None):
     if any(g.kind == "c" for g in groups):
         doc_skipped += [{"what": f"C level: {fam}", "reason": r}
                         for fam, r in cases.C_SKIPPED.items()]
-    if progress:
-        progress.total = max(1, steps(groups, mode, len(server_names), len(loops)))
-    out = []
-    skipped_servers = {}          # family -> {server: why it cannot run}
-    for g in groups:
-        if hasattr(g, "measure"):             # the aio loops' server groups (aio.py)
-            out.append(g.measure(loops, loop_skips, progress))
-        elif g.kind == "server":
-            out.append(_server_group(g, server_names, m, progress,
-                                     skipped_servers.setdefault(g.family, {}),
-                                     method is not None))
-        else:
-            res = runner.measure_group(g, cont if g.kind == "contention" else micro, progress)
-            # runner's groups carry series as one name or None; the document has a list
-            res["series"] = [res["series"]] if isinstance(res["series"], str) else []
-            out.append(res)
+    _, warnings = machine.load_check(header["cores"], start)
     header.update({
         "mode": mode,
         "settings": {"micro": m["micro"], "contention_scale": m["contention_scale"],
@@ -286,6 +284,33 @@ def run(groups, mode="full", progress=None, only=None):
         "syscalls": method or f"not measured: {why_not}",
         "servers": (server_names if have_servers else []) + [f"loop {lp}" for lp in loops],
         "selected": list(only or []),
-        "duration_s": round(time.monotonic() - t0, 1),
+        "load_average": start["load"],
+        "warnings": warnings,
     })
+    if on_header:
+        on_header(header)
+    if progress:
+        progress.total = max(1, steps(groups, mode, len(server_names), len(loops)))
+    out = []
+    skipped_servers = {}          # family -> {server: why it cannot run}
+    for g in groups:
+        if hasattr(g, "measure"):             # the aio loops' server groups (aio.py)
+            res = g.measure(loops, loop_skips, progress)
+        elif g.kind == "server":
+            res = _server_group(g, server_names, m, progress,
+                                skipped_servers.setdefault(g.family, {}), method is not None)
+        else:
+            res = runner.measure_group(g, cont if g.kind == "contention" else micro, progress)
+            # runner's groups carry series as one name or None; the document has a list
+            res["series"] = [res["series"]] if isinstance(res["series"], str) else []
+        out.append(res)
+        samples.append(machine.cpu_sample())
+        if on_group:
+            on_group(res)
+    end = samples[-1] if len(samples) > 1 else machine.cpu_sample()
+    recent = next((x for x in reversed(samples) if end["t"] - x["t"] >= 60), start)
+    facts, warnings = machine.load_check(header["cores"], start, end, recent)
+    header.update(facts)
+    header["warnings"] = warnings
+    header["duration_s"] = round(end["t"] - start["t"], 1)
     return {"schema": SCHEMA_ID, "header": header, "groups": out, "skipped": doc_skipped}
