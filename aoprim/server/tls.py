@@ -45,13 +45,24 @@ Per connection, on the loop thread:
   then the lingering close (shut the write side, drain input).  A peer's ``close_notify`` or
   a bare EOF is the peer's EOF; a TLS error after the handshake closes the session (INFO).
 """
+from __future__ import annotations
+
 import logging
 import ssl
 import threading
+from typing import TYPE_CHECKING, Any
 
 from aoprim import ProxyParser, TLSConn, TLSFlush
 
 from .session import OPEN, CLOSED, Session, _BYREF_MIN
+
+if TYPE_CHECKING:
+    import socket
+
+    from aoprim import Slot
+
+    from .loop import Timer
+    from .session import SessionContext, _SendData
 
 __all__ = ["TLSFlush", "TLSSession", "RawTLSSession", "check_context", "server_context"]
 
@@ -60,7 +71,7 @@ log = logging.getLogger("aoprim.server")
 _get_ident = threading.get_ident
 
 
-def check_context(ctx):
+def check_context(ctx: object) -> ssl.SSLContext:
     """Validate ``ssl=``: a server-side ``ssl.SSLContext``.  Client-initiated renegotiation
     is refused (``OP_NO_RENEGOTIATION`` is set on it)."""
     if not isinstance(ctx, ssl.SSLContext):
@@ -73,7 +84,8 @@ def check_context(ctx):
     return ctx
 
 
-def server_context(certfile, keyfile=None, ca_certs=None, client_cert="none"):
+def server_context(certfile: str, keyfile: str | None = None, ca_certs: str | None = None,
+                   client_cert: str = "none") -> ssl.SSLContext:
     """The CLI's context: ``ssl.create_default_context(Purpose.CLIENT_AUTH)`` (TLS 1.2+,
     OpenSSL's default ciphers) with the certificate chain; ``client_cert`` "optional" or
     "required" verifies client certificates against ``ca_certs``."""
@@ -95,7 +107,7 @@ class TLSSession(Session):
 
     _rx_proxy = False           # the PROXY header is read here, before the handshake
 
-    def __init__(self, ctx, sock, sid, peer):
+    def __init__(self, ctx: SessionContext, sock: socket.socket, sid: int, peer: Any) -> None:
         super().__init__(ctx, sock, sid, peer)
         st = ctx.settings
         self._inc = ssl.MemoryBIO()
@@ -106,8 +118,8 @@ class TLSSession(Session):
         self._t.attach(self._rx.receiver)
         self._t.byref_min = _BYREF_MIN     # send_frame/send_copy leave those to send()
         self._hs_done = False
-        self._hs_timer = None
-        self._pp = (ProxyParser(st.proxy_mode, st.proxy_max_header)
+        self._hs_timer: Timer | None = None
+        self._pp: ProxyParser | None = (ProxyParser(st.proxy_mode, st.proxy_max_header)
                     if st.proxy_protocol is not None else None)
         self._notified = False      # close_notify written
         self._proxy_wait = True     # the handler meets us once the handshake is done
@@ -118,11 +130,11 @@ class TLSSession(Session):
 
     # -- public ---------------------------------------------------------------------------
     @property
-    def pending_bytes(self):
+    def pending_bytes(self) -> int:
         """Plaintext not yet encrypted plus ciphertext not yet sent (any thread)."""
         return self._batch.pending_bytes + self._t.pending
 
-    def get_extra_info(self, name, default=None):
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
         obj = self._sslobj
         if name == "ssl_object":
             return obj
@@ -135,7 +147,7 @@ class TLSSession(Session):
                 return obj.selected_alpn_protocol()
         return super().get_extra_info(name, default)
 
-    def send(self, data):
+    def send(self, data: _SendData) -> None:
         if not self._state:
             # Session.send's add_frame path, inline (one frame less per message), with the
             # add and mark() in one compiled call (TLSConn.send_frame)
@@ -156,33 +168,33 @@ class TLSSession(Session):
         if _get_ident() == self._loop.thread_id:
             self._t.mark()
 
-    def send_broadcast(self, item):
+    def send_broadcast(self, item: bytes | Slot) -> bool:
         if Session.send_broadcast(self, item):
             self._t.mark()
             return True
         return False
 
-    def _drain_foreign(self, items):
+    def _drain_foreign(self, items: list[bytes | Slot]) -> None:
         Session._drain_foreign(self, items)
         self._t.mark()
 
     # -- hooks of Session -----------------------------------------------------------------
-    def start(self):
+    def start(self) -> None:
         self._hs_timer = self._loop.call_later(self._ctx.settings.handshake_timeout,
                                                self._hs_timeout)
         Session.start(self)
 
-    def _requeue(self):
+    def _requeue(self) -> None:
         self._t.mark()
 
-    def _owes_output(self):
+    def _owes_output(self) -> int:
         # plaintext is owed only while it can still be encrypted: once the handshake is done
         # and until close_notify -- and then close_notify itself is owed.  (Plaintext queued
         # before the handshake completed, or after close_notify, is never sent.)
         return bool(self._out.pending or self._t.pending or
                     (self._hs_done and not self._notified))
 
-    def _reading_resumed(self):
+    def _reading_resumed(self) -> None:
         Session._reading_resumed(self)
         # decrypted bytes held in OpenSSL, or whole records waiting in the incoming BIO (the
         # request that came with the handshake's last flight while on_connect paused): no
@@ -190,14 +202,14 @@ class TLSSession(Session):
         if self._t.more or (self._hs_done and (self._inc.pending or self._sslobj.pending())):
             self._loop.call_soon(self._deliver_held)
 
-    def _rx_event(self, owner, code, arg):
+    def _rx_event(self, owner: object, code: int, arg: Any) -> None:
         reason = self._t.tls_reason
         if reason is not None and self._state == OPEN:
             self._abort(f"TLS error: {reason}", cause="tls")
             return
         Session._rx_event(self, owner, code, arg)
 
-    def _teardown(self):
+    def _teardown(self) -> None:
         if self._hs_timer is not None:
             self._hs_timer.cancel()
             self._hs_timer = None
@@ -209,7 +221,7 @@ class TLSSession(Session):
         self._rx.wire = self._rx.header_wait = None
         self._reader = None
 
-    def _wire(self):
+    def _wire(self) -> tuple[int, int]:
         """(bytes received, bytes held) as the socket saw them, for the idle and frame
         clocks: ciphertext arriving is activity, and a begun record (OpenSSL keeps partial
         records) or decrypted bytes not yet delivered are a begun frame."""
@@ -217,25 +229,25 @@ class TLSSession(Session):
         return (t.raw_in, self._rx.receiver.buffered + t.rec_begun + self._inc.pending +
                 self._sslobj.pending())
 
-    def _bytes_written(self):
+    def _bytes_written(self) -> int:
         """Ciphertext written to the socket (check_timeouts' progress: the batch's own
         count is plaintext handed to OpenSSL, which stands still while one large
         segment's ciphertext drains)."""
         return self._t.raw_out
 
-    def _header_wait(self):
+    def _header_wait(self) -> bool:
         """The PROXY header is still due (read here, before the handshake)."""
         return self._pp is not None
 
     # -- handshake (loop thread) ----------------------------------------------------------
-    def _hs_timeout(self):
+    def _hs_timeout(self) -> None:
         self._hs_timer = None
         if not self._hs_done:
             t = self._ctx.settings.handshake_timeout
             self._abort(f"TLS handshake timeout (not done after {t:g} s)",
                         level=logging.INFO, cause="timeout")
 
-    def _hs_readable(self):
+    def _hs_readable(self) -> None:
         scratch = self._ctx.tls.scratch
         try:
             n = self._sock.recv_into(scratch)
@@ -265,7 +277,7 @@ class TLSSession(Session):
             self._t.feed(data)
         self._handshake()
 
-    def _handshake(self):
+    def _handshake(self) -> None:
         obj = self._sslobj
         try:
             obj.do_handshake()
@@ -297,7 +309,7 @@ class TLSSession(Session):
                                                               obj.pending()):
             self._reader()
 
-    def _send_now(self):
+    def _send_now(self) -> None:
         """Send what the TLS layer wrote (an alert), best effort, outside the flush."""
         try:
             if self._out.pending:
@@ -306,14 +318,14 @@ class TLSSession(Session):
             pass
 
     # -- receive (loop thread; the per-message work is TLSConn's) -------------------------
-    def _tls_more(self):
+    def _tls_more(self) -> None:
         """The last read filled its room: decrypted bytes may wait inside OpenSSL, which no
         readiness event will announce."""
         if self._state == OPEN and not self._rx.paused:
             self._loop.call_soon(self._deliver_held)
 
     # -- send (loop thread, from TLSFlush.flush) ------------------------------------------
-    def _tls_flushed(self, status):
+    def _tls_flushed(self, status: int) -> None:
         """TLSFlush.flush's report for this session: status not 0 (0 all sent, 1 some left,
         -errno) or the batch is watched.  Closing: once the plaintext owed is encrypted and
         sent, ``close_notify``."""
@@ -325,11 +337,11 @@ class TLSSession(Session):
             status = self._t.send_ct()
         self.flushed(status)
 
-    def _tls_failed(self, e):
+    def _tls_failed(self, e: BaseException) -> None:
         self._abort(f"TLS send failed: {type(e).__name__}: {e}", level=logging.WARNING,
                     cause="send error")
 
-    def _close_notify(self):
+    def _close_notify(self) -> None:
         self._notified = True
         self._t.app = False
         try:
@@ -344,7 +356,7 @@ class RawTLSSession(TLSSession):
     """A TLS session of a raw-framing server: ``send`` needs no header."""
     __slots__ = ()
 
-    def send(self, data):
+    def send(self, data: _SendData) -> None:
         if not self._state:
             # Session._send_raw's copy path, inline (one frame less per message), with the
             # add and mark() in one compiled call (TLSConn.send_copy)
