@@ -35,6 +35,8 @@ Rules
   only, which forwards it once.  Their stdout is read by the supervisor (the ``listening on``
   lines are consumed, every other line is passed on); their stderr is the supervisor's.
 """
+from __future__ import annotations
+
 import ctypes
 import logging
 import os
@@ -44,6 +46,8 @@ import socket
 import subprocess
 import sys
 import time
+from types import FrameType
+from typing import IO, Any, Callable, Sequence
 
 __all__ = ["Supervisor", "reserve_port"]
 
@@ -54,7 +58,7 @@ _READY = b"listening on "
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _find_prctl():
+def _find_prctl() -> Any:
     """libc's prctl() as a ctypes function, or None where there is none (not Linux)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -68,7 +72,7 @@ def _find_prctl():
     return fn
 
 
-def reserve_port(host, port):
+def reserve_port(host: str | None, port: int) -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT only, not listening: it holds the port
     (port 0: the kernel picks one) without taking any connection.  Returns the socket."""
     family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -87,15 +91,15 @@ class _Child:
     __slots__ = ("index", "proc", "buf", "started", "ready", "listened", "crashes",
                  "respawn_at", "done")
 
-    def __init__(self, index):
+    def __init__(self, index: int) -> None:
         self.index = index
-        self.proc = None          # the running subprocess.Popen, or None
+        self.proc: subprocess.Popen[bytes] | None = None    # the running process, or None
         self.buf = b""            # the start of a stdout line not yet complete
         self.started = 0.0        # time.monotonic() at spawn
         self.ready = False        # the current process printed "listening on"
         self.listened = False     # some process in this place did
         self.crashes = 0          # crashes in a row, each soon after its start
-        self.respawn_at = None    # monotonic time of the pending restart, or None
+        self.respawn_at: float | None = None    # monotonic time of the pending restart
         self.done = False         # exited 0: stays stopped
 
 
@@ -104,9 +108,11 @@ class Supervisor:
     docstring for the rules.  ``run()`` blocks (in the main thread) and returns the exit
     status for the command line."""
 
-    def __init__(self, child_argv, procs, host="127.0.0.1", port=0, *, stdout=None,
-                 start_timeout=30.0, stop_timeout=15.0, backoff=0.5, backoff_max=30.0,
-                 give_up_after=5, stable_after=10.0):
+    def __init__(self, child_argv: Callable[[int], Sequence[str]], procs: int,
+                 host: str | None = "127.0.0.1", port: int = 0, *,
+                 stdout: IO[str] | None = None, start_timeout: float = 30.0,
+                 stop_timeout: float = 15.0, backoff: float = 0.5, backoff_max: float = 30.0,
+                 give_up_after: int = 5, stable_after: float = 10.0) -> None:
         if not isinstance(procs, int) or procs < 1:
             raise ValueError("procs must be an int >= 1")
         self._child_argv = child_argv
@@ -122,18 +128,18 @@ class Supervisor:
         self._stable_after = float(stable_after)
         self._prctl = _find_prctl()       # looked up here: the child only calls it
         self._children = [_Child(i) for i in range(procs)]
-        self._sel = None
-        self._signals = []                # stop signals received, not yet handled
+        self._sel: selectors.BaseSelector = None    # type: ignore[assignment]  # (run() makes it)
+        self._signals: list[int] = []     # stop signals received, not yet handled
         self._announced = False           # "listening on" was printed
-        self.address = None               # (host, port) once the port is reserved
-        self.spawned = []                 # (monotonic time, index, pid) of every spawn
+        self.address: tuple[str, int] | None = None     # (host, port) once reserved
+        self.spawned: list[tuple[float, int, int]] = []  # (monotonic time, index, pid)
 
     # -- the child's side of fork (runs between fork and exec: no locks, no logging) -----
 
-    def _preexec(self, parent):
+    def _preexec(self, parent: int) -> Callable[[], None]:
         prctl = self._prctl
 
-        def setup():
+        def setup() -> None:
             os.setpgid(0, 0)
             if prctl is not None:
                 if prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
@@ -145,7 +151,7 @@ class Supervisor:
 
     # -- the parent's side ----------------------------------------------------------------
 
-    def _spawn(self, c):
+    def _spawn(self, c: _Child) -> None:
         port = self.address[1]
         c.proc = subprocess.Popen(self._child_argv(port), stdin=subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, preexec_fn=self._preexec(os.getpid()))
@@ -158,7 +164,7 @@ class Supervisor:
         self.spawned.append((c.started, c.index, c.proc.pid))
         log.debug("started server process %d (place %d)", c.proc.pid, c.index)
 
-    def _start(self, c):
+    def _start(self, c: _Child) -> bool:
         try:
             self._spawn(c)
         except (OSError, subprocess.SubprocessError) as e:
@@ -167,7 +173,7 @@ class Supervisor:
             return False
         return True
 
-    def _read(self, c, final=False):
+    def _read(self, c: _Child, final: bool = False) -> None:
         """Pass on what child ``c`` printed (the ``listening on`` line marks it ready).
         ``final``: it has exited; read to the end of its output, for a bounded time."""
         if c.proc.stdout.closed:           # its end of output was read already
@@ -195,7 +201,7 @@ class Supervisor:
             for line in lines:
                 self._line(c, line + b"\n")
 
-    def _line(self, c, line):
+    def _line(self, c: _Child, line: bytes) -> None:
         if line.startswith(_READY) and not c.ready:
             c.ready = c.listened = True
             if self._announced:
@@ -204,7 +210,7 @@ class Supervisor:
         self._out.write(line.decode(errors="replace"))
         self._out.flush()
 
-    def _stop_all(self, sig=signal.SIGTERM):
+    def _stop_all(self, sig: int = signal.SIGTERM) -> bool:
         """Signal every live child, wait for them (bounded by stop_timeout, or not at all for
         SIGKILL), kill the rest.  Returns True if every child that was running exited 0.
 
@@ -242,7 +248,7 @@ class Supervisor:
                 ok = False
         return ok
 
-    def _poll(self, timeout):
+    def _poll(self, timeout: float | None) -> None:
         for key, _ in self._sel.select(timeout):
             if key.data is None:               # the signal wake-up pipe
                 try:
@@ -253,16 +259,16 @@ class Supervisor:
             else:
                 self._read(key.data)
 
-    def _on_signal(self, signum, frame):
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if signum != signal.SIGCHLD:
             self._signals.append(signum)
 
-    def _fail(self, message, status):
+    def _fail(self, message: str, status: int) -> int:
         print(f"aoprim: {message}", file=sys.stderr, flush=True)
         self._stop_all()
         return status
 
-    def _reaped(self, c, rc, now):
+    def _reaped(self, c: _Child, rc: int, now: float) -> int | None:
         """Child ``c`` exited with ``rc``.  Returns an exit status for the supervisor, or None
         to keep going."""
         pid = c.proc.pid
@@ -294,7 +300,7 @@ class Supervisor:
         c.respawn_at = now + delay
         return None
 
-    def run(self):
+    def run(self) -> int:
         self._sel = selectors.DefaultSelector()
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
@@ -321,7 +327,7 @@ class Supervisor:
             if reserve is not None:
                 reserve.close()
 
-    def _supervise(self):
+    def _supervise(self) -> int:
         host, port = self.address
         for c in self._children:
             if not self._start(c):
@@ -359,7 +365,7 @@ class Supervisor:
             self._poll(max(0.0, min([0.5] + waits)))
 
 
-def _how(rc):
+def _how(rc: int) -> str:
     if rc < 0:
         try:
             return f"signal {signal.Signals(-rc).name}"
@@ -368,14 +374,14 @@ def _how(rc):
     return f"status {rc}"
 
 
-def _signal(proc, sig):
+def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
         proc.send_signal(sig)
     except ProcessLookupError:
         pass
 
 
-def _wait_readable(fd, timeout):
+def _wait_readable(fd: int, timeout: float) -> None:
     with selectors.DefaultSelector() as sel:
         sel.register(fd, selectors.EVENT_READ)
         sel.select(max(0.0, timeout))
