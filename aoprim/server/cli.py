@@ -18,6 +18,8 @@ one ``aoprim: ...`` line on stderr and no traceback; 1 when serving failed.
 
 ``--procs N`` runs N server processes on one port under a supervisor (see supervisor.py).
 """
+from __future__ import annotations
+
 import argparse
 import importlib
 import json
@@ -26,6 +28,8 @@ import os
 import signal
 import sys
 import traceback
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable
 
 import dataclasses
 
@@ -36,6 +40,9 @@ from .framing import FRAMINGS
 from .listener import check_port
 from .proxy import PROXY_MODES
 from .supervisor import Supervisor
+
+if TYPE_CHECKING:
+    import ssl
 
 __all__ = ["main", "build_parser", "load_handler", "split_spec", "UsageError"]
 
@@ -61,13 +68,13 @@ class _Stop(BaseException):
     --procs sibling stopped while starting served on until it was killed)."""
 
 
-def _raise_stop(signum, frame):
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop()
 
 
 # -- loading the user's handler -------------------------------------------------------------
 
-def _describe(exc):
+def _describe(exc: BaseException) -> str:
     """``Type: message (file:line)``, the line being where it was raised."""
     text = f"{type(exc).__name__}: {exc}"
     tb = traceback.extract_tb(exc.__traceback__)
@@ -78,7 +85,7 @@ def _describe(exc):
     return text
 
 
-def _put_on_path(app_dir):
+def _put_on_path(app_dir: str) -> None:
     """Make ``app_dir`` importable, first, as uvicorn does.  aoprim itself is imported by now,
     so a checkout's uncompiled aoprim/ in that folder cannot shadow the built package."""
     want = os.path.abspath(app_dir)
@@ -86,7 +93,7 @@ def _put_on_path(app_dir):
         sys.path.insert(0, want)
 
 
-def split_spec(spec):
+def split_spec(spec: str) -> tuple[str, str]:
     """``MODULE:ATTR`` -> (MODULE, ATTR); UsageError if it is not of that form."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
@@ -94,7 +101,7 @@ def split_spec(spec):
     return mod_name, attr
 
 
-def load_handler(spec):
+def load_handler(spec: str) -> Handler:
     """The handler that ``MODULE:ATTR`` names (see the module docstring).  Raises UsageError
     with a one-line reason."""
     mod_name, attr = split_spec(spec)
@@ -131,7 +138,7 @@ def load_handler(spec):
 
 # -- the parser -----------------------------------------------------------------------------
 
-def _seconds_or_none(v):
+def _seconds_or_none(v: str) -> float | None:
     if v.lower() in ("none", "0", "off"):
         return None
     try:
@@ -143,7 +150,7 @@ def _seconds_or_none(v):
     return x
 
 
-def _port(v):
+def _port(v: str) -> int:
     try:
         return check_port(int(v))
     except ValueError as e:
@@ -151,7 +158,7 @@ def _port(v):
                                          else f"not a port number: {v!r}") from None
 
 
-def _seconds_text(v):
+def _seconds_text(v: float | None) -> str:
     return "none" if v is None else repr(v)
 
 
@@ -159,16 +166,17 @@ class _ServeOptions:
     """The ``serve`` options, recorded as they are added, so that a supervisor can hand its
     children the same settings (``argv``) without parsing its own command line again."""
 
-    def __init__(self, parser):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
         self.parser = parser
-        self.flags = []               # (dest, flag, to_text or None for a store_true flag)
+        # (dest, flag, to_text or None for a store_true flag)
+        self.flags: list[tuple[str, str, Callable[[Any], str] | None]] = []
 
-    def add(self, flag, *, text=str, **kw):
+    def add(self, flag: str, *, text: Callable[[Any], str] = str, **kw: Any) -> None:
         act = self.parser.add_argument(flag, **kw)
         self.flags.append((act.dest, flag, None if kw.get("action") == "store_true" else text))
 
-    def argv(self, ns, **override):
-        out = []
+    def argv(self, ns: argparse.Namespace, **override: Any) -> list[str]:
+        out: list[str] = []
         for dest, flag, text in self.flags:
             v = override.get(dest, getattr(ns, dest))
             if text is None:
@@ -182,7 +190,7 @@ class _ServeOptions:
         return out
 
 
-def build_parser(only=None):
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command line's parser; ``only``: the command about to run (the others' options
     are then not loaded -- their modules are not imported)."""
     p = argparse.ArgumentParser(prog="python -m aoprim",
@@ -275,14 +283,14 @@ def build_parser(only=None):
 
 # -- serving --------------------------------------------------------------------------------
 
-def _check_choice(a):
+def _check_choice(a: argparse.Namespace) -> None:
     if a.handler is not None and a.app is not None:
         raise UsageError(f"give MODULE:HANDLER ({a.handler}) or --app {a.app}, not both")
     if a.procs < 1:
         raise UsageError("--procs must be >= 1")
 
 
-def _settings(a):
+def _settings(a: argparse.Namespace) -> dict[str, Any]:
     """The Server keyword arguments the options give (host and port aside)."""
     return dict(framing=a.framing, max_frame=a.max_frame, max_connections=a.max_connections,
                 max_pending=a.max_pending, idle_timeout=a.idle_timeout,
@@ -295,7 +303,7 @@ def _settings(a):
                 ssl=_ssl_context(a), handshake_timeout=a.handshake_timeout)
 
 
-def _ssl_context(a):
+def _ssl_context(a: argparse.Namespace) -> ssl.SSLContext | None:
     """The TLS options as a server ``ssl.SSLContext`` (None without --certfile); a usage
     error for options that do not go together or files that do not load."""
     if a.certfile is None:
@@ -312,7 +320,7 @@ def _ssl_context(a):
         raise UsageError(f"TLS: {e}") from None
 
 
-def _check_settings(a):
+def _check_settings(a: argparse.Namespace) -> None:
     """Validate the settings as the server will (UsageError): once, in the supervisor,
     before any child starts -- not once per child."""
     kw = _settings(a)
@@ -323,7 +331,7 @@ def _check_settings(a):
         raise UsageError(str(e)) from None
 
 
-def _print_stats(srv):
+def _print_stats(srv: Server) -> None:
     """The final ``stats {...}`` line.  A reader that went away (a killed --procs supervisor)
     costs the line, not a traceback: stdout is pointed at /dev/null, so the interpreter's
     own flush at exit does not fail either."""
@@ -337,7 +345,7 @@ def _print_stats(srv):
             os.close(devnull)
 
 
-def _serve_one(a):
+def _serve_one(a: argparse.Namespace) -> int:
     if a.handler is not None:
         _put_on_path(a.app_dir)
         handler = load_handler(a.handler)
@@ -350,7 +358,7 @@ def _serve_one(a):
     host, port = srv.address[:2]
     failed = []
 
-    def announce():
+    def announce() -> None:
         # printed from the loop's first iteration: once the line is out, the loop runs
         # (its signal wake-up pipe exists: the process's fds are those it serves with)
         try:
@@ -365,13 +373,13 @@ def _serve_one(a):
     return 1 if failed else 0
 
 
-def _serve_procs(a):
+def _serve_procs(a: argparse.Namespace) -> int:
     if a.handler is not None:
         split_spec(a.handler)          # a malformed name fails once, before any child starts
     _check_settings(a)
     tail = [a.handler] if a.handler is not None else []
 
-    def child_argv(port):
+    def child_argv(port: int) -> list[str]:
         return [sys.executable, "-m", "aoprim", "serve",
                 *a.child_argv(a, port=port, procs=1, reuse_port=True), *tail]
 
@@ -382,11 +390,11 @@ def _serve_procs(a):
         raise UsageError(f"cannot reserve {a.host}:{a.port}: {e.strerror or e}") from None
 
 
-def _ignore(signum, frame):
+def _ignore(signum: int, frame: FrameType | None) -> None:
     pass
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     # until the server installs its own handlers, SIGINT/SIGTERM end the process quietly
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
