@@ -224,6 +224,13 @@ def raises():
 class NeedsArgs(Handler):
     def __init__(self, required):
         pass
+
+class Misspelt(Handler):
+    def on_reed(self, session, data):
+        session.send(data)
+
+def make_misspelt():
+    return Misspelt()
 """
 
 
@@ -307,7 +314,13 @@ def test_serve_the_users_handler_with_procs(app_dir):
     (["usermod:NUMBER"], "usermod:NUMBER is of type int, not a Handler subclass"),
     (["usermod:returns_number"], "usermod:returns_number() returned an object of type int"),
     (["usermod:raises"], "usermod:raises() raised RuntimeError: no config file"),
-    (["usermod:NeedsArgs"], "usermod:NeedsArgs() raised TypeError"),
+    (["usermod:NeedsArgs"], "usermod:NeedsArgs: handler class NeedsArgs is instantiated with "
+                            "no arguments, and NeedsArgs() cannot be (missing a required "
+                            "argument: 'required')"),
+    (["usermod:Misspelt"], "usermod:Misspelt: Misspelt does not define on_read(self, session, "
+                           "data) (on_reed looks like a misspelt on_read)"),
+    (["usermod:make_misspelt"], "usermod:make_misspelt() raised TypeError: Misspelt does not "
+                                "define on_read"),
     (["brokenmod:H"], "importing 'brokenmod' failed: ZeroDivisionError"),
     (["depmod:H"], "No module named 'no_such_dependency_xyz'"),
     (["usermod:Shout", "--app", "echo"], "not both"),

@@ -3,10 +3,11 @@
 
 ``serve [MODULE:HANDLER]`` serves the user's own handler, named as uvicorn and gunicorn name
 an app: ``MODULE:ATTR`` where ATTR (dotted for a nested attribute) is a ``Handler`` subclass
-(instantiated with no arguments), a ``Handler`` instance (used as is), or a factory called
-with no arguments that returns an object with callable ``on_connect``, ``on_read`` and
-``on_close``.  The module is imported with ``--app-dir`` (default: the current directory)
-first on ``sys.path``.  Without it, ``--app echo|chat`` picks a built-in app (default echo).
+(instantiated with no arguments, by ``Server``'s own rule: ``server.as_handler``), a
+``Handler`` instance (used as is), or a factory called with no arguments that returns an
+object with callable ``on_connect``, ``on_read`` and ``on_close``.  The module is imported
+with ``--app-dir`` (default: the current directory) first on ``sys.path``.  Without it,
+``--app echo|chat`` picks a built-in app (default echo).
 
 ``serve`` prints ``listening on HOST:PORT`` (one line, flushed) once it accepts connections,
 logs lifecycle and close reasons to stderr, and on SIGINT/SIGTERM shuts down cleanly (flushes
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import traceback
 from types import FrameType
@@ -37,8 +39,9 @@ from aoprim.server import BACKENDS, BackendUnavailable, Handler, Server
 
 from .config import Settings
 from .framing import FRAMINGS
-from .listener import check_port
+from .listener import check_port, listen_error
 from .proxy import PROXY_MODES
+from .server import as_handler
 from .supervisor import Supervisor
 
 if TYPE_CHECKING:
@@ -48,6 +51,8 @@ __all__ = ["main", "build_parser", "load_handler", "split_spec", "UsageError"]
 
 log = logging.getLogger("aoprim.server")
 
+# aoprim's own source files: an error raised there names its cause itself
+_AOPRIM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # the built-in apps, loaded the way a user's handler is
 BUILTIN_APPS = {"echo": "aoprim.server.apps:Echo", "chat": "aoprim.server.apps:Chat"}
 # the flags' defaults are the settings' own (one place: config.Settings)
@@ -74,15 +79,31 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 # -- loading the user's handler -------------------------------------------------------------
 
+def _raised_by_aoprim(exc: BaseException) -> bool:
+    """``exc`` was raised in aoprim's own code (a call with the wrong arguments, a handler
+    aoprim refuses): its message says what is wrong, where is of no use."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    return not tb or os.path.abspath(tb[-1].filename).startswith(_AOPRIM_DIR)
+
+
 def _describe(exc: BaseException) -> str:
     """``Type: message (file:line)``, the line being where it was raised."""
     text = f"{type(exc).__name__}: {exc}"
     tb = traceback.extract_tb(exc.__traceback__)
-    # where it was raised, unless that is here (a call with the wrong arguments) or a
-    # SyntaxError (which names its own line)
-    if tb and tb[-1].filename != __file__ and not isinstance(exc, SyntaxError):
+    # where it was raised, unless that is aoprim's own code or a SyntaxError (which names
+    # its own line)
+    if not _raised_by_aoprim(exc) and not isinstance(exc, SyntaxError):
         text += f" ({tb[-1].filename}:{tb[-1].lineno})"
     return text
+
+
+def _reason(exc: BaseException) -> str:
+    """The one-line text of a configuration error: an ``OSError``'s own message without its
+    ``[Errno N]`` prefix (the messages of listener.py and tls.py name the address or file
+    themselves)."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is None:
+        return exc.strerror
+    return str(exc)
 
 
 def _put_on_path(app_dir: str) -> None:
@@ -125,6 +146,16 @@ def load_handler(spec: str) -> Handler:
     if not callable(obj):
         raise UsageError(f"{spec} is of type {type(obj).__name__}, not a Handler subclass, a "
                          "Handler instance or a factory returning a handler")
+    if isinstance(obj, type):
+        # a class: the Server's own rule (as_handler), instantiated with no arguments
+        try:
+            return as_handler(obj)
+        except TypeError as e:
+            if _raised_by_aoprim(e):        # refused: the message says why
+                raise UsageError(f"{spec}: {e}") from None
+            raise UsageError(f"{spec}() raised {_describe(e)}") from None
+        except Exception as e:
+            raise UsageError(f"{spec}() raised {_describe(e)}") from None
     try:
         handler = obj()
     except Exception as e:
@@ -317,7 +348,7 @@ def _ssl_context(a: argparse.Namespace) -> ssl.SSLContext | None:
     try:
         return server_context(a.certfile, a.keyfile, a.ca_certs, a.client_cert)
     except (OSError, ValueError) as e:      # (ssl.SSLError is an OSError)
-        raise UsageError(f"TLS: {e}") from None
+        raise UsageError(f"TLS: {_reason(e)}") from None
 
 
 def _check_settings(a: argparse.Namespace) -> None:
@@ -354,7 +385,7 @@ def _serve_one(a: argparse.Namespace) -> int:
     try:
         srv = Server(handler, a.host, a.port, **_settings(a))
     except (ValueError, TypeError, OSError, BackendUnavailable) as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(_reason(e)) from None
     host, port = srv.address[:2]
     failed = []
 
@@ -373,10 +404,28 @@ def _serve_one(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _check_port_free(host: str | None, port: int) -> None:
+    """UsageError if something is bound to (host, port): the supervisor's reservation and
+    its children use ``SO_REUSEPORT``, which lets them bind beside another ``--procs``
+    aoprim of the same user -- the two would share the port without a word.  This probe has
+    ``SO_REUSEADDR`` only (a closed connection's TIME_WAIT does not stop it), so it fails
+    where anything holds the port."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(addr)
+    except OSError as e:
+        raise UsageError(_reason(listen_error(host, port, e))) from None
+
+
 def _serve_procs(a: argparse.Namespace) -> int:
     if a.handler is not None:
         split_spec(a.handler)          # a malformed name fails once, before any child starts
     _check_settings(a)
+    if a.port:
+        _check_port_free(a.host, a.port)
     tail = [a.handler] if a.handler is not None else []
 
     def child_argv(port: int) -> list[str]:
@@ -387,7 +436,7 @@ def _serve_procs(a: argparse.Namespace) -> int:
     try:
         return sup.run()
     except OSError as e:               # the port cannot be reserved
-        raise UsageError(f"cannot reserve {a.host}:{a.port}: {e.strerror or e}") from None
+        raise UsageError(_reason(listen_error(a.host, a.port, e))) from None
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:

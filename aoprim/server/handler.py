@@ -26,16 +26,35 @@ Rules for handlers:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import difflib
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from typing import Self
+
     from .session import Session
 
 __all__ = ["Handler"]
 
 
 class Handler:
-    """Base class of the Layer 3 code.  All hooks default to doing nothing."""
+    """Base class of the Layer 3 code.  All hooks default to doing nothing.
+
+    A subclass defines ``on_read``: one whose ``on_read`` is still this default would drop
+    every byte its sessions receive, so instantiating it raises ``TypeError`` naming the
+    class and, where it defines a method of a close name (``on_reed``), that one.  (A handler
+    that ignores its input on purpose says so: ``def on_read(self, session, data): pass``.)
+    ``Handler()`` itself, which reads and ignores everything, may be instantiated.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        if cls.on_read is Handler.on_read and cls is not Handler:
+            raise TypeError(_no_on_read(cls))
+        if (args or kwargs) and cls.__init__ is object.__init__:
+            # (object.__new__ says this for a class without __init__ unless __new__ is
+            # overridden, as it is here)
+            raise TypeError(f"{cls.__qualname__}() takes no arguments")
+        return super().__new__(cls)
 
     def on_connect(self, session: Session) -> None:
         """A session was accepted (before any of its frames is read)."""
@@ -45,3 +64,14 @@ class Handler:
 
     def on_close(self, session: Session, exc: BaseException | None) -> None:
         """The session is closed; ``exc`` is the exception that closed it, or None."""
+
+
+def _no_on_read(cls: type) -> str:
+    """Why ``cls``, a Handler subclass that does not define ``on_read``, is refused."""
+    names = {name for k in cls.__mro__ if k is not Handler and k is not object
+             for name in vars(k) if not name.startswith("__")}
+    close = difflib.get_close_matches("on_read", sorted(names), n=1)
+    typo = f" ({close[0]} looks like a misspelt on_read)" if close else ""
+    return (f"{cls.__qualname__} does not define on_read(self, session, data){typo}: every "
+            f"byte its sessions receive would be dropped; define on_read (to ignore input "
+            f"on purpose: def on_read(self, session, data): pass)")

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .loop import EventLoop, Timer
 
 __all__ = ["Listener", "make_listening_socket", "check_port", "sock_address",
-           "describe_address"]
+           "describe_address", "listen_error"]
 
 log = logging.getLogger("aoprim.server")
 
@@ -55,12 +55,48 @@ def describe_address(addr: Any) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def listen_error(host: str | None, port: int, exc: OSError) -> OSError:
+    """The error to raise for ``exc``, an ``OSError`` from resolving, binding or listening on
+    ``(host, port)``: same type and ``errno``, and a message that names the address and says
+    what to do -- ``cannot listen on HOST:PORT: address already in use (...)``."""
+    where = describe_address((host, port)) if isinstance(host, str) else f"{host!r}:{port}"
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, socket.gaierror):
+        return socket.gaierror(exc.errno, (
+            f"cannot listen on {where}: cannot resolve {host!r} ({reason}): give an IP "
+            f"address of this machine (127.0.0.1, or 0.0.0.0 for every interface) or a "
+            f"host name that resolves to one"))
+    if exc.errno == errno.EADDRINUSE:
+        hint = ("address already in use: another server -- perhaps another aoprim -- is "
+                "listening there; stop it or choose another port")
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        hint = (f"address not available: {host} is not an address of this machine; give "
+                f"one of its addresses (127.0.0.1, or 0.0.0.0 for every interface)")
+    elif exc.errno == errno.EACCES and 0 < port < 1024:
+        hint = ("permission denied: ports below 1024 need root or CAP_NET_BIND_SERVICE; "
+                "choose a port of 1024 or above")
+    else:
+        hint = reason[:1].lower() + reason[1:]
+    # OSError(errno, text) is the errno's own subclass (PermissionError for EACCES)
+    return OSError(exc.errno, f"cannot listen on {where}: {hint}")
+
+
 def make_listening_socket(host: str | None, port: int, backlog: int,
                           reuse_port: bool) -> socket.socket:
+    """A non-blocking socket listening on ``(host, port)``.  ``OSError`` (``socket.gaierror``
+    for a host that does not resolve) with a message naming the address, see
+    :func:`listen_error`; ``TypeError`` for a host that is not a str or None."""
     check_port(port)
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, stype, proto, _, addr = infos[0]
-    s = socket.socket(family, stype, proto)
+    if host is not None and not isinstance(host, str):
+        raise TypeError(f"host must be a str (an IP address or a host name), not "
+                        f"{type(host).__name__} {host!r}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        family, stype, proto, _, addr = infos[0]
+        s = socket.socket(family, stype, proto)
+    except OSError as e:
+        raise listen_error(host, port, e) from None
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
@@ -68,6 +104,9 @@ def make_listening_socket(host: str | None, port: int, backlog: int,
         s.bind(addr)
         s.listen(backlog)
         s.setblocking(False)
+    except OSError as e:
+        s.close()
+        raise listen_error(host, port, e) from None
     except BaseException:
         s.close()
         raise

@@ -15,10 +15,12 @@ logged and its session's buffers go back when the handler returns.
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import socket
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from aoprim import SlabPool, Slot, RxArena
 
@@ -28,7 +30,7 @@ from .listener import Listener, describe_address, make_listening_socket, sock_ad
 from .loop import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
 from .session import RawSession, Session, SessionContext
-from .stats import Stats
+from .stats import Stats, summary
 from .tx import Flusher, check_payload
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
     from .handler import Handler
     from .loop import EventLoop
 
-__all__ = ["Server"]
+__all__ = ["Server", "as_handler"]
 
 log = logging.getLogger("aoprim.server")
 
@@ -56,6 +58,57 @@ _COPY_MAX = 2048
 
 def _nothing() -> None:
     pass
+
+
+_HOOKS = ("on_connect", "on_read", "on_close")
+
+
+def _lacks(obj: object) -> list[str]:
+    """The handler hooks ``obj`` has no callable of."""
+    return [h for h in _HOOKS if not callable(getattr(obj, h, None))]
+
+
+def _refuse(what: str, obj: object, missing: list[str]) -> TypeError:
+    # a method of a close name is the likely typo (on_reed for on_read)
+    names = [n for n in dir(obj) if not n.startswith("__") and n not in _HOOKS]
+    typos = [f"{close[0]} looks like a misspelt {h}" for h in missing
+             for close in [difflib.get_close_matches(h, names, n=1)] if close]
+    return TypeError(f"handler {what} has no callable {', '.join(missing)}"
+                     + (f" ({'; '.join(typos)})" if typos else "")
+                     + ": pass an instance of a subclass of aoprim.server.Handler that "
+                       "defines on_read, or the subclass itself")
+
+
+def as_handler(handler: object) -> Handler:
+    """The handler ``Server(handler)`` serves with (the command line's rule too): an object
+    with callable ``on_connect``, ``on_read`` and ``on_close`` (a ``Handler`` instance) as it
+    is; a class with them (a ``Handler`` subclass) instantiated with no arguments.  Anything
+    else -- an object or class without the hooks, a class whose constructor needs arguments,
+    a function -- is refused with a ``TypeError`` naming it, the hooks it lacks and the
+    likely typo."""
+    if isinstance(handler, type):
+        name = handler.__qualname__
+        missing = _lacks(handler)
+        if missing:
+            raise _refuse(f"class {name}", handler, missing)
+        try:
+            inspect.signature(handler).bind()
+        except TypeError as e:
+            raise TypeError(f"handler class {name} is instantiated with no arguments, and "
+                            f"{name}() cannot be ({e}): pass an instance instead, "
+                            f"{name}(...)") from None
+        except ValueError:
+            pass                    # (no signature to check: the call itself will say)
+        handler = handler()         # (Handler refuses a subclass without on_read)
+    missing = _lacks(handler)
+    if missing and inspect.isroutine(handler):
+        name = handler.__qualname__
+        raise TypeError(f"handler {name} is a function, not a handler (it has no "
+                        f"{', '.join(missing)}): if it returns one, call it: "
+                        f"Server({name}(), ...)")
+    if missing:
+        raise _refuse(f"object of type {type(handler).__qualname__}", handler, missing)
+    return cast("Handler", handler)
 
 
 def _prefault(pool: SlabPool) -> None:
@@ -76,7 +129,9 @@ class Server:
     """A three-layer server: ``Server(handler, host, port, framing, **settings)``.
 
     ``handler`` has ``on_connect``, ``on_read``, ``on_close`` (subclass
-    :class:`~aoprim.server.Handler`).  ``framing`` is ``"raw"``, ``"u16"`` or ``"u32"``.
+    :class:`~aoprim.server.Handler`); a ``Handler`` subclass given instead of an instance is
+    instantiated with no arguments, and anything without the three hooks is refused with a
+    ``TypeError`` (see :func:`as_handler`).  ``framing`` is ``"raw"``, ``"u16"`` or ``"u32"``.
     Keyword settings (see :class:`~aoprim.server.config.Settings` for all and their
     defaults): ``max_frame``, ``max_connections``, ``max_pending``, ``idle_timeout``,
     ``frame_timeout``, ``workers``, ``backend``, ``high_water``, ``low_water``,
@@ -89,13 +144,12 @@ class Server:
     instead of ``host``/``port``.
     """
 
-    def __init__(self, handler: Handler, host: str | None = "127.0.0.1", port: int = 0,
+    def __init__(self, handler: Handler | type[Handler],
+                 host: str | None = "127.0.0.1", port: int = 0,
                  framing: str = "raw", *, sock: socket.socket | None = None,
                  ssl: _ssl.SSLContext | None = None, handshake_timeout: float = 10.0,
                  **settings: Unpack[SettingsArgs]) -> None:
-        for hook in ("on_connect", "on_read", "on_close"):
-            if not callable(getattr(handler, hook, None)):
-                raise TypeError(f"handler must have a callable {hook}() (subclass Handler)")
+        handler = as_handler(handler)
         st = Settings(framing=framing, ssl=ssl, handshake_timeout=handshake_timeout,
                       **settings)
         if st.ssl is not None:
@@ -422,7 +476,7 @@ class Server:
         if self._arena is not None:
             self._arena.close()
         self._loop.close()
-        log.info("aoprim server stopped: %s", self.stats())
+        log.info("aoprim server stopped: %s", summary(self.stats()))
 
     # -- public ----------------------------------------------------------------------------
     def broadcast(self, data: Buffer | Slot, sessions: Iterable[Session] | None = None,

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from .session import Session
 
-__all__ = ["Stats"]
+__all__ = ["Stats", "summary"]
 
 
 class Stats:
@@ -89,3 +89,36 @@ class Stats:
         }
         d.update(extra)
         return d
+
+
+def _size(n: int) -> str:
+    """``n`` bytes for a reader: ``512 B``, ``1.5 KiB``, ``12.0 MiB``."""
+    if n < 1024:
+        return f"{n} B"
+    x = n / 1024
+    for unit in ("KiB", "MiB"):
+        if x < 1024:
+            return f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} GiB"
+
+
+def summary(st: dict[str, Any]) -> str:
+    """One short line for a reader from a ``stats()`` dict: connections served, frames and
+    bytes each way, handler errors and close causes (most frequent first), and any pool slot
+    or session still held (a leak once the server has stopped).  ``stats()`` itself (JSON)
+    is the record for programs."""
+    n = st["connections_total"]
+    parts = [f"{n} connection{'' if n == 1 else 's'}",
+             f"{st['frames_in']} frames in, {st['frames_out']} out",
+             f"{_size(st['bytes_in'])} in, {_size(st['bytes_out'])} out"]
+    if st["handler_errors"]:
+        parts.append(f"{st['handler_errors']} handler errors")
+    closes = sorted(st["closes"].items(), key=lambda kv: (-kv[1], kv[0]))
+    if closes:
+        parts.append("closed: " + ", ".join(f"{k} {v}" for k, v in closes))
+    held = [f"{k} {st[k]}" for k in ("live_sessions", "rx_slots_in_use", "tx_slots_in_use")
+            if st.get(k)]
+    if held:
+        parts.append("still held: " + ", ".join(held))
+    return "; ".join(parts)

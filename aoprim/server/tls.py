@@ -47,6 +47,7 @@ Per connection, on the loop thread:
 """
 from __future__ import annotations
 
+import errno
 import logging
 import ssl
 import threading
@@ -84,15 +85,80 @@ def check_context(ctx: object) -> ssl.SSLContext:
     return ctx
 
 
+_CERT_PEM = b"-----BEGIN CERTIFICATE-----"
+_KEY_PEM = b"PRIVATE KEY-----"          # PRIVATE / RSA PRIVATE / EC PRIVATE / ENCRYPTED PRIVATE
+
+
+def _read_pem(flag: str, path: str) -> bytes:
+    """The bytes of the file that option ``flag`` names; an ``OSError`` of the same type
+    (``FileNotFoundError``, ``PermissionError``, ...) naming the option and the file."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        what = {errno.ENOENT: "no such file", errno.EACCES: "permission denied (this user "
+                "cannot read it)", errno.EISDIR: "is a directory, not a PEM file"}
+        reason = what.get(e.errno) or (e.strerror or str(e)).lower()
+        raise OSError(e.errno, f"{flag} {path!r}: {reason}") from None
+
+
 def server_context(certfile: str, keyfile: str | None = None, ca_certs: str | None = None,
                    client_cert: str = "none") -> ssl.SSLContext:
     """The CLI's context: ``ssl.create_default_context(Purpose.CLIENT_AUTH)`` (TLS 1.2+,
     OpenSSL's default ciphers) with the certificate chain; ``client_cert`` "optional" or
-    "required" verifies client certificates against ``ca_certs``."""
+    "required" verifies client certificates against ``ca_certs``.
+
+    Every failure names the option (``--certfile``, ``--keyfile``, ``--ca-certs``), the file
+    and what is wrong with it: ``OSError`` (``FileNotFoundError``, ``PermissionError``) for a
+    file that cannot be read, ``ValueError`` for one whose content is not what the option
+    needs -- no PEM certificate, no private key (and no ``--keyfile``), an encrypted key (the
+    server cannot ask for a passphrase), a key that does not match the certificate, CA
+    certificates that do not load."""
+    cert_pem = _read_pem("--certfile", certfile)
+    key_pem = _read_pem("--keyfile", keyfile) if keyfile else cert_pem
+    key_flag = f"--keyfile {keyfile!r}" if keyfile else f"--certfile {certfile!r}"
+    if _CERT_PEM not in cert_pem:
+        raise ValueError(
+            f"--certfile {certfile!r} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"
+            + (": it holds a private key -- give that file with --keyfile and the "
+               "certificate with --certfile" if _KEY_PEM in cert_pem else ""))
+    if _KEY_PEM not in key_pem:
+        if not keyfile:
+            raise ValueError(f"--certfile {certfile!r} holds a certificate but no private "
+                             f"key: give the key's file with --keyfile")
+        raise ValueError(
+            f"--keyfile {keyfile!r} holds no PEM private key (-----BEGIN ... PRIVATE "
+            f"KEY-----)" + (": it holds a certificate -- is it the certificate file?"
+                            if _CERT_PEM in key_pem else ""))
+
+    def no_passphrase() -> str:
+        # OpenSSL asks for one only for an encrypted key: refuse, instead of a prompt on
+        # the terminal (or a hang without one)
+        raise ValueError(f"{key_flag} is an encrypted private key: the server cannot ask "
+                         f"for its passphrase; give an unencrypted copy (openssl pkey -in "
+                         f"KEY -out PLAIN_KEY)")
+
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(certfile, keyfile)
+    try:
+        ctx.load_cert_chain(certfile, keyfile, password=no_passphrase)
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(f"the private key in {key_flag} does not match the certificate "
+                             f"in --certfile {certfile!r}: give the key the certificate was "
+                             f"issued for") from None
+        raise ValueError(f"cannot load the certificate in --certfile {certfile!r} with the "
+                         f"private key in {key_flag}: {e.reason or e} (are they PEM files "
+                         f"of one certificate chain and its key?)") from None
     if ca_certs:
-        ctx.load_verify_locations(ca_certs)
+        if _CERT_PEM not in _read_pem("--ca-certs", ca_certs):
+            raise ValueError(f"--ca-certs {ca_certs!r} holds no PEM certificate "
+                             f"(-----BEGIN CERTIFICATE-----): give the PEM file of the CAs "
+                             f"that issue the client certificates")
+        try:
+            ctx.load_verify_locations(ca_certs)
+        except ssl.SSLError as e:
+            raise ValueError(f"--ca-certs {ca_certs!r}: cannot load its CA certificates: "
+                             f"{e.reason or e}") from None
     ctx.verify_mode = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL,
                        "required": ssl.CERT_REQUIRED}[client_cert]
     return check_context(ctx)

@@ -1,0 +1,173 @@
+"""What ``Server(handler)`` accepts, and what it refuses at construction.
+
+One rule, shared with the command line (``server.as_handler``): an object with callable
+``on_connect``/``on_read``/``on_close`` is used as it is; a class with them (a ``Handler``
+subclass) is instantiated with no arguments; anything else is a ``TypeError`` naming it.
+A ``Handler`` subclass that does not define ``on_read`` (a typo: ``on_reed``) would drop
+every byte, so instantiating it is a ``TypeError`` naming the class and the likely typo.
+"""
+import socket
+
+import pytest
+
+from aoprim.server import Handler, Server
+from aoprim.server.loop import BACKENDS
+
+from test_server_support import HOST, make_server, recv_exact  # noqa: F401
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """The serving tests run on every Layer 1 backend (make_server uses this fixture)."""
+    return request.param
+
+
+class Upper(Handler):
+    def on_read(self, session, data):
+        session.send(bytes(data).upper())
+
+
+class Misspelt(Handler):
+    def on_reed(self, session, data):         # the typo: on_read is Handler's do-nothing
+        session.send(data)
+
+
+class OnlyConnects(Handler):
+    def on_connect(self, session):
+        session.send(b"hello")
+
+
+class NeedsArgs(Handler):
+    def __init__(self, prefix):
+        self.prefix = prefix
+
+    def on_read(self, session, data):
+        session.send(self.prefix + bytes(data))
+
+
+class Duck:                  # not a Handler subclass, but it has the three hooks
+    def on_connect(self, session):
+        pass
+
+    def on_read(self, session, data):
+        session.send(b"quack:" + bytes(data))
+
+    def on_close(self, session, exc):
+        pass
+
+
+class DuckTypo:
+    def on_connect(self, session):
+        pass
+
+    def onread(self, session, data):
+        pass
+
+    def on_close(self, session, exc):
+        pass
+
+
+def make_upper():
+    return Upper()
+
+
+def _echo_once(srv, payload):
+    with socket.create_connection(srv.address, timeout=10) as s:
+        s.sendall(payload)
+        return recv_exact(s, len(payload) + (6 if isinstance(srv.handler, Duck) else 0))
+
+
+@pytest.mark.parametrize("given", [Upper, Upper()], ids=["class", "instance"])
+def test_a_handler_class_is_instantiated_and_serves(make_server, given):
+    srv = make_server(given)
+    assert isinstance(srv.handler, Upper)
+    assert given is Upper or srv.handler is given       # an instance is used as it is
+    assert _echo_once(srv, b"shout") == b"SHOUT"
+
+
+def test_a_class_with_the_hooks_is_instantiated_too(make_server):
+    srv = make_server(Duck)
+    assert type(srv.handler) is Duck
+    assert _echo_once(srv, b"hi") == b"quack:hi"
+
+
+def test_each_class_given_gets_its_own_instance():
+    a, b = Server(Upper, HOST, 0), Server(Upper, HOST, 0)
+    try:
+        assert a.handler is not b.handler
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+@pytest.mark.parametrize("given", [Misspelt, "instance"], ids=["class", "instance"])
+def test_a_subclass_without_on_read_is_refused_naming_the_typo(given):
+    with pytest.raises(TypeError) as info:
+        Server(Misspelt if given is Misspelt else Misspelt(), HOST, 0)
+    msg = str(info.value)
+    assert "Misspelt does not define on_read" in msg
+    assert "on_reed looks like a misspelt on_read" in msg
+    assert "every byte" in msg
+
+
+def test_the_refusal_is_at_construction_of_the_handler():
+    with pytest.raises(TypeError, match="OnlyConnects does not define on_read"):
+        OnlyConnects()
+    with pytest.raises(TypeError) as info:
+        OnlyConnects()
+    assert "looks like" not in str(info.value)      # no close name: no guess
+
+
+def test_a_subclass_of_a_subclass_inherits_on_read():
+    class Louder(Upper):
+        def on_connect(self, session):
+            pass
+
+    assert isinstance(Louder(), Upper)
+
+
+def test_the_base_handler_itself_is_a_deliberate_sink():
+    h = Handler()
+    assert h.on_read(None, b"x") is None
+    srv = Server(Handler, HOST, 0)
+    try:
+        assert type(srv.handler) is Handler
+    finally:
+        srv.shutdown()
+
+
+def test_arguments_to_a_class_without_init_are_still_refused():
+    with pytest.raises(TypeError, match=r"Upper\(\) takes no arguments"):
+        Upper(1)
+    assert NeedsArgs(b">").prefix == b">"
+
+
+def test_a_class_that_needs_arguments_is_refused_by_name():
+    with pytest.raises(TypeError) as info:
+        Server(NeedsArgs, HOST, 0)
+    msg = str(info.value)
+    assert "NeedsArgs is instantiated with no arguments" in msg
+    assert "'prefix'" in msg and "pass an instance" in msg
+
+
+@pytest.mark.parametrize("given, words", [
+    (DuckTypo, ["class DuckTypo has no callable on_read", "onread looks like a misspelt"]),
+    (DuckTypo(), ["object of type DuckTypo has no callable on_read", "onread looks like"]),
+    (make_upper, ["make_upper is a function, not a handler", "Server(make_upper(), ...)"]),
+    (object(), ["object of type object has no callable on_connect, on_read, on_close"]),
+    (42, ["object of type int has no callable"]),
+])
+def test_anything_without_the_hooks_is_refused_naming_it(given, words):
+    with pytest.raises(TypeError) as info:
+        Server(given, HOST, 0)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_a_refused_handler_takes_no_resources():
+    import os
+    before = sorted(os.listdir("/proc/self/fd"))
+    for given in (Misspelt, NeedsArgs, DuckTypo, make_upper):
+        with pytest.raises(TypeError):
+            Server(given, HOST, 0)
+    assert sorted(os.listdir("/proc/self/fd")) == before
