@@ -1,6 +1,6 @@
 import socket
 from typing import Callable, Any, Iterable, Optional, Protocol, Union
-from typing_extensions import disjoint_base
+from typing_extensions import Buffer, disjoint_base
 
 from aoprim._flushgroup import FlushGroup
 
@@ -14,6 +14,9 @@ class _SlotLike(Protocol):
     # and the buffer protocol (memoryview(slot) gives its bytes)
 
 _Data = Union[bytes, bytearray, memoryview, _SlotLike]
+# add_copy / add_frame copy from any buffer (array.array, mmap, ...); add / add_many keep a
+# reference and take the types above only
+_AnyData = Union[Buffer, _SlotLike]
 
 @disjoint_base
 class SendBatch:
@@ -25,8 +28,8 @@ class SendBatch:
                  max_bytes: int = 65536, auto_flush: bool = True, *,
                  copy_max: Optional[int] = None) -> None: ...
     def add(self, data: _Data) -> None: ...
-    def add_copy(self, data: _Data) -> int: ...
-    def add_frame(self, data: _Data, header_size: int) -> int: ...
+    def add_copy(self, data: _AnyData) -> int: ...
+    def add_frame(self, data: _AnyData, header_size: int) -> int: ...
     @staticmethod
     def frame_header(n: int, header_size: int) -> bytes: ...
     def add_many(self, iterable: Iterable[_Data]) -> int: ...

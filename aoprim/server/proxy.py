@@ -44,7 +44,7 @@ log = logging.getLogger("aoprim.server")
 # proxy_protocol -> Receiver(proxy=...): which versions the parser accepts
 PROXY_MODES: dict[str | None, int] = {None: 0, "v1": 1, "v2": 2, "any": 3}
 DEFAULT_TRUSTED = ("127.0.0.0/8", "::1/128")
-_MAPPED = ipaddress.ip_network("::ffff:0:0/96")    # IPv4-mapped IPv6 addresses
+_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")    # IPv4-mapped IPv6 addresses
 # The longest header accepted (16-byte v2 fixed part + addresses + TLVs).  The format allows
 # 16 + 65535; balancers send far less (HAProxy's TLVs, AWS's VPC endpoint id: tens of
 # bytes), and nothing above 232 bytes is ever stored -- the limit bounds the bytes read
