@@ -84,15 +84,13 @@ def _queue_case(make_q, threads, put="put", get="get"):
 # groups (lock-acquire-release, queue-1thread, queue-2p2c) the README's headline figures come
 # from, and their ratios are smaller and noisier; the note says why, beside the rows.
 LOCK_NOTE = (
-    "{t} thread(s) sharing `with lock: n += 1` under the GIL: the lock's cost as threads take "
-    "turns, the `with` and the increment included; the headline's SpinLock figure is "
-    "lock-acquire-release (one thread, no contention).  One threaded run per sample: a busy "
-    "machine moves these rows most.")
+    "{t} thread(s) taking turns (the GIL) at `with lock: n += 1`: the `with` and the += cost "
+    "every lock alike, so the ratios are smaller than lock-acquire-release's (the headline's: "
+    "one thread, acquire + release alone).  One threaded run per sample: the noisiest rows.")
 QUEUE_NOTE = (
-    "{t} thread(s), each putting then getting on one shared queue (no get waits); the "
-    "headline's queue figures are queue-1thread and queue-2p2c (MPMCQueue(65536), 2 producer "
-    "+ 2 consumer threads).  One threaded run per sample: a busy machine moves these rows "
-    "most.")
+    "{t} thread(s), each putting then getting on one shared queue (no get waits): not the "
+    "headline's queue-1thread (one thread) or queue-2p2c (MPMCQueue(65536), 2 producer + 2 "
+    "consumer threads).  One threaded run per sample: the noisiest rows.")
 
 
 def groups():

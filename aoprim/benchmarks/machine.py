@@ -151,10 +151,10 @@ def load_check(cores, start, end=None, recent=None):
     if wall <= 0:
         return facts, warnings
     own = (end["own"] - start["own"]) / wall
-    facts["own_cpus"] = round(own, 2)
+    facts["own_cpus"] = round(own, 1)
     if start.get("busy") is not None and end.get("busy") is not None:
-        others = max(0.0, (end["busy"] - start["busy"]) / wall - own)
-        facts["other_cpus"] = round(others, 2)
+        others = round(max(0.0, (end["busy"] - start["busy"]) / wall - own), 1)
+        facts["other_cpus"] = others
         if others >= OTHERS_BUSY * cores:
             warnings.append(
                 f"other processes kept {others:.1f} of the {cores} cores busy during the run "

@@ -58,6 +58,11 @@ def _rounds(e):
     return e.get("rounds") or len(e.get("samples") or ())
 
 
+def _multi(ents):
+    """True when some entry had more than one round: the spread column is worth a place."""
+    return any(_rounds(e) > 1 for e in ents)
+
+
 def _spread(e, sep=" - "):
     """min - max over the rounds; empty for a single round (there is no spread to show)."""
     return f"{_num(e['min'])}{sep}{_num(e['max'])}" if _rounds(e) > 1 else ""
@@ -81,8 +86,8 @@ def _label(e):
         "baseline": "  (baseline)", "reference": ""}.get(e["role"], "")
 
 
-LEGEND = ("median over the rounds; spread = min - max (shown only when there was more than "
-          "one round); ratio = the baseline's median / the row's: x2.00 = twice as fast (or "
+LEGEND = ("median over the rounds; spread = min - max over the rounds (not shown after a "
+          "single round); ratio = the baseline's median / the row's: x2.00 = twice as fast (or "
           "half the CPU) as the group's baseline, x0.50 = half as fast; ~ = the row's and the "
           "baseline's min-max overlap (a difference within this run's noise); * = the best "
           "median; a (floor) row is the hardware's lower bound, shown for scale, with no "
@@ -149,8 +154,8 @@ def _name_width(ents, cols_w):
 
 
 def _server_tables(g, ents, base):
-    """Two blocks per server group, each within WIDTH: the CPU figure with its spread and
-    ratio, msgs/s and its ratio, p99; then user/sys, p50, syscalls and faults (and, for TLS,
+    """Two blocks per server group, each within WIDTH: the CPU figure with its spread (when
+    some server ran more than one round) and ratio, msgs/s and its ratio, p99; then user/sys, p50, syscalls and faults (and, for TLS,
     records and wire bytes) per message."""
     uw = max(10, len(g["unit"]))
     tls = any("records_per_msg" in e.get("metrics", {}) for e in ents)
@@ -159,8 +164,9 @@ def _server_tables(g, ents, base):
     def med(e, k):
         return e.get("metrics", {}).get(k, {}).get("median")
 
-    first = [(g["unit"], uw), ("spread", 11), ("ratio", 6), ("msgs/s", 8), ("ratio", 6),
-             ("p99 us", 7)]
+    spread = _multi(ents)
+    first = [(g["unit"], uw)] + ([("spread", 11)] if spread else []) + \
+        [("ratio", 6), ("msgs/s", 8), ("ratio", 6), ("p99 us", 7)]
     second = [("user", 6), ("sys", 6), ("p50 us", 7), ("syscalls/msg", 13),
               ("faults/msg", 11)] + ([("records/msg", 12), ("wire B/msg", 11)] if tls else [])
     nw = _name_width(ents, max(sum(w + 1 for _, w in first), sum(w + 1 for _, w in second)))
@@ -169,10 +175,11 @@ def _server_tables(g, ents, base):
     for e in ents:
         mps = med(e, "msgs_per_s")
         mr = (mps / bm) if bm and mps else None
-        lines += _cells(e, nw, [(_num(e["median"]), uw), (_spread(e, "-"), 11),
-                                (_ratio_cell(e, base), 6), (_num(mps), 8),
-                                ("-" if e["role"] == "reference" else _ratio(mr), 6),
-                                (_num(med(e, "p99_us")), 7)])
+        lines += _cells(e, nw, [(_num(e["median"]), uw)]
+                        + ([(_spread(e, "-"), 11)] if spread else [])
+                        + [(_ratio_cell(e, base), 6), (_num(mps), 8),
+                           ("-" if e["role"] == "reference" else _ratio(mr), 6),
+                           (_num(med(e, "p99_us")), 7)])
     lines += _cells(head, nw, second)
     for e in ents:
         sc, fl, rpm = med(e, "syscalls_per_msg"), med(e, "faults_per_msg"), \
@@ -198,12 +205,14 @@ def render_group(g):
         lines += _server_tables(g, ents, base)
     else:
         extra = g["kind"] == "contention"
-        cols = [("median", 9), ("spread (min - max)", 19), ("ratio", 7)] + \
-            ([("Mops/s", 7), ("CPU/wall", 8)] if extra else [])
+        spread = _multi(ents)
+        cols = [("median", 9)] + ([("spread (min - max)", 19)] if spread else []) + \
+            [("ratio", 7)] + ([("Mops/s", 7), ("CPU/wall", 8)] if extra else [])
         nw = _name_width(ents, sum(w + 1 for _, w in cols))
         lines += _cells({"name": "entry", "winner": False, "role": "candidate"}, nw, cols)
         for e in ents:
-            row = [(_num(e["median"]), 9), (_spread(e), 19), (_ratio_cell(e, base), 7)]
+            row = [(_num(e["median"]), 9)] + ([(_spread(e), 19)] if spread else []) + \
+                [(_ratio_cell(e, base), 7)]
             if extra:
                 cw = e.get("metrics", {}).get("cpu_per_wall", {}).get("median")
                 row += [(f"{1e3 / e['median']:.2f}", 7), ("-" if cw is None else f"{cw:.2f}", 8)]
