@@ -1,15 +1,17 @@
 """A user's script over aoprim's whole public surface: ``mypy --strict`` must report nothing.
 
 tests/test_typing.py runs mypy on it against the installed package; it is never executed.
-Each ``reveal``-free line pins a type by assigning to an annotated name, so a wrong
-annotation in the package (``Any`` where a type is promised, or the wrong type) fails here.
+Assignments to annotated names check that a result fits the type a user expects;
+``assert_type`` checks the exact type of the promised ones (an ``Any`` fits every annotation,
+so only ``assert_type`` tells it from the promised type).
 """
 from __future__ import annotations
 
 import asyncio
 import socket
 import ssl
-from typing import Any
+from collections.abc import Callable
+from typing import Any, assert_type
 
 import aoprim
 import aoprim.aio
@@ -19,6 +21,7 @@ from aoprim import (RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR, RX_T
                     RefCountError, RxArena, SendBatch, SlabPool, Slot, SPSCQueue, SpinLock,
                     TLSConn, TLSFlush)
 from aoprim.aio import EventLoopPolicy, Loop, SocketTransport, TESTED_PYTHONS
+from aoprim.aio.gunicorn import LOOP_FACTORY, Worker
 from aoprim.server import (BACKENDS, FRAMINGS, BackendUnavailable, FrameDecoder,
                            FrameTooLarge, Framing, Handler, ProtocolHandler, Server, Session,
                            SessionTransport, Settings, serve_protocol)
@@ -143,7 +146,12 @@ def server() -> None:
     srv = Server(Echo(), host="127.0.0.1", port=0, framing="u16", max_frame=1 << 16,
                  workers=2, idle_timeout=30.0, backend="epoll", ssl=None)
     started: Server = srv.start()
+    assert_type(srv.start, Callable[[], Server])
     address: tuple[str, int] = srv.address
+    assert_type(srv.address, tuple[str, int])
+    assert_type(srv.stats(), dict[str, Any])
+    assert_type(srv.settings, Settings)
+    assert_type(srv.sessions, list[Session])
     host, port = srv.address
     client = socket.create_connection(srv.address)
     client.close()
@@ -186,7 +194,11 @@ async def main() -> int:
 
 def aio() -> None:
     result: int = aoprim.aio.run(main())
+    assert_type(aoprim.aio.run(main()), int)
     loop: Loop = aoprim.aio.new_event_loop()
+    assert_type(aoprim.aio.new_event_loop(), Loop)
+    assert_type(EventLoopPolicy().new_event_loop(), Loop)
+    assert_type(aoprim.aio.install(), None)
     base: asyncio.AbstractEventLoop = aoprim.aio.new_event_loop()
     try:
         value: int = loop.run_until_complete(main())
@@ -201,6 +213,15 @@ def aio() -> None:
     transport_type: type[asyncio.Transport] = SocketTransport
     tested: tuple[tuple[int, int], ...] = TESTED_PYTHONS
     assert (result, value, stats, policy, ran, transport_type, tested) is not None
+
+
+class H11Worker(Worker):
+    """The gunicorn worker with uvicorn's h11 parser (as docs/aio.md's subclass example)."""
+
+    CONFIG_KWARGS = {**Worker.CONFIG_KWARGS, "http": "h11"}
+
+
+factory: str = LOOP_FACTORY
 
 
 if __name__ == "__main__":
