@@ -123,6 +123,17 @@ def test_a_privileged_port_says_so():
         Server(Echo(), HOST, 1)
 
 
+def test_the_privileged_port_message_keeps_the_type_and_errno():
+    """(Runs as root too, where the bind above succeeds: the error as the kernel gives it.)"""
+    from aoprim.server.listener import listen_error
+    e = listen_error(HOST, 80, PermissionError(errno.EACCES, "Permission denied"))
+    assert type(e) is PermissionError and e.errno == errno.EACCES
+    assert e.strerror == (f"cannot listen on {HOST}:80: permission denied: ports below 1024 "
+                          "need root or CAP_NET_BIND_SERVICE; choose a port of 1024 or above")
+    e = listen_error("::1", 8080, PermissionError(errno.EACCES, "Permission denied"))
+    assert e.strerror == "cannot listen on [::1]:8080: permission denied"
+
+
 def test_a_host_that_is_not_a_string_is_a_type_error():
     with pytest.raises(TypeError, match="host must be a str .* not int 5"):
         Server(Echo(), 5, 0)
