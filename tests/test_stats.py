@@ -28,17 +28,17 @@ def _stats(**over):
 
 
 @pytest.mark.parametrize("over, line", [
-    ({}, "0 connections; 0 frames in, 0 out; 0 B in, 0 B out"),
+    ({}, "0 connections; frames 0 in, 0 out; 0 B in, 0 B out"),
     ({"connections_total": 1, "frames_in": 3, "frames_out": 2, "bytes_in": 1023,
       "bytes_out": 1024, "closes": {"eof": 1}},
-     "1 connection; 3 frames in, 2 out; 1023 B in, 1.0 KiB out; closed: eof 1"),
+     "1 connection; frames 3 in, 2 out; 1023 B in, 1.0 KiB out; closed: eof 1"),
     ({"connections_total": 12, "frames_in": 340, "frames_out": 340,
       "bytes_in": 5 * 2**20 + 2**19, "bytes_out": 3 * 2**30, "handler_errors": 2,
       "closes": {"eof": 9, "handler": 2, "reset": 2}},
-     "12 connections; 340 frames in, 340 out; 5.5 MiB in, 3.0 GiB out; 2 handler errors; "
+     "12 connections; frames 340 in, 340 out; 5.5 MiB in, 3.0 GiB out; 2 handler errors; "
      "closed: eof 9, handler 2, reset 2"),
     ({"connections_total": 2, "live_sessions": 1, "rx_slots_in_use": 3},
-     "2 connections; 0 frames in, 0 out; 0 B in, 0 B out; still held: live_sessions 1, "
+     "2 connections; frames 0 in, 0 out; 0 B in, 0 B out; still held: live_sessions 1, "
      "rx_slots_in_use 3"),
 ])
 def test_summary_is_one_short_line(over, line):
@@ -54,7 +54,7 @@ def test_the_server_logs_its_stats_once_as_a_short_line(make_server, caplog):
     wait_for(lambda: srv.stats()["connections"] == 0, what="the session to close")
     srv.shutdown()
     stopped = [r.getMessage() for r in caplog.records if "server stopped" in r.getMessage()]
-    assert stopped == ["aoprim server stopped: 1 connection; 1 frames in, 1 out; 5 B in, "
+    assert stopped == ["aoprim server stopped: 1 connection; frames 1 in, 1 out; 5 B in, "
                        "5 B out; closed: eof 1"]
 
 
@@ -76,6 +76,6 @@ def test_the_cli_prints_the_json_once_and_the_log_a_short_line(backend):
     assert json.loads(stats_lines[0][6:])["frames_in"] == 1
     stopped = [ln for ln in err.splitlines() if "server stopped" in ln]
     assert len(stopped) == 1, err
-    assert "1 connection; 1 frames in, 1 out; 4 B in, 4 B out" in stopped[0]
+    assert "1 connection; frames 1 in, 1 out; 4 B in, 4 B out" in stopped[0]
     assert "{" not in err and "rx_slots_in_use" not in err     # the dict is not logged
     assert len(stopped[0]) < 200

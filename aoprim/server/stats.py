@@ -110,7 +110,7 @@ def summary(st: dict[str, Any]) -> str:
     is the record for programs."""
     n = st["connections_total"]
     parts = [f"{n} connection{'' if n == 1 else 's'}",
-             f"{st['frames_in']} frames in, {st['frames_out']} out",
+             f"frames {st['frames_in']} in, {st['frames_out']} out",
              f"{_size(st['bytes_in'])} in, {_size(st['bytes_out'])} out"]
     if st["handler_errors"]:
         parts.append(f"{st['handler_errors']} handler errors")
