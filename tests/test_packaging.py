@@ -152,3 +152,63 @@ def test_the_supported_pythons_named_on_import_are_the_classifiers(meta):
     import aoprim
     versions = _python_classifiers(meta["project"])
     assert aoprim._SUPPORTED == "CPython " + ", ".join(versions[:-1]) + " and " + versions[-1]
+
+
+# -- a second build does not compile again what the first compiled ---------------------------
+
+TINY = """
+# cython: language_level=3
+def answer():
+    return 42
+"""
+
+
+def _build(folder, **env):
+    e = dict(os.environ, **env)
+    e.pop("AOPRIM_SANITIZE", None)
+    r = subprocess.run([sys.executable, "setup.py", "build_ext"], cwd=folder, env=e,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return r.stdout + r.stderr
+
+
+def test_a_second_build_recompiles_only_what_changed(tmp_path):
+    """pip builds a checkout in place, each time in a fresh isolated environment whose newly
+    installed Cython makes cythonize rewrite every .c with the same bytes; setup.py must not
+    compile those again -- and must when the source or the flags change."""
+    pytest.importorskip("Cython")
+    if not (ROOT / "setup.py").is_file():
+        pytest.skip("no setup.py beside tests/")
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        shutil.copyfile(ROOT / name, tmp_path / name)
+    (tmp_path / "aoprim" / "include").mkdir(parents=True)
+    shutil.copyfile(ROOT / "aoprim" / "_version.py", tmp_path / "aoprim" / "_version.py")
+    (tmp_path / "aoprim" / "__init__.py").write_text("")
+    pyx = tmp_path / "aoprim" / "_tiny.pyx"
+    pyx.write_text(TINY)
+    building = "building 'aoprim._tiny' extension"
+    assert building in _build(tmp_path)
+    c = tmp_path / "aoprim" / "_tiny.c"
+    before, written = c.read_bytes(), os.stat(c).st_mtime_ns
+    t = os.stat(c).st_mtime + 5              # newer than the .c: cythonize writes it again
+    os.utime(pyx, (t, t))
+    out = _build(tmp_path)
+    assert os.stat(c).st_mtime_ns != written and c.read_bytes() == before  # same bytes
+    assert building not in out and "aoprim._tiny: its sources" in out, out
+    pyx.write_text(TINY.replace("42", "43"))            # another source: compiled
+    assert building in _build(tmp_path)
+    assert building not in _build(tmp_path)
+    assert building in _build(tmp_path, CFLAGS="-DAOPRIM_TEST_FLAG=1")   # other flags too
+
+
+def test_ci_runs_the_readme_suite_from_a_clone_named_aoprim_without_the_debian_peers():
+    # the README's command must pass where a newcomer runs it: a `git clone` (a folder named
+    # aoprim) on a machine with only what `.[test]` installs (.ci/run, top comment)
+    ci_run = ROOT / ".ci" / "run"
+    if not ci_run.is_file():
+        pytest.skip("no .ci/run here (an unpacked sdist ships no CI scripts)")
+    ci = ci_run.read_text()
+    m = re.search(r"^HIDDEN_PEERS=\(([^)]*)\)", ci, re.M)
+    assert m and set(m.group(1).split()) >= {"wrk", "haproxy", "redis-server"}
+    assert re.search(r'git clone -q \. "\$src"', ci) and 'src="$work/clone/aoprim"' in ci
+    assert "unshare --mount" in ci and "mount --bind" in ci and "chmod 0644" in ci
