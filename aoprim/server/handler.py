@@ -51,8 +51,8 @@ class Handler:
         if cls.on_read is Handler.on_read and cls is not Handler:
             raise TypeError(_no_on_read(cls))
         if (args or kwargs) and cls.__init__ is object.__init__:
-            # (object.__new__ says this for a class without __init__ unless __new__ is
-            # overridden, as it is here)
+            # (object's own check, which a class with its own __new__ no longer gets: without
+            # this, Echo(1) would pass silently)
             raise TypeError(f"{cls.__qualname__}() takes no arguments")
         return super().__new__(cls)
 
