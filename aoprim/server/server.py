@@ -36,7 +36,7 @@ from .tx import Flusher, check_payload
 if TYPE_CHECKING:
     import ssl as _ssl
     from collections.abc import Iterable
-    from types import TracebackType
+    from types import FrameType, TracebackType
 
     from typing_extensions import Buffer, Self, Unpack
 
@@ -272,9 +272,9 @@ class Server:
         """Serve in the calling thread until shutdown() or SIGINT/SIGTERM (main thread)."""
         import signal
         self._prepare()
-        old = {}
+        old: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            def on_signal(signum, frame):
+            def on_signal(signum: int, frame: FrameType | None) -> None:
                 log.info("received %s: shutting down", signal.Signals(signum).name)
                 self._loop.call_soon_threadsafe(self._begin_shutdown)
             for sig in (signal.SIGINT, signal.SIGTERM):
