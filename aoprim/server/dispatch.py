@@ -64,7 +64,8 @@ class InlineDispatch:
     def start(self, loop: EventLoop) -> None:
         pass
 
-    def post(self, session: Session, item: object) -> None:     # marks only (EOF never travels inline)
+    # marks only (EOF never travels inline)
+    def post(self, session: Session, item: object) -> None:
         if item is CLOSE_MARK:
             session.run_on_close()
 

@@ -450,7 +450,8 @@ class SelectorsLoop(EventLoop):
             return ep.poll      # type: ignore[no-any-return]  # (select.epoll's)
         sel_select = sel.select
 
-        def poll(timeout: float, maxevents: int) -> list[tuple[int, int]]:   # pragma: no cover - other platforms
+        # (other platforms)
+        def poll(timeout: float, maxevents: int) -> list[tuple[int, int]]:  # pragma: no cover
             return [(key.fd, (_EPOLLIN if mask & EVENT_READ else 0) |
                      (_EPOLLOUT if mask & EVENT_WRITE else 0))
                     for key, mask in sel_select(timeout)]
