@@ -18,7 +18,9 @@ Objects or raw words, never both: a queue's first operation fixes its mode for g
 claim RAW mode; the Python methods move strong references to Python objects and claim OBJ
 mode.  An operation of the other mode fails (AOP_Q_BADMODE from C, TypeError from Python)
 and changes nothing, so a raw word is never mistaken for an object.  Keep a reference to
-the MPMCQueue object for as long as C code uses ``q.q``.  close() applies to both modes.
+the MPMCQueue object for as long as C code uses ``q.q``.  close() applies to both modes, and
+so does the task accounting: aop_mpmc_task_done(q.q) (AOP_Q_RETRY when no task is
+unfinished) and aop_mpmc_all_done(q.q), from any thread.
 
 Return codes (aoprim._qwait): AOP_Q_OK, AOP_Q_RETRY (full / empty / timed out),
 AOP_Q_CLOSED, AOP_Q_BADMODE.  Blocking forms take timeout_ns (< 0 forever, 0 one try) and
@@ -30,7 +32,7 @@ from aoprim._qcore cimport (
     aop_mpmc_t, aop_mpmc_try_push_u64, aop_mpmc_try_pop_u64,
     aop_mpmc_push_u64, aop_mpmc_pop_u64, aop_mpmc_push_many_u64,
     aop_mpmc_pop_many_u64, aop_mpmc_size, aop_mpmc_closed,
-    aop_mpmc_close,
+    aop_mpmc_close, aop_mpmc_task_done, aop_mpmc_all_done,
 )
 
 cdef class MPMCQueue:

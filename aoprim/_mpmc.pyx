@@ -12,11 +12,12 @@ reference rules are stated.
 """
 cimport cython
 from cpython.ref cimport PyObject
+from types import GenericAlias
 from aoprim._qwait cimport q_capacity
 from aoprim._qcore cimport (
     QTypeSlots, traverseproc, inquiry, visitproc, q_traverse, q_clear,
     aop_mpmc_new, q_drain_dealloc, q_put, q_put_nowait, q_get, q_get_nowait, q_put_many,
-    q_get_many, q_size, q_close, q_repr,
+    q_get_many, q_size, q_close, q_repr, q_task_done, q_join,
 )
 
 
@@ -45,6 +46,16 @@ cdef class MPMCQueue:
     def capacity(self):
         """The real capacity (the requested one rounded up to a power of two)."""
         return self.q.cap
+
+    @property
+    def maxsize(self):
+        """queue.Queue's name for the capacity (the real one, as .capacity)."""
+        return self.q.cap
+
+    @classmethod
+    def __class_getitem__(cls, item):
+        """MPMCQueue[int]: a generic alias for annotations, as queue.Queue[int]."""
+        return GenericAlias(cls, item)
 
     def put(self, item, block=True, timeout=None):
         """Put item; if full, wait (block=True) at most timeout seconds (None: forever).
@@ -90,6 +101,17 @@ cdef class MPMCQueue:
     def full(self):
         """True if the queue looks full (approximate while other threads run)."""
         return q_size(self.q) >= self.q.cap
+
+    def task_done(self):
+        """queue.Queue's task_done(): the task of an item got earlier is finished.  Each
+        successful put (put_many: each item it took) adds one unfinished task; ValueError
+        if there is none."""
+        q_task_done(self.q)
+
+    def join(self):
+        """queue.Queue's join(): wait until every item put has had its task_done() (the
+        GIL released; parked, not spinning).  Returns at once if none is unfinished."""
+        q_join(self.q)
 
     def close(self):
         """Close: put* raise Closed from now on; get* drain what is left, then raise Closed.

@@ -79,6 +79,11 @@ cdef extern from "aop_queue.h" nogil:
     int aop_mpmc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns) noexcept
     int aop_mpmc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns) noexcept
 
+    # task accounting (any mode, any thread): see "Task accounting" in aop_queue.h
+    int aop_mpmc_task_done(aop_mpmc_t *q) noexcept        # AOP_Q_OK, or RETRY: none unfinished
+    bint aop_mpmc_all_done(aop_mpmc_t *q) noexcept        # nothing unfinished
+    int aop_mpmc_join_wait_p(void *q, uint64_t *unused, int64_t timeout_ns) noexcept
+
 cdef extern from "aop_queue.h":
     # with the GIL: called by the cyclic GC's traverse (fn visits one object)
     int aop_mpmc_each_(aop_mpmc_t *q, int (*fn)(uint64_t, void *) noexcept, void *arg) noexcept
@@ -117,6 +122,9 @@ cdef extern from "aop_queue.h" nogil:
                            uint64_t *popped) noexcept
     int aop_spsc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns) noexcept
     int aop_spsc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns) noexcept
+    int aop_spsc_task_done(aop_spsc_t *q) noexcept        # as the MPMC ones
+    bint aop_spsc_all_done(aop_spsc_t *q) noexcept
+    int aop_spsc_join_wait_p(void *q, uint64_t *unused, int64_t timeout_ns) noexcept
     bint aop_spsc_side_claim(aop_atomic_u32 *c) noexcept
     void aop_spsc_side_release(aop_atomic_u32 *c) noexcept
     bint aop_spsc_side_busy(const aop_atomic_u32 *c) noexcept
@@ -602,6 +610,30 @@ cdef inline list q_get_many(qptr q, object max_items):
             spsc_leave(&q.cclaim)
     else:
         return _q_get_many(q, max_items)
+
+
+# ---- queue.Queue's task accounting (no OBJ-mode claim: it moves no object) --------------
+
+cdef inline object q_task_done(qptr q):
+    cdef int r
+    if qptr is mpmc_ptr:
+        r = aop_mpmc_task_done(q)
+    else:
+        r = aop_spsc_task_done(q)
+    if r != AOP_Q_OK:
+        raise ValueError("task_done() called too many times")
+    return None
+
+cdef inline object q_join(qptr q):
+    """Wait (GIL released, parked after a brief spin) until nothing is unfinished; signal
+    handlers run between slices, as in a blocked get."""
+    if qptr is mpmc_ptr:
+        if not aop_mpmc_all_done(q):
+            q_wait_interruptible(aop_mpmc_join_wait_p, q, NULL, -1)
+    else:
+        if not aop_spsc_all_done(q):
+            q_wait_interruptible(aop_spsc_join_wait_p, q, NULL, -1)
+    return None
 
 
 cdef inline str q_repr(qptr q, str name, object ident):

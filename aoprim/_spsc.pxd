@@ -20,7 +20,9 @@ Objects or raw words, never both: a queue's first operation fixes its mode for g
 claim RAW mode; the Python methods move strong references to Python objects and claim OBJ
 mode.  An operation of the other mode fails (AOP_Q_BADMODE from C, TypeError from Python)
 and changes nothing, so a raw word is never mistaken for an object.  Keep a reference to
-the SPSCQueue object for as long as C code uses ``q.q``.  close() applies to both modes.
+the SPSCQueue object for as long as C code uses ``q.q``.  close() applies to both modes, and
+so does the task accounting: aop_spsc_task_done(q.q) (AOP_Q_RETRY when no task is
+unfinished) and aop_spsc_all_done(q.q), from any thread.
 
 Return codes (aoprim._qwait): AOP_Q_OK, AOP_Q_RETRY (full / empty / timed out),
 AOP_Q_CLOSED, AOP_Q_BADMODE.  Blocking forms take timeout_ns (< 0 forever, 0 one try) and
@@ -32,7 +34,7 @@ from aoprim._qcore cimport (
     aop_spsc_t, aop_spsc_try_push_u64, aop_spsc_try_pop_u64,
     aop_spsc_push_u64, aop_spsc_pop_u64, aop_spsc_push_many_u64,
     aop_spsc_pop_many_u64, aop_spsc_size, aop_spsc_closed,
-    aop_spsc_close,
+    aop_spsc_close, aop_spsc_task_done, aop_spsc_all_done,
 )
 
 cdef class SPSCQueue:

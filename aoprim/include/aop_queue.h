@@ -70,6 +70,26 @@
  *   waiter that leaves on timeout can never swallow the only wake.  The fast path pays no
  *   fence for this: the seq_cst CAS it needs anyway is N1, and N2 is a plain load on x86.
  *
+ * ---- Task accounting: queue.Queue's task_done() / join() ---------------------------------
+ *   unfinished = (successful puts) - (accepted task_done calls) = (tail position) - done.
+ *   tail already counts every successful put exactly once -- an MPMC claim is always filled,
+ *   a batch claim of k adds k, and SPSC's tail CAS fails only on close, when nothing was put
+ *   -- so a put pays nothing for the count; only task_done touches the one extra counter.
+ *   Invariants:
+ *     T1 done <= tail position, always: task_done's CAS moves done from d to d + 1 only after
+ *        reading a tail position t > d, and tail only grows.  A task_done that reads t <= d
+ *        changes nothing (AOP_Q_RETRY: "called too many times").  A task_done that happens
+ *        after the put of its item (by getting the item, say) reads a tail that counts it.
+ *     T2 done only grows, one at a time, by that CAS.
+ *   join() waits on tasks.all_done with the protocol above (W1..W5), its W4 being "done ==
+ *   tail": done is read first, then tail; both only grow and done <= tail, so equal values
+ *   mean the count was 0 at the read of tail.  A task_done's N1 is its seq_cst CAS of done,
+ *   N2 its seq_cst load of waiters.  It notifies only when the tail it read was d + 1 (the
+ *   count may have reached 0 at its CAS); with a larger tail the count stays above 0 after
+ *   the CAS, so no joiner can proceed because of it.  The task_done that brings the count to
+ *   0 always read tail == d + 1, so it always notifies.  A put never lets a joiner proceed
+ *   and notifies nobody.
+ *
  * ---- Modes ------------------------------------------------------------------------------------
  *   mode is 0 until the first operation, which sets it (CAS, once, forever) to
  *   AOP_Q_MODE_OBJ (the Python methods) or AOP_Q_MODE_RAW (the *_u64 C functions).  An
@@ -228,6 +248,48 @@ AOP_FUNC int aop_q_wait(aop_qwait_t *w, aop_q_try_fn try_fn, void *queue, void *
     return r;
 }
 
+/* ---- task accounting (see "Task accounting" at the top) -------------------------------- */
+
+typedef struct {
+    uint64_t done;           /* accepted task_done() calls; only grows (T2), <= tail (T1) */
+    char _pad[AOP_CACHE_LINE - 8];
+    aop_qwait_t all_done;    /* join() parks here */
+} aop_qtasks_t;
+
+/* One task_done() against the tail word *tail.  AOP_Q_OK, or AOP_Q_RETRY (nothing changed)
+ * when no task is unfinished. */
+AOP_FUNC int aop_q_task_done(aop_qtasks_t *k, const uint64_t *tail)
+{
+    /* relaxed: a first guess for the CAS below, which re-validates it */
+    uint64_t d = aop_load_u64p(&k->done, AOP_RELAXED), t;
+    for (;;) {
+        /* acquire: tail only grows, and the put of an item we got happened-before us (its
+         * claim precedes the publication our get acquired), so t counts it (T1) */
+        t = aop_load_u64p(tail, AOP_ACQUIRE) & ~AOP_Q_MARK;
+        if (d >= t) return AOP_Q_RETRY;
+        /* seq_cst CAS: N1 for joiners (their W4 must see it, or our N2 must see them);
+         * its release half publishes the caller's work on the task to the joiner's load of
+         * done.  On failure d receives the current value and t is read again. */
+        if (aop_cas_weak_u64p(&k->done, &d, d + 1, AOP_SEQ_CST, AOP_RELAXED)) break;
+    }
+    if (t == d + 1)                          /* the count may be 0 now: wake joiners */
+        aop_qwait_notify(&k->all_done);      /* N2 (seq_cst load of waiters), N3, N4 */
+    return AOP_Q_OK;
+}
+
+/* join()'s probe (an aop_q_try_fn: tasks, tail word): AOP_Q_OK when nothing is unfinished,
+ * else AOP_Q_RETRY.  Changes nothing. */
+AOP_FUNC int aop_q_all_done_(void *tasks, void *tail)
+{
+    /* seq_cst: W4, after the waiter's fence; done first, then tail (see the top).  Its
+     * acquire half pairs with task_done's CAS: what the task's worker wrote before
+     * task_done() is visible to the thread that returns from join() */
+    uint64_t d = aop_load_u64p(&((aop_qtasks_t *)tasks)->done, AOP_SEQ_CST);
+    /* seq_cst: read after done (a later tail can only be larger: never a false OK) */
+    uint64_t t = aop_load_u64p((const uint64_t *)tail, AOP_SEQ_CST) & ~AOP_Q_MARK;
+    return d >= t ? AOP_Q_OK : AOP_Q_RETRY;
+}
+
 /* Set the close mark on *tail and wake everybody.  Idempotent. */
 AOP_INLINE void aop_q_close(uint64_t *tail, aop_qwait_t *not_empty, aop_qwait_t *not_full)
 {
@@ -275,6 +337,7 @@ typedef struct {
     char _pad2[AOP_CACHE_LINE - 8];
     aop_qwait_t not_empty;   /* consumers park here */
     aop_qwait_t not_full;    /* producers park here */
+    aop_qtasks_t tasks;      /* task_done() / join(); unfinished = tail position - done */
 } aop_mpmc_t;
 
 /* NULL on allocation failure.  capacity >= 1, rounded up to a power of two. */
@@ -541,6 +604,20 @@ AOP_FUNC int aop_mpmc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
 AOP_FUNC int aop_mpmc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
 { (void)unused; return aop_q_wait(&((aop_mpmc_t *)q)->not_empty, aop_mpmc_can_pop_, q, NULL, timeout_ns); }
 
+/* Task accounting (any mode, any thread).  task_done: AOP_Q_OK, or AOP_Q_RETRY when nothing
+ * is unfinished (nothing changed).  all_done: 1 when nothing is unfinished.  join_wait_p
+ * waits (no GIL) until all done: AOP_Q_OK, or AOP_Q_RETRY once timeout_ns (< 0: never) has
+ * passed. */
+AOP_FUNC int aop_mpmc_task_done(aop_mpmc_t *q) { return aop_q_task_done(&q->tasks, &q->tail); }
+AOP_FUNC int aop_mpmc_all_done(aop_mpmc_t *q)
+{ return aop_q_all_done_(&q->tasks, &q->tail) == AOP_Q_OK; }
+AOP_FUNC int aop_mpmc_join_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
+{
+    aop_mpmc_t *m = (aop_mpmc_t *)q;
+    (void)unused;
+    return aop_q_wait(&m->tasks.all_done, aop_q_all_done_, &m->tasks, &m->tail, timeout_ns);
+}
+
 /* Call fn(word, arg) for every published item, oldest first; stops at the first non-zero
  * return, which it returns.  Only meaningful while nothing pushes or pops concurrently (the
  * cyclic GC: GIL held, every OBJ-mode operation runs under it).  relaxed loads: that caller
@@ -622,6 +699,7 @@ typedef struct {
     char _pad2[AOP_CACHE_LINE - 16 - 4];
     aop_qwait_t not_empty;   /* the consumer parks here */
     aop_qwait_t not_full;    /* the producer parks here */
+    aop_qtasks_t tasks;      /* task_done() / join() (any thread); as in aop_mpmc_t */
 } aop_spsc_t;
 
 AOP_FUNC aop_spsc_t *aop_spsc_new(uint64_t capacity)
@@ -810,6 +888,17 @@ AOP_FUNC int aop_spsc_room_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
 { (void)unused; return aop_q_wait(&((aop_spsc_t *)q)->not_full, aop_spsc_can_push_, q, NULL, timeout_ns); }
 AOP_FUNC int aop_spsc_item_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
 { (void)unused; return aop_q_wait(&((aop_spsc_t *)q)->not_empty, aop_spsc_can_pop_, q, NULL, timeout_ns); }
+
+/* Task accounting, as the MPMC ones (any thread: not tied to the producer or consumer side). */
+AOP_FUNC int aop_spsc_task_done(aop_spsc_t *q) { return aop_q_task_done(&q->tasks, &q->tail); }
+AOP_FUNC int aop_spsc_all_done(aop_spsc_t *q)
+{ return aop_q_all_done_(&q->tasks, &q->tail) == AOP_Q_OK; }
+AOP_FUNC int aop_spsc_join_wait_p(void *q, uint64_t *unused, int64_t timeout_ns)
+{
+    aop_spsc_t *s = (aop_spsc_t *)q;
+    (void)unused;
+    return aop_q_wait(&s->tasks.all_done, aop_q_all_done_, &s->tasks, &s->tail, timeout_ns);
+}
 
 /* Every published item, oldest first (see aop_mpmc_each_; same conditions). */
 AOP_FUNC int aop_spsc_each_(aop_spsc_t *q, int (*fn)(uint64_t, void *), void *arg)
