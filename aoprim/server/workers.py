@@ -27,7 +27,7 @@ class WorkerPool:
             raise TypeError("workers must be an int")
         if n < 1:
             raise ValueError("a WorkerPool needs at least one thread")
-        self.queue = MPMCQueue(capacity)
+        self.queue: MPMCQueue[Any] = MPMCQueue(capacity)
         self._dispatch = dispatch
         self._batch = batch
         self._on_exit = on_exit

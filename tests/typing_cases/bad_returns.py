@@ -23,7 +23,9 @@ loop: asyncio.Future[int] = aoprim.aio.new_event_loop()  # E: assignment
 policy: aoprim.aio.Loop = aoprim.aio.EventLoopPolicy()  # E: assignment
 nothing: int = aoprim.aio.install()  # E: func-returns-value, assignment
 count: str = AtomicInt(1).fetch_add(1)  # E: assignment
-MPMCQueue(8).put_many(5)  # E: arg-type
+MPMCQueue[int](8).put_many(5)  # E: arg-type
+MPMCQueue[int](8).put("five")  # E: arg-type
+name: str = MPMCQueue[int](8).get()  # E: assignment
 SlabPool().acquire().length = "full"  # E: assignment
 AtomicInt("one")  # E: arg-type
 srv.shutdown()

@@ -48,16 +48,21 @@ def primitives() -> None:
     if got:
         lock.release()
 
-    for q in (MPMCQueue(8), SPSCQueue(8)):
+    queues: tuple[MPMCQueue[int], SPSCQueue[int]] = (MPMCQueue[int](8), SPSCQueue(8))
+    for q in queues:
         q.put(1)
         q.put_nowait(2)
         took: int = q.put_many([3, 4])
-        first: object = q.get(timeout=1.0)
-        rest: list[Any] = q.get_many(8)
-        size: int = q.qsize() + len(q) + q.capacity
+        first: int = q.get(timeout=1.0)
+        assert_type(q.get_nowait(), int)
+        rest: list[int] = q.get_many(8)
+        size: int = q.qsize() + len(q) + q.capacity + q.maxsize
         flags: bool = q.empty() or q.full()
+        for _ in range(first + len(rest) + 1):
+            q.task_done()
+        q.join()
         q.close()
-        assert (took, first, rest, size, flags) is not None
+        assert (took, size, flags) is not None
 
     pool = SlabPool(slot_size=4096, slots=4)
     slot: Slot = pool.acquire()
