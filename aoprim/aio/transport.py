@@ -640,6 +640,11 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                     server._detach(self)
                 else:
                     server._detach()
+        # as asyncio's selector transport: a loop.sendfile() waiting for the buffer to drain
+        # (abort(), Server.abort_clients(), a fatal error) fails instead of waiting forever
+        w = self._empty_waiter
+        if w is not None and not w.done():
+            w.set_exception(ConnectionError("Connection is closed by peer"))
 
     # ---- sendfile (the loop's native path waits for the buffer to drain) ----------------------
 
