@@ -1,8 +1,11 @@
 """Limits and failures: each closes only the offending session, with a logged reason, while
 another client keeps being served."""
+import gc
 import logging
+import os
 import resource
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -11,8 +14,13 @@ import time
 
 import pytest
 
-from aoprim.server import Handler
+import aoprim.server.server as server_module
+from aoprim.server import Handler, Server
 from aoprim.server.apps import Chat, Echo
+from aoprim.server.loop import BACKENDS
+
+from tls_clients import RawTLS
+from tlscerts import tls_certs  # noqa: F401  (fixture)
 
 from test_server_support import (HOST, connect, frame, make_server, read_frame,  # noqa: F401
                                  recv_exact, recv_until_closed, wait_for)
@@ -343,3 +351,179 @@ def test_reading_resumes_at_low_water_not_at_zero(make_server, connect):
     assert 0 < seen["pending"] <= 32 << 10
     while got < total:
         got += len(s.recv(65536))
+
+
+# -- who is in srv.sessions: only the sessions the handler has met ----------------------------
+
+class Meets(Handler):
+    """Records the sessions on_connect met and on_close let go (loop thread)."""
+
+    def __init__(self):
+        self.met = []
+        self.gone = []
+
+    def on_connect(self, session):
+        self.met.append(session)
+
+    def on_read(self, session, data):
+        pass
+
+    def on_close(self, session, exc):
+        self.gone.append(session)
+
+
+def _check_only_met_sessions_listed(srv, h, early, late, finish, recv_app):
+    """``early`` has met the handler; ``late`` is connected but has not (mid-handshake / no
+    PROXY header yet).  srv.sessions lists only ``early``, a broadcast reaches only it;
+    once ``finish()`` completes ``late``, it is listed and gets the next broadcast only."""
+    wait_for(lambda: srv.stats()["connections"] == 2 and len(h.met) == 1,
+             what="both connections accepted, one met")
+    assert srv.sessions == h.met
+    srv.broadcast(b"first")
+    assert recv_app(early, 5) == b"first"
+    finish()
+    wait_for(lambda: len(h.met) == 2, what="the late session's on_connect")
+    assert set(srv.sessions) == set(h.met)
+    srv.broadcast(b"second")
+    assert recv_app(early, 6) == b"second"
+    assert recv_app(late, 6) == b"second"   # (not b"first": it was not sent to)
+    assert srv.stats()["frames_out"] == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sessions_leaves_out_a_tls_connection_mid_handshake(make_server, tls_certs, backend):
+    h = Meets()
+    srv = make_server(h, framing="raw", ssl=tls_certs.server_ctx())
+    cctx = tls_certs.client_ctx()
+    early = RawTLS(srv.address, cctx).handshake()
+    late = RawTLS(srv.address, cctx)
+    try:
+        late.obj.do_handshake()
+    except ssl.SSLWantReadError:
+        late.sock.sendall(late.out.read())      # the ClientHello, then nothing
+
+    def recv_app(c, n):
+        got = b""
+        while len(got) < n:
+            chunk = c.sock.recv(1 << 16)
+            assert chunk, "closed"
+            got += c.plaintext(chunk)
+        return got
+
+    try:
+        _check_only_met_sessions_listed(srv, h, early, late, late.handshake, recv_app)
+    finally:
+        early.sock.close()
+        late.sock.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sessions_leaves_out_a_connection_before_its_proxy_header(make_server, connect,
+                                                                   backend):
+    h = Meets()
+    srv = make_server(h, framing="raw", proxy_protocol="v1")
+    early, late = connect(srv), connect(srv)
+    early.sendall(b"PROXY TCP4 192.0.2.1 192.0.2.2 1000 2000\r\n")
+    late.sendall(b"PROXY TCP4 192.0.2.3")       # part of its header, then nothing
+    _check_only_met_sessions_listed(
+        srv, h, early, late, lambda: late.sendall(b" 192.0.2.2 1001 2000\r\n"),
+        recv_exact)
+    assert sorted(s.peer[0] for s in srv.sessions) == ["192.0.2.1", "192.0.2.3"]
+
+
+# -- a failed Server() closes what it opened, at once ------------------------------------------
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def no_gc():
+    """The cyclic GC off for the test: what is not closed deterministically stays open."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+class _Refused(MemoryError):
+    pass
+
+
+def _fail_tx_pool(monkeypatch):
+    """The second pool each construction makes fails (after the loop and the receive
+    pool)."""
+    real = server_module.SlabPool
+    made = []
+
+    def pool(*args):
+        made.append(args)
+        if len(made) % 2 == 0:
+            raise _Refused("injected: no memory for the send pool")
+        return real(*args)
+    monkeypatch.setattr(server_module, "SlabPool", pool)
+
+
+def _fail_prefault(monkeypatch):
+    def prefault(pool):
+        raise _Refused("injected: the raw read pool cannot be written")
+    monkeypatch.setattr(server_module, "_prefault", prefault)
+
+
+def _fail_address(monkeypatch):
+    def address(sock):
+        raise _Refused("injected: getsockname failed")
+    monkeypatch.setattr(server_module, "sock_address", address)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["port in use", "bad setting", "bad ssl", "send pool",
+                                 "prefault", "address"])
+def test_a_failed_construction_closes_every_fd_it_opened(no_gc, monkeypatch, backend, how):
+    busy = socket.socket()
+    busy.bind((HOST, 0))
+    busy.listen()
+    kw = {}
+    exc = _Refused
+    if how == "port in use":
+        kw, exc = {"port": busy.getsockname()[1]}, OSError
+    elif how == "bad setting":
+        kw, exc = {"rx_slots": 2 ** 40}, ValueError
+    elif how == "bad ssl":
+        kw, exc = {"ssl": ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)}, ValueError
+    elif how == "send pool":
+        _fail_tx_pool(monkeypatch)
+    elif how == "prefault":
+        _fail_prefault(monkeypatch)
+    else:
+        _fail_address(monkeypatch)
+    try:
+        before = _fds()
+        for _ in range(3):
+            with pytest.raises(exc):
+                Server(Echo(), HOST, backend=backend, **kw)
+        assert _fds() == before, f"{how}: fds left open by a failed Server()"
+    finally:
+        busy.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failed_construction_leaves_a_given_socket_open(no_gc, monkeypatch, backend):
+    """sock= stays the caller's when the constructor fails: it is not closed for them."""
+    _fail_tx_pool(monkeypatch)
+    ls = socket.socket()
+    try:
+        ls.bind((HOST, 0))
+        ls.listen()
+        before = _fds()
+        with pytest.raises(_Refused):
+            Server(Echo(), sock=ls, backend=backend)
+        assert _fds() == before
+        assert ls.fileno() >= 0
+    finally:
+        ls.close()
+
+
+def test_a_sock_that_is_not_a_socket_is_refused_by_name():
+    with pytest.raises(TypeError, match="sock must be a socket.socket.*not str"):
+        Server(Echo(), sock="127.0.0.1:8000")

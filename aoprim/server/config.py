@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 from .framing import DEFAULT_MAX_FRAME, FRAMINGS
@@ -32,18 +34,73 @@ __all__ = ["Settings", "SettingsArgs"]
 _HEADER_SIZE = {"raw": 0, "u16": 2, "u32": 4}
 
 
+# Bounds the compiled parts can really hold (the error messages name them):
+_SSIZE_MAX = sys.maxsize        # a byte count in C (Py_ssize_t): flush_budget, rx_frame_cache
+_INT_MAX = (1 << 31) - 1        # a C int: listen()'s backlog
+_POOL_MAX_SLOTS = 1 << 30       # SlabPool's most slots (aop_slab.h: AOP_SLAB_MAX_SLOTS)
+_QUEUE_MAX = 1 << 32            # MPMCQueue's largest capacity (aop_queue.h: AOP_Q_MAX_CAPACITY)
+_QUEUE_CELL = 16                # bytes per MPMCQueue cell (the capacity rounded up to 2**k)
+
+
+def _physical_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say): no pool
+    larger than it can be allocated (a raw read pool is even written whole at start)."""
+    try:
+        n = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return n if n > 0 else None
+
+
+def _max_threads() -> int | None:
+    """The most threads this process may start (None: no limit known): the user's
+    RLIMIT_NPROC (Linux counts threads in it) and the kernel's threads-max."""
+    limits = []
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    except (ImportError, AttributeError, ValueError, OSError):
+        pass
+    try:
+        with open("/proc/sys/kernel/threads-max") as f:
+            limits.append(int(f.read()))
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
 @overload
-def _int(name: str, v: int, lo: int, allow_none: Literal[False] = ...) -> int: ...
+def _int(name: str, v: int, lo: int, allow_none: Literal[False] = ...,
+         hi: int | None = ..., why: str = ...) -> int: ...
 @overload
-def _int(name: str, v: int | None, lo: int, allow_none: Literal[True]) -> int | None: ...
-def _int(name: str, v: Any, lo: int, allow_none: bool = False) -> int | None:
+def _int(name: str, v: int | None, lo: int, allow_none: Literal[True],
+         hi: int | None = ..., why: str = ...) -> int | None: ...
+def _int(name: str, v: Any, lo: int, allow_none: bool = False, hi: int | None = None,
+         why: str = "") -> int | None:
+    """``v`` checked as an int setting in ``lo..hi`` (``hi`` None: no upper bound); the
+    error names the setting, the value and the allowed range (``why``: the upper bound's
+    reason)."""
     if v is None and allow_none:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, not {type(v).__name__}")
-    if v < lo:
-        raise ValueError(f"{name} must be >= {lo}, not {v}")
+        raise TypeError(f"{name} must be an int" + (" or None" if allow_none else "")
+                        + f", not {type(v).__name__}")
+    if hi is None:
+        if v < lo:
+            raise ValueError(f"{name} must be >= {lo}, not {v}")
+    elif not lo <= v <= hi:
+        raise ValueError(f"{name} must be in {lo}..{hi}" + (f" ({why})" if why else "")
+                         + f", not {v}")
     return v
+
+
+def _fits(what: str, nbytes: int, memory: int | None) -> None:
+    """A pool or queue of ``nbytes`` must fit in physical memory."""
+    if memory is not None and nbytes > memory:
+        raise ValueError(f"{what} = {nbytes} bytes, more than this machine's physical memory "
+                         f"({memory} bytes): it cannot be allocated")
 
 
 def _seconds(name: str, v: Any, allow_none: bool = True) -> float | None:
@@ -51,7 +108,8 @@ def _seconds(name: str, v: Any, allow_none: bool = True) -> float | None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name} must be a number of seconds" + (" or None" if allow_none
-                                                                   else ""))
+                                                                   else "")
+                        + f", not {type(v).__name__}")
     if not v > 0:
         raise ValueError(f"{name} must be > 0" + (" (or None for no limit)" if allow_none
                                                    else "") + f", not {v}")
@@ -108,33 +166,59 @@ class Settings:
     def __post_init__(self) -> None:
         if self.framing not in FRAMINGS:
             raise ValueError(f"framing must be one of {FRAMINGS}, not {self.framing!r}")
+        # (max_frame, max_connections, max_pending, worker_backlog, accept_batch and the
+        # water marks are only compared with counts: any size is handled, none is clamped
+        # silently -- a max_frame above what the header can announce limits nothing)
         _int("max_frame", self.max_frame, 1)
         _int("max_connections", self.max_connections, 1)
         _int("max_pending", self.max_pending, 1)
         _seconds("idle_timeout", self.idle_timeout)
         _seconds("frame_timeout", self.frame_timeout)
-        _int("workers", self.workers, 0)
+        threads = _max_threads()
+        _int("workers", self.workers, 0, hi=threads,
+             why="the threads this process may start: RLIMIT_NPROC, kernel.threads-max")
         if not isinstance(self.backend, str):
-            raise TypeError("backend must be a str")
-        _int("flush_budget", self.flush_budget, 1)
-        _int("backlog", self.backlog, 0)
+            raise TypeError(f"backend must be a str, not {type(self.backend).__name__}")
+        _int("flush_budget", self.flush_budget, 1, hi=_SSIZE_MAX,
+             why="a byte count in C, Py_ssize_t")
+        _int("backlog", self.backlog, 0, hi=_INT_MAX, why="listen() takes a C int")
         _int("rx_slot_size", self.rx_slot_size, 64)
-        _int("rx_slots", self.rx_slots, 2)
-        _int("rx_reads", self.rx_reads, 1)
-        if self.rx_reads > 1024:
-            raise ValueError("rx_reads must be <= 1024")
-        _int("rx_read_size", self.rx_read_size, 0)
-        if self.rx_read_size > 1 << 30:
-            raise ValueError("rx_read_size must be <= 2**30")
-        _int("rx_read_slots", self.rx_read_slots, 2)
-        _int("rx_frame_cache", self.rx_frame_cache, 0)
+        _int("rx_slots", self.rx_slots, 2, hi=_POOL_MAX_SLOTS, why="a pool's most slots")
+        _int("rx_reads", self.rx_reads, 1, hi=1024)
+        _int("rx_read_size", self.rx_read_size, 0, hi=1 << 30)
+        _int("rx_read_slots", self.rx_read_slots, 2, hi=_POOL_MAX_SLOTS,
+             why="a pool's most slots")
+        _int("rx_frame_cache", self.rx_frame_cache, 0, hi=_SSIZE_MAX,
+             why="a byte count in C, Py_ssize_t")
         _int("tx_slot_size", self.tx_slot_size, 64)
-        _int("tx_slots", self.tx_slots, 1)
+        _int("tx_slots", self.tx_slots, 1, hi=_POOL_MAX_SLOTS, why="a pool's most slots")
         _seconds("close_linger", self.close_linger, allow_none=False)
         _seconds("shutdown_timeout", self.shutdown_timeout, allow_none=False)
         _int("worker_backlog", self.worker_backlog, 1)
-        _int("worker_queue", self.worker_queue, 1)
+        _int("worker_queue", self.worker_queue, 1, hi=_QUEUE_MAX,
+             why="the completion queue's largest capacity")
         _int("accept_batch", self.accept_batch, 1)
+        # the memory the server allocates at construction and start: its pools (the raw
+        # read pool, with raw framing, is written whole at start) and, with workers, the
+        # completion queue -- each alone, and all together, within physical memory
+        mem = _physical_memory()
+        pools = [("rx_slots * rx_slot_size", self.rx_slots * self.rx_slot_size,
+                  f"rx_slots={self.rx_slots}, rx_slot_size={self.rx_slot_size}"),
+                 ("tx_slots * tx_slot_size", self.tx_slots * self.tx_slot_size,
+                  f"tx_slots={self.tx_slots}, tx_slot_size={self.tx_slot_size}")]
+        if self.framing == "raw" and self.rx_read_size > self.rx_slot_size:
+            pools.append(("rx_read_slots * rx_read_size",
+                          self.rx_read_slots * self.rx_read_size,
+                          f"rx_read_slots={self.rx_read_slots}, "
+                          f"rx_read_size={self.rx_read_size}"))
+        if self.workers:
+            pools.append(("the worker queue",
+                          (1 << (self.worker_queue - 1).bit_length()) * _QUEUE_CELL,
+                          f"worker_queue={self.worker_queue} rounded up to a power of two, "
+                          f"{_QUEUE_CELL} bytes each"))
+        for what, nbytes, values in pools:
+            _fits(f"{what} ({values})", nbytes, mem)
+        _fits(" + ".join(what for what, _, _ in pools), sum(n for _, n, _ in pools), mem)
         hw = _int("high_water", self.high_water, 1, True)
         if hw is None:
             hw = min(256 << 10, max(1, self.max_pending // 2))
@@ -142,7 +226,7 @@ class Settings:
         if lw is None:
             lw = hw // 4
         if lw > hw:
-            raise ValueError("low_water must be <= high_water")
+            raise ValueError(f"low_water must be <= high_water ({hw}), not {lw}")
         set_ = object.__setattr__        # the frozen object's derived fields, set once here
         set_(self, "high_water", hw)
         set_(self, "low_water", lw)
@@ -155,14 +239,12 @@ class Settings:
         if self.proxy_protocol is not None and not self.trusted_proxies:
             raise ValueError("proxy_protocol is on but trusted_proxies is empty: no "
                              "connection could be accepted")
-        _int("proxy_max_header", self.proxy_max_header, 232)
+        _int("proxy_max_header", self.proxy_max_header, 232, hi=16 + 65535,
+             why="the longest header the format can announce")
         set_(self, "proxy_header_timeout",
              _seconds("proxy_header_timeout", self.proxy_header_timeout))
         set_(self, "handshake_timeout",
              _seconds("handshake_timeout", self.handshake_timeout, allow_none=False))
-        if self.proxy_max_header > 16 + 65535:
-            raise ValueError(f"proxy_max_header must be <= {16 + 65535} (the longest "
-                             f"header the format can announce), not {self.proxy_max_header}")
 
     @property
     def header_size(self) -> int:

@@ -111,6 +111,16 @@ def as_handler(handler: object) -> Handler:
     return cast("Handler", handler)
 
 
+def _met(s: Session, tls: bool, proxy: bool) -> bool:
+    """Whether the handler has met ``s`` (its ``on_connect`` ran), by the rule the sessions
+    follow: under the PROXY protocol once the header is read (``proxy_peer`` is set then,
+    also for a LOCAL/UNKNOWN header), with TLS once the handshake is done (the cipher is
+    known then, not before); without either, from the accept."""
+    if proxy and s.proxy_peer is None:
+        return False
+    return not tls or s.get_extra_info("cipher") is not None
+
+
 def _prefault(pool: SlabPool) -> None:
     """Write every slot of a fresh ``pool`` once, so its pages are resident before the first
     recv (the pool keeps its memory until it is freed: no page is faulted in twice)."""
@@ -155,22 +165,13 @@ class Server:
         if st.ssl is not None:
             from .tls import check_context      # (imports ssl only when TLS is used)
             check_context(st.ssl)
+        if sock is not None and not isinstance(sock, socket.socket):
+            raise TypeError(f"sock must be a socket.socket (bound and listening), not "
+                            f"{type(sock).__name__}")
         self.settings = st
         self.handler = handler
         self.framing = st.framing
         self.max_frame = st.max_frame
-        self._loop: EventLoop = create_loop(st.backend)
-        self.backend = self._loop.backend
-        self._rx_pool = SlabPool(st.rx_slot_size, st.rx_slots)
-        self._tx_pool = SlabPool(st.tx_slot_size, st.tx_slots)
-        # raw framing (issue 20): raw sessions read up to rx_read_size bytes per recv into
-        # slots of this pool (a 64 KiB message is one recv, not four slot-sized ones and an
-        # empty one), and a large echo is sent by reference from that slot.  Its memory is
-        # the project's, touched once here: no page of it is ever faulted in again.
-        self._raw_pool: SlabPool | None = None
-        if st.framing == "raw" and st.rx_read_size > st.rx_slot_size:
-            self._raw_pool = SlabPool(st.rx_read_size, st.rx_read_slots)
-            _prefault(self._raw_pool)
         self._arena: RxArena | None = None
         self._stats = Stats()
         self._sessions: dict[int, Session] = {}     # id -> Session (open or closing)
@@ -188,18 +189,46 @@ class Server:
         # PROXY protocol: who may connect (checked at accept, before reading); None: off
         self._trusted = (TrustedPeers(st.trusted_proxies) if st.proxy_protocol is not None
                          else None)
+        # Everything below that fails gives back what was opened before it, at once: the
+        # selectors loop is in a reference cycle, so an unclosed one kept its epoll fd and
+        # eventfd until the cyclic GC ran.  (A sock= passed in stays the caller's.)
+        self._loop: EventLoop = create_loop(st.backend)
         try:
-            if sock is not None:
-                sock.setblocking(False)
-                self._lsock = sock
-            else:
-                self._lsock = make_listening_socket(host, port, st.backlog, st.reuse_port)
+            self._open_parts(st, host, port, sock)
         except BaseException:
             self._loop.close()
             raise
         # (host, port) -- for IPv6 too -- or the path of an AF_UNIX socket passed as sock=
         # (typed as the TCP case, which is what nearly every caller has)
-        self.address: tuple[str, int] = sock_address(self._lsock)
+        self.address: tuple[str, int] = self._address
+
+    def _open_parts(self, st: Settings, host: str | None, port: int,
+                    sock: socket.socket | None) -> None:
+        """The constructor's resources after the loop: the pools, the listening socket
+        (made here unless ``sock`` is given) and its address; a failure closes the socket
+        made here (the caller closes the loop)."""
+        self.backend = self._loop.backend
+        self._rx_pool = SlabPool(st.rx_slot_size, st.rx_slots)
+        self._tx_pool = SlabPool(st.tx_slot_size, st.tx_slots)
+        # raw framing (issue 20): raw sessions read up to rx_read_size bytes per recv into
+        # slots of this pool (a 64 KiB message is one recv, not four slot-sized ones and an
+        # empty one), and a large echo is sent by reference from that slot.  Its memory is
+        # the project's, touched once here: no page of it is ever faulted in again.
+        self._raw_pool: SlabPool | None = None
+        if st.framing == "raw" and st.rx_read_size > st.rx_slot_size:
+            self._raw_pool = SlabPool(st.rx_read_size, st.rx_read_slots)
+            _prefault(self._raw_pool)
+        if sock is not None:
+            sock.setblocking(False)
+            self._lsock = sock
+            self._address = sock_address(sock)
+            return
+        self._lsock = make_listening_socket(host, port, st.backlog, st.reuse_port)
+        try:
+            self._address = sock_address(self._lsock)
+        except BaseException:
+            self._lsock.close()
+            raise
 
     # -- set-up --------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -552,8 +581,16 @@ class Server:
 
     @property
     def sessions(self) -> list[Session]:
-        """The open and closing sessions (a snapshot list; a closing one drops sends)."""
-        return list(self._sessions.values())
+        """The open and closing sessions the handler has met -- whose ``on_connect`` has run
+        and ``on_close`` not yet -- as a snapshot list (a closing one drops sends).  A
+        connection still in its TLS handshake or before its PROXY header is not listed, as
+        ``broadcast()`` does not send to it: no application code sees it before
+        ``on_connect``."""
+        tls = self.settings.ssl is not None
+        proxy = self.settings.proxy_protocol is not None
+        if not (tls or proxy):
+            return list(self._sessions.values())
+        return [s for s in self._sessions.copy().values() if _met(s, tls, proxy)]
 
     @property
     def live_sessions(self) -> int:
