@@ -18,7 +18,15 @@ from aoprim._qcore cimport (
     QTypeSlots, traverseproc, inquiry, visitproc, q_traverse, q_clear,
     aop_mpmc_new, q_drain_dealloc, q_put, q_put_nowait, q_get, q_get_nowait, q_put_many,
     q_get_many, q_size, q_close, q_repr, q_task_done, q_join,
+    q_get_settled, q_put_settled, q_async_register, q_async_unregister, q_async_any, q_async_wake,
 )
+from aoprim.errors import Empty, Full
+
+
+def _wake_future(fut):
+    """Run in a waiting coroutine's loop: let it try again (unless it was cancelled)."""
+    if not fut.done():
+        fut.set_result(None)
 
 
 # GC: tracked, and cleared by our own tp_clear (q_clear, below), which only drops the queued
@@ -36,6 +44,8 @@ cdef class MPMCQueue:
         self.q = aop_mpmc_new(q_capacity(capacity))
         if self.q is NULL:
             raise MemoryError()
+        self._agetters = []
+        self._aputters = []
 
     def __dealloc__(self):
         if self.q is not NULL:
@@ -61,31 +71,47 @@ cdef class MPMCQueue:
         """Put item; if full, wait (block=True) at most timeout seconds (None: forever).
         Full if no room in time, Closed if the queue is (or gets) closed."""
         q_put(self.q, item, block, timeout)
+        if q_async_any(&self._nagetters):
+            q_async_wake(self._agetters, &self._nagetters, _wake_future)
 
     def put_nowait(self, item):
         """Put item without waiting: Full if there is no room, Closed if closed."""
         q_put_nowait(self.q, item)
+        if q_async_any(&self._nagetters):
+            q_async_wake(self._agetters, &self._nagetters, _wake_future)
 
     def get(self, block=True, timeout=None):
         """Remove and return an item; if empty, wait (block=True) at most timeout seconds.
         Empty if none in time; Closed once the queue is closed and drained."""
-        return q_get(self.q, block, timeout)
+        item = q_get(self.q, block, timeout)
+        if q_async_any(&self._naputters):
+            q_async_wake(self._aputters, &self._naputters, _wake_future)
+        return item
 
     def get_nowait(self):
         """Remove and return an item without waiting: Empty, or Closed once drained."""
-        return q_get_nowait(self.q)
+        item = q_get_nowait(self.q)
+        if q_async_any(&self._naputters):
+            q_async_wake(self._aputters, &self._naputters, _wake_future)
+        return item
 
     def put_many(self, iterable):
         """Enqueue items from iterable, in order, until the queue is full; return how many
         were taken.  Closed if the queue is closed.  A list or tuple is moved in batches
         (one claim per batch); from any other iterable an item is taken only when there is
         room for it."""
-        return q_put_many(self.q, iterable)
+        n = q_put_many(self.q, iterable)
+        if q_async_any(&self._nagetters):
+            q_async_wake(self._agetters, &self._nagetters, _wake_future)
+        return n
 
     def get_many(self, max_items):
         """Dequeue up to max_items items without waiting (possibly []).  Closed once the
         queue is closed and drained."""
-        return q_get_many(self.q, max_items)
+        items = q_get_many(self.q, max_items)
+        if q_async_any(&self._naputters):
+            q_async_wake(self._aputters, &self._naputters, _wake_future)
+        return items
 
     def qsize(self):
         """Approximate number of items (exact when no other thread is using the queue)."""
@@ -102,6 +128,56 @@ cdef class MPMCQueue:
         """True if the queue looks full (approximate while other threads run)."""
         return q_size(self.q) >= self.q.cap
 
+    async def get_async(self):
+        """Remove and return an item, awaiting one if the queue is empty (for coroutines;
+        threads may put meanwhile: their put wakes this coroutine through its loop).  Closed
+        once the queue is closed and drained.  Cancelling it takes no item and leaves
+        nothing registered."""
+        import asyncio
+        while True:
+            try:
+                return self.get_nowait()
+            except Empty:
+                pass
+            fut = asyncio.get_running_loop().create_future()
+            q_async_register(self._agetters, &self._nagetters, fut)
+            try:
+                try:
+                    item = q_get_settled(self.q)        # the re-check after registering
+                except Empty:
+                    await fut                           # a put or close() wakes us
+                    continue
+                if q_async_any(&self._naputters):
+                    q_async_wake(self._aputters, &self._naputters, _wake_future)
+                return item
+            finally:
+                q_async_unregister(self._agetters, &self._nagetters, fut)
+
+    async def put_async(self, item):
+        """Put item, awaiting room if the queue is full (for coroutines; a get in any thread
+        wakes this coroutine).  Closed if the queue is (or gets) closed.  Cancelling it
+        before it returns leaves the item not queued and nothing registered."""
+        import asyncio
+        while True:
+            try:
+                self.put_nowait(item)
+                return
+            except Full:
+                pass
+            fut = asyncio.get_running_loop().create_future()
+            q_async_register(self._aputters, &self._naputters, fut)
+            try:
+                try:
+                    q_put_settled(self.q, item)         # the re-check after registering
+                except Full:
+                    await fut                           # a get or close() wakes us
+                    continue
+                if q_async_any(&self._nagetters):
+                    q_async_wake(self._agetters, &self._nagetters, _wake_future)
+                return
+            finally:
+                q_async_unregister(self._aputters, &self._naputters, fut)
+
     def task_done(self):
         """queue.Queue's task_done(): the task of an item got earlier is finished.  Each
         successful put (put_many: each item it took) adds one unfinished task; ValueError
@@ -117,6 +193,10 @@ cdef class MPMCQueue:
         """Close: put* raise Closed from now on; get* drain what is left, then raise Closed.
         Every blocked put/get wakes up.  Idempotent."""
         q_close(self.q)
+        if q_async_any(&self._nagetters):
+            q_async_wake(self._agetters, &self._nagetters, _wake_future)
+        if q_async_any(&self._naputters):
+            q_async_wake(self._aputters, &self._naputters, _wake_future)
 
     def __repr__(self):
         return q_repr(self.q, "MPMCQueue", id(self))

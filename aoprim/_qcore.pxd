@@ -31,7 +31,10 @@ from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
 from cpython.list cimport PyList_New, PyList_GetSlice, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
-from aoprim.atomic_h cimport aop_atomic_u32, aop_load_u32, aop_now_ns, aop_deadline_ns, AOP_RELAXED
+from aoprim.atomic_h cimport (
+    aop_atomic_u32, aop_load_u32, aop_now_ns, aop_deadline_ns, AOP_RELAXED, AOP_SEQ_CST,
+    aop_fetch_add_u32, aop_fetch_sub_u32, aop_thread_fence, aop_yield,
+)
 from aoprim._qwait cimport (
     AOP_Q_OK, AOP_Q_RETRY, AOP_Q_BUSY, AOP_Q_CLOSED, AOP_Q_MODE_OBJ,
     q_obj_mode, q_steal, q_word, q_timeout_ns, q_max_items, q_raise, q_wait_interruptible,
@@ -610,6 +613,117 @@ cdef inline list q_get_many(qptr q, object max_items):
             spsc_leave(&q.cclaim)
     else:
         return _q_get_many(q, max_items)
+
+
+# ---- asyncio waiters (get_async / put_async) ----------------------------------------------
+# A coroutine that finds the queue empty (full) registers a future in the queue's list of
+# async getters (putters), then tries again, then awaits the future.  Every successful put
+# (get), and close(), wakes every registered future of the other side through its loop's
+# call_soon_threadsafe; the woken coroutine tries again.  Why no wake-up is lost (Dekker, as
+# W1..W4 / N1, N2 in aop_queue.h):
+#   register:  A1 append the future;  A2 count += 1 (seq_cst RMW);  A3 seq_cst fence;
+#              A4 the operation again (q_pop_settled / q_push_settled)
+#   put (get): B1 the ring operation (its seq_cst CAS / store is N1);  B2 count (seq_cst load);
+#              if B2 != 0: pop and wake every registered future
+#   If B2 reads 0, B2 precedes A2 in the total order, so B1 precedes A3 and A4 sees B1 (a
+#   claim whose cell is not yet published is BUSY, and the settled retry yields until it
+#   lands).  Otherwise B2 reads A2's increment, which A1 precedes: the waker finds the future.
+# Waking all (not one) means a woken coroutine that is cancelled before it runs swallows no
+# wake-up.  A cancelled or finished coroutine takes its future out of the list (if a waker has
+# not), so none is left behind.  The lists are only appended to, popped and removed from --
+# each one atomic list operation, also in free-threaded builds.
+
+cdef inline int q_pop_settled(qptr q, uint64_t *v) noexcept nogil:
+    """One pop that never reports BUSY: a producer that claimed the cell and has not yet
+    published it finishes in a few instructions (yield to it until it has)."""
+    cdef int r = q_pop(q, v)
+    while r == AOP_Q_BUSY:
+        aop_yield()
+        r = q_pop(q, v)
+    return r
+
+cdef inline int q_push_settled(qptr q, uint64_t v) noexcept nogil:
+    cdef int r = q_push(q, v)
+    while r == AOP_Q_BUSY:
+        aop_yield()
+        r = q_push(q, v)
+    return r
+
+cdef inline object _q_get_settled(qptr q):
+    cdef uint64_t v
+    cdef int r
+    q_obj_mode(&q.mode)
+    r = q_pop_settled(q, &v)
+    if r == AOP_Q_OK:
+        return q_steal(v)
+    q_raise(r, False)
+
+cdef inline object _q_put_settled(qptr q, object item):
+    cdef int r
+    q_obj_mode(&q.mode)
+    Py_INCREF(item)                  # the queue's reference, taken before publication
+    r = q_push_settled(q, q_word(item))
+    if r != AOP_Q_OK:
+        Py_DECREF(item)              # not queued: the caller still holds item
+        q_raise(r, True)
+    return None
+
+cdef inline object q_get_settled(qptr q):
+    """get_nowait, except that an item a producer is publishing right now is waited for."""
+    if qptr is spsc_ptr:
+        spsc_enter(&q.cclaim, False)
+        try:
+            return _q_get_settled(q)
+        finally:
+            spsc_leave(&q.cclaim)
+    else:
+        return _q_get_settled(q)
+
+cdef inline object q_put_settled(qptr q, object item):
+    """put_nowait, except that a cell a consumer is emptying right now is waited for."""
+    if qptr is spsc_ptr:
+        spsc_enter(&q.pclaim, True)
+        try:
+            return _q_put_settled(q, item)
+        finally:
+            spsc_leave(&q.pclaim)
+    else:
+        return _q_put_settled(q, item)
+
+cdef inline int q_async_register(list waiters, aop_atomic_u32 *count, object fut) except -1:
+    waiters.append(fut)                              # A1
+    aop_fetch_add_u32(count, 1, AOP_SEQ_CST)         # A2: seq_cst RMW (see above)
+    aop_thread_fence(AOP_SEQ_CST)                    # A3: orders A2 before the re-check A4
+    return 0
+
+cdef inline int q_async_unregister(list waiters, aop_atomic_u32 *count, object fut) except -1:
+    try:
+        waiters.remove(fut)
+    except ValueError:
+        return 0                                     # a waker took it (and counted it)
+    # relaxed: the count only decides whether a waker looks at the list; the list decides
+    aop_fetch_sub_u32(count, 1, AOP_RELAXED)
+    return 0
+
+cdef inline bint q_async_any(aop_atomic_u32 *count) noexcept nogil:
+    """B2: may a coroutine be registered?  Call right after the operation (B1); when True,
+    call q_async_wake.  A seq_cst load (see above): on x86 one plain load."""
+    return aop_load_u32(count, AOP_SEQ_CST) != 0
+
+cdef inline int q_async_wake(list waiters, aop_atomic_u32 *count, object wake) except -1:
+    """Wake every registered future (after q_async_any said there may be one)."""
+    if waiters is None:
+        return 0                 # cleared by the cyclic GC: nobody can be waiting
+    while True:
+        try:
+            fut = waiters.pop()
+        except IndexError:
+            return 0
+        aop_fetch_sub_u32(count, 1, AOP_RELAXED)     # relaxed: as in q_async_unregister
+        try:
+            fut.get_loop().call_soon_threadsafe(wake, fut)
+        except RuntimeError:
+            pass                 # its loop is closed: nobody is left to wake
 
 
 # ---- queue.Queue's task accounting (no OBJ-mode claim: it moves no object) --------------

@@ -37,7 +37,13 @@ from aoprim._qcore cimport (
     aop_spsc_close, aop_spsc_task_done, aop_spsc_all_done,
 )
 
+from aoprim.atomic_h cimport aop_atomic_u32
+
 cdef class SPSCQueue:
     cdef aop_spsc_t *q           # the C queue (128-byte aligned, owned; freed at dealloc)
+    cdef list _agetters          # futures of coroutines waiting in get_async (_qcore.pxd)
+    cdef list _aputters          # futures of coroutines waiting in put_async
+    cdef aop_atomic_u32 _nagetters   # how many futures _agetters holds (a put's one check)
+    cdef aop_atomic_u32 _naputters   # how many futures _aputters holds (a get's one check)
     cdef object __weakref__      # weak references work
     cdef object _gc              # makes the class GC-tracked: its queued objects are traversed
