@@ -84,9 +84,10 @@ PROXY protocol (``proxy=1|2|3``: v1, v2, either; 0 off).  The header is the stre
 bytes: each burst first feeds its bytes to a ProxyParser (aoprim._proxyproto), which keeps
 at most 232 bytes of its own and skips TLVs, so an unfinished header holds no buffer of ours
 (``buffered`` counts its bytes, for the frame timeout).  When it completes, on_event gets
-RX_PROXY with the parsed header, and -- unless that closed the receiver -- the bytes after
-it in the same read are framed at once.  A refused header (or EOF inside one) gives
-RX_PROXY_ERROR with the reason, and nothing more is read.  Off, the only cost is one test
+RX_PROXY with the parsed header, and -- unless that closed the receiver or set ``hold``
+(the server's on_connect paused reading: then they stay ``pending``, raw framing included)
+-- the bytes after it in the same read are framed at once.  A refused header (or EOF
+inside one) gives RX_PROXY_ERROR with the reason, and nothing more is read.  Off, the only cost is one test
 of ``pp`` per burst.
 
 GC.  RxArena is not tracked by the cyclic GC (@no_gc): it references only its pool and its
@@ -943,9 +944,15 @@ cdef class Receiver:
             if self.pp is not None and self._proxy(p, &pos, end):
                 why = CUT_MORE      # PROXY header unfinished or refused, or nothing after it
             elif self.hs == 0:      # raw: the chunk is the frame
-                n = pos             # (0, or where a PROXY header ended)
-                self._deliver(buf, None, p + n, end - n, &pos, end)   # pos = end once built
-                why = CUT_MORE
+                if self.hold:
+                    # the RX_PROXY handler (on_connect) paused reading: the bytes that came
+                    # with the header stay pending, delivered by the first on_readable()
+                    # after hold is cleared -- as the framed path does between frames
+                    why = CUT_STOP
+                else:
+                    n = pos         # (0, or where a PROXY header ended)
+                    self._deliver(buf, None, p + n, end - n, &pos, end)  # pos = end, once built
+                    why = CUT_MORE
             else:
                 why = self._cut(buf, p, &pos, end)
         finally:

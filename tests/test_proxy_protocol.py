@@ -411,6 +411,56 @@ def test_receiver_close_from_the_proxy_event_stops_framing():
     rig.close()
 
 
+@pytest.mark.parametrize("hs", [0, 2, 4], ids=["raw", "u16", "u32"])
+@pytest.mark.parametrize("size", [40, 3000], ids=["small", "above-a-slot"])
+@pytest.mark.parametrize("raw_pool", [False, True], ids=["scratch", "raw-pool"])
+def test_receiver_hold_set_by_the_proxy_event_keeps_the_bytes_after_the_header(hs, size,
+                                                                              raw_pool):
+    """The owner pauses reading in its RX_PROXY handler (the server's on_connect) while the
+    header and the first request came in ONE read: nothing is delivered until hold is
+    cleared, then everything, once, in order -- raw framing as u16/u32."""
+    hdr, want = VALID["v2 PROXY TCP4 + TLVs"]
+    rig = Rig(hs=hs)
+    rig.rx.close()
+    big = None
+    if raw_pool:
+        rig.arena.close()
+        big = SlabPool(8192, 2)
+        rig.arena = RxArena(rig.pool, big)
+
+    def on_event(owner, code, arg):
+        rig.log.append((code, arg))
+        if code == RX_PROXY:
+            rig.rx.hold = True
+
+    rig.rx = Receiver(rig.arena, rig.r.fileno(), hs, 65536, rig.on_frame, on_event, rig,
+                      False, 3)
+    try:
+        payloads = [bytes([65 + i]) * size for i in range(3)]
+        body = (b"".join(frame(x, "u16" if hs == 2 else "u32") for x in payloads) if hs
+                else b"".join(payloads))
+        rig.w.sendall(hdr + body)
+        for _ in range(3):      # however often the socket is reported readable meanwhile
+            rig.rx.on_readable()
+        assert rig.log == [(RX_PROXY, want)]
+        assert rig.rx.frames_in == 0 and rig.rx.reads == 1
+        assert rig.rx.pending and rig.rx.buffered == rig.rx.bytes_in - len(hdr) > 0
+        rig.rx.hold = False
+        rig.pump()              # the held bytes first, then the rest of the socket's
+        got = [d for k, d in rig.log[1:] if k == "frame"]
+        assert len(got) == len(rig.log) - 1 == rig.rx.frames_in
+        if hs:
+            assert got == payloads
+        else:
+            assert b"".join(got) == body        # nothing lost, nothing twice, in order
+        assert rig.rx.bytes_in == len(hdr + body)
+        assert not rig.rx.pending and rig.rx.buffered == 0
+    finally:
+        rig.close()
+    if big is not None:
+        assert big.in_use == 0
+
+
 def test_receiver_off_by_default_and_argument_checks():
     pool = SlabPool(256, 4)
     arena = RxArena(pool)
@@ -518,6 +568,80 @@ def test_server_raw_framing_gets_the_bytes_after_the_header(make_server):
     c.sendall(VALID["v2 PROXY TCP4 + TLVs"][0] + b"raw payload")
     assert recv_exact(c, 11) == b"raw payload"         # not a header byte echoed
     c.close()
+
+
+class PauseInConnect(Handler):
+    """on_connect pauses reading (to look the client up first, say); on_read echoes and
+    records what it got while the session was paused."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.sessions = []
+        self.got = []
+        self.while_paused = []
+        self.paused = set()
+
+    def on_connect(self, session):
+        session.pause_reading()
+        with self.lock:
+            self.paused.add(session.id)
+            self.sessions.append(session)
+
+    def on_read(self, session, data):
+        with self.lock:
+            if session.id in self.paused:
+                self.while_paused.append(bytes(data))
+            self.got.append(bytes(data))
+        session.send(bytes(data))
+
+    def resume(self, session):
+        with self.lock:
+            self.paused.discard(session.id)
+        session.resume_reading()
+
+
+def _loop_ran(srv):
+    """Wait until the loop thread has finished what it was doing (its current read burst
+    included): a callback queued now runs after it."""
+    done = threading.Event()
+    srv.loop.call_soon_threadsafe(done.set)
+    assert done.wait(10), "the loop thread did not come round"
+
+
+@pytest.mark.parametrize("backend", ["selectors", "epoll"])
+@pytest.mark.parametrize("framing", ["raw", "u16", "u32"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_server_pause_in_on_connect_holds_the_request_sent_with_the_header(
+        make_server, backend, framing, workers):
+    """HAProxy sends the header and the first request in ONE write; on_connect pauses
+    reading: no on_read until resume_reading(), then the request, once, in order."""
+    h = PauseInConnect()
+    srv = make_server(h, framing=framing, proxy_protocol="any", workers=workers)
+    hdr = VALID["v2 PROXY TCP4 + TLVs"][0]
+    reqs = [b"first request %d " % i * 20 for i in range(3)]
+    if framing == "raw":
+        body = b"".join(reqs)
+    else:
+        body = b"".join(frame(r, framing) for r in reqs)
+    with _connect(srv) as c:
+        c.sendall(hdr + body)
+        wait_for(lambda: h.sessions, what="on_connect")
+        _loop_ran(srv)              # the burst that read the header is over
+        _loop_ran(srv)
+        assert h.got == [] and h.while_paused == []
+        h.resume(h.sessions[0])     # from this (another) thread
+        if framing == "raw":
+            assert recv_exact(c, len(body)) == body
+        else:
+            assert [read_frame(c, framing) for _ in reqs] == reqs
+        c.sendall(b"more" if framing == "raw" else frame(b"more", framing))
+        assert (recv_exact(c, 4) if framing == "raw" else read_frame(c, framing)) == b"more"
+        assert h.while_paused == []
+        assert b"".join(h.got) == b"".join(reqs) + b"more"     # nothing lost or twice
+    wait_for(lambda: srv.stats()["connections"] == 0)
+    st = srv.stats()
+    assert st["rx_slots_in_use"] == IDLE_RX and st["rx_frame_buffers_in_use"] == 0
+    assert st["rx_raw_slots_in_use"] == (1 if framing == "raw" else 0)
 
 
 def test_server_on_a_unix_socket_trusts_the_local_balancer(tmp_path):
