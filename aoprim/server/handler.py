@@ -47,14 +47,17 @@ class Handler:
     ``Handler()`` itself, which reads and ignores everything, may be instantiated.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
-        if cls.on_read is Handler.on_read and cls is not Handler:
-            raise TypeError(_no_on_read(cls))
-        if (args or kwargs) and cls.__init__ is object.__init__:
-            # (object's own check, which a class with its own __new__ no longer gets: without
-            # this, Echo(1) would pass silently)
-            raise TypeError(f"{cls.__qualname__}() takes no arguments")
-        return super().__new__(cls)
+    if not TYPE_CHECKING:
+        # hidden from type checkers, which then check a call against the subclass's own
+        # __init__ (or object's: Echo(1) is an error) instead of this (*args, **kwargs)
+        def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+            if cls.on_read is Handler.on_read and cls is not Handler:
+                raise TypeError(_no_on_read(cls))
+            if (args or kwargs) and cls.__init__ is object.__init__:
+                # (object's own check, which a class with its own __new__ no longer gets: without
+                # this, Echo(1) would pass silently)
+                raise TypeError(f"{cls.__qualname__}() takes no arguments")
+            return super().__new__(cls)
 
     def on_connect(self, session: Session) -> None:
         """A session was accepted (before any of its frames is read)."""

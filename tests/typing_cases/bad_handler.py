@@ -14,3 +14,11 @@ class TextHandler(Handler):
         session.send(42)  # E: arg-type
         session.send(SlabPool().acquire())
         session.peer_address  # E: attr-defined
+
+
+class Echo(Handler):
+    def on_read(self, session: Session, data: memoryview | bytes) -> None:
+        session.send(data)
+
+
+Echo(1)  # E: call-arg
