@@ -35,7 +35,8 @@ _HEADER_SIZE = {"raw": 0, "u16": 2, "u32": 4}
 
 
 # Bounds the compiled parts can really hold (the error messages name them):
-_SSIZE_MAX = sys.maxsize        # a byte count in C (Py_ssize_t): flush_budget, rx_frame_cache
+_SSIZE_MAX = sys.maxsize        # a byte count in C (Py_ssize_t): rx_frame_cache
+_BUDGET_MAX = 1 << 62           # FlushGroup's budget and SendBatch's max_bytes, at most
 _INT_MAX = (1 << 31) - 1        # a C int: listen()'s backlog
 _POOL_MAX_SLOTS = 1 << 30       # SlabPool's most slots (aop_slab.h: AOP_SLAB_MAX_SLOTS)
 _QUEUE_MAX = 1 << 32            # MPMCQueue's largest capacity (aop_queue.h: AOP_Q_MAX_CAPACITY)
@@ -179,8 +180,8 @@ class Settings:
              why="the threads this process may start: RLIMIT_NPROC, kernel.threads-max")
         if not isinstance(self.backend, str):
             raise TypeError(f"backend must be a str, not {type(self.backend).__name__}")
-        _int("flush_budget", self.flush_budget, 1, hi=_SSIZE_MAX,
-             why="a byte count in C, Py_ssize_t")
+        _int("flush_budget", self.flush_budget, 1, hi=_BUDGET_MAX,
+             why="the largest budget a FlushGroup and a SendBatch take")
         _int("backlog", self.backlog, 0, hi=_INT_MAX, why="listen() takes a C int")
         _int("rx_slot_size", self.rx_slot_size, 64)
         _int("rx_slots", self.rx_slots, 2, hi=_POOL_MAX_SLOTS, why="a pool's most slots")
