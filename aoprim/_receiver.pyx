@@ -69,14 +69,16 @@ Why no view ever sees rewritten memory
 - With copy_frames=True the handler gets bytes copies and nothing is pinned.
 
 Frames are delivered in stream order; a receiver stops delivering at once when close() was
-called (even from inside on_frame) and after a handler exception (RX_HANDLER); the frames
-of that read that were not delivered stay buffered (``pending``) and are delivered first by
-the next on_readable().  A too-large header (RX_TOO_LARGE) ends the stream's framing:
-the receiver drops what it kept and reads nothing more.  A BaseException from on_frame
-(KeyboardInterrupt) propagates; the frame it interrupted counts as delivered and the rest
-stays pending, as after RX_HANDLER.  If a heap buffer for a kept tail cannot be allocated,
-on_event gets RX_ERROR with ENOMEM and the receiver reads nothing more.  An exception from
-on_event itself goes to sys.unraisablehook: on_readable() never raises but a BaseException.
+called (even from inside on_frame; an exception that on_frame raises after closing the
+receiver still goes to on_event as RX_HANDLER) and after a handler exception (RX_HANDLER);
+the frames of that read that were not delivered stay buffered (``pending``) and are
+delivered first by the next on_readable().  A too-large header (RX_TOO_LARGE) ends the
+stream's framing: the receiver drops what it kept and reads nothing more.  A BaseException
+from on_frame (KeyboardInterrupt) propagates; the frame it interrupted counts as delivered
+and the rest stays pending, as after RX_HANDLER.  If a heap buffer for a kept tail cannot
+be allocated, on_event gets RX_ERROR with ENOMEM and the receiver reads nothing more.  An
+exception from on_event itself goes to sys.unraisablehook: on_readable() never raises but a
+BaseException.
 
 Closed arena: on_readable() of a receiver whose arena was closed returns without reading.
 
@@ -1103,6 +1105,10 @@ cdef class Receiver:
         cdef object data
         cdef object exc = None
         cdef Py_buffer *v
+        # taken before on_frame: a close() inside it drops the callbacks, and an exception
+        # raised after that close must still be reported (logged and counted by the owner)
+        cdef object on_event = self.on_event
+        cdef object owner = self.owner
         if self.copy_frames:
             data = PyBytes_FromStringAndSize(p, n)
         elif base is not None:
@@ -1146,7 +1152,14 @@ cdef class Receiver:
                     self.fview = <PyObject *>data
         if exc is not None:
             data = None
-            self._event(AOP_RX_HANDLER, exc)
+            if self.closed:
+                if on_event is not None:
+                    try:
+                        on_event(owner, AOP_RX_HANDLER, exc)
+                    except Exception as e:
+                        _report(e)
+            else:
+                self._event(AOP_RX_HANDLER, exc)
             return 1
         return 0
 

@@ -18,6 +18,12 @@ States: OPEN -> CLOSING -> CLOSED.
   released, ``on_close`` runs exactly once (on the worker, after the last ``on_read``, when
   there are workers), the loop's reference is dropped.
 
+``on_close`` never runs inside the code that closed the session -- a hook calling ``close()``
+or ``abort()`` included: teardown queues it as a loop callback of its own (asyncio defers
+``connection_lost`` the same way, with ``call_soon``), so it runs after the current hook
+returns, and with workers it is posted to the session's backlog from there, behind every
+``on_read``.
+
 Lifetime: a ``RefCount`` starts at 1 (the loop's, dropped at teardown); each item queued for
 a worker holds one more.  At zero the session leaves the server's live set.
 
@@ -129,7 +135,7 @@ class Session:
                  "_loop", "_state", "_reason", "_exc", "_rc", "_batch",
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
-                 "_proxy_wait", "_sent_seen", "_owed_seen", "__weakref__")
+                 "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
     #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
@@ -186,6 +192,9 @@ class Session:
         self._proxy_wait = ctx.settings.proxy_protocol is not None
         self._sent_seen = 0                 # bytes the peer had taken when the sweep last
         self._owed_seen = False             #   looked, and whether output was owed then
+        # the errno of the recv or send error that ended the session (a reset: ECONNRESET),
+        # else None: the asyncio adapter gives connection_lost an OSError made from it
+        self._oserr: int | None = None
 
     # the Receiver looks for the PROXY header (a TLS session reads it before the handshake)
     _rx_proxy = True
@@ -292,6 +301,8 @@ class Session:
             b.flush()
         except OSError as e:
             en = e.errno or errno.EIO
+            if self._state != CLOSED:
+                self._oserr = en
             self._abort(f"send failed: {os.strerror(en)}",
                         cause="reset" if en in _RESET_ERRNOS else "send error")
             return 0
@@ -476,7 +487,9 @@ class Session:
             if p > high:
                 self._wm_paused = True
                 on_high()
-                self._ctx.kick()        # (from the flush's report: see _teardown)
+                # (maybe called from the iteration's flush, past the batches the callback
+                # sent to: what it sent must not wait for the loop's next event)
+                self._ctx.kick()
         elif p <= low:
             self._wm_paused = False
             on_low()
@@ -494,6 +507,8 @@ class Session:
             return
         if status < 0:
             e = -status
+            if self._state != CLOSED:
+                self._oserr = e
             self._abort(f"send failed: {os.strerror(e)}",
                         cause="reset" if e in _RESET_ERRNOS else "send error")
             return
@@ -651,6 +666,8 @@ class Session:
         """Worker thread (or the loop thread, once the completion queue is closed): every
         frame before a close the input asked for has been handled (see
         _close_after_frames)."""
+        if cause == "eof" and self._peer_eof_keeps_open():
+            return
         self._loop.call_soon_threadsafe(self._close, reason, None, level, cause)
 
     def handler_failed(self, hook: str, exc: BaseException) -> None:
@@ -679,6 +696,8 @@ class Session:
             self._peer_closed()
         elif code == RX_ERROR:
             reset = arg in _RESET_ERRNOS
+            if self._state != CLOSED:
+                self._oserr = arg
             self._abort(f"recv failed: {os.strerror(arg)}",
                         cause="reset" if reset else "recv error")
         elif code == RX_TOO_LARGE:
@@ -724,12 +743,37 @@ class Session:
         behind them and the close happens from there, so their replies still go out (a
         client that half-closes after its request gets its answer)."""
         if self.work is None or self._ctx.dispatch.closed:
+            if cause == "eof" and self._peer_eof_keeps_open():
+                if self._state == OPEN:
+                    self._rx.close()    # half-closed: nothing more to read
+                    if self._rx.pause(PAUSE_EOF):
+                        self._update_interest()
+                return
             self._close(reason, None, level, cause)
             return
         self._rx.close()                # nothing more is read or delivered
         if self._rx.pause(PAUSE_EOF):
             self._update_interest()
         self._ctx.dispatch.post(self, (EOF_MARK, reason, level, cause))
+
+    def _peer_eof_keeps_open(self) -> bool:
+        """The peer's EOF reached the handler's ``_on_peer_eof(session)`` hook, if it has one
+        (the asyncio adapter: ``eof_received()``), after every frame before it: True keeps
+        the session open for writing (not over TLS, as asyncio's TLS transport) until the
+        application closes it; False: the caller closes it.  A hook that raises has the
+        session closed (logged, counted) and answers True (nothing more for the caller to
+        do).  Loop thread (workers=0) or the session's worker."""
+        hook = getattr(self._ctx.dispatch.handler, "_on_peer_eof", None)
+        if hook is None or self.closed:
+            return False
+        try:
+            keep = hook(self)
+        except BaseException as e:      # (on a worker: the thread must live on)
+            if _get_ident() == self._loop.thread_id and not isinstance(e, Exception):
+                raise
+            self.handler_failed("eof_received", e)
+            return True                 # handler_failed closes it
+        return bool(keep) and self._ctx.tls is None
 
     # -- closing (loop thread) ----------------------------------------------------------
     def _close(self, reason: str, exc: BaseException | None = None, level: int = logging.INFO,
@@ -839,14 +883,25 @@ class Session:
         except OSError:
             pass
         ctx.session_closed(self)
-        ctx.dispatch.post(self, CLOSE_MARK)     # on_close after the last on_read
-        if self.work is None:
-            # inline: on_close ran here -- maybe from the iteration's flush (a close that
-            # waited for its output: over TLS, every graceful one), past the batches it
-            # sent to: what it sent must not wait for the loop's next event
-            ctx.kick()
+        # on_close never inside the code that closed us (a hook's close()/abort(), the
+        # flush's report, ...): from a loop callback of its own -- the callback phase runs
+        # before the iteration's flush, so what on_close sends leaves in that iteration.
+        # The callback holds a reference until it ran.
+        self._rc.incref()
+        if self._loop.closed:
+            self._post_close()          # (no callback would run any more)
+        else:
+            self._loop.call_soon(self._post_close)
         rc = self._rc
-        rc.decref()                     # the loop's reference (_on_zero may drop _rc)
+        rc.decref()                     # the loop's reference
+
+    def _post_close(self) -> None:
+        """on_close, after the last on_read: run here (workers=0) or posted behind the
+        session's frames for its worker (loop thread, a callback of its own)."""
+        try:
+            self._ctx.dispatch.post(self, CLOSE_MARK)
+        finally:
+            self.unref()                # _teardown's reference for this callback
 
     def _on_zero(self) -> None:
         """The last reference is gone (exactly once).  Break the session's last reference
