@@ -180,8 +180,7 @@ cdef class AtomicInt:
     # Comparisons: one seq_cst load of each AtomicInt operand, then int's comparison (an int
     # operand of any size compares exactly).  Against anything but an int or an AtomicInt:
     # NotImplemented (== falls back to identity, < raises TypeError naming both types).
-    # Defining them leaves tp_hash unset, and PyType_Ready makes the type unhashable
-    # (__hash__ = None): a value that changes cannot be a dict key.
+    # Unhashable (__hash__ = None below): a value that changes cannot be a dict key.
 
     def __richcmp__(self, other, int op):
         o = int_operand(other)
