@@ -37,11 +37,19 @@ goes out whole, in order.
 Anything else (another type, ``fast`` unset) is ``transport._write_slow(data)``: asyncio's
 checks, errors and counting of writes after the connection was lost.
 
+``writelines(items)`` is the same in one compiled pass over the items: while ``fast`` is set,
+every item is first checked to be bytes-like (any other raises asyncio's TypeError, from
+``b''.join``, with nothing written), then each is appended as ``write`` appends bytes -- a
+bytes, bytearray or contiguous memoryview of at most ``copy_max`` bytes copied with
+``c_add_copy``, anything else ``add_copy`` -- and steps 2 and 3 run once, after the last.
+Without ``fast``: ``transport._write_slow(b''.join(items))`` (asyncio 3.11's writelines).
+
 Threads: ``fast`` and ``high`` are plain fields written by the transport on the loop's thread,
 as a transport (asyncio's too) is used from its loop's thread; ``add_copy`` claims the batch
 itself, so a write from another thread never corrupts it.  No state here relies on the GIL.
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 
 from aoprim._sendbatch cimport SendBatch, _get
 from aoprim.atomic_h cimport aop_load_u32, aop_store_u32, AOP_SEQ_CST
@@ -100,16 +108,52 @@ cdef class TransportWriter:
                 pending = _get(&b.pend_bytes)    # relaxed load (see _get): a threshold
             else:
                 pending = self.add(data)
-            if pending > self.high or pending >= _SEND_NOW:
-                if self.blocked:
-                    self.transport._over_high()
-                else:
-                    self._flush_over_high(b)
-            if aop_load_u32(&self.sleep.flag, AOP_SEQ_CST):    # seq_cst: see SleepFlag
-                self.transport._aio_wake()
-            return 0
+            return _after_add(self, b, pending)
         self.transport._write_slow(data)
         return 0
+
+    def writelines(self, items):
+        """Write every bytes-like item of ``items`` in order (see the module docstring)."""
+        cdef list lst = items if type(items) is list else list(items)
+        cdef SendBatch b = self.batch
+        cdef object item
+        cdef type t
+        cdef Py_ssize_t n
+        cdef Py_buffer view
+        cdef bint small
+        if not self.fast:
+            self.transport._write_slow(b''.join(lst))
+            return
+        for item in lst:
+            t = type(item)
+            if (t is not bytes and t is not bytearray and t is not memoryview
+                    and not isinstance(item, (bytes, bytearray, memoryview))):
+                b''.join(lst)               # asyncio 3.11's TypeError, nothing written
+        # the list is not changed below: no Python code runs between two items (add_copy
+        # of a bytes-like object runs none), so indexing it is safe
+        for item in lst:
+            t = type(item)
+            if t is bytes:
+                n = PyBytes_GET_SIZE(item)
+                if n == 0:
+                    continue
+                if (<size_t>n <= b.copy_max and b.owner_tid == 0
+                        and b.c_add_copy(PyBytes_AS_STRING(item), <size_t>n) >= 0):
+                    continue
+            elif (t is bytearray or t is memoryview) and b.owner_tid == 0:
+                try:
+                    PyObject_GetBuffer(item, &view, PyBUF_SIMPLE)
+                except BufferError:
+                    pass                    # not contiguous: add_copy gathers it
+                else:
+                    small = (view.len == 0 or (<size_t>view.len <= b.copy_max
+                             and b.c_add_copy(view.buf, <size_t>view.len) >= 0))
+                    PyBuffer_Release(&view)
+                    if small:
+                        continue
+            self.add(item)
+        _after_add(self, b, _get(&b.pend_bytes))    # relaxed load (see _get): a threshold
+
 
     cdef int _flush_over_high(self, SendBatch b) except -1:
         """Above the high-water mark and not blocked (``fast`` set, so the connection is
@@ -128,3 +172,16 @@ cdef class TransportWriter:
             self.transport._block()
             self.transport._maybe_pause_protocol()
         return 0
+
+
+cdef int _after_add(TransportWriter w, SendBatch b, Py_ssize_t pending) except -1:
+    """Steps 2 and 3 of the module docstring, once data was added: the at-once flush above
+    the high-water mark (or at SEND_NOW), and the wake-up of a sleeping loop."""
+    if pending > w.high or pending >= _SEND_NOW:
+        if w.blocked:
+            w.transport._over_high()
+        else:
+            w._flush_over_high(b)
+    if aop_load_u32(&w.sleep.flag, AOP_SEQ_CST):    # seq_cst: see SleepFlag
+        w.transport._aio_wake()
+    return 0

@@ -26,7 +26,8 @@ Invariants (hold whenever no thread is inside the batch, i.e. ``busy == 0``):
   I5  own[k] for k in [head, nseg) holds exactly one reference/export/retain; segments
       outside [head, nseg) hold nothing.  Each owner is released exactly once: when its
       segment is fully written, or by clear() / deallocation.
-  I6  head == nseg implies head == nseg == 0 and cused == 0 (reset as soon as drained).
+  I6  head == nseg implies head == nseg == 0 and cused == 0 (reset as soon as drained);
+      then the arrays grown past their KEEP sizes are given back (_shrink_drained).
 
 Partial writes: _advance(n) walks from ``head`` over the n written bytes, stepping past
 fully written segments and trimming the first partly written one in place (iov_base += k,
@@ -87,6 +88,15 @@ cdef size_t CBUF_INIT = 16384          # initial coalescing buffer
 cdef size_t CBUF_KEEP = 1 << 20        # a drained buffer larger than this shrinks back
 cdef Py_ssize_t SEG_INIT = 32
 cdef Py_ssize_t MSG_INIT = 64
+# A drained batch gives back segment and message arrays longer than these (back to *_INIT),
+# as the coalescing buffer does above CBUF_KEEP: a backlog (a slow reader) must not pin its
+# peak for the connection's life.  The band between INIT and KEEP is the hysteresis: a load
+# that drains with fewer entries never reallocates, and one that needs more pays a shrink
+# and its regrowth (a few reallocs, pages touched anew) once per drain of at least KEEP / 2
+# entries.  KEEP is then < 1% of that drain's cost (test_drained_arrays_shrink_back,
+# docs/sendbatch.md: the measurement).
+cdef Py_ssize_t SEG_KEEP = 1024        # 1024 x (iovec + owner) = 112 KiB
+cdef Py_ssize_t MSG_KEEP = 16384       # 16384 message ends = 128 KiB
 
 
 cdef int _c_queue(SendBatch b, int r) noexcept nogil:
@@ -317,6 +327,46 @@ cdef int _room(Py_ssize_t *head, Py_ssize_t *tail, Py_ssize_t *cap, void **a,
         return -1
     cap[0] *= 2
     return 0
+
+
+cdef void *_fresh(void *old, size_t size) noexcept nogil:
+    """A new block of `size` bytes in place of the drained block `old` (freed), or `old`
+    itself when there is no memory.  malloc + free, not realloc: a block freed whole goes
+    back to the system (a large one is its own mapping), a realloc'd tail may not."""
+    cdef void *p = malloc(size)
+    if p == NULL:
+        return old
+    free(old)
+    return p
+
+
+cdef void _shrink_drained(SendBatch b) noexcept nogil:
+    """A drained batch (nothing pending: head == nseg == 0, mhead == mtail == 0, busy held)
+    gives back arrays grown past their KEEP size.  Out of memory: the large ones are kept."""
+    cdef void *p
+    cdef void *q
+    if b.ccap > CBUF_KEEP:
+        p = _fresh(b.cbuf, CBUF_INIT)
+        if p != <void *>b.cbuf:
+            b.cbuf = <char *>p
+            b.ccap = CBUF_INIT
+    if b.segcap > SEG_KEEP:
+        p = malloc(SEG_INIT * sizeof(iovec))
+        q = malloc(SEG_INIT * sizeof(aop_sb_owner))
+        if p != NULL and q != NULL:
+            free(b.iov)
+            free(b.own)
+            b.iov = <iovec *>p
+            b.own = <aop_sb_owner *>q
+            b.segcap = SEG_INIT
+        else:
+            free(p)
+            free(q)
+    if b.mcap > MSG_KEEP and b.mhead == b.mtail:
+        p = _fresh(b.ends, MSG_INIT * sizeof(uint64_t))
+        if p != <void *>b.ends:
+            b.ends = <uint64_t *>p
+            b.mcap = MSG_INIT
 
 
 cdef inline int _c_add(SendBatch b, const void *p, size_t n, int kind) noexcept nogil:
@@ -671,18 +721,12 @@ cdef class SendBatch:
             _release_owner(&self.own[k])
 
     cdef void _commit_head(self, Py_ssize_t h) noexcept nogil:
-        cdef char *nb
         self.head = h
         if h == self.nseg:
             # I6: drained -- reuse everything from the start
             self.head = self.nseg = 0
             self.cused = 0
-            if self.ccap > CBUF_KEEP:
-                nb = <char *>malloc(CBUF_INIT)
-                if nb != NULL:
-                    free(self.cbuf)
-                    self.cbuf = nb
-                    self.ccap = CBUF_INIT
+            _shrink_drained(self)
 
     cdef int _sock_fd(self) except -2:
         """The socket's current fd, -1 when it is closed (or the batch was cleared by the
@@ -1152,8 +1196,38 @@ cdef class SendBatch:
             self.mhead = self.mtail = 0
             aop_store_i64(&self.pend_bytes, 0, AOP_RELAXED)   # relaxed: see _add()
             aop_store_i64(&self.pend_msgs, 0, AOP_RELAXED)
+            _shrink_drained(self)
         finally:
             _unclaim(self)
+
+    def _copy_views(self):
+        """Copy the unsent part of every pending by-reference buffer (a bytearray or
+        memoryview larger than ``copy_max`` that ``add()`` queued by reference) into a bytes
+        object of its own and release the caller's buffer: from here on, changes to it are
+        not sent, as if ``add_copy()`` had queued what is left.  aoprim.aio's write() of a
+        large buffer on Python 3.11 (whose asyncio copies what it does not send at once):
+        the caller's buffer is offered to the kernel first, only the rest is copied.
+        Returns the bytes copied.  MemoryError: the segments not converted yet stay views."""
+        cdef Py_ssize_t k
+        cdef Py_ssize_t total = 0
+        cdef object copy
+        if not _claim(self):
+            _raise_busy()
+        try:
+            for k in range(self.head, self.nseg):
+                if self.own[k].kind != SB_VIEW:
+                    continue
+                copy = PyBytes_FromStringAndSize(<char *>self.iov[k].iov_base,
+                                                 <Py_ssize_t>self.iov[k].iov_len)
+                PyBuffer_Release(&self.own[k].view)
+                Py_INCREF(copy)
+                self.own[k].kind = SB_BYTES
+                self.own[k].obj = <PyObject *>copy
+                self.iov[k].iov_base = PyBytes_AS_STRING(copy)
+                total += <Py_ssize_t>self.iov[k].iov_len
+        finally:
+            _unclaim(self)
+        return total
 
     @property
     def pending_bytes(self):

@@ -668,6 +668,85 @@ def test_steady_state_does_not_grow(pair):
     assert sb._capacity[1] <= 4 * cap[1]
 
 
+def _drain(sb, peer, expect):
+    """Flush sb into the non-blocking socket until nothing is pending, reading the peer
+    meanwhile; returns what the peer got (must be ``expect`` bytes long)."""
+    got = bytearray()
+    a = sb.target
+    a.setblocking(False)
+    peer.settimeout(10)
+    try:
+        while sb.pending_bytes or len(got) < expect:
+            if sb.pending_bytes:
+                sb.flush()
+            if len(got) < expect:
+                got += peer.recv(1 << 20)
+    finally:
+        peer.settimeout(None)
+    assert len(got) == expect
+    return bytes(got)
+
+
+def test_drained_arrays_shrink_back(pair):
+    # A backlog (a slow reader) grows the message-end array, the segment arrays and the
+    # coalescing buffer to its peak; once drained, all three go back to their initial size
+    # instead of pinning the peak until the batch is freed.
+    a, b = pair
+    sb = SendBatch(a, auto_flush=False)
+    initial = sb._capacity
+    a.setblocking(False)
+    small = [b"%015d\n" % i for i in range(200_000)]      # 16 B each: copied, one segment
+    big = [bytes([65 + i % 26]) * 3000 for i in range(3000)]   # by reference: a segment each
+    sb.add_many(small)
+    sb.add_many(big)
+    sb.flush()                                              # a socketpair takes ~200 KB
+    grown = sb._capacity
+    assert grown[0] >= 3000 and grown[1] >= 16 * 200_000 and grown[2] >= 203_000
+    data = _drain(sb, b, 16 * 200_000 + 3000 * 3000)
+    assert data == b"".join(small) + b"".join(big)
+    assert sb._capacity == initial
+    # the same for a batch emptied by clear(), and by a FlushGroup's flush
+    sb.add_many(small)
+    sb.add_many(big)
+    assert sb._capacity[2] >= 203_000
+    sb.clear()
+    assert sb._capacity == initial
+    g = aoprim.FlushGroup()
+    g.attach(sb, "owner")
+    sb.add_many(small)
+    assert sb._capacity[2] >= 200_000
+    got = bytearray()
+    b.settimeout(10)
+    while sb.pending_bytes or len(got) < 16 * 200_000:
+        r = g.flush()
+        if r:
+            g.requeue(sb)
+        got += b.recv(1 << 20)
+    b.settimeout(None)
+    assert bytes(got) == b"".join(small)
+    assert sb._capacity == initial
+    g.detach(sb)
+
+
+def test_drained_arrays_kept_below_keep_size(pair):
+    # Hysteresis: a load that drains with fewer entries than the KEEP sizes keeps its grown
+    # arrays from one drain to the next (no reallocation per flush).
+    a, b = pair
+    sb = SendBatch(a, auto_flush=False)
+    msgs = [b"y" * 16] * 8000
+    big = [b"z" * 4000] * 600
+    sb.add_many(msgs)
+    sb.add_many(big)
+    _drain(sb, b, 16 * 8000 + 4000 * 600)
+    cap = sb._capacity
+    assert cap[0] >= 600 and cap[2] >= 8600            # grown, and kept once drained
+    for _ in range(5):
+        sb.add_many(msgs)
+        sb.add_many(big)
+        _drain(sb, b, 16 * 8000 + 4000 * 600)
+        assert sb._capacity == cap
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 def test_closed_peer_raises_and_keeps_pending():
