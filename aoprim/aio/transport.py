@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import TYPE_CHECKING, Any, Callable
 from operator import attrgetter as _attrgetter
 from threading import get_ident as _get_ident
@@ -81,6 +82,10 @@ IOV_MAX = 1024                   # segments one sendmsg takes (the kernel's UIO_
 __all__ = ["SocketTransport"]
 
 _BYTES_LIKE = (bytes, bytearray, memoryview)
+
+# asyncio 3.11 copies the part of a write() the kernel does not take at once; 3.12+ keeps a
+# memoryview of the caller's buffer (see SocketTransport._write_large)
+_COPY_UNSENT = sys.version_info < (3, 12)
 
 
 def _server_takes_transport() -> bool:
@@ -342,29 +347,48 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                 logger.warning('socket.send() raised exception.')
             self._conn_lost += 1
             return
-        p = self._add(data)
-        if p > self._high_water or p >= SEND_NOW:     # as the compiled write (its doc)
-            self._over_high()
+        if type(data) is not bytes and (data.nbytes if type(data) is memoryview
+                                        else len(data)) >= SEND_NOW:
+            self._write_large(data)
+        else:
+            p = self._add(data)
+            if p > self._high_water or p >= SEND_NOW:     # as the compiled write (its doc)
+                self._over_high()
         if self._sel.sleeping:
             self._aio_wake()
 
+    def _write_large(self, data: bytearray | memoryview) -> None:
+        """write() of a large mutable buffer (SEND_NOW bytes or more; a write that large
+        goes to the kernel at once anyway): queued by reference, so the kernel takes what it
+        can straight from the caller's memory, as asyncio's write() sends it.  What the
+        kernel leaves is kept as asyncio keeps it: copied on Python 3.11 (a later change to
+        the caller's buffer is not sent), a view of the caller's buffer on 3.12+ (asyncio
+        keeps a memoryview: changes made before it is sent are sent, and resizing a
+        bytearray raises BufferError until then).  docs/aio.md, differences, item 4."""
+        batch = self._batch
+        batch.add(data)                     # by reference: the export is held until sent
+        try:
+            if not self._blocked:
+                try:
+                    batch.flush()
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:
+                    # no traceback: its frames (write()'s) would keep the data alive
+                    self._write_error(exc.with_traceback(None))
+                    return
+        finally:
+            if _COPY_UNSENT and batch.pending_bytes:
+                batch._copy_views()
+        if batch.pending_bytes:
+            self._block()
+        self._maybe_pause_protocol()
+
     def writelines(self, list_of_data: Iterable[Buffer]) -> None:
-        items = list_of_data if type(list_of_data) is list else list(list_of_data)
-        if not self._fast:
-            # the same checks, errors and order as asyncio's (which joins, then writes)
-            self._write_slow(b''.join(items))
-            return
-        for data in items:
-            if not isinstance(data, _BYTES_LIKE):
-                b''.join(items)             # raises asyncio's TypeError, nothing written
-        add = self._add
-        p = 0
-        for data in items:
-            p = add(data)
-        if p > self._high_water or p >= SEND_NOW:
-            self._over_high()
-        if self._sel.sleeping:
-            self._aio_wake()
+        # one compiled pass (aoprim._aiowrite: TransportWriter.writelines): every item
+        # checked first (asyncio's TypeError, nothing written), then appended as write()
+        # appends; not fast: _write_slow(b''.join(items)), asyncio's checks and order
+        self._writer.writelines(list_of_data)
 
     def _aio_wake(self) -> None:
         """write() saw the loop's SleepFlag set.  The loop is running (sleeping in select():
