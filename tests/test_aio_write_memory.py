@@ -72,7 +72,7 @@ async def backlog(nconn, nmsg):
         a, b = socket.socketpair()
         b.setblocking(False)
         tr, _ = await loop.connect_accepted_socket(asyncio.Protocol, a)
-        tr.set_write_buffer_limits(high=1 << 40)
+        tr.set_write_buffer_limits(high=1 << 30)
         pairs.append((tr, b))
     await asyncio.sleep(0)
     gc.collect()
@@ -185,7 +185,7 @@ def test_backlog_memory_given_back_once_drained():
         if r is not None:
             assert r["intact"], (k, shown)
     base = max(res["asyncio"]["after"], 0) if "asyncio" in res else 0
-    assert res["aoprim"]["after"] <= base + 0.08 * data, shown
+    assert res["aoprim"]["after"] <= base + 0.15 * data, shown
     # the peak: the messages' bytes plus 8 bytes of bookkeeping per message (asyncio: the
     # bytes in one bytearray), so at most 2x the data for 16-byte messages
     assert res["aoprim"]["peak"] <= 2 * data + 16 * MiB, shown
