@@ -21,8 +21,10 @@ import time
 
 import pytest
 
+from aoprim.server.loop import BACKENDS
 from aoprim.server.supervisor import Supervisor, reserve_port
 
+from proc_support import child_env
 from test_server_support import HOST, recv_exact, wait_for
 
 CWD = tempfile.gettempdir()
@@ -61,13 +63,38 @@ def serve(*args, cwd=CWD):
     """Start `python -m aoprim serve --procs ...`; returns (process, port) once it listens."""
     p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
                           "0", "--log-level", "INFO", *args],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                         env=child_env())
     line = p.stdout.readline()
     if not line.startswith("listening on "):
         p.kill()
         out, err = p.communicate(timeout=10)
         raise AssertionError(f"did not start: {line!r} {err}")
     return p, int(line.rsplit(":", 1)[1])
+
+
+class Lines:
+    """The lines a stream gives, collected by a thread (for waiting on one with a deadline)."""
+
+    def __init__(self, stream):
+        self.lines = []
+        self._t = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self._t.start()
+
+    def _run(self, stream):
+        for line in stream:
+            self.lines.append(line)
+
+    def text(self):
+        return "".join(self.lines)
+
+    def wait(self, needle, count=1, timeout=60):
+        wait_for(lambda: self.text().count(needle) >= count, timeout=timeout,
+                 what=f"{needle!r} x{count}")
+
+    def join(self):
+        self._t.join(30)
+        assert not self._t.is_alive()
 
 
 def echo_once(port, payload=b"ping"):
@@ -299,6 +326,113 @@ def test_a_crashed_child_is_restarted_and_the_port_keeps_serving(tmp_path):
         cleanup(p, kids)
 
 
+RAISER = """
+from aoprim.server import Handler
+
+class Raiser(Handler):
+    # what argparse or click do on bad input, and what an interrupted handler raises
+    def on_read(self, session, data):
+        what = bytes(data)
+        if what == b"exit2":
+            raise SystemExit(2)
+        if what == b"exit0":
+            raise SystemExit(0)
+        if what == b"kbd":
+            raise KeyboardInterrupt
+        session.send(data)
+"""
+RAISED = {b"exit2": "SystemExit(2)", b"exit0": "SystemExit(0)", b"kbd": "KeyboardInterrupt()"}
+
+
+def _raise_in_a_handler(port, what):
+    """Send ``what``; the handler raises: the session is closed (its server, with
+    workers=0, stops)."""
+    with socket.create_connection((HOST, port), timeout=30) as s:
+        s.sendall(what)
+        try:
+            assert s.recv(10) == b""
+        except ConnectionResetError:
+            pass
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_handlers_exit_status_is_a_crash_of_its_child(tmp_path, backend):
+    """A handler raising SystemExit(2) made its child exit 2, which the supervisor took for
+    bad settings: every child stopped, exit 2.  SystemExit(0) or KeyboardInterrupt made it
+    exit 0, taken for a stop it was told to make: never restarted.  Each is a crash now:
+    the child exits 1, is restarted, and the service goes on."""
+    (tmp_path / "raiser.py").write_text(RAISER)
+    p, port = serve("--procs", "2", "--backend", backend, "--workers", "0", "raiser:Raiser",
+                    cwd=str(tmp_path))
+    kids = []
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        err = Lines(p.stderr)
+        for n, what in enumerate((b"exit2", b"exit0", b"kbd"), 1):
+            _raise_in_a_handler(port, what)
+            # the restarted child listens again (before that, a request to the other child
+            # could meet no listener at all)
+            err.wait("(restarted) is listening", count=n)
+            assert len(children_of(p.pid)) == 2 and p.poll() is None
+            kids += children_of(p.pid)
+            for i in range(4):
+                assert echo_once(port, b"ok%d" % i) == b"ok%d" % i
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, err.text()
+        err.join()
+        text = err.text()
+        assert text.count("exited with status 1: restarting it") == 3, text
+        for name in RAISED.values():
+            assert f"a handler raised {name} while serving" in text, text
+        assert "configuration error" not in text and "not restarting it" not in text
+    finally:
+        cleanup(p, kids)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", list(RAISED))
+def test_a_handlers_exit_status_with_procs_1_is_1(tmp_path, what):
+    """With --procs 1 the process exited with the handler's status: 2 (as if the settings
+    were wrong) or 0 (as if told to stop)."""
+    (tmp_path / "raiser.py").write_text(RAISER)
+    p, port = serve("raiser:Raiser", cwd=str(tmp_path))
+    try:
+        _raise_in_a_handler(port, what)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 1, err
+        assert f"a handler raised {RAISED[what]} while serving: the server stopped (exit " \
+            "status 1)" in err
+        assert out.count("stats ") == 1
+    finally:
+        cleanup(p)
+
+
+@pytest.mark.timeout(120)
+def test_a_handlers_exit_on_a_worker_closes_its_session_only(tmp_path):
+    """With workers=N a handler's SystemExit/KeyboardInterrupt closes its session and the
+    worker lives on (handler.py): the children are the same ones afterwards."""
+    (tmp_path / "raiser.py").write_text(RAISER)
+    p, port = serve("--procs", "2", "--workers", "2", "raiser:Raiser", cwd=str(tmp_path))
+    kids = []
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        for what in RAISED:
+            for _ in range(2):
+                _raise_in_a_handler(port, what)
+        for i in range(4):
+            assert echo_once(port, b"ok%d" % i) == b"ok%d" % i
+        assert children_of(p.pid) == kids
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert "restarting it" not in err
+    finally:
+        cleanup(p, kids)
+
+
 def test_the_reservation_refuses_other_binders():
     r = reserve_port(HOST, 0)
     try:
@@ -330,10 +464,11 @@ def test_the_reservation_refuses_other_binders():
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
 
-    mode, port = sys.argv[1], sys.argv[2]
+    mode, port, status = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
     def bye(signum, frame):
         print("bye", os.getpid(), flush=True)
+        os.write(status, b"stopped\\n")      # told to stop, and done
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, bye)
@@ -344,16 +479,20 @@ CHILD = textwrap.dedent("""
         time.sleep(60)
     if mode == "fail2":                    # a configuration error before listening
         sys.exit(2)
-    # before "listening on": a stop signal, sent once every child listens, could otherwise
-    # land inside this print (the child then wrote "child" + "bye ...": a test race)
+    # before "ready": a stop signal, sent once every child listens, could otherwise land
+    # inside this print (the child then wrote "child" + "bye ...": a test race)
     print("child", mode, "up", flush=True)
-    print("listening on 127.0.0.1:" + port, flush=True)
-    lifetime = {"crash": 0.05, "late": 0.4, "exit2": 0.2, "exit0": 0.2}.get(mode)
+    os.write(status, b"ready\\n")
+    # exit2/exit0: a status chosen while serving (a handler's sys.exit, os._exit);
+    # stop0: the child stops by itself as if told to, saying so first
+    lifetime = {"crash": 0.05, "late": 0.4, "exit2": 0.2, "exit0": 0.2, "stop0": 0.2}.get(mode)
     if lifetime is None:
         time.sleep(60)
     else:
         time.sleep(lifetime)
-        sys.exit({"crash": 3, "late": 3, "exit2": 2, "exit0": 0}[mode])
+        if mode == "stop0":
+            os.write(status, b"stopped\\n")
+        sys.exit({"crash": 3, "late": 3, "exit2": 2, "exit0": 0, "stop0": 0}[mode])
 """)
 
 
@@ -368,10 +507,10 @@ def argv_of(script, *modes):
     """child_argv for a Supervisor: the n-th child started runs modes[n] (the last repeats)."""
     calls = []
 
-    def child_argv(port):
+    def child_argv(port, status_fd):
         mode = modes[min(len(calls), len(modes) - 1)]
         calls.append(mode)
-        return [sys.executable, script, mode, str(port)]
+        return [sys.executable, script, mode, str(port), str(status_fd)]
     return child_argv
 
 
@@ -442,12 +581,19 @@ def test_a_child_that_lived_long_enough_starts_the_back_off_again(child_script, 
     assert delays_logged(caplog)[:3] == [0.05, 0.05, 0.05]
 
 
-def test_exit_2_after_listening_stops_every_child_with_2(child_script, capfd):
-    sup = Supervisor(argv_of(child_script, "serve", "exit2"), 2, HOST, 0, stdout=io.StringIO())
-    assert sup.run() == 2
-    assert "exited with status 2 (a usage or configuration error): stopping" in \
-        capfd.readouterr().err
-    assert len(sup.spawned) == 2                       # no restart
+@pytest.mark.parametrize("mode", ["exit2", "exit0"])
+def test_a_status_chosen_while_serving_is_a_crash(child_script, caplog, mode):
+    """Exit 2 after "ready" stopped every child and the supervisor exited 2 (taken for bad
+    settings); exit 0 without "stopped" was never restarted (taken for a stop it was told
+    to make).  Both are statuses a handler can choose: each is a crash, restarted."""
+    caplog.set_level(logging.INFO, logger="aoprim.server")
+    sup = Supervisor(argv_of(child_script, "serve", mode, "serve"), 2, HOST, 0,
+                     stdout=io.StringIO(), backoff=0.05)
+    assert run_supervisor(sup, lambda: len(sup.spawned) == 3 and sup._children[1].ready) == 0
+    rc = 2 if mode == "exit2" else 0
+    assert f"exited with status {rc} while serving, not told to stop (a crash): restarting " \
+        "it in 0.05 s" in caplog.text
+    assert [i for _, i, _ in sup.spawned] == [0, 1, 1]         # place 1 restarted
     assert not any(alive(pid) for _, _, pid in sup.spawned)
 
 
@@ -461,7 +607,7 @@ def test_exit_2_before_listening_stops_every_child_with_2(child_script):
 
 def test_children_that_exit_0_are_not_restarted(child_script):
     out = io.StringIO()
-    sup = Supervisor(argv_of(child_script, "exit0"), 3, HOST, 0, stdout=out)
+    sup = Supervisor(argv_of(child_script, "stop0"), 3, HOST, 0, stdout=out)
     assert sup.run() == 0                               # none left: done
     assert len(sup.spawned) == 3
     assert out.getvalue().count("listening on") == 1

@@ -15,7 +15,10 @@ what is pending), prints one ``stats {...}`` JSON line and exits 0 with no trace
 
 Exit status: 0 after a clean shutdown; 2 for a usage or configuration error (a bad option, a
 handler that cannot be loaded, settings the server refuses, an address it cannot bind), with
-one ``aoprim: ...`` line on stderr and no traceback; 1 when serving failed.
+one ``aoprim: ...`` line on stderr and no traceback; 1 when serving failed -- a
+``SystemExit`` or ``KeyboardInterrupt`` a handler raises while serving included (with
+``workers=0`` it stops the server, see handler.py): whatever status it carries, that is a
+failure, not a clean stop nor a usage error.
 
 ``--procs N`` runs N server processes on one port under a supervisor (see supervisor.py).
 """
@@ -27,7 +30,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import traceback
 from types import FrameType
@@ -295,6 +297,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     o.add("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
           help="stderr log level (default: %(default)s)")
     o.add("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # a supervised child
+    # a supervised child: its status pipe to the supervisor (supervisor.py)
+    o.add("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(child_argv=o.argv)
     lg = sub.add_parser("loadgen", help="echo load generator (a client; verifies every byte)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -376,7 +380,25 @@ def _print_stats(srv: Server) -> None:
             os.close(devnull)
 
 
+def _tell(fd: int | None, word: bytes) -> bool:
+    """Write ``word`` on the supervisor's status pipe (``--status-fd``); False if it is gone."""
+    if fd is None:
+        return True
+    try:
+        os.write(fd, word + b"\n")
+    except OSError:
+        return False
+    return True
+
+
 def _serve_one(a: argparse.Namespace) -> int:
+    status_fd = a.status_fd
+    if status_fd is not None:
+        # the supervisor's pipe is not for the handler's own subprocesses to hold open
+        try:
+            os.set_inheritable(status_fd, False)
+        except OSError as e:
+            raise UsageError(f"--status-fd {status_fd}: {_reason(e)}") from None
     if a.handler is not None:
         _put_on_path(a.app_dir)
         handler = load_handler(a.handler)
@@ -390,52 +412,54 @@ def _serve_one(a: argparse.Namespace) -> int:
     failed = []
 
     def announce() -> None:
-        # printed from the loop's first iteration: once the line is out, the loop runs
-        # (its signal wake-up pipe exists: the process's fds are those it serves with)
+        # run by the loop's first callback, before any accept (so before any handler code):
+        # once it is out, the loop runs (its signal wake-up pipe exists: the process's fds
+        # are those it serves with).  A supervised child says it on its status pipe only.
         try:
-            print(f"listening on {host}:{port}", flush=True)
+            if status_fd is None:
+                print(f"listening on {host}:{port}", flush=True)
+            elif not _tell(status_fd, b"ready"):
+                raise BrokenPipeError
         except BrokenPipeError:
             failed.append(True)
             srv.shutdown()              # (on the loop thread: starts the shutdown)
 
     srv.loop.call_soon(announce)
-    srv.serve_forever()
+    try:
+        srv.serve_forever()
+    except (SystemExit, KeyboardInterrupt) as e:
+        # raised by a handler on the loop thread (SIGINT/SIGTERM only start a clean shutdown
+        # while serve_forever runs): the server stopped because of it, which is a failure
+        # whatever status it carries -- a handler must not end the process as if told to
+        # stop (0) or as if the settings were wrong (2)
+        log.error("a handler raised %s while serving: the server stopped (exit status 1)",
+                  f"{type(e).__name__}({', '.join(map(repr, e.args))})")
+        failed.append(True)
+    if not failed:
+        _tell(status_fd, b"stopped")    # told to stop, and done: not to be restarted
     _print_stats(srv)
     return 1 if failed else 0
-
-
-def _check_port_free(host: str | None, port: int) -> None:
-    """UsageError if something is bound to (host, port): the supervisor's reservation and
-    its children use ``SO_REUSEPORT``, which lets them bind beside another ``--procs``
-    aoprim of the same user -- the two would share the port without a word.  This probe has
-    ``SO_REUSEADDR`` only (a closed connection's TIME_WAIT does not stop it), so it fails
-    where anything holds the port."""
-    try:
-        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                   flags=socket.AI_PASSIVE)[0]
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(addr)
-    except OSError as e:
-        raise UsageError(_reason(listen_error(host, port, e))) from None
 
 
 def _serve_procs(a: argparse.Namespace) -> int:
     if a.handler is not None:
         split_spec(a.handler)          # a malformed name fails once, before any child starts
     _check_settings(a)
-    if a.port:
-        _check_port_free(a.host, a.port)
     tail = [a.handler] if a.handler is not None else []
 
-    def child_argv(port: int) -> list[str]:
+    def child_argv(port: int, status_fd: int) -> list[str]:
         return [sys.executable, "-m", "aoprim", "serve",
-                *a.child_argv(a, port=port, procs=1, reuse_port=True), *tail]
+                *a.child_argv(a, port=port, procs=1, reuse_port=True, status_fd=status_fd),
+                *tail]
 
     sup = Supervisor(child_argv, a.procs, a.host, a.port)
     try:
         return sup.run()
-    except OSError as e:               # the port cannot be reserved
+    except OSError as e:
+        if sup.address is not None:    # not the reservation: a failure of the supervisor's
+            raise
+        # the port cannot be reserved: in use (by anything, another --procs server
+        # included: see supervisor.reserve_port), or not an address of this machine
         raise UsageError(_reason(listen_error(a.host, a.port, e))) from None
 
 

@@ -1,28 +1,35 @@
 """``--procs N``: N server processes on one port, and the process that supervises them.
 
 The kernel spreads the connections over the children (``SO_REUSEPORT``).  The supervisor
-imports no server code: a child is any command that prints ``listening on HOST:PORT`` once it
-accepts connections and exits with a status that says why it stopped.
+imports no server code: a child is any command that reports to it on a pipe of its own (see
+"The status pipe") and exits.
 
 Rules
 -----
-- The port is reserved for the supervisor's whole life: one socket, bound with
-  ``SO_REUSEPORT`` (and without ``SO_REUSEADDR``), never listening, so it receives no
-  connection.  Children bind beside it; a child restarted after every child died gets the same
-  port, and no other program can take the port meanwhile (a socket with ``SO_REUSEADDR`` only
-  -- asyncio's default -- is refused; joining a ``SO_REUSEPORT`` group needs the same uid).
-- ``listening on HOST:PORT`` is printed once, when every child has printed its own.  A child
+- The port is reserved for the supervisor's whole life (:func:`reserve_port`): one socket,
+  never listening, so it receives no connection.  It takes the port only if nothing else
+  holds it -- no listening socket, no other reservation, ``SO_REUSEPORT`` or not -- and
+  TIME_WAIT connections of an earlier server do not stop it.  Once bound it holds the port
+  with ``SO_REUSEPORT`` (and without ``SO_REUSEADDR``): children bind beside it, a child
+  restarted after every child died gets the same port, and no other program can take the
+  port meanwhile (a socket with ``SO_REUSEADDR`` only -- asyncio's default -- is refused).
+  Two supervisors never share a port, even when they start at the same instant.  What the
+  kernel still allows: a program of the same user that sets ``SO_REUSEPORT`` itself joins
+  the group (Linux's rule; docs/server.md).
+- ``listening on HOST:PORT`` is printed once, when every child has said it listens.  A child
   that exits before that, or a start that takes longer than ``start_timeout``, stops the
   others; the supervisor then exits non-zero (2 if that child exited 2) and never prints it.
-- A child's exit status decides what happens next:
-    0  it was told to stop: it is not restarted (when none is left, the supervisor exits 0);
-    2  a usage or configuration error, which a restart would only repeat: stop every child,
-       exit 2;
-    else  a crash: restart it after a back-off that doubles from ``backoff`` up to
-       ``backoff_max``; a child that lived ``stable_after`` seconds starts the count again.
-       A place restarted ``give_up_after`` times in a row, every child of it crashing within
-       ``stable_after`` seconds of its start, is a crash loop: the next crash stops every
-       child and the supervisor exits 1.
+- What happens when a child exits is decided by what it said on its status pipe, never by
+  its exit status alone (which a handler can choose: ``sys.exit(2)``, ``os._exit(0)``):
+    - it exited 2 before saying ``ready``: a usage or configuration error, which a restart
+      would only repeat: stop every child, exit 2;
+    - it said ``stopped`` (it was told to stop and shut down cleanly) and exited 0: it is
+      not restarted (when none is left, the supervisor exits 0);
+    - anything else is a crash: restart it after a back-off that doubles from ``backoff``
+      up to ``backoff_max``; a child that lived ``stable_after`` seconds starts the count
+      again.  A place restarted ``give_up_after`` times in a row, every child of it crashing
+      within ``stable_after`` seconds of its start, is a crash loop: the next crash stops
+      every child and the supervisor exits 1.
 - SIGINT/SIGTERM are forwarded (once) to every child; the supervisor waits up to
   ``stop_timeout`` seconds, kills what is left, and exits 0 if every child exited 0, else 1.
   A second signal kills the children at once.
@@ -32,8 +39,17 @@ Rules
   supervisor that died before the request was made.  The death signal follows the *thread*
   that forked the child, so the supervisor runs in one thread: the caller's.
 - Children run in their own process group: a Ctrl-C at the terminal reaches the supervisor
-  only, which forwards it once.  Their stdout is read by the supervisor (the ``listening on``
-  lines are consumed, every other line is passed on); their stderr is the supervisor's.
+  only, which forwards it once.  Their stdout is read by the supervisor and passed on line by
+  line; their stderr is the supervisor's.  When the supervisor's stdout is gone (closed, or a
+  pipe whose reader exited: ``| head -1``) the lines are dropped -- logged once -- and
+  everything else goes on: serving, restarts, the exit status.
+
+The status pipe
+---------------
+``child_argv(port, status_fd)`` gives each child the number of an inherited pipe's write end.
+The child writes ``ready\n`` once it accepts connections (its settings were accepted, no
+handler code has run yet), and ``stopped\n`` when it was told to stop (SIGINT/SIGTERM) and
+has shut down cleanly, just before it exits 0.  Nothing else is read from it.
 """
 from __future__ import annotations
 
@@ -54,7 +70,8 @@ __all__ = ["Supervisor", "reserve_port"]
 log = logging.getLogger("aoprim.server")
 
 _PR_SET_PDEATHSIG = 1
-_READY = b"listening on "
+_READY = b"ready"           # the child's status messages (see "The status pipe")
+_STOPPED = b"stopped"
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -73,13 +90,32 @@ def _find_prctl() -> Any:
 
 
 def reserve_port(host: str | None, port: int) -> socket.socket:
-    """A socket bound to (host, port) with SO_REUSEPORT only, not listening: it holds the port
-    (port 0: the kernel picks one) without taking any connection.  Returns the socket."""
-    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    """A socket bound to (host, port) that holds the port (port 0: the kernel picks one)
+    without taking any connection, for children that bind with ``SO_REUSEPORT``.  Returns
+    the socket; ``OSError`` (``EADDRINUSE``) if anything else holds the port.
+
+    Bound with ``SO_REUSEADDR``, so TIME_WAIT connections of an earlier server on the port do
+    not stop it; then a second socket, also with ``SO_REUSEADDR``, listens on the port for an
+    instant: Linux refuses that ``listen()`` while any other socket listens there or holds it
+    without ``SO_REUSEADDR`` -- another server, or another supervisor's reservation -- and
+    it is one atomic check in the kernel.  Only then does the reservation drop
+    ``SO_REUSEADDR`` (a socket with ``SO_REUSEADDR`` only could otherwise listen beside it)
+    and take ``SO_REUSEPORT`` (its children may bind beside it).  Of two supervisors racing
+    for one port at most one gets it: each one's ``listen()`` happens while its own
+    reservation still has ``SO_REUSEADDR``, so the first to listen has its way, and the other
+    finds that socket listening, or the first reservation without ``SO_REUSEADDR``."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                               flags=socket.AI_PASSIVE)[0]
     s = socket.socket(family, socket.SOCK_STREAM)
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(addr)
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(s.getsockname())
+            probe.listen(1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     except BaseException:
         s.close()
         raise
@@ -88,27 +124,29 @@ def reserve_port(host: str | None, port: int) -> socket.socket:
 
 class _Child:
     """One of the N places: the process filling it now, and its history."""
-    __slots__ = ("index", "proc", "buf", "started", "ready", "listened", "crashes",
-                 "respawn_at", "done")
+    __slots__ = ("index", "proc", "buf", "status", "said", "started", "ready", "listened",
+                 "crashes", "respawn_at", "done")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.proc: subprocess.Popen[bytes] | None = None    # the running process, or None
         self.buf = b""            # the start of a stdout line not yet complete
+        self.status: int | None = None  # the read end of its status pipe, while open
+        self.said = b""           # what the current process wrote on its status pipe
         self.started = 0.0        # time.monotonic() at spawn
-        self.ready = False        # the current process printed "listening on"
+        self.ready = False        # the current process said "ready"
         self.listened = False     # some process in this place did
         self.crashes = 0          # crashes in a row, each soon after its start
         self.respawn_at: float | None = None    # monotonic time of the pending restart
-        self.done = False         # exited 0: stays stopped
+        self.done = False         # told to stop, and it did: stays stopped
 
 
 class Supervisor:
-    """Run ``procs`` children of ``child_argv(port)`` on one reserved port; see the module
-    docstring for the rules.  ``run()`` blocks (in the main thread) and returns the exit
+    """Run ``procs`` children of ``child_argv(port, status_fd)`` on one reserved port; see the
+    module docstring for the rules.  ``run()`` blocks (in the main thread) and returns the exit
     status for the command line."""
 
-    def __init__(self, child_argv: Callable[[int], Sequence[str]], procs: int,
+    def __init__(self, child_argv: Callable[[int, int], Sequence[str]], procs: int,
                  host: str | None = "127.0.0.1", port: int = 0, *,
                  stdout: IO[str] | None = None, start_timeout: float = 30.0,
                  stop_timeout: float = 15.0, backoff: float = 0.5, backoff_max: float = 30.0,
@@ -119,7 +157,7 @@ class Supervisor:
         self._procs = procs
         self._host = host
         self._port = port
-        self._out = stdout if stdout is not None else sys.stdout
+        self._out: IO[str] | None = stdout if stdout is not None else sys.stdout
         self._start_timeout = float(start_timeout)
         self._stop_timeout = float(stop_timeout)
         self._backoff = float(backoff)
@@ -131,6 +169,7 @@ class Supervisor:
         self._sel: selectors.BaseSelector = None    # type: ignore[assignment]  # (run() makes it)
         self._signals: list[int] = []     # stop signals received, not yet handled
         self._announced = False           # "listening on" was printed
+        self._out_lost = False            # stdout failed (or is None): output is dropped
         self.address: tuple[str, int] | None = None     # (host, port) once reserved
         self.spawned: list[tuple[float, int, int]] = []  # (monotonic time, index, pid)
 
@@ -153,10 +192,22 @@ class Supervisor:
 
     def _spawn(self, c: _Child) -> None:
         port = self.address[1]
-        c.proc = subprocess.Popen(self._child_argv(port), stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, preexec_fn=self._preexec(os.getpid()))
+        status_r, status_w = os.pipe()
+        try:
+            c.proc = subprocess.Popen(self._child_argv(port, status_w), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, pass_fds=(status_w,),
+                                      preexec_fn=self._preexec(os.getpid()))
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)          # the child's now: EOF once it (and its heirs) exit
+        os.set_blocking(status_r, False)
         os.set_blocking(c.proc.stdout.fileno(), False)
         self._sel.register(c.proc.stdout.fileno(), selectors.EVENT_READ, c)
+        self._sel.register(status_r, selectors.EVENT_READ, (c, status_r))
+        c.status = status_r
+        c.said = b""
         c.buf = b""
         c.started = time.monotonic()
         c.ready = False
@@ -168,14 +219,44 @@ class Supervisor:
         try:
             self._spawn(c)
         except (OSError, subprocess.SubprocessError) as e:
-            log.error("cannot start %s: %s", self._child_argv(self.address[1])[:4], e)
+            log.error("cannot start %s: %s", self._child_argv(self.address[1], -1)[:4], e)
+            c.proc = None
             c.respawn_at = None
             return False
         return True
 
+    def _read_status(self, c: _Child, fd: int, final: bool = False) -> None:
+        """Take what child ``c`` wrote on its status pipe (``ready`` marks it ready).
+        ``final``: it has exited; take what is left and close the pipe (what it wrote before
+        it exited is in the pipe already: no waiting)."""
+        if c.status != fd:                 # closed already
+            return
+        while True:
+            try:
+                chunk = os.read(fd, 512)
+            except BlockingIOError:
+                chunk = None
+            if chunk:
+                c.said += chunk
+                if len(c.said) > 4096:     # only two short words are expected
+                    c.said = c.said[-4096:]
+                continue
+            if chunk == b"" or final:
+                self._sel.unregister(fd)
+                os.close(fd)
+                c.status = None
+            break
+        words = c.said.split(b"\n")[:-1]
+        if _READY in words and not c.ready:
+            c.ready = c.listened = True
+            if self._announced:
+                log.info("server process %d (restarted) is listening", c.proc.pid)
+
     def _read(self, c: _Child, final: bool = False) -> None:
-        """Pass on what child ``c`` printed (the ``listening on`` line marks it ready).
-        ``final``: it has exited; read to the end of its output, for a bounded time."""
+        """Pass on what child ``c`` printed.  ``final``: it has exited; read to the end of its
+        output, for a bounded time, and what it said on its status pipe."""
+        if final and c.status is not None:
+            self._read_status(c, c.status, final=True)
         if c.proc.stdout.closed:           # its end of output was read already
             return
         fd = c.proc.stdout.fileno()
@@ -202,13 +283,38 @@ class Supervisor:
                 self._line(c, line + b"\n")
 
     def _line(self, c: _Child, line: bytes) -> None:
-        if line.startswith(_READY) and not c.ready:
-            c.ready = c.listened = True
-            if self._announced:
-                log.info("server process %d (restarted) is listening", c.proc.pid)
+        self._write(line.decode(errors="replace"))
+
+    def _write(self, text: str) -> None:
+        """Write to the supervisor's stdout; once that is gone, drop the text (logged once):
+        a reader that went away must not stop the servers."""
+        if self._out_lost:
             return
-        self._out.write(line.decode(errors="replace"))
-        self._out.flush()
+        out = self._out
+        if out is None:                        # sys.stdout is None: fd 1 was closed
+            why = "no stdout"
+        else:
+            try:
+                out.write(text)
+                out.flush()
+                return
+            except (OSError, ValueError) as e:     # EPIPE, EBADF; ValueError: closed file
+                why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        self._out_lost = True
+        log.warning("stdout is unusable (%s): the server processes' output is dropped "
+                    "from now on; serving goes on", why)
+        if out is not None and out is sys.stdout:
+            # the interpreter's own flush at exit would fail again, with a traceback-like
+            # "Exception ignored" on stderr: what is left in its buffer goes to /dev/null
+            try:
+                fd = out.fileno()
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                try:
+                    os.dup2(devnull, fd)
+                finally:
+                    os.close(devnull)
+            except (OSError, ValueError):
+                pass
 
     def _stop_all(self, sig: int = signal.SIGTERM) -> bool:
         """Signal every live child, wait for them (bounded by stop_timeout, or not at all for
@@ -256,6 +362,8 @@ class Supervisor:
                         pass
                 except BlockingIOError:
                     pass
+            elif type(key.data) is tuple:      # a status pipe: (child, fd)
+                self._read_status(key.data[0], key.data[1])
             else:
                 self._read(key.data)
 
@@ -270,26 +378,29 @@ class Supervisor:
 
     def _reaped(self, c: _Child, rc: int, now: float) -> int | None:
         """Child ``c`` exited with ``rc``.  Returns an exit status for the supervisor, or None
-        to keep going."""
+        to keep going.  What it said on its status pipe decides, not ``rc`` alone: a handler
+        can exit with any status, but it runs only after ``ready``."""
         pid = c.proc.pid
-        self._read(c, final=True)          # it may have said "listening on" just before
+        self._read(c, final=True)          # it may have said "ready" just before
         c.proc = None
-        if not self._announced and not c.listened:
-            why = " (a usage or configuration error)" if rc == 2 else ""
+        words = c.said.split(b"\n")[:-1]
+        if rc == 2 and not c.ready:
             return self._fail(f"server process {pid} ({c.index + 1} of {self._procs}) exited "
-                              f"with {_how(rc)}{why} before it listened: stopping",
-                              2 if rc == 2 else 1)
-        if rc == 0:
+                              "with status 2 (a usage or configuration error) before it "
+                              "listened: stopping", 2)
+        if not self._announced and not c.listened:
+            return self._fail(f"server process {pid} ({c.index + 1} of {self._procs}) exited "
+                              f"with {_how(rc)} before it listened: stopping", 1)
+        if rc == 0 and _STOPPED in words:
             log.info("server process %d exited 0 (told to stop): not restarting it", pid)
             c.done = True
             return 0 if all(x.done for x in self._children) else None
-        if rc == 2:
-            return self._fail(f"server process {pid} exited with status 2 (a usage or "
-                              "configuration error): stopping", 2)
         if now - c.started >= self._stable_after:
             c.crashes = 0
         c.crashes += 1
         how = _how(rc)
+        if rc in (0, 2):                   # a status a handler chose (sys.exit, os._exit)
+            how += " while serving, not told to stop (a crash)"
         if c.crashes > self._give_up_after:
             return self._fail(f"server process {pid} exited with {how}; {c.crashes} crashes "
                               f"in a row, each within {self._stable_after:g} s of its start: "
@@ -318,6 +429,11 @@ class Supervisor:
                 if c.proc is not None:          # only after an error of our own
                     _signal(c.proc, signal.SIGKILL)
                     c.proc.wait()
+                    if c.proc.stdout is not None:
+                        c.proc.stdout.close()
+                if c.status is not None:
+                    os.close(c.status)
+                    c.status = None
             signal.set_wakeup_fd(old_wake)
             for s, h in old.items():
                 signal.signal(s, h)
@@ -353,7 +469,7 @@ class Supervisor:
             if not self._announced:
                 if all(c.listened for c in self._children):
                     self._announced = True
-                    print(f"listening on {host}:{port}", file=self._out, flush=True)
+                    self._write(f"listening on {host}:{port}\n")
                     log.info("supervising %d server processes on %s:%s", self._procs, host,
                              port)
                 elif now >= deadline:
