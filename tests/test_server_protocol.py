@@ -1,5 +1,6 @@
 """serve_protocol: unchanged asyncio protocols on the aoprim server."""
 import asyncio
+import threading
 
 import pytest
 
@@ -179,3 +180,48 @@ def test_pause_reading_stops_data_received(servers):
 def test_serve_protocol_rejects_framing():
     with pytest.raises(ValueError):
         serve_protocol(EchoProtocol, HOST, 0, framing="u16")
+
+
+@pytest.mark.parametrize("backend", ["selectors", "epoll"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pause_in_connection_made_holds_data_sent_with_the_proxy_header(servers, backend,
+                                                                         workers):
+    """HAProxy writes the PROXY header and the first request at once; the protocol pauses
+    in connection_made: no data_received while is_reading() is False, then the request
+    once, in order, after resume_reading()."""
+    got = []
+    while_paused = []
+    made = []
+
+    class PauseFirst(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.t = transport
+            transport.pause_reading()
+            made.append(transport)
+
+        def data_received(self, data):
+            if not self.t.is_reading():
+                while_paused.append(data)
+            got.append(data)
+            self.t.write(data)
+
+    srv = serve_protocol(PauseFirst, HOST, 0, backend=backend, workers=workers,
+                         proxy_protocol="v1")
+    servers.append(srv)
+    hdr = b"PROXY TCP4 192.0.2.7 192.0.2.1 40000 443\r\n"
+    req = b"GET / HTTP/1.0\r\n\r\n" * 50
+    with client(srv) as s:
+        s.sendall(hdr + req)                # one write: header and request
+        wait_for(lambda: made, what="connection_made")
+        for _ in range(2):                  # the loop finished the read that had the header
+            done = threading.Event()
+            srv.loop.call_soon_threadsafe(done.set)
+            assert done.wait(10)
+        assert got == [] and while_paused == []
+        assert made[0].get_extra_info("peername") == ("192.0.2.7", 40000)
+        made[0].resume_reading()            # from this (another) thread
+        assert recv_exact(s, len(req)) == req
+        assert while_paused == [] and b"".join(got) == req
+    wait_for(lambda: srv.stats()["connections"] == 0)
+    st = srv.stats()
+    assert st["rx_slots_in_use"] == 1 and st["rx_raw_slots_in_use"] == 1

@@ -16,7 +16,9 @@
     its buffer until reading resumes), so the backlog stays at the limit (plus at most the
     session's EOF and close marks), however many frames one read brought;
   * a session closed from its worker (a hook raised, ``close()``, ``abort()``) gets no more
-    ``on_read``: the frames still queued for it are dropped;
+    ``on_read``: the frames still queued for it are dropped (likewise after any close the
+    application or the server decided); a stream that failed under it (a reset) does not
+    drop them: they were read before the error, and asyncio delivers those too;
   * the loop thread never blocks on a full completion queue: a session that does not fit
     waits in an overflow list that the loop retries at the end of every iteration;
   * every queued item holds one reference of the session's ``RefCount``, dropped after it ran.
@@ -186,7 +188,7 @@ class WorkerDispatch:
                 session.run_on_close()
             elif type(item) is tuple:           # (EOF_MARK, reason, level, cause)
                 session.frames_done(*item[1:])
-            elif not session.closed:
+            elif session.takes_frames:
                 try:
                     handler.on_read(session, item)
                 except BaseException as e:

@@ -135,7 +135,8 @@ class Session:
                  "_loop", "_state", "_reason", "_exc", "_rc", "_batch",
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
-                 "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "__weakref__")
+                 "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
+                 "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
     #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
@@ -195,6 +196,9 @@ class Session:
         # the errno of the recv or send error that ended the session (a reset: ECONNRESET),
         # else None: the asyncio adapter gives connection_lost an OSError made from it
         self._oserr: int | None = None
+        # the stream failed (reset, recv/send error) while the session was open: frames read
+        # before it and still queued for a worker are delivered (see takes_frames)
+        self._peer_failed = False
 
     # the Receiver looks for the PROXY header (a TLS session reads it before the handshake)
     _rx_proxy = True
@@ -208,6 +212,14 @@ class Session:
     def closed(self) -> bool:
         """True once the session is closing or closed (sends are then dropped)."""
         return self._state != OPEN or self._close_requested
+
+    @property
+    def takes_frames(self) -> bool:
+        """Whether a frame queued for a worker still goes to ``on_read``: while open, and
+        after the stream failed under an open session (a reset: asyncio too delivers what
+        was read before the error) -- not once the application, a hook's exception or a
+        server limit closed it (those drop what is still queued)."""
+        return not self._close_requested and (self._state == OPEN or self._peer_failed)
 
     @property
     def close_reason(self) -> str | None:
@@ -303,6 +315,7 @@ class Session:
             en = e.errno or errno.EIO
             if self._state != CLOSED:
                 self._oserr = en
+                self._peer_failed = self._state == OPEN
             self._abort(f"send failed: {os.strerror(en)}",
                         cause="reset" if en in _RESET_ERRNOS else "send error")
             return 0
@@ -509,6 +522,7 @@ class Session:
             e = -status
             if self._state != CLOSED:
                 self._oserr = e
+                self._peer_failed = self._state == OPEN
             self._abort(f"send failed: {os.strerror(e)}",
                         cause="reset" if e in _RESET_ERRNOS else "send error")
             return
@@ -698,6 +712,7 @@ class Session:
             reset = arg in _RESET_ERRNOS
             if self._state != CLOSED:
                 self._oserr = arg
+                self._peer_failed = self._state == OPEN
             self._abort(f"recv failed: {os.strerror(arg)}",
                         cause="reset" if reset else "recv error")
         elif code == RX_TOO_LARGE:

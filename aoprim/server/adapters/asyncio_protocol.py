@@ -10,8 +10,15 @@ The transport's write buffer is the session's ``SendBatch``: ``get_write_buffer_
 its unsent bytes, and the protocol's ``pause_writing`` /
 ``resume_writing`` are called when it crosses the limits of ``set_write_buffer_limits``.
 
-Differences from asyncio worth knowing: the peer's EOF closes the session (``eof_received``
-is not called; ``connection_lost(None)`` is), and ``write_eof`` is not supported.  Over TLS
+The callbacks come in asyncio's order: ``connection_lost()`` never runs inside the callback
+that caused it (``abort()``, or ``close()`` with nothing left to write, inside
+``connection_made`` or ``data_received``): it follows in a later loop callback, as asyncio's
+``call_soon``, and no ``data_received`` comes after ``close()``/``abort()``.  The peer's EOF
+calls ``eof_received()``; a false return closes the transport (what it wrote first is
+sent), a true one keeps it open for writing until the protocol closes it (over TLS it closes
+anyway, as asyncio's TLS transport).  A reset or another socket error gives
+``connection_lost`` the ``OSError`` (``ConnectionResetError``), as asyncio.
+``write_eof`` is not supported.  Over TLS
 (``serve_protocol(..., ssl=ctx)``) ``get_extra_info`` answers asyncio's TLS names
 (``sslcontext``, ``ssl_object``, ``peercert``, ``cipher``, ``compression``).
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..handler import Handler
@@ -186,10 +194,25 @@ class ProtocolHandler(Handler):
             proto.buffer_updated(k)
             off += k
 
+    def _on_peer_eof(self, session: Session) -> bool:
+        """The peer's EOF (see Session._peer_eof_keeps_open): the protocol's
+        ``eof_received()``; True keeps the transport open for writing."""
+        if session.user is None:
+            return False
+        proto, tr, _ = session.user
+        if tr._closing:
+            return False
+        return bool(proto.eof_received())
+
     def on_close(self, session: Session, exc: BaseException | None) -> None:
         if session.user is None:
             return
         proto, tr, _ = session.user
         tr._closing = True
         session.user = None
+        err = session._oserr
+        if exc is None and err is not None:
+            # a reset or another socket error: asyncio hands connection_lost the OSError
+            # (ConnectionResetError for ECONNRESET; OSError picks the subclass)
+            exc = OSError(err, os.strerror(err))
         proto.connection_lost(exc)
