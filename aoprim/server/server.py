@@ -115,7 +115,9 @@ def _met(s: Session, tls: bool, proxy: bool) -> bool:
     """Whether the handler has met ``s`` (its ``on_connect`` ran), by the rule the sessions
     follow: under the PROXY protocol once the header is read (``proxy_peer`` is set then,
     also for a LOCAL/UNKNOWN header), with TLS once the handshake is done (the cipher is
-    known then, not before); without either, from the accept."""
+    known then, not before); without either, from the accept.  (Read from any thread: the
+    cipher is read only once the handshake is done, after the session tickets were written,
+    so the SSL object's session is no longer replaced under the reader.)"""
     if proxy and s.proxy_peer is None:
         return False
     return not tls or s.get_extra_info("cipher") is not None
