@@ -268,6 +268,31 @@ def test_header_larger_than_slot(rigs):
 
 # ---- events -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("hs", [0, 2, 4])
+@pytest.mark.parametrize("copy", [False, True])
+def test_exception_raised_after_close_in_on_frame_still_reaches_on_event(rigs, hs, copy):
+    """on_frame closes the receiver (the session's close()/abort()) and then raises: the
+    exception still goes to on_event as RX_HANDLER, with the owner -- the server logs and
+    counts it -- and no further frame is delivered."""
+    seen = []
+
+    def on_frame(owner, data):
+        seen.append(bytes(data))
+        owner.rx.close()
+        raise ValueError("after close")
+
+    g = rigs(hs=hs, copy=copy, on_frame=on_frame)
+    g.send(enc(hs, b"first") + enc(hs, b"second") if hs else b"first")
+    g.rx.on_readable()
+    assert seen == [b"first"]
+    assert len(g.events) == 1
+    code, exc = g.events[0]
+    assert code == RX_HANDLER and isinstance(exc, ValueError) and str(exc) == "after close"
+    g.rx.on_readable()
+    assert seen == [b"first"] and len(g.events) == 1
+    g.close()
+
+
 def test_eof(rigs):
     g = rigs(hs=2)
     g.send(enc(2, b"bye"))
