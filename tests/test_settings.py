@@ -120,6 +120,14 @@ def test_int_settings_refuse_other_types_by_name(name, bad):
         Settings(**{name: bad})
 
 
+def test_reuse_port_is_a_bool():
+    assert Settings(reuse_port=True).reuse_port is True
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match=f"^reuse_port must be True or False, not "
+                                            f"{type(bad).__name__}$"):
+            Settings(reuse_port=bad)
+
+
 def test_low_water_above_high_water():
     assert Settings(high_water=100, low_water=100).low_water == 100
     with pytest.raises(ValueError, match=r"low_water must be <= high_water \(100\), not 101"):

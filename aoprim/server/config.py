@@ -233,7 +233,10 @@ class Settings:
         set_(self, "low_water", lw)
         set_(self, "idle_timeout", _seconds("idle_timeout", self.idle_timeout))
         set_(self, "frame_timeout", _seconds("frame_timeout", self.frame_timeout))
-        set_(self, "reuse_port", bool(self.reuse_port))
+        if not isinstance(self.reuse_port, bool):
+            # (a str such as "no" would otherwise read as True)
+            raise TypeError(f"reuse_port must be True or False, not "
+                            f"{type(self.reuse_port).__name__}")
         # PROXY protocol
         parse_mode(self.proxy_protocol)
         set_(self, "trusted_proxies", parse_trusted(self.trusted_proxies))
