@@ -22,6 +22,11 @@ Rules for handlers:
   out of ``serve_forever()``; SIGINT itself never raises ``KeyboardInterrupt`` in a serving
   ``serve_forever()`` (it shuts down cleanly).  ``on_close`` is the exception: whatever it
   raises, on any thread, is logged and nothing else happens (its session is closed already).
+- ``session.close()`` / ``abort()`` inside ``on_connect`` or ``on_read`` (or anywhere) never
+  runs ``on_close`` inside that call: the hook returns first, and ``on_close`` follows from a
+  loop callback of its own (with workers, on the session's worker after its last
+  ``on_read``); no ``on_read`` comes after the close.  An exception the hook raises after
+  closing is still logged with its traceback and counted (``handler_errors``).
 """
 
 from __future__ import annotations
@@ -66,7 +71,8 @@ class Handler:
         """One frame arrived; ``data`` is valid during this call only."""
 
     def on_close(self, session: Session, exc: BaseException | None) -> None:
-        """The session is closed; ``exc`` is the exception that closed it, or None."""
+        """The session is closed; ``exc`` is the exception that closed it, or None.  Runs
+        once, after the hook that closed the session returned (never inside it)."""
 
 
 def _no_on_read(cls: type) -> str:
