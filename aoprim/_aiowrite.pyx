@@ -40,7 +40,8 @@ checks, errors and counting of writes after the connection was lost.
 ``writelines(items)`` is the same in one compiled pass over the items: while ``fast`` is set,
 every item is first checked to be bytes-like (any other raises asyncio's TypeError, from
 ``b''.join``, with nothing written), then each is appended as ``write`` appends bytes -- a
-bytes, bytearray or contiguous memoryview of at most ``copy_max`` bytes copied with
+run of bytes of at most ``copy_max`` bytes each copied under one claim of the batch
+(``sb_add_bytes_run``), a bytearray or contiguous memoryview that small with
 ``c_add_copy``, anything else ``add_copy`` -- and steps 2 and 3 run once, after the last.
 Without ``fast``: ``transport._write_slow(b''.join(items))`` (asyncio 3.11's writelines).
 
@@ -51,7 +52,7 @@ itself, so a write from another thread never corrupts it.  No state here relies 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 
-from aoprim._sendbatch cimport SendBatch, _get
+from aoprim._sendbatch cimport SendBatch, _get, sb_add_bytes_run
 from aoprim.atomic_h cimport aop_load_u32, aop_store_u32, AOP_SEQ_CST
 
 # pending bytes at which write() hands the batch to the kernel at once, below the
@@ -121,6 +122,7 @@ cdef class TransportWriter:
         cdef Py_ssize_t n
         cdef Py_buffer view
         cdef bint small
+        cdef Py_ssize_t i, j, end
         if not self.fast:
             self.transport._write_slow(b''.join(lst))
             return
@@ -129,9 +131,17 @@ cdef class TransportWriter:
             if (t is not bytes and t is not bytearray and t is not memoryview
                     and not isinstance(item, (bytes, bytearray, memoryview))):
                 b''.join(lst)               # asyncio 3.11's TypeError, nothing written
-        # the list is not changed below: no Python code runs between two items (add_copy
-        # of a bytes-like object runs none), so indexing it is safe
-        for item in lst:
+        # runs of small bytes items are copied under one claim of the batch
+        # (sb_add_bytes_run); any other item as write() takes it
+        i = 0
+        end = len(lst)
+        while i < end:
+            j = sb_add_bytes_run(b, lst, i)
+            if j > i:
+                i = j
+                continue
+            item = lst[i]
+            i += 1
             t = type(item)
             if t is bytes:
                 n = PyBytes_GET_SIZE(item)

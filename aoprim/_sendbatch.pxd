@@ -199,3 +199,6 @@ cdef void _sock_unpin(object sock) noexcept
 cdef bint _sock_closing(object sock) noexcept
 cdef void _release_owner(aop_sb_owner *o) noexcept
 cdef Py_ssize_t _positive(object v, str name) except -1
+# add_copy() of a run of small bytes items of a list under one claim (aoprim._aiowrite's
+# writelines): the index of the first item not taken (see _sendbatch.pyx)
+cdef Py_ssize_t sb_add_bytes_run(SendBatch b, list items, Py_ssize_t i) except -1

@@ -416,6 +416,40 @@ cdef inline int _add_one(SendBatch b, object data, bint af) except -1:
     return 0
 
 
+@cython.boundscheck(True)         # items[k]: checked (a free-threaded caller's list may shrink)
+cdef Py_ssize_t sb_add_bytes_run(SendBatch b, list items, Py_ssize_t i) except -1:
+    """add_copy() of items[i], items[i + 1], ... while they are bytes of at most copy_max
+    bytes (empty ones skipped), under ONE claim of the batch: aoprim.aio's writelines()
+    (aoprim._aiowrite).  Returns the index of the first item not taken; ``i`` when none was
+    (the batch is busy, limited to an owner thread, or items[i] is something else: the
+    caller adds it the usual way).  A batch in a group is queued, as by add_copy()."""
+    cdef Py_ssize_t k = i
+    cdef Py_ssize_t n
+    cdef object item
+    if b.owner_tid != 0 or not _claim(b):
+        return i
+    try:
+        while k < len(items):
+            item = items[k]
+            if type(item) is not bytes:
+                break
+            n = PyBytes_GET_SIZE(item)
+            if <size_t>n > b.copy_max:
+                break
+            if n and not _fast_add_small_bytes(b, item):
+                if b._add_raw(PyBytes_AS_STRING(item), n, SB_COPY, NULL, NULL) < 0:
+                    raise MemoryError()
+            k += 1
+        if k > i:
+            b._maybe_queue()
+    except BaseException:
+        b._queue_quietly()               # the items added before the error are queued too
+        raise
+    finally:
+        _unclaim(b)
+    return k
+
+
 cdef inline int64_t _queued_after_add(SendBatch b) except -1:
     """add_copy's and add_frame's end (busy held): the auto-flush once a threshold is
     reached, the group queueing, and the bytes now pending (what they return)."""
