@@ -216,7 +216,8 @@ def test_large_bytearray_write_memory():
 
 def _mutated_after_write(kind):
     """write() an 8 MiB bytearray of b'A' to a peer that reads nothing yet, then overwrite
-    it in place with b'B'; returns what the peer gets."""
+    it in place with b'B' and try to resize it; returns what the peer gets and whether the
+    resize raised BufferError (the loop still holds a view of it)."""
     loop = new_loop(kind)
     size = 8 * MiB
     a, b = socket.socketpair()
@@ -226,6 +227,13 @@ def _mutated_after_write(kind):
             data = bytearray(b"A") * size
             tr.write(data)
             data[:] = b"B" * size               # same length: allowed under an export
+            try:
+                data.append(66)
+            except BufferError:
+                viewed = True
+            else:
+                viewed = False
+                del data[-1]
             got = bytearray()
             b.setblocking(False)
             while len(got) < size:
@@ -233,7 +241,7 @@ def _mutated_after_write(kind):
                 assert d
                 got += d
             tr.close()
-            return bytes(got)
+            return bytes(got), viewed
         return loop.run_until_complete(main())
     finally:
         loop.close()
@@ -243,20 +251,53 @@ def _mutated_after_write(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bytearray_changed_after_write(kind):
-    got = _mutated_after_write(kind)
+    got, viewed = _mutated_after_write(kind)
     sent_at_once = len(got) - len(got.lstrip(b"A"))
     if kind == "uvloop":
         # uvloop keeps the caller's buffer (a view) on every Python
         assert set(got) <= {ord("A"), ord("B")}
         return
     if sys.version_info < (3, 12):
-        # asyncio 3.11 copies what the kernel does not take: the peer gets the old bytes
+        # asyncio 3.11 copies what the kernel does not take: the peer gets the old bytes,
+        # and the caller may resize its bytearray at once
         assert got == b"A" * len(got)
+        assert not viewed
     else:
         # 3.12+: asyncio keeps a view of the caller's buffer, so what was not sent at once
-        # is sent as changed
+        # is sent as changed, and the bytearray cannot be resized until then
         assert 0 < sent_at_once < len(got)
         assert got == b"A" * sent_at_once + b"B" * (len(got) - sent_at_once)
+        assert viewed
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_large_bytearray_write_to_a_closed_peer(kind):
+    # the at-once send of a large buffer fails: a fatal write error, connection_lost(exc)
+    loop = new_loop(kind)
+    a, b = socket.socketpair()
+    b.close()
+    lost = []
+
+    class P(asyncio.Protocol):
+        def connection_lost(self, exc):
+            lost.append(exc)
+
+    try:
+        async def main():
+            tr, _ = await loop.connect_accepted_socket(P, a)
+            tr.write(bytearray(1 << 20))
+            for _ in range(10):
+                if lost:
+                    break
+                await asyncio.sleep(0)
+            return tr.is_closing()
+        closing = loop.run_until_complete(main())
+    finally:
+        loop.close()
+        a.close()
+    assert closing and len(lost) == 1, lost
+    if kind != "uvloop":                        # uvloop reports the peer's EOF first: None
+        assert isinstance(lost[0], OSError), lost
 
 
 # ---- writelines ---------------------------------------------------------------------------
