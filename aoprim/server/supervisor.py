@@ -98,12 +98,13 @@ def reserve_port(host: str | None, port: int) -> socket.socket:
     not stop it; then a second socket, also with ``SO_REUSEADDR``, listens on the port for an
     instant: Linux refuses that ``listen()`` while any other socket listens there or holds it
     without ``SO_REUSEADDR`` -- another server, or another supervisor's reservation -- and
-    it is one atomic check in the kernel.  Only then does the reservation drop
-    ``SO_REUSEADDR`` (a socket with ``SO_REUSEADDR`` only could otherwise listen beside it)
-    and take ``SO_REUSEPORT`` (its children may bind beside it).  Of two supervisors racing
-    for one port at most one gets it: each one's ``listen()`` happens while its own
-    reservation still has ``SO_REUSEADDR``, so the first to listen has its way, and the other
-    finds that socket listening, or the first reservation without ``SO_REUSEADDR``."""
+    it is one atomic check in the kernel.  Then, while the probe still listens, the
+    reservation drops ``SO_REUSEADDR`` (a socket with ``SO_REUSEADDR`` only could otherwise
+    listen beside it) and takes ``SO_REUSEPORT`` (its children may bind beside it); the
+    probe is closed last.  Of two supervisors racing for one port at most one gets it: each
+    one's ``listen()`` happens while its own reservation still has ``SO_REUSEADDR``, so the
+    first to listen has its way, and the other meets that probe listening or, once it is
+    closed, the first reservation without ``SO_REUSEADDR``."""
     family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                flags=socket.AI_PASSIVE)[0]
     s = socket.socket(family, socket.SOCK_STREAM)
@@ -114,8 +115,10 @@ def reserve_port(host: str | None, port: int) -> socket.socket:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(s.getsockname())
             probe.listen(1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            # still listening: until the reservation has dropped SO_REUSEADDR, the probe is
+            # what refuses another supervisor's probe
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     except BaseException:
         s.close()
         raise
