@@ -20,7 +20,9 @@ one ``aoprim: ...`` line on stderr and no traceback; 1 when serving failed -- a
 ``workers=0`` it stops the server, see handler.py): whatever status it carries, that is a
 failure, not a clean stop nor a usage error.
 
-``--procs N`` runs N server processes on one port under a supervisor (see supervisor.py).
+``--procs N`` runs N server processes on one port under a supervisor (see supervisor.py);
+each is ``serve`` with the hidden ``--reuse-port --status-fd FD``, and says ``ready`` and
+``stopped`` on that pipe instead of printing ``listening on``.
 """
 from __future__ import annotations
 
