@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import socket
+import ssl
 import struct
 import tempfile
 import threading
@@ -24,6 +25,7 @@ from aoprim.server.cli import build_parser
 
 from haproxy_support import haproxy_v2, needs_haproxy
 from support import run_threads
+from tlscerts import tls_certs  # noqa: F401  (fixture)
 from test_server_support import (HOST, frame, make_server, read_frame, recv_exact,  # noqa: F401
                                  recv_until_closed, wait_for)
 
@@ -642,6 +644,52 @@ def test_server_pause_in_on_connect_holds_the_request_sent_with_the_header(
     st = srv.stats()
     assert st["rx_slots_in_use"] == IDLE_RX and st["rx_frame_buffers_in_use"] == 0
     assert st["rx_raw_slots_in_use"] == (1 if framing == "raw" else 0)
+
+
+@pytest.mark.parametrize("backend", ["selectors", "epoll"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_server_tls_pause_in_on_connect_holds_the_request_of_the_last_flight(
+        make_server, tls_certs, backend, workers):
+    """PROXY header and ClientHello in one write, then the handshake's last flight and the
+    first request in one write; on_connect pauses: no on_read until resume_reading()."""
+    h = PauseInConnect()
+    srv = make_server(h, framing="u16", proxy_protocol="any", workers=workers,
+                      ssl=tls_certs.server_ctx())
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = tls_certs.client_ctx().wrap_bio(inc, out, server_hostname="localhost")
+    hdr = VALID["v1 TCP4"][0]
+    with _connect(srv) as c:
+        first = True
+        while True:
+            try:
+                obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                pass
+            if out.pending:
+                c.sendall((hdr if first else b"") + out.read())
+                first = False
+            inc.write(c.recv(65536))
+        obj.write(frame(b"held request"))
+        c.sendall(out.read())           # Finished + the request: one write
+        wait_for(lambda: h.sessions, what="on_connect")
+        _loop_ran(srv)
+        _loop_ran(srv)
+        assert h.got == []
+        h.resume(h.sessions[0])
+        got = b""
+        while len(got) < 14:
+            d = c.recv(65536)
+            assert d, "EOF before the reply"
+            inc.write(d)
+            try:
+                got += obj.read(65536)
+            except ssl.SSLWantReadError:
+                pass
+        assert got == frame(b"held request")
+        assert h.got == [b"held request"] and h.while_paused == []
+    wait_for(lambda: srv.stats()["connections"] == 0)
+    assert srv.stats()["rx_slots_in_use"] == IDLE_RX
 
 
 def test_server_on_a_unix_socket_trusts_the_local_balancer(tmp_path):

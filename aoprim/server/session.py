@@ -676,6 +676,13 @@ class Session:
         except BaseException as e:      # (on a worker: the thread must live on)
             log.error("session %d: handler on_close raised", self.id, exc_info=e)
 
+    def lost_error(self) -> OSError | None:
+        """The OSError of the recv or send error that ended the stream (a reset:
+        ConnectionResetError), or None: what asyncio hands ``connection_lost`` (the asyncio
+        adapter; ``on_close`` itself gets None for these)."""
+        err = self._oserr
+        return None if err is None else OSError(err, os.strerror(err))
+
     def frames_done(self, reason: str, level: int, cause: str) -> None:
         """Worker thread (or the loop thread, once the completion queue is closed): every
         frame before a close the input asked for has been handled (see

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..handler import Handler
@@ -210,9 +209,8 @@ class ProtocolHandler(Handler):
         proto, tr, _ = session.user
         tr._closing = True
         session.user = None
-        err = session._oserr
-        if exc is None and err is not None:
+        if exc is None:
             # a reset or another socket error: asyncio hands connection_lost the OSError
-            # (ConnectionResetError for ECONNRESET; OSError picks the subclass)
-            exc = OSError(err, os.strerror(err))
+            # (ConnectionResetError for ECONNRESET)
+            exc = session.lost_error()
         proto.connection_lost(exc)
