@@ -28,8 +28,17 @@ that asyncio's Python code and callers see asyncio's loop:
 
 When the loop is in debug mode, or its selector is not the loop's own ``_Selector`` (a
 caller's selector, a mock), or ``_process_events`` is overridden (by a subclass or on the
-instance), the iteration is asyncio's Python ``_run_once`` instead (inside the same
-flushes): slow-callback warnings, mocks and overrides behave as on asyncio.
+instance), or the selector's ``select`` is replaced (on the instance: aiotools'
+``VirtualClock.patch_loop()``, looptime; or on its class), or ``asyncio.events.Handle._run``
+is (aiodebug's slow-callback log), the iteration is asyncio's Python ``_run_once`` instead
+(inside the same flushes): slow-callback warnings, virtual clocks, mocks and overrides
+behave as on asyncio.  These are checked at every iteration.
+
+One clock: the iteration and ``call_later`` read ``time.monotonic`` directly only while the
+loop's ``time()`` is BaseEventLoop's and ``time.monotonic`` is still the function this module
+bound at import; where it is patched (``unittest.mock.patch("time.monotonic")``, freezegun)
+every deadline goes through ``loop.time()``, as asyncio's own do.  The wait itself retries
+after EINTR on the real clock: it is a real sleep.
 """
 cimport cython
 from libc.errno cimport errno, EINTR
@@ -591,10 +600,11 @@ def configure(base_run_once, selector_type):
     """Called once by aoprim.aio.loop: asyncio's ``_run_once`` (the fallback) and the
     loop's own selector class (the only one the compiled wait reads; only if it is an
     ``EpollSelector``: elsewhere every iteration is asyncio's)."""
-    global _base_run_once, _selector_type
+    global _base_run_once, _selector_type, _own_select
     _base_run_once = base_run_once
     _selector_type = selector_type if issubclass(selector_type,
                                                  _selectors.EpollSelector) else None
+    _own_select = selector_type.select
 
 
 def wait_state(sel):
@@ -1034,10 +1044,14 @@ cdef inline int _dict_bits(LoopCore loop) except -1:
 
 cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
     """0: asyncio's Python iteration; 1: the compiled one; 2: the compiled one, and the
-    loop's time() is BaseEventLoop's (in neither its class nor its __dict__).  The compiled
-    one reads the loop state from LoopCore's C fields: only where they are what asyncio's
-    code reads (_C_FIELDS), and with an exact list as the timer heap (heapq takes a list
-    subclass: asyncio's iteration then)."""
+    loop's time() is BaseEventLoop's (in neither its class nor its __dict__) reading the
+    original ``time.monotonic`` (not patched: _clock_patched).  The compiled one reads the
+    loop state from LoopCore's C fields: only where they are what asyncio's code reads
+    (_C_FIELDS), and with an exact list as the timer heap (heapq takes a list subclass:
+    asyncio's iteration then).  It does not call ``Handle._run`` nor the selector's
+    ``select``: where either is patched (aiodebug's slow-callback log; aiotools' and
+    looptime's virtual clocks, which replace ``select`` on the selector instance) the
+    iteration is asyncio's, which calls them."""
     cdef int bits = _class_bits(loop)
     if not bits & _C_FIELDS or not bits & _C_EVENTS:
         return 0
@@ -1046,9 +1060,78 @@ cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
     cdef int d = _dict_bits(loop)
     if d & _DICT_EVENTS:
         return 0
-    if bits & _C_TIME and not d & _DICT_TIME:
+    if not _handle_run_ok() or _select_patched(sel):
+        return 0
+    if bits & _C_TIME and not d & _DICT_TIME and not _clock_patched():
         return 2
     return 1
+
+
+# ---- what the compiled iteration does not call, checked per iteration (issue 39) --------
+
+# time.monotonic as this module found it: the iteration and call_later call it directly
+# (no Python frame) while it is still what the time module holds; a patched one
+# (unittest.mock.patch("time.monotonic"), freezegun) is what asyncio's BaseEventLoop.time()
+# returns, so every deadline then goes through loop.time(): one clock, as on asyncio
+cdef dict _time_dict = _time.__dict__
+cdef object _S_MONOTONIC = _sys.intern("monotonic")
+cdef object _S_SELECT = _sys.intern("select")
+
+
+cdef inline bint _clock_patched():
+    """True when ``time.monotonic`` is no longer the function this module bound (one
+    lookup in the time module's dict, by an interned key)."""
+    return PyDict_GetItem(_time_dict, _S_MONOTONIC) != <PyObject *>_monotonic
+
+
+# (version tag << 1) | ok: whether asyncio's Handle._run is still the one the compiled
+# ready-queue call stands for (on Handle and TimerHandle), as of TimerHandle's version tag
+# -- which CPython renews on any change to TimerHandle or to Handle, its base; one word,
+# relaxed (as _class_cache: a stale entry only misses)
+cdef object _orig_handle_run = _Handle.__dict__["_run"]
+cdef uint64_t _run_cache = 0
+
+
+cdef bint _handle_run_ok() except -1:
+    cdef unsigned int tag = aio_type_tag(_TimerHandle)
+    cdef uint64_t c = aop_load_u64p(&_run_cache, AOP_RELAXED)
+    cdef bint ok
+    if tag != 0 and <unsigned int>(c >> 1) == tag:
+        return <bint>(c & 1)
+    ok = _Handle._run is _orig_handle_run and _TimerHandle._run is _orig_handle_run
+    tag = aio_type_tag(_TimerHandle)    # assigned by the lookups above, if it was not
+    if tag != 0:
+        aop_store_u64p(&_run_cache, ((<uint64_t>tag) << 1) | <uint64_t>ok, AOP_RELAXED)
+    return ok
+
+
+# the same for the selector class's select() (the loop's _Selector.select and the
+# EpollSelector.select it calls), as of _Selector's version tag (renewed by a change to it
+# or to any base)
+cdef object _own_select = None          # _Selector.select (configure)
+cdef object _epoll_select = _selectors.EpollSelector.select
+cdef uint64_t _select_cache = 0
+
+
+cdef bint _select_class_ok() except -1:
+    cdef unsigned int tag = aio_type_tag(_selector_type)
+    cdef uint64_t c = aop_load_u64p(&_select_cache, AOP_RELAXED)
+    cdef bint ok
+    if tag != 0 and <unsigned int>(c >> 1) == tag:
+        return <bint>(c & 1)
+    ok = (_selector_type.select is _own_select and
+          _selectors.EpollSelector.select is _epoll_select)
+    tag = aio_type_tag(_selector_type)
+    if tag != 0:
+        aop_store_u64p(&_select_cache, ((<uint64_t>tag) << 1) | <uint64_t>ok, AOP_RELAXED)
+    return ok
+
+
+cdef inline bint _select_patched(object sel) except -1:
+    """True when the selector's ``select`` is not _Selector's own: replaced on the instance
+    (one lookup in its __dict__, by an interned key) or on the class or a base."""
+    cdef dict d = PyObject_GenericGetDict(sel, NULL)
+    return PyDict_GetItem(d, _S_SELECT) != NULL or not _select_class_ok()
 
 
 # ---- the scheduling calls: asyncio's handles built in C ---------------------------------
@@ -1148,7 +1231,8 @@ def call_at(self, when, callback, *args, context=None, **kw):
 
 def call_later(self, delay, callback, *args, context=None, **kw):
     """``BaseEventLoop.call_later`` in C: ``time() + delay`` (``time.monotonic()`` where the
-    loop keeps BaseEventLoop's time(), as the iteration), then call_at's body."""
+    loop keeps BaseEventLoop's time() and time.monotonic is not patched, as the iteration),
+    then call_at's body."""
     if kw:
         _unexpected_keyword('call_later', kw)
     if delay is None:
@@ -1157,7 +1241,7 @@ def call_later(self, delay, callback, *args, context=None, **kw):
     if not bits & _C_SCHED or _debug_of(self, bits):
         return _py_call_later(self, delay, callback, *args, context=context)
     # a time() in the instance dict: as _compiled_ok finds it (_dict_bits)
-    if bits & _C_TIME and not (
+    if bits & _C_TIME and not _clock_patched() and not (
             _dict_bits(<LoopCore>self) & _DICT_TIME if isinstance(self, LoopCore)
             else "time" in PyObject_GenericGetDict(self, NULL)):
         when = _monotonic() + delay
@@ -1214,11 +1298,25 @@ cdef class LoopCore:
     ``_evs`` are the loop thread's, as in asyncio."""
 
 
+# iterations that ran asyncio's Python _run_once (process-wide; a plain counter: exact on
+# one loop thread, approximate when loops on several threads of a free-threaded build
+# fall back at once) -- tests read it to tell which path ran
+cdef unsigned long long _python_iterations = 0
+
+
+def python_iterations():
+    """How many iterations of any aoprim.aio loop ran asyncio's Python ``_run_once`` (debug
+    mode, a caller's selector, a patched ``select`` / ``Handle._run`` / ``_process_events``)
+    since import."""
+    return _python_iterations
+
+
 def run_once(LoopCore loop):
     """``Loop._run_once``: flush what was written outside a callback, one iteration
     (compiled, or asyncio's -- see the module docstring), then flush the iteration's
     writes -- also when a callback raised out of the loop (KeyboardInterrupt,
     SystemExit)."""
+    global _python_iterations
     cdef _Events evs
     cdef int ok
     sel = loop._selector
@@ -1243,6 +1341,7 @@ def run_once(LoopCore loop):
         if ok:
             _iteration(loop, evs, ok == 2)
         else:
+            _python_iterations += 1
             _base_run_once(loop)
     finally:
         flush()
