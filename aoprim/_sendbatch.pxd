@@ -93,17 +93,20 @@ cdef class SendBatch:
     cdef size_t cused                # bytes of cbuf in use (sent prefix included)
     cdef size_t ccap                 # allocated size of cbuf
 
-    # message boundaries: ends[mhead:mtail] = stream offset just past each pending message
-    cdef uint64_t *ends              # absolute stream offsets (bytes ever added), ascending
-    cdef Py_ssize_t mhead            # first pending message
-    cdef Py_ssize_t mtail            # one past the last pending message
+    # message boundaries: ends[mhead:mtail] = the length of each pending message, 4 bytes
+    # each; a message longer than MSG_LEN (2**31 - 1) takes several entries, all but its
+    # last flagged MSG_CONT (_sendbatch.pyx: I3)
+    cdef uint32_t *ends              # message lengths (| MSG_CONT: continued in the next)
+    cdef Py_ssize_t mhead            # first pending entry
+    cdef Py_ssize_t mtail            # one past the last pending entry
     cdef Py_ssize_t mcap             # allocated length of ends
+    cdef uint64_t mfront             # stream offset just past entry mhead (when mhead < mtail)
     cdef uint64_t added              # stream offset: bytes ever added (cleared ones included)
     cdef uint64_t sent               # stream offset: bytes written or dropped by clear()
 
     # read by any thread (relaxed loads), written by the owner (relaxed stores)
     cdef aop_atomic_i64 pend_bytes   # added - sent
-    cdef aop_atomic_i64 pend_msgs    # mtail - mhead
+    cdef aop_atomic_i64 pend_msgs    # entries in [mhead, mtail) without MSG_CONT
     cdef aop_atomic_i64 st_syscalls  # write syscalls issued (failed ones included)
     cdef aop_atomic_i64 st_messages  # messages fully written
     cdef aop_atomic_i64 st_bytes     # bytes written

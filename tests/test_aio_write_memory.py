@@ -186,9 +186,10 @@ def test_backlog_memory_given_back_once_drained():
             assert r["intact"], (k, shown)
     base = max(res["asyncio"]["after"], 0) if "asyncio" in res else 0
     assert res["aoprim"]["after"] <= base + 0.15 * data, shown
-    # the peak: the messages' bytes plus 8 bytes of bookkeeping per message (asyncio: the
-    # bytes in one bytearray), so at most 2x the data for 16-byte messages
-    assert res["aoprim"]["peak"] <= 2 * data + 16 * MiB, shown
+    # the peak: the messages' bytes plus 4 bytes of bookkeeping per message (asyncio: the
+    # bytes in one bytearray), 1.25x the data for 16-byte messages (an 8-byte offset per
+    # message made it 1.5x)
+    assert res["aoprim"]["peak"] <= 1.35 * data + 4 * MiB, shown
 
 
 def test_large_bytearray_write_memory():

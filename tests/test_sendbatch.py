@@ -728,6 +728,40 @@ def test_drained_arrays_shrink_back(pair):
     g.detach(sb)
 
 
+def test_messages_longer_than_2_gib_are_counted_once(pair):
+    # a message's length takes one 4-byte entry up to 2**31 - 1 bytes, several beyond: it
+    # is still ONE pending message until its last byte is written, however it is split
+    import mmap
+    a, _ = pair
+    sb = SendBatch(a, auto_flush=False)
+    big = 5 * (1 << 30) + 123                 # three entries; the pages are never touched
+    try:
+        m = mmap.mmap(-1, big)
+    except (OSError, OverflowError, ValueError) as exc:
+        pytest.skip(f"cannot map {big} bytes: {exc}")
+    view = memoryview(m)
+    try:
+        sb.add(b"head")
+        sb.add(view)                          # by reference
+        sb.add(b"tail")
+        assert (sb.pending_msgs, sb.pending_bytes) == (3, big + 8)
+        # the big message's bytes: 2**31 - 1 (one entry), 1 (into the second), 2**31,
+        # all but its last byte, its last byte; then the tail
+        steps = [4, (1 << 31) - 1, 1, 1 << 31, big - (1 << 32) - 1, 1, 4]
+        msgs_after = [2, 2, 2, 2, 2, 1, 0]
+        for n, left in zip(steps, msgs_after):
+            sb.consume(n)
+            assert sb.pending_msgs == left, (n, left)
+        assert sb.pending_bytes == 0 and sb.stats["messages"] == 3
+        sb.add(view)
+        sb.add(b"x")
+        assert (sb.pending_msgs, sb.pending_bytes) == (2, big + 1)
+    finally:
+        sb.clear()                            # releases the export before the unmap
+        view.release()
+        m.close()
+
+
 def test_drained_arrays_kept_below_keep_size(pair):
     # Hysteresis: a load that drains with fewer entries than the KEEP sizes keeps its grown
     # arrays from one drain to the next (no reallocation per flush).
