@@ -204,3 +204,31 @@ def test_install_without_policies_says_to_use_the_loop_factory(monkeypatch):
     with pytest.raises(RuntimeError, match=r"loop_factory=aoprim\.aio\.new_event_loop"):
         _install_on(monkeypatch, m)
     assert m.set == []
+
+
+def test_run_inside_a_running_loop_is_refused_before_any_loop_is_made():
+    """As asyncio.run: called from a running loop, run() raises at once -- no Loop is built
+    (no self-pipe left to the GC, no ResourceWarning), the outer loop goes on."""
+    made = []
+    real_init = aioloop.Loop.__init__
+
+    def counting_init(self, *args, **kwargs):
+        made.append(self)
+        real_init(self, *args, **kwargs)
+
+    async def inner():
+        return 1
+
+    async def outer():
+        coro = inner()
+        aioloop.Loop.__init__ = counting_init
+        try:
+            with pytest.raises(RuntimeError, match="cannot be called from a running event loop"):
+                aoprim.aio.run(coro)
+        finally:
+            aioloop.Loop.__init__ = real_init
+            coro.close()
+        return "outer goes on"
+
+    assert aoprim.aio.run(outer()) == "outer goes on"
+    assert made == []

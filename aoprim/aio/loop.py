@@ -272,7 +272,11 @@ class EventLoopPolicy(_PolicyBase):
 def run(main: Coroutine[Any, Any, _T], *, debug: bool | None = None) -> _T:
     """``asyncio.run(main, debug=debug)`` on a new :class:`Loop`: like asyncio.run, the loop
     is the policy's current loop while it runs (``asyncio.set_event_loop``), and none
-    after."""
+    after.  Called from a running event loop it raises RuntimeError, as asyncio.run does,
+    before it makes a loop."""
+    if asyncio._get_running_loop() is not None:
+        raise RuntimeError("aoprim.aio.run() cannot be called from a running event loop")
+
     def factory() -> Loop:
         loop = Loop()
         asyncio.set_event_loop(loop)
