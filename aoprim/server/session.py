@@ -24,8 +24,9 @@ or ``abort()`` included: teardown queues it as a loop callback of its own (async
 returns, and with workers it is posted to the session's backlog from there, behind every
 ``on_read``.
 
-Lifetime: a ``RefCount`` starts at 1 (the loop's, dropped at teardown); each item queued for
-a worker holds one more.  At zero the session leaves the server's live set.
+Lifetime: a ``RefCount`` starts at 1 (the loop's, dropped by the callback that runs or
+posts ``on_close`` after teardown); each item queued for a worker holds one more.  At zero
+the session leaves the server's live set.
 
 Threads: everything but ``send``, ``close``, ``abort``, ``pause_reading``, ``resume_reading``
 (and the dispatch hooks a worker calls) runs on the loop thread; those hop to it.
@@ -908,14 +909,11 @@ class Session:
         # on_close never inside the code that closed us (a hook's close()/abort(), the
         # flush's report, ...): from a loop callback of its own -- the callback phase runs
         # before the iteration's flush, so what on_close sends leaves in that iteration.
-        # The callback holds a reference until it ran.
-        self._rc.incref()
+        # The loop's reference is dropped there, once on_close is run or posted.
         if self._loop.closed:
             self._post_close()          # (no callback would run any more)
         else:
             self._loop.call_soon(self._post_close)
-        rc = self._rc
-        rc.decref()                     # the loop's reference
 
     def _post_close(self) -> None:
         """on_close, after the last on_read: run here (workers=0) or posted behind the
@@ -923,7 +921,8 @@ class Session:
         try:
             self._ctx.dispatch.post(self, CLOSE_MARK)
         finally:
-            self.unref()                # _teardown's reference for this callback
+            rc = self._rc
+            rc.decref()                 # the loop's reference (_on_zero may drop _rc)
 
     def _on_zero(self) -> None:
         """The last reference is gone (exactly once).  Break the session's last reference
