@@ -3,8 +3,10 @@
 One rule, shared with the command line (``server.as_handler``): an object with callable
 ``on_connect``/``on_read``/``on_close`` is used as it is; a class with them (a ``Handler``
 subclass) is instantiated with no arguments; anything else is a ``TypeError`` naming it.
-A ``Handler`` subclass that does not define ``on_read`` (a typo: ``on_reed``) would drop
-every byte, so instantiating it is a ``TypeError`` naming the class and the likely typo.
+The instance is checked: an ``on_read`` that is still ``Handler``'s do-nothing default (a
+typo: ``on_reed``; a mixin listed after ``Handler``; the bare ``Handler``) would drop every
+byte, and an ``async def`` or generator hook would never run its body, so ``Server()``
+refuses either with a ``TypeError`` naming the class and the likely cause.
 """
 import socket
 
@@ -110,12 +112,110 @@ def test_a_subclass_without_on_read_is_refused_naming_the_typo(given):
     assert "every byte" in msg
 
 
-def test_the_refusal_is_at_construction_of_the_handler():
-    with pytest.raises(TypeError, match="OnlyConnects does not define on_read"):
-        OnlyConnects()
+def test_the_refusal_is_at_server_construction_not_at_instantiation():
+    h = OnlyConnects()              # a handler may be built first and completed later
     with pytest.raises(TypeError) as info:
-        OnlyConnects()
+        Server(h, HOST, 0)
+    assert "OnlyConnects does not define on_read" in str(info.value)
     assert "looks like" not in str(info.value)      # no close name: no guess
+
+
+class PerInstance(Handler):         # picks its on_read in __init__ (a strategy)
+    def __init__(self, upper=True):
+        self.on_read = self._upper if upper else self._echo
+
+    def _echo(self, session, data):
+        session.send(data)
+
+    def _upper(self, session, data):
+        session.send(bytes(data).upper())
+
+
+@pytest.mark.parametrize("as_instance", [False, True], ids=["class", "instance"])
+def test_an_on_read_set_per_instance_is_accepted_and_serves(make_server, as_instance):
+    srv = make_server(PerInstance(upper=True) if as_instance else PerInstance)
+    assert _echo_once(srv, b"quiet") == b"QUIET"
+
+
+class EchoMixin:
+    def on_read(self, session, data):
+        session.send(data)
+
+
+class MixinAfter(Handler, EchoMixin):
+    pass
+
+
+class MixinFirst(EchoMixin, Handler):
+    pass
+
+
+@pytest.mark.parametrize("as_instance", [False, True], ids=["class", "instance"])
+def test_a_mixin_listed_after_handler_is_refused_naming_the_order(as_instance):
+    with pytest.raises(TypeError) as info:
+        Server(MixinAfter() if as_instance else MixinAfter, HOST, 0)
+    msg = str(info.value)
+    assert "Handler's default on_read shadows EchoMixin.on_read" in msg
+    assert "list EchoMixin before Handler" in msg
+    assert "misspelt" not in msg
+
+
+def test_a_mixin_listed_before_handler_serves(make_server):
+    srv = make_server(MixinFirst)
+    assert _echo_once(srv, b"mix") == b"mix"
+
+
+@pytest.mark.parametrize("given", [Handler, Handler()], ids=["class", "instance"])
+def test_the_base_handler_itself_is_refused(given):
+    with pytest.raises(TypeError) as info:
+        Server(given, HOST, 0)
+    msg = str(info.value)
+    assert "the base class Handler itself drops every byte" in msg
+    assert "subclass" in msg
+
+
+class AsyncRead(Handler):
+    async def on_read(self, session, data):
+        session.send(data)
+
+
+class GeneratorRead(Handler):
+    def on_read(self, session, data):
+        yield session.send(data)
+
+
+class AsyncGeneratorConnect(Upper):
+    async def on_connect(self, session):
+        yield
+
+
+class AsyncClose(Upper):
+    async def on_close(self, session, exc):
+        pass
+
+
+class AsyncPerInstance(Handler):
+    def __init__(self):
+        self.on_read = self._read
+
+    async def _read(self, session, data):
+        pass
+
+
+@pytest.mark.parametrize("cls, hook, kind", [
+    (AsyncRead, "on_read", "a coroutine function (async def)"),
+    (GeneratorRead, "on_read", "a generator function"),
+    (AsyncGeneratorConnect, "on_connect", "an async generator function"),
+    (AsyncClose, "on_close", "a coroutine function (async def)"),
+    (AsyncPerInstance, "on_read", "a coroutine function (async def)"),
+])
+@pytest.mark.parametrize("as_instance", [False, True], ids=["class", "instance"])
+def test_a_hook_that_is_not_a_plain_function_is_refused(cls, hook, kind, as_instance):
+    with pytest.raises(TypeError) as info:
+        Server(cls() if as_instance else cls, HOST, 0)
+    msg = str(info.value)
+    assert f"{cls.__qualname__}.{hook} is {kind}" in msg
+    assert "serve_protocol" in msg and "aoprim.aio" in msg
 
 
 def test_a_subclass_of_a_subclass_inherits_on_read():
@@ -123,15 +223,9 @@ def test_a_subclass_of_a_subclass_inherits_on_read():
         def on_connect(self, session):
             pass
 
-    assert isinstance(Louder(), Upper)
-
-
-def test_the_base_handler_itself_is_a_deliberate_sink():
-    h = Handler()
-    assert h.on_read(None, b"x") is None
-    srv = Server(Handler, HOST, 0)
+    srv = Server(Louder, HOST, 0)
     try:
-        assert type(srv.handler) is Handler
+        assert isinstance(srv.handler, Upper)
     finally:
         srv.shutdown()
 
@@ -142,12 +236,25 @@ def test_arguments_to_a_class_without_init_are_still_refused():
     assert NeedsArgs(b">").prefix == b">"
 
 
-def test_a_class_that_needs_arguments_is_refused_by_name():
+class Configured:
+    def __init__(self, cfg, *, level=0):
+        self.cfg = cfg
+
+
+class NeedsArgsInMixin(Handler, Configured):
+    def on_read(self, session, data):
+        pass
+
+
+@pytest.mark.parametrize("cls, sig", [(NeedsArgs, "(prefix)"),
+                                      (NeedsArgsInMixin, "(cfg, *, level=0)")])
+def test_a_class_that_needs_arguments_is_refused_by_name(cls, sig):
     with pytest.raises(TypeError) as info:
-        Server(NeedsArgs, HOST, 0)
-    msg = str(info.value)
-    assert "NeedsArgs is instantiated with no arguments" in msg
-    assert "'prefix'" in msg and "pass an instance" in msg
+        Server(cls, HOST, 0)
+    name = cls.__qualname__
+    assert str(info.value) == (f"Server() instantiates a handler class with no arguments; "
+                               f"{name} needs arguments {sig}: pass an instance, "
+                               f"Server({name}(...))")
 
 
 @pytest.mark.parametrize("given, words", [
@@ -167,7 +274,7 @@ def test_anything_without_the_hooks_is_refused_naming_it(given, words):
 def test_a_refused_handler_takes_no_resources():
     import os
     before = sorted(os.listdir("/proc/self/fd"))
-    for given in (Misspelt, NeedsArgs, DuckTypo, make_upper):
+    for given in (Misspelt, NeedsArgs, DuckTypo, make_upper, Handler, AsyncRead, MixinAfter):
         with pytest.raises(TypeError):
             Server(given, HOST, 0)
     assert sorted(os.listdir("/proc/self/fd")) == before

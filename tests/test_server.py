@@ -19,6 +19,13 @@ from test_server_support import (HOST, assert_no_leaks, connect, frame, make_ser
 from aoprim.server.loop import BACKENDS
 
 
+class Ignore(Handler):
+    """Reads and ignores every frame (the tests send from outside the hooks)."""
+
+    def on_read(self, session, data):
+        pass
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Every test here runs on every Layer 1 backend (make_server uses this fixture)."""
@@ -377,7 +384,7 @@ def test_shutdown_with_workers_and_clients_connected(make_server, connect):
 
 
 def test_send_from_many_threads_keeps_each_threads_order(make_server, connect):
-    srv = make_server(Handler(), framing="u32")
+    srv = make_server(Ignore(), framing="u32")
     s = connect(srv)
     wait_for(lambda: srv.sessions)
     sess = srv.sessions[0]

@@ -17,6 +17,13 @@ from test_server_support import (HOST, assert_no_leaks, connect, frame, make_ser
 from aoprim.server.loop import BACKENDS
 
 
+class Ignore(Handler):
+    """Reads and ignores every frame (the tests send from outside the hooks)."""
+
+    def on_read(self, session, data):
+        pass
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Every test here runs on every Layer 1 backend (make_server uses this fixture)."""
@@ -46,7 +53,7 @@ def test_slots_sent_from_several_threads_keep_u16_framing(make_server, connect, 
     header then payload: two threads could interleave them and corrupt the stream (this
     test fails on that code: a header followed by another thread's header)."""
     pool = SlabPool(64, 4096)
-    srv = make_server(Handler(), framing="u16")
+    srv = make_server(Ignore(), framing="u16")
     s = connect(srv)
     wait_for(lambda: srv.sessions)
     sess = srv.sessions[0]
@@ -93,7 +100,7 @@ def test_slots_sent_from_several_threads_keep_u16_framing(make_server, connect, 
 
 def test_send_and_broadcast_after_shutdown_release_what_they_retained():
     pool = SlabPool(64, 8)
-    srv = Server(Handler(), HOST, 0, framing="u16").start()
+    srv = Server(Ignore(), HOST, 0, framing="u16").start()
     c = socket.create_connection(srv.address, timeout=5)
     wait_for(lambda: srv.sessions)
     sess = srv.sessions[0]
@@ -113,7 +120,7 @@ def test_foreign_send_racing_teardown_never_strands_a_slot(fast_switching):
     """Sends from another thread while the session closes: every retained slot is released
     exactly once, whether it made it into the batch or not."""
     pool = SlabPool(64, 64)
-    srv = Server(Handler(), HOST, 0, framing="u16").start()
+    srv = Server(Ignore(), HOST, 0, framing="u16").start()
     try:
         for _ in range(20):
             c = socket.create_connection(srv.address, timeout=5)

@@ -31,12 +31,9 @@ Rules for handlers:
 
 from __future__ import annotations
 
-import difflib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from typing import Self
-
     from .session import Session
 
 __all__ = ["Handler"]
@@ -45,24 +42,15 @@ __all__ = ["Handler"]
 class Handler:
     """Base class of the Layer 3 code.  All hooks default to doing nothing.
 
-    A subclass defines ``on_read``: one whose ``on_read`` is still this default would drop
-    every byte its sessions receive, so instantiating it raises ``TypeError`` naming the
-    class and, where it defines a method of a close name (``on_reed``), that one.  (A handler
-    that ignores its input on purpose says so: ``def on_read(self, session, data): pass``.)
-    ``Handler()`` itself, which reads and ignores everything, may be instantiated.
+    A subclass defines ``on_read`` (in its class, a mixin listed before ``Handler``, or per
+    instance in ``__init__``): ``Server`` refuses a handler whose ``on_read`` is still this
+    default, which would drop every byte its sessions receive -- the bare ``Handler`` too --
+    with a ``TypeError`` naming the class and the likely cause (a misspelt ``on_reed``, a
+    mixin listed after ``Handler``).  A handler that ignores its input on purpose says so:
+    ``def on_read(self, session, data): pass``.  The hooks are plain functions, called
+    synchronously: ``Server`` refuses an ``async def`` or generator hook (asyncio code runs
+    under ``serve_protocol`` or ``aoprim.aio``).
     """
-
-    if not TYPE_CHECKING:
-        # hidden from type checkers, which then check a call against the subclass's own
-        # __init__ (or object's: Echo(1) is an error) instead of this (*args, **kwargs)
-        def __new__(cls, *args: Any, **kwargs: Any) -> Self:
-            if cls.on_read is Handler.on_read and cls is not Handler:
-                raise TypeError(_no_on_read(cls))
-            if (args or kwargs) and cls.__init__ is object.__init__:
-                # (object's own check, which a class with its own __new__ no longer gets: without
-                # this, Echo(1) would pass silently)
-                raise TypeError(f"{cls.__qualname__}() takes no arguments")
-            return super().__new__(cls)
 
     def on_connect(self, session: Session) -> None:
         """A session was accepted (before any of its frames is read)."""
@@ -73,14 +61,3 @@ class Handler:
     def on_close(self, session: Session, exc: BaseException | None) -> None:
         """The session is closed; ``exc`` is the exception that closed it, or None.  Runs
         once, after the hook that closed the session returned (never inside it)."""
-
-
-def _no_on_read(cls: type) -> str:
-    """Why ``cls``, a Handler subclass that does not define ``on_read``, is refused."""
-    names = {name for k in cls.__mro__ if k is not Handler and k is not object
-             for name in vars(k) if not name.startswith("__")}
-    close = difflib.get_close_matches("on_read", sorted(names), n=1)
-    typo = f" ({close[0]} looks like a misspelt on_read)" if close else ""
-    return (f"{cls.__qualname__} does not define on_read(self, session, data){typo}: every "
-            f"byte its sessions receive would be dropped; define on_read (to ignore input "
-            f"on purpose: def on_read(self, session, data): pass)")

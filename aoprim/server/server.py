@@ -63,43 +63,116 @@ def _nothing() -> None:
 _HOOKS = ("on_connect", "on_read", "on_close")
 
 
+# the base class of Layer 3, by name: Layer 2 does not import it (tests/test_layering.py)
+_BASE = ("aoprim.server.handler", "Handler")
+
+
+def _is_base(k: type) -> bool:
+    return (k.__module__, k.__qualname__) == _BASE
+
+
 def _lacks(obj: object) -> list[str]:
     """The handler hooks ``obj`` has no callable of."""
     return [h for h in _HOOKS if not callable(getattr(obj, h, None))]
 
 
-def _refuse(what: str, obj: object, missing: list[str]) -> TypeError:
+def _typos(obj: object, hooks: list[str], names: list[str]) -> list[str]:
     # a method of a close name is the likely typo (on_reed for on_read)
-    names = [n for n in dir(obj) if not n.startswith("__") and n not in _HOOKS]
-    typos = [f"{close[0]} looks like a misspelt {h}" for h in missing
-             for close in [difflib.get_close_matches(h, names, n=1)] if close]
+    names = [n for n in names if not n.startswith("__") and n not in _HOOKS]
+    return [f"{close[0]} looks like a misspelt {h}" for h in hooks
+            for close in [difflib.get_close_matches(h, names, n=1)] if close]
+
+
+def _refuse(what: str, obj: object, missing: list[str]) -> TypeError:
+    typos = _typos(obj, missing, dir(obj))
     return TypeError(f"handler {what} has no callable {', '.join(missing)}"
                      + (f" ({'; '.join(typos)})" if typos else "")
                      + ": pass an instance of a subclass of aoprim.server.Handler that "
                        "defines on_read, or the subclass itself")
 
 
+def _default_on_read(obj: object) -> str | None:
+    """Why ``obj``'s ``on_read``, the base ``Handler``'s do-nothing default, is refused (it
+    would drop every byte its sessions receive); None if ``obj`` has an ``on_read`` of its
+    own -- in its class, a base before ``Handler`` or its instance ``__dict__``."""
+    if "on_read" in getattr(obj, "__dict__", {}):
+        return None
+    cls = type(obj)
+    mro = cls.__mro__
+    owner = next((i for i, k in enumerate(mro) if "on_read" in vars(k)), None)
+    if owner is None or not _is_base(mro[owner]):
+        return None
+    name = cls.__qualname__
+    if _is_base(cls):
+        return ("the base class Handler itself drops every byte its sessions receive (each "
+                "of its hooks does nothing): serve a subclass of it that defines "
+                "on_read(self, session, data)")
+    later = [k for k in mro[owner + 1:] if "on_read" in vars(k)]
+    if later:
+        mixin = later[0].__qualname__
+        return (f"{name}: Handler's default on_read shadows {mixin}.on_read (a base listed "
+                f"after Handler comes after it in the method resolution order): list "
+                f"{mixin} before Handler in the bases of {name}")
+    names = [n for k in mro[:owner] for n in vars(k)] + list(getattr(obj, "__dict__", {}))
+    typo = _typos(obj, ["on_read"], names)
+    return (f"{name} does not define on_read(self, session, data)"
+            + (f" ({typo[0]})" if typo else "")
+            + ": every byte its sessions receive would be dropped; define on_read (to "
+              "ignore input on purpose: def on_read(self, session, data): pass)")
+
+
+def _not_sync(obj: object) -> str | None:
+    """Why a hook of ``obj`` cannot work, called synchronously as every hook is: an
+    ``async def``, an async generator or a generator only makes an object that nothing
+    awaits or iterates, so its body never runs.  None if every hook is a plain callable."""
+    for h in _HOOKS:
+        f = getattr(obj, h)
+        kind = ("a coroutine function (async def)" if inspect.iscoroutinefunction(f) else
+                "an async generator function" if inspect.isasyncgenfunction(f) else
+                "a generator function" if inspect.isgeneratorfunction(f) else None)
+        if kind is not None:
+            return (f"{type(obj).__qualname__}.{h} is {kind}: the server calls its hooks "
+                    f"synchronously and never awaits or iterates what they return, so its "
+                    f"body would never run; make it a plain def, or run asyncio code with "
+                    f"aoprim.server.serve_protocol() (an asyncio.Protocol) or on aoprim.aio's "
+                    f"event loop")
+    return None
+
+
+def _instantiate(cls: type) -> object:
+    """``cls()``; a class whose constructor needs arguments is refused naming them (its real
+    signature: ``__init__``'s, wherever in the bases it is)."""
+    name = cls.__qualname__
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        sig = None                  # (no signature to check: the call itself will say)
+    if sig is not None:
+        try:
+            sig.bind()
+        except TypeError:
+            raise TypeError(f"Server() instantiates a handler class with no arguments; "
+                            f"{name} needs arguments {sig}: pass an instance, "
+                            f"Server({name}(...))") from None
+    return cls()
+
+
 def as_handler(handler: object) -> Handler:
-    """The handler ``Server(handler)`` serves with (the command line's rule too): an object
-    with callable ``on_connect``, ``on_read`` and ``on_close`` (a ``Handler`` instance) as it
-    is; a class with them (a ``Handler`` subclass) instantiated with no arguments.  Anything
-    else -- an object or class without the hooks, a class whose constructor needs arguments,
-    a function -- is refused with a ``TypeError`` naming it, the hooks it lacks and the
-    likely typo."""
+    """The handler ``Server(handler)`` serves with (the command line's rule too, and
+    ``serve_protocol``'s): an object with callable ``on_connect``, ``on_read`` and
+    ``on_close`` (a ``Handler`` instance, or any object with the three hooks) as it is; a
+    class with them (a ``Handler`` subclass) instantiated with no arguments.  The instance is
+    then checked: its ``on_read`` must not be ``Handler``'s do-nothing default (one set per
+    instance in ``__init__`` counts; a mixin's listed after ``Handler`` does not, as Python
+    resolves it), and no hook may be an ``async def`` or a generator.  Anything else -- the
+    base ``Handler`` itself, an object or class without the hooks, a class whose constructor
+    needs arguments, a function -- is refused with a ``TypeError`` naming it, what it lacks
+    and the likely cause (a typo, the order of the bases)."""
     if isinstance(handler, type):
-        name = handler.__qualname__
         missing = _lacks(handler)
         if missing:
-            raise _refuse(f"class {name}", handler, missing)
-        try:
-            inspect.signature(handler).bind()
-        except TypeError as e:
-            raise TypeError(f"handler class {name} is instantiated with no arguments, and "
-                            f"{name}() cannot be ({e}): pass an instance instead, "
-                            f"{name}(...)") from None
-        except ValueError:
-            pass                    # (no signature to check: the call itself will say)
-        handler = handler()         # (Handler refuses a subclass without on_read)
+            raise _refuse(f"class {handler.__qualname__}", handler, missing)
+        handler = _instantiate(handler)
     missing = _lacks(handler)
     if missing and inspect.isroutine(handler):
         name = handler.__qualname__
@@ -108,6 +181,9 @@ def as_handler(handler: object) -> Handler:
                         f"Server({name}(), ...)")
     if missing:
         raise _refuse(f"object of type {type(handler).__qualname__}", handler, missing)
+    why = _default_on_read(handler) or _not_sync(handler)
+    if why is not None:
+        raise TypeError(why)
     return cast("Handler", handler)
 
 
