@@ -71,6 +71,29 @@ class Recorder(asyncio.Protocol):
         self.done.set()
 
 
+class BufferedRecorder(asyncio.BufferedProtocol):
+    """The same, as a BufferedProtocol: its bytes come through get_buffer/buffer_updated."""
+
+    def __init__(self, plan, log, done):
+        self.rec = Recorder(plan, log, done)
+        self.buf = bytearray(1000)
+
+    def connection_made(self, transport):
+        self.rec.connection_made(transport)
+
+    def get_buffer(self, sizehint):
+        return self.buf
+
+    def buffer_updated(self, nbytes):
+        self.rec.data_received(bytes(self.buf[:nbytes]))
+
+    def eof_received(self):
+        return self.rec.eof_received()
+
+    def connection_lost(self, exc):
+        self.rec.connection_lost(exc)
+
+
 def _client(address, plan):
     """Drive one connection by ``plan``; returns what the client received."""
     c = socket.create_connection(address, timeout=10)
@@ -92,14 +115,14 @@ def _client(address, plan):
         c.close()
 
 
-def _run_asyncio(plan):
+def _run_asyncio(plan, cls):
     log, done = [], threading.Event()
     loop = asyncio.new_event_loop()
     started = threading.Event()
     box = {}
 
     async def main():
-        srv = await loop.create_server(lambda: Recorder(plan, log, done), HOST, 0)
+        srv = await loop.create_server(lambda: cls(plan, log, done), HOST, 0)
         box["addr"] = srv.sockets[0].getsockname()
         box["srv"] = srv
         started.set()
@@ -122,10 +145,10 @@ def _run_asyncio(plan):
     return log, got
 
 
-def _run_aoprim(plan, backend, workers):
+def _run_aoprim(plan, cls, backend, workers):
     log, done = [], threading.Event()
     fds = open_fds()
-    srv = serve_protocol(lambda: Recorder(plan, log, done), HOST, 0, backend=backend,
+    srv = serve_protocol(lambda: cls(plan, log, done), HOST, 0, backend=backend,
                          workers=workers)
     try:
         got = _client(srv.address, plan)
@@ -145,10 +168,11 @@ PLANS = ["abort-in-made", "abort-in-data", "close-nothing-pending", "close-data-
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cls", [Recorder, BufferedRecorder], ids=["Protocol", "Buffered"])
 @pytest.mark.parametrize("plan", PLANS)
-def test_callback_sequence_matches_asyncio(plan, backend, workers):
-    want, want_got = _run_asyncio(plan)
-    log, got = _run_aoprim(plan, backend, workers)
+def test_callback_sequence_matches_asyncio(plan, cls, backend, workers):
+    want, want_got = _run_asyncio(plan, cls)
+    log, got = _run_aoprim(plan, cls, backend, workers)
     assert log == want
     assert got == want_got
     # the sequence itself, spelt out (what asyncio did, checked above, is this)
