@@ -25,10 +25,22 @@ files and C headers, the Python ABI (the extension suffix), the Cython version, 
 directives, and the compiler environment variables setuptools reads (``CC``, ``CFLAGS``,
 ...).  Two processes building the same module at once each compile in their own temporary
 folder and move the result into place with one ``os.replace`` (atomic on a POSIX
-filesystem): a reader sees the whole file or no file.  The cache may be deleted at any time.
+filesystem): a reader sees the whole file or no file.  The cache may be deleted at any time;
+a file in it is never written in place (a loaded extension whose file changes under it
+crashes its process with SIGBUS), only replaced or deleted.
+
+A cache file that the loader refuses (damaged, truncated, built elsewhere) is deleted and
+built again, once.  A cache that cannot be written (a read-only filesystem, no permission)
+costs a RuntimeWarning: the module is loaded from a private copy kept for this process.
+
+The name must not be taken: a module already in ``sys.modules`` or importable from
+``sys.path`` (``json``, a package of the project) is refused with ValueError, since the
+built module would take its place in ``sys.modules`` for the whole process.  A name
+``build_module`` itself loaded may be built again.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import os
@@ -37,6 +49,7 @@ import sys
 import sysconfig
 import tempfile
 import textwrap
+import warnings
 from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
@@ -63,6 +76,15 @@ COMPILER_ENV = ("CC", "CXX", "CPP", "LDSHARED", "CFLAGS", "CPPFLAGS", "LDFLAGS",
 
 NEEDS = "aoprim.cybuild needs Cython>=3.1 and setuptools: pip install 'aoprim[cython]'"
 
+# The files build_module has loaded in this process (real paths): a module in sys.modules
+# whose file is one of these is its own, and may be replaced by another build of that name.
+_loaded: set[str] = set()
+
+# When the cache cannot be written: the cache file's name -> a private copy of the built
+# module, in one temporary folder per process, removed at exit (see _keep_private).
+_private: dict[str, str] = {}
+_private_dir: list[str] = []
+
 
 def cache_dir() -> str:
     """The folder that holds built modules: ``$AOPRIM_CYBUILD_CACHE`` if set, else
@@ -86,24 +108,88 @@ def build_module(name: str, source: str, workdir: str | os.PathLike[str] | None 
     Without it, the built extension is taken from ``cache_dir()`` when the same inputs were
     built before, else built in a temporary folder that is removed afterwards and only the
     extension is kept in the cache.  Raises on any compile error (the compiler's messages
-    are on stderr), ValueError on a name that is not a Python identifier, and ImportError
-    naming the ``aoprim[cython]`` extra when Cython or setuptools is missing."""
+    are on stderr), ValueError on a name that is not a Python identifier or that is taken
+    (already in ``sys.modules``, or importable, and not loaded by ``build_module``), and
+    ImportError naming the ``aoprim[cython]`` extra when Cython or setuptools is missing.
+
+    A cache file the loader refuses is deleted and built again once; if that fails too, the
+    ImportError names the cache file.  When the cache cannot be written, a RuntimeWarning
+    names it and the module is loaded from a private copy kept until the process exits."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"build_module: module name {name!r} is not a Python identifier")
     if isinstance(cflags, (str, bytes)):
         raise TypeError(f"build_module: cflags is a list of flags, not one string: {cflags!r}")
+    _refuse_taken(name, workdir)
     source = textwrap.dedent(source)
     cflags = tuple(cflags)
     if workdir:
         os.makedirs(workdir, exist_ok=True)
         return _load(name, _compile(name, source, workdir, cflags))
     cache = cache_dir()
-    path = os.path.join(cache, f"{name}-{_cache_key(name, source, cflags)}{_ext_suffix()}")
-    if not os.path.isfile(path):
-        os.makedirs(cache, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=f"aoprim-cybuild-{name}-") as tmp:
-            _publish(_compile(name, source, tmp, cflags), path)
-    return _load(name, path)
+    filename = f"{name}-{_cache_key(name, source, cflags)}{_ext_suffix()}"
+    path = os.path.join(cache, filename)
+    private = _private.get(filename)
+    if private is not None and os.path.isfile(private):
+        return _load(name, private)
+    stale = False
+    if os.path.isfile(path):
+        try:
+            return _load(name, path)
+        except _NotLoadable:
+            # damaged, truncated or built for another system: delete it (never write over
+            # it in place: a process that has it loaded would crash) and build it again
+            stale = True
+            try:
+                os.unlink(path)
+            except OSError:
+                pass                # gone already, or a read-only cache: see _keep_private
+    with tempfile.TemporaryDirectory(prefix=f"aoprim-cybuild-{name}-") as tmp:
+        built = _compile(name, source, tmp, cflags)
+        try:
+            os.makedirs(cache, exist_ok=True)
+            _publish(built, path)
+        except OSError as e:
+            path = _keep_private(built, filename, cache, e)
+    try:
+        return _load(name, path)
+    except _NotLoadable as e:
+        again = ", deleted and built again," if stale else ""
+        raise ImportError(f"build_module: the built module {path}{again} does not load: "
+                          f"{e.__cause__} (the cache of built modules is {cache}, moved by "
+                          f"${CACHE_ENV}; delete its files, never edit them)") from e.__cause__
+
+
+class _NotLoadable(Exception):
+    """The loader refused a built extension's file (the OSError or ImportError is the
+    cause); the module's own code raising is not this."""
+
+
+def _refuse_taken(name: str, workdir: str | os.PathLike[str] | None) -> None:
+    """ValueError when ``name`` is a module in sys.modules or importable from sys.path that
+    build_module did not load: registering the built module would replace it process-wide.
+    A module build_module built in ``workdir`` (on sys.path) is not refused."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        origin = getattr(mod, "__file__", None)
+        if origin is not None and os.path.realpath(origin) in _loaded:
+            return
+        raise ValueError(f"build_module: module name {name!r} is taken: sys.modules[{name!r}] "
+                         f"is {mod!r}; choose another name")
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return
+    where = spec.origin if spec.has_location and spec.origin else None
+    if where is None:
+        where = ", ".join(spec.submodule_search_locations or []) or str(spec.origin)
+    elif workdir and os.path.realpath(os.path.dirname(where)) == os.path.realpath(workdir):
+        return                      # the extension an earlier call built there
+    elif os.path.realpath(where) in _loaded:
+        return
+    raise ValueError(f"build_module: module name {name!r} is taken: it is importable from "
+                     f"{where}; choose another name")
 
 
 def _ext_suffix() -> str:
@@ -218,14 +304,48 @@ def _publish(built: str, path: str) -> None:
         raise
 
 
+def _keep_private(built: str, filename: str, cache: str, error: OSError) -> str:
+    """The cache could not be written: copy ``built`` into this process's private folder
+    (made once, removed at exit; a loaded extension's file may be deleted on POSIX) and
+    warn, naming the cache and the variable that moves it."""
+    if not _private_dir or not os.path.isdir(_private_dir[0]):
+        folder = tempfile.mkdtemp(prefix="aoprim-cybuild-private-")
+        atexit.register(shutil.rmtree, folder, True)
+        _private_dir[:] = [folder]
+    path = os.path.join(_private_dir[0], filename)
+    shutil.copyfile(built, path)
+    _private[filename] = path
+    warnings.warn(f"aoprim.cybuild: cannot write the cache {cache} ({error}); the module is "
+                  f"loaded from a copy kept for this process only: set ${CACHE_ENV} to a "
+                  "writable folder to keep built modules", RuntimeWarning, stacklevel=3)
+    return path
+
+
 def _load(name: str, path: str) -> ModuleType:
-    mod = sys.modules.get(name)
-    if mod is not None and getattr(mod, "__file__", None) == path:
-        return mod                  # this very file is already imported here
+    """Import the extension at ``path`` as ``name``.  _NotLoadable when the loader refuses
+    the file; whatever the module's own code raises otherwise.  On failure sys.modules is
+    left as it was."""
+    prev = sys.modules.get(name)
+    if prev is not None and getattr(prev, "__file__", None) == path:
+        return prev                 # this very file is already imported here
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"build_module: {path} is not an extension module this Python loads")
-    mod = importlib.util.module_from_spec(spec)
+    try:
+        # dlopen and the module's init function (Cython's modules run their code later,
+        # in exec_module: multi-phase initialisation, PEP 489)
+        mod = importlib.util.module_from_spec(spec)
+    except (ImportError, OSError) as e:
+        raise _NotLoadable(path) from e
     sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        if sys.modules.get(name) is mod:
+            if prev is not None:
+                sys.modules[name] = prev
+            else:
+                del sys.modules[name]
+        raise
+    _loaded.add(os.path.realpath(path))
     return mod

@@ -269,3 +269,143 @@ def test_the_cython_extra_brings_the_test_extras_build_tools():
         ["cython", "setuptools"]
     assert tools(extras["cython"]) == tools(extras["test"]), (
         "pip install 'aoprim[cython]' should bring the Cython and setuptools the tests use")
+
+
+# -- a name that is taken, a cache file that does not load, a cache that cannot be written -----
+
+def test_a_name_already_imported_is_refused_naming_it(env):
+    import json
+    with pytest.raises(ValueError, match=r"'json'.*sys\.modules") as e:
+        env.build("json", SRC_1)
+    assert json.__file__ in str(e.value)
+    assert sys.modules["json"] is json and hasattr(json, "dumps")
+    assert env.compiles == [], "compiled although the name is refused"
+
+
+def test_a_name_importable_from_sys_path_is_refused_naming_where(env, tmp_path, monkeypatch):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "cyb_taken.py").write_text("VALUE = 'theirs'\n")
+    monkeypatch.syspath_prepend(str(lib))
+    with pytest.raises(ValueError, match=r"'cyb_taken'") as e:
+        env.build("cyb_taken", SRC_1)
+    assert str(lib / "cyb_taken.py") in str(e.value)
+    assert "cyb_taken" not in sys.modules and env.compiles == []
+    import cyb_taken                          # still the module on sys.path
+    assert cyb_taken.VALUE == "theirs"
+    sys.modules.pop("cyb_taken")
+
+
+def test_a_module_it_built_in_a_workdir_on_sys_path_can_be_built_again(env, tmp_path,
+                                                                        monkeypatch):
+    work = tmp_path / "work"
+    assert env.build("cyb_again", SRC_1, workdir=str(work)).value() == 1
+    sys.modules.pop("cyb_again")
+    monkeypatch.syspath_prepend(str(work))     # its own extension is now importable there
+    assert env.build("cyb_again", SRC_1, workdir=str(work)).value() == 1
+    assert env.compiles == ["cyb_again"] * 2
+
+
+def test_a_cache_file_that_does_not_load_is_deleted_and_rebuilt(env, tmp_path, monkeypatch):
+    assert env.build("cyb_damaged", SRC_1).value() == 1
+    (name,) = _listing(env.cache)
+    size = (env.cache / name).stat().st_size
+    sys.modules.pop("cyb_damaged")
+    # a damaged copy in another cache: another path and file than the one this process has
+    # loaded (the dynamic loader would hand back the loaded one for either)
+    other = tmp_path / "other-cache"
+    other.mkdir()
+    (other / name).write_bytes((env.cache / name).read_bytes()[:100])
+    monkeypatch.setenv(cybuild.CACHE_ENV, str(other))
+    assert env.build("cyb_damaged", SRC_1).value() == 1
+    assert env.compiles == ["cyb_damaged"] * 2, "the damaged file was not rebuilt"
+    assert _listing(other) == [name] and (other / name).stat().st_size == size
+    sys.modules.pop("cyb_damaged")
+    assert env.build("cyb_damaged", SRC_1).value() == 1
+    assert len(env.compiles) == 2, "the rebuilt file is not used from the cache"
+
+
+def test_a_cache_file_that_fails_again_after_its_rebuild_names_the_cache(env, monkeypatch):
+    def junk(name, source, builddir, cflags):
+        env.compiles.append(name)
+        out = os.path.join(builddir, name + _suffix())
+        with open(out, "wb") as f:
+            f.write(b"not an ELF file")
+        return out
+
+    monkeypatch.setattr(cybuild, "_compile", junk)
+    with pytest.raises(ImportError) as first:
+        env.build("cyb_junk", SRC_1)
+    (name,) = _listing(env.cache)
+    assert str(env.cache / name) in str(first.value)
+    assert env.compiles == ["cyb_junk"], "a file it has just built is not built again"
+    with pytest.raises(ImportError) as again:
+        env.build("cyb_junk", SRC_1)
+    assert env.compiles == ["cyb_junk"] * 2, "a cache file that fails is rebuilt once"
+    assert str(env.cache / name) in str(again.value) and cybuild.CACHE_ENV in str(again.value)
+    assert "cyb_junk" not in sys.modules
+
+
+def test_a_module_whose_code_raises_is_not_rebuilt(env):
+    src = "import cyb_no_such_module_anywhere\n"
+    for _ in range(2):
+        with pytest.raises(ModuleNotFoundError, match="cyb_no_such_module_anywhere"):
+            env.build("cyb_raises", src)
+        assert "cyb_raises" not in sys.modules
+    assert env.compiles == ["cyb_raises"], "a file that loads was taken for a damaged one"
+    assert len(_listing(env.cache)) == 1
+
+
+def test_a_cache_dir_that_cannot_be_made_warns_and_the_module_still_loads(env, tmp_path,
+                                                                         monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cache = blocker / "cache"                  # mkdir fails: ENOTDIR
+    monkeypatch.setenv(cybuild.CACHE_ENV, str(cache))
+    with pytest.warns(RuntimeWarning, match=re.escape(str(cache))) as w:
+        mod = env.build("cyb_nocache", SRC_1)
+    assert mod.value() == 1
+    assert cybuild.CACHE_ENV in str(w[0].message)
+    assert not cache.exists()
+    assert env.build("cyb_nocache", SRC_1).value() == 1
+    assert env.compiles == ["cyb_nocache"], "compiled again in the same process"
+
+
+def test_a_read_only_cache_dir_warns_and_the_module_still_loads(tmp_path):
+    # a read-only filesystem (EROFS), as a container's read-only HOME: a private mount
+    # namespace (unshare -m) with a tmpfs remounted read-only; root ignores chmod 0555
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare here (util-linux)")
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True,
+                           timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -m is not permitted here: {probe.stderr.strip()}")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = tmp_path / "ro.py"
+    script.write_text(textwrap.dedent(f"""\
+        import warnings
+        from aoprim import cybuild
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            print(cybuild.build_module("cyb_ro", {SRC_1!r}, cflags={FAST!r}).value())
+            print(cybuild.build_module("cyb_ro", {SRC_1!r}, cflags={FAST!r}).value())
+        for m in w:
+            print("WARNING", m.category.__name__, m.message)
+        """))
+    env = _subprocess_env(ro / "cache")
+    env["TMPDIR"] = str(tmp)
+    sh = (f'mount -t tmpfs tmpfs "{ro}" && mkdir "{ro}/cache" && '
+          f'mount -o remount,ro "{ro}" && exec "{sys.executable}" "{script}"')
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", sh], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["1", "1"], proc.stdout + proc.stderr
+    warned = [line for line in lines[2:] if line.startswith("WARNING RuntimeWarning")]
+    assert len(warned) == 1, proc.stdout
+    assert str(ro / "cache") in warned[0] and cybuild.CACHE_ENV in warned[0]
+    assert "Read-only file system" in warned[0]
+    assert _listing(tmp) == [], "the private copy outlived the process"
