@@ -208,6 +208,18 @@ class Duck:                      # not a Handler, but has the three hooks
     def on_close(self, session, exc):
         pass
 
+duck = Duck()
+
+class PerInstance(Handler):      # its on_read is set per instance
+    def __init__(self):
+        self.on_read = self._read
+    def _read(self, session, data):
+        session.send(b"mine")
+
+class AsyncEcho(Handler):
+    async def on_read(self, session, data):
+        session.send(data)
+
 class Tools:
     class Nested(Handler):
         def on_read(self, session, data):
@@ -262,7 +274,9 @@ def _talk(port, payload):
     ("usermod:Shout", b"hello", b"HELLO"),               # a Handler subclass: instantiated
     ("usermod:shout", b"again", b"AGAIN"),               # a Handler instance: as is
     ("usermod:make_greeter", b"you", b"made you"),       # a factory
-    ("usermod:Duck", b"?", b"quack"),                    # a callable whose result has hooks
+    ("usermod:Duck", b"?", b"quack"),                    # a class with the hooks
+    ("usermod:duck", b"?", b"quack"),                    # an object with the hooks: as is
+    ("usermod:PerInstance", b"?", b"mine"),              # on_read set in __init__
     ("usermod:Tools.Nested", b"?", b"nested"),           # a dotted attribute
     ("userpkg.game:Shout", b"pkg", b"PKG"),              # a module in a package
 ])
@@ -311,16 +325,18 @@ def test_serve_the_users_handler_with_procs(app_dir):
     (["no_such_module_xyz:H"], "no module named 'no_such_module_xyz'"),
     (["userpkg.nope:H"], "no module named 'userpkg.nope'"),
     (["usermod:Missing"], "module 'usermod' has no attribute 'Missing'"),
-    (["usermod:NUMBER"], "usermod:NUMBER is of type int, not a Handler subclass"),
-    (["usermod:returns_number"], "usermod:returns_number() returned an object of type int"),
+    (["usermod:NUMBER"], "usermod:NUMBER: handler object of type int has no callable "
+                         "on_connect, on_read, on_close"),
+    (["usermod:returns_number"], "usermod:returns_number(): handler object of type int has "
+                                 "no callable on_connect"),
     (["usermod:raises"], "usermod:raises() raised RuntimeError: no config file"),
-    (["usermod:NeedsArgs"], "usermod:NeedsArgs: handler class NeedsArgs is instantiated with "
-                            "no arguments, and NeedsArgs() cannot be (missing a required "
-                            "argument: 'required')"),
+    (["usermod:NeedsArgs"], "usermod:NeedsArgs: Server() instantiates a handler class with no "
+                            "arguments; NeedsArgs needs arguments (required): pass an instance"),
     (["usermod:Misspelt"], "usermod:Misspelt: Misspelt does not define on_read(self, session, "
                            "data) (on_reed looks like a misspelt on_read)"),
-    (["usermod:make_misspelt"], "usermod:make_misspelt() raised TypeError: Misspelt does not "
-                                "define on_read"),
+    (["usermod:make_misspelt"], "usermod:make_misspelt(): Misspelt does not define on_read"),
+    (["usermod:Handler"], "usermod:Handler: the base class Handler itself drops every byte"),
+    (["usermod:AsyncEcho"], "usermod:AsyncEcho: AsyncEcho.on_read is a coroutine function"),
     (["brokenmod:H"], "importing 'brokenmod' failed: ZeroDivisionError"),
     (["depmod:H"], "No module named 'no_such_dependency_xyz'"),
     (["usermod:Shout", "--app", "echo"], "not both"),

@@ -2,10 +2,11 @@
 ``python -m aoprim bench ...`` (aoprim.benchmarks.cli).
 
 ``serve [MODULE:HANDLER]`` serves the user's own handler, named as uvicorn and gunicorn name
-an app: ``MODULE:ATTR`` where ATTR (dotted for a nested attribute) is a ``Handler`` subclass
-(instantiated with no arguments, by ``Server``'s own rule: ``server.as_handler``), a
-``Handler`` instance (used as is), or a factory called with no arguments that returns an
-object with callable ``on_connect``, ``on_read`` and ``on_close``.  The module is imported
+an app: ``MODULE:ATTR`` where ATTR (dotted for a nested attribute) is what ``Server()``
+takes, by its own rule (``server.as_handler``): a ``Handler`` subclass (instantiated with no
+arguments), a ``Handler`` instance or any object with callable ``on_connect``, ``on_read``
+and ``on_close`` (used as is); or a factory, called with no arguments, whose result is taken
+by that rule.  The module is imported
 with ``--app-dir`` (default: the current directory) first on ``sys.path``.  Without it,
 ``--app echo|chat`` picks a built-in app (default echo).
 
@@ -145,30 +146,25 @@ def load_handler(spec: str) -> Handler:
             obj = getattr(obj, part)
         except AttributeError:
             raise UsageError(f"module {mod_name!r} has no attribute {attr!r}") from None
-    if isinstance(obj, Handler):
-        return obj
-    if not callable(obj):
-        raise UsageError(f"{spec} is of type {type(obj).__name__}, not a Handler subclass, a "
-                         "Handler instance or a factory returning a handler")
-    if isinstance(obj, type):
-        # a class: the Server's own rule (as_handler), instantiated with no arguments
+    if callable(obj) and not isinstance(obj, type) and \
+            any(not callable(getattr(obj, h, None)) for h in HOOKS):
+        # a factory (a function, not a handler itself): called with no arguments, and what
+        # it returns is taken by Server's rule
         try:
-            return as_handler(obj)
-        except TypeError as e:
-            if _raised_by_aoprim(e):        # refused: the message says why
-                raise UsageError(f"{spec}: {e}") from None
-            raise UsageError(f"{spec}() raised {_describe(e)}") from None
+            obj = obj()
         except Exception as e:
             raise UsageError(f"{spec}() raised {_describe(e)}") from None
+        spec += "()"
+    # Server's own rule (as_handler): a handler object as it is, a class instantiated with
+    # no arguments, anything else refused
     try:
-        handler = obj()
+        return as_handler(obj)
+    except TypeError as e:
+        if _raised_by_aoprim(e):            # refused: the message says why
+            raise UsageError(f"{spec}: {e}") from None
+        raise UsageError(f"{spec}() raised {_describe(e)}") from None
     except Exception as e:
         raise UsageError(f"{spec}() raised {_describe(e)}") from None
-    missing = [h for h in HOOKS if not callable(getattr(handler, h, None))]
-    if missing:
-        raise UsageError(f"{spec}() returned an object of type {type(handler).__name__}, which "
-                         f"has no callable {', '.join(missing)} (subclass aoprim.server.Handler)")
-    return handler
 
 
 # -- the parser -----------------------------------------------------------------------------
