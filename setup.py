@@ -119,9 +119,12 @@ class build_ext(_build_ext):
     newer than the generated C: cythonize rewrites every .c (the same bytes) and setuptools,
     which compares times, recompiled everything -- ``pip install '.[test]'`` after ``pip
     install .`` took the whole compile again.  Here a digest of the C sources, the headers,
-    the flags, the compiler's command line and the Python is kept beside the objects
-    (build/temp.*/inputs/); when it matches and the built module is there, the compile is
-    skipped, and any change (a .pyx edit, AOPRIM_DEBUG_INFO=1, another CFLAGS) rebuilds."""
+    the flags (the extension's, build_ext's -D/-U/-I/-l/-L/-R/-O options, AOPRIM_SANITIZE),
+    the compiler's command line and the Python is kept beside the objects
+    (build/temp.*/inputs/, one stamp per built module's full path), with the sha256 of the
+    module that build wrote.  The compile is skipped only when both match: any change (a
+    .pyx edit, AOPRIM_DEBUG_INFO=1, another CFLAGS) rebuilds, and so does a module that
+    another build wrote there (another --build-temp, as .ci/sanitize's)."""
 
     def finalize_options(self):
         super().finalize_options()
@@ -131,10 +134,17 @@ class build_ext(_build_ext):
 
     def _inputs_digest(self, ext, out):
         h = _read_files(list(ext.sources) + sorted(ext.depends))
-        for part in (out, sys.version, ext.extra_compile_args, ext.extra_link_args,
-                     ext.define_macros, ext.undef_macros, ext.include_dirs, self.include_dirs,
-                     getattr(self.compiler, "compiler_so", None),
-                     getattr(self.compiler, "linker_so", None)):
+        cc = self.compiler
+        for part in (out, sys.version, os.environ.get("AOPRIM_SANITIZE"),
+                     ext.extra_compile_args, ext.extra_link_args, ext.define_macros,
+                     ext.undef_macros, ext.include_dirs, ext.libraries, ext.library_dirs,
+                     ext.runtime_library_dirs, ext.extra_objects, ext.export_symbols,
+                     ext.language, self.include_dirs, self.define, self.undef, self.libraries,
+                     self.library_dirs, self.rpath, self.link_objects, self.debug,
+                     getattr(cc, "compiler_so", None), getattr(cc, "linker_so", None),
+                     getattr(cc, "macros", None), getattr(cc, "include_dirs", None),
+                     getattr(cc, "libraries", None), getattr(cc, "library_dirs", None),
+                     getattr(cc, "runtime_library_dirs", None), getattr(cc, "objects", None)):
             h.update(repr(part).encode() + b"\0")
         return h.hexdigest()
 
@@ -142,13 +152,14 @@ class build_ext(_build_ext):
         out = os.path.abspath(self.get_ext_fullpath(ext.name))
         stamp = os.path.join(self.build_temp, "inputs",
                              hashlib.sha256(out.encode()).hexdigest()[:16] + "-" + ext.name)
+        # the inputs, then the module they built: a stamp holds for that module only
         digest = self._inputs_digest(ext, out)
         try:
             with open(stamp) as f:
-                same = f.read() == digest
-        except OSError:
+                same = f.read() == digest + " " + _read_files([out]).hexdigest()
+        except OSError:                     # no stamp, or no module
             same = False
-        if same and os.path.exists(out) and not self.force:
+        if same and not self.force:
             print(f"{ext.name}: its sources, headers and flags are those of {out}: "
                   "not recompiled")
             return
@@ -159,7 +170,7 @@ class build_ext(_build_ext):
         super().build_extension(ext)
         os.makedirs(os.path.dirname(stamp), exist_ok=True)
         with open(stamp, "w") as f:
-            f.write(digest)
+            f.write(digest + " " + _read_files([out]).hexdigest())
 
 
 CMDCLASS = {"build_ext": build_ext}

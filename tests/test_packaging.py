@@ -163,30 +163,39 @@ def answer():
 """
 
 
-def _build(folder, **env):
+def _build(folder, *args, **env):
     e = dict(os.environ, **env)
     e.pop("AOPRIM_SANITIZE", None)
-    r = subprocess.run([sys.executable, "setup.py", "build_ext"], cwd=folder, env=e,
+    r = subprocess.run([sys.executable, "setup.py", "build_ext", *args], cwd=folder, env=e,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return r.stdout + r.stderr
+
+
+BUILDING = "building 'aoprim._tiny' extension"
+
+
+def _tiny_checkout(folder):
+    """A scratch copy of the build files with one small extension, aoprim/_tiny.pyx."""
+    pytest.importorskip("Cython")
+    if not (ROOT / "setup.py").is_file():
+        pytest.skip("no setup.py beside tests/")
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        shutil.copyfile(ROOT / name, folder / name)
+    (folder / "aoprim" / "include").mkdir(parents=True)
+    shutil.copyfile(ROOT / "aoprim" / "_version.py", folder / "aoprim" / "_version.py")
+    (folder / "aoprim" / "__init__.py").write_text("")
+    pyx = folder / "aoprim" / "_tiny.pyx"
+    pyx.write_text(TINY)
+    return pyx
 
 
 def test_a_second_build_recompiles_only_what_changed(tmp_path):
     """pip builds a checkout in place, each time in a fresh isolated environment whose newly
     installed Cython makes cythonize rewrite every .c with the same bytes; setup.py must not
     compile those again -- and must when the source or the flags change."""
-    pytest.importorskip("Cython")
-    if not (ROOT / "setup.py").is_file():
-        pytest.skip("no setup.py beside tests/")
-    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
-        shutil.copyfile(ROOT / name, tmp_path / name)
-    (tmp_path / "aoprim" / "include").mkdir(parents=True)
-    shutil.copyfile(ROOT / "aoprim" / "_version.py", tmp_path / "aoprim" / "_version.py")
-    (tmp_path / "aoprim" / "__init__.py").write_text("")
-    pyx = tmp_path / "aoprim" / "_tiny.pyx"
-    pyx.write_text(TINY)
-    building = "building 'aoprim._tiny' extension"
+    pyx = _tiny_checkout(tmp_path)
+    building = BUILDING
     assert building in _build(tmp_path)
     c = tmp_path / "aoprim" / "_tiny.c"
     before, written = c.read_bytes(), os.stat(c).st_mtime_ns
@@ -199,6 +208,36 @@ def test_a_second_build_recompiles_only_what_changed(tmp_path):
     assert building in _build(tmp_path)
     assert building not in _build(tmp_path)
     assert building in _build(tmp_path, CFLAGS="-DAOPRIM_TEST_FLAG=1")   # other flags too
+
+
+def test_a_module_another_build_wrote_is_rebuilt(tmp_path):
+    """The skip holds only for the very module the matching inputs built: a build with
+    another build folder (as .ci/sanitize's AOPRIM_SANITIZE=1 --build-temp) and other
+    flags writes the same module, and the next ordinary build must compile again."""
+    _tiny_checkout(tmp_path)
+    assert BUILDING in _build(tmp_path)
+    (built,) = (tmp_path / "build").glob("lib*/aoprim/_tiny*.so")
+    ordinary = built.read_bytes()
+    other = _build(tmp_path, "--build-temp", str(tmp_path / "other-temp"),
+                   CFLAGS="-DAOPRIM_TEST_OTHER=1")
+    assert BUILDING in other
+    assert built.read_bytes() != ordinary, "the other flags built the same bytes"
+    out = _build(tmp_path)
+    assert BUILDING in out, "the module of the other build was kept: " + out
+    assert built.read_bytes() == ordinary
+    assert BUILDING not in _build(tmp_path)
+    built.write_bytes(built.read_bytes() + b"\0")     # a module the stamp did not record
+    assert BUILDING in _build(tmp_path)
+
+
+def test_build_ext_options_are_inputs_of_the_module(tmp_path):
+    # build_ext's own -D / -U / -l / -L / -R options change the compile or the link
+    _tiny_checkout(tmp_path)
+    assert BUILDING in _build(tmp_path)
+    for option in (["-D", "AOPRIM_TEST_MACRO=1"], ["-U", "NDEBUG"], ["-L", str(tmp_path)],
+                   ["-R", str(tmp_path)]):
+        assert BUILDING in _build(tmp_path, *option), f"{option} did not recompile"
+        assert BUILDING not in _build(tmp_path, *option), f"{option} recompiled twice"
 
 
 def test_ci_runs_the_readme_suite_from_a_clone_named_aoprim_without_the_debian_peers():
