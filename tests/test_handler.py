@@ -8,11 +8,13 @@ typo: ``on_reed``; a mixin listed after ``Handler``; the bare ``Handler``) would
 byte, and an ``async def`` or generator hook would never run its body, so ``Server()``
 refuses either with a ``TypeError`` naming the class and the likely cause.
 """
+import asyncio
+import os
 import socket
 
 import pytest
 
-from aoprim.server import Handler, Server
+from aoprim.server import Handler, Server, serve_protocol
 from aoprim.server.loop import BACKENDS
 
 from test_server_support import HOST, make_server, recv_exact  # noqa: F401
@@ -272,9 +274,46 @@ def test_anything_without_the_hooks_is_refused_naming_it(given, words):
 
 
 def test_a_refused_handler_takes_no_resources():
-    import os
     before = sorted(os.listdir("/proc/self/fd"))
     for given in (Misspelt, NeedsArgs, DuckTypo, make_upper, Handler, AsyncRead, MixinAfter):
         with pytest.raises(TypeError):
             Server(given, HOST, 0)
     assert sorted(os.listdir("/proc/self/fd")) == before
+
+
+class EchoProtocol(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        self.transport.write(data)
+
+
+@pytest.mark.parametrize("given, words", [
+    (Upper, ["serve_protocol() takes an asyncio protocol factory; Upper is an aoprim "
+             "Handler: serve it with Server(Upper, ...)"]),
+    (Upper(), ["Upper is an aoprim Handler"]),
+    (EchoProtocol(), ["not a protocol instance of type EchoProtocol", "pass a class"]),
+    (asyncio.Protocol(), ["not a protocol instance of type Protocol"]),
+    (42, ["not an object of type int"]),
+])
+def test_serve_protocol_refuses_what_is_not_a_protocol_factory(given, words):
+    before = sorted(os.listdir("/proc/self/fd"))
+    for backend in BACKENDS:
+        with pytest.raises(TypeError) as info:
+            serve_protocol(given, HOST, 0, backend=backend)
+        for w in words:
+            assert w in str(info.value)
+    assert sorted(os.listdir("/proc/self/fd")) == before        # refused before any socket
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_serve_protocol_still_takes_a_class_or_a_function(backend):
+    for factory in (EchoProtocol, lambda: EchoProtocol()):
+        srv = serve_protocol(factory, HOST, 0, backend=backend)
+        try:
+            with socket.create_connection(srv.address, timeout=10) as s:
+                s.sendall(b"proto")
+                assert recv_exact(s, 5) == b"proto"
+        finally:
+            srv.shutdown()

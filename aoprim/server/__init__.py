@@ -96,6 +96,7 @@ def serve_protocol(protocol_factory: Callable[[], asyncio.BaseProtocol],
     ``shutdown()`` or SIGINT/SIGTERM, then returns the stopped server.  Other keyword arguments go to :class:`Server` (framing is ``raw``).
     """
     from .adapters.asyncio_protocol import ProtocolHandler
+    _check_protocol_factory(protocol_factory)
     kwargs.setdefault("framing", "raw")
     if kwargs["framing"] != "raw":
         raise ValueError("asyncio protocols parse their own stream: framing must be 'raw'")
@@ -104,3 +105,23 @@ def serve_protocol(protocol_factory: Callable[[], asyncio.BaseProtocol],
         srv.serve_forever()
         return srv
     return srv.start()
+
+
+def _check_protocol_factory(factory: object) -> None:
+    """``TypeError`` at the call for what would fail on every connection: a handler (served
+    by ``Server``), a protocol instance (one object cannot serve every connection) or
+    anything else that cannot be called."""
+    import asyncio
+    if isinstance(factory, Handler) or (isinstance(factory, type) and
+                                        issubclass(factory, Handler)):
+        name = (factory if isinstance(factory, type) else type(factory)).__qualname__
+        raise TypeError(f"serve_protocol() takes an asyncio protocol factory; {name} is an "
+                        f"aoprim Handler: serve it with Server({name}, ...)")
+    is_protocol = isinstance(factory, asyncio.BaseProtocol)
+    if is_protocol or not callable(factory):
+        name = type(factory).__qualname__
+        what = "a protocol instance" if is_protocol else "an object"
+        raise TypeError(f"serve_protocol() takes a protocol factory, called once per "
+                        f"connection, not {what} of type {name}: pass a class, "
+                        f"serve_protocol(MyProtocol, ...), or a function returning a new "
+                        f"protocol")
