@@ -777,6 +777,9 @@ cdef class SendBatch:
         cdef size_t left = n
         cdef size_t l
         cdef Py_ssize_t done = 0
+        cdef Py_ssize_t mh, mt
+        cdef uint64_t front
+        cdef uint32_t *e
         while left:
             l = self.iov[k].iov_len
             if left >= l:
@@ -787,12 +790,18 @@ cdef class SendBatch:
                 self.iov[k].iov_len = l - left
                 left = 0
         self.sent += n
-        while self.mhead < self.mtail and self.mfront <= self.sent:
-            if not (self.ends[self.mhead] & MSG_CONT):
-                done += 1
-            self.mhead += 1
-            if self.mhead < self.mtail:
-                self.mfront += self.ends[self.mhead] & MSG_LEN
+        # retire the entries now written (locals: the compiler keeps them in registers)
+        mh = self.mhead
+        mt = self.mtail
+        front = self.mfront
+        e = self.ends
+        while mh < mt and front <= self.sent:
+            done += (e[mh] >> 31) ^ 1          # an entry without MSG_CONT ends a message
+            mh += 1
+            if mh < mt:
+                front += e[mh] & MSG_LEN
+        self.mhead = mh
+        self.mfront = front
         if self.mhead == self.mtail:
             self.mhead = self.mtail = 0
         _add(&self.pend_bytes, -<int64_t>n)
