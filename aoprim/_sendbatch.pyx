@@ -98,8 +98,8 @@ cdef Py_ssize_t MSG_INIT = 64
 # peak for the connection's life.  The band between INIT and KEEP is the hysteresis: a load
 # that drains with fewer entries never reallocates, and one that needs more pays a shrink
 # and its regrowth (a few reallocs, pages touched anew) once per drain of more than KEEP
-# entries: measured, 16500 16-byte messages per drain cost 8.1 ns/msg against 7.9 for
-# 16000 (no shrink) -- docs/sendbatch.md.
+# entries: measured, 16500 16-byte messages per drain cost 8.0 ns/msg, as 16000 (no
+# shrink) do -- docs/sendbatch.md.
 cdef Py_ssize_t SEG_KEEP = 1024        # 1024 x (iovec + owner) = 112 KiB
 cdef Py_ssize_t MSG_KEEP = 16384       # 16384 message lengths = 64 KiB
 cdef extern from *:
