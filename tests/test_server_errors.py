@@ -115,6 +115,38 @@ def test_an_address_of_another_machine_is_named(backend):
     assert f"{host} is not an address of this machine" in line
 
 
+def _ipv6():
+    try:
+        socket.socket(socket.AF_INET6).close()
+    except OSError as e:
+        pytest.skip(f"no IPv6 sockets here: {e}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_ipv6_address_in_brackets_is_told_to_drop_them(backend):
+    host = "[::1]"
+    with pytest.raises(socket.gaierror) as info:
+        Server(Echo(), host, 0, backend=backend)
+    want = ("cannot listen on [::1]:0: cannot resolve '[::1]': give the IPv6 address without "
+            "brackets (::1)")
+    assert str(info.value).endswith(want)
+    assert "[[" not in str(info.value)
+    assert serve_cli("--host", host, "--port", "0", "--backend", backend) == f"aoprim: {want}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_link_local_address_without_a_scope_is_told_it_needs_one(backend):
+    _ipv6()
+    host = "fe80::1"
+    with pytest.raises(OSError) as info:
+        Server(Echo(), host, 0, backend=backend)
+    assert info.value.errno == errno.EINVAL
+    want = ("cannot listen on [fe80::1]:0: fe80::1 is a link-local IPv6 address: it needs a "
+            "scope id, the interface it is on (fe80::1%eth0)")
+    assert info.value.strerror == want
+    assert serve_cli("--host", host, "--port", "0", "--backend", backend) == f"aoprim: {want}"
+
+
 def test_a_privileged_port_says_so():
     if os.geteuid() == 0:
         pytest.skip("root may bind ports below 1024")

@@ -55,13 +55,33 @@ def describe_address(addr: Any) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _needs_scope(host: str | None) -> bool:
+    """``host`` is a link-local IPv6 address without a ``%scope`` (the interface): the
+    kernel cannot tell which link it is on, and bind() says only "invalid argument"."""
+    import ipaddress
+    try:
+        return isinstance(host, str) and ipaddress.IPv6Address(host).is_link_local
+    except ValueError:              # not an IPv6 address, or one with a scope already
+        return False
+
+
 def listen_error(host: str | None, port: int, exc: OSError) -> OSError:
     """The error to raise for ``exc``, an ``OSError`` from resolving, binding or listening on
     ``(host, port)``: same type and ``errno``, and a message that names the address and says
     what to do -- ``cannot listen on HOST:PORT: address already in use (...)``."""
-    where = describe_address((host, port)) if isinstance(host, str) else f"{host!r}:{port}"
+    # an IPv6 address given in brackets (a URL's form, which no resolver takes) is named as
+    # given, not bracketed twice
+    bracketed = isinstance(host, str) and host.startswith("[") and host.endswith("]")
+    if not isinstance(host, str):
+        where = f"{host!r}:{port}"
+    else:
+        where = f"{host}:{port}" if bracketed else describe_address((host, port))
     reason = exc.strerror or str(exc)
     if isinstance(exc, socket.gaierror):
+        if bracketed:
+            return socket.gaierror(exc.errno, (
+                f"cannot listen on {where}: cannot resolve {host!r}: give the IPv6 address "
+                f"without brackets ({host[1:-1]})"))
         return socket.gaierror(exc.errno, (
             f"cannot listen on {where}: cannot resolve {host!r} ({reason}): give an IP "
             f"address of this machine (127.0.0.1, or 0.0.0.0 for every interface) or a "
@@ -75,6 +95,9 @@ def listen_error(host: str | None, port: int, exc: OSError) -> OSError:
     elif exc.errno == errno.EACCES and 0 < port < 1024:
         hint = ("permission denied: ports below 1024 need root or CAP_NET_BIND_SERVICE; "
                 "choose a port of 1024 or above")
+    elif exc.errno == errno.EINVAL and _needs_scope(host):
+        hint = (f"{host} is a link-local IPv6 address: it needs a scope id, the interface "
+                f"it is on ({host}%eth0)")
     else:
         hint = reason[:1].lower() + reason[1:]
     # OSError(errno, text) is the errno's own subclass (PermissionError for EACCES)
