@@ -353,6 +353,29 @@ def test_a_handler_that_cannot_be_served_is_one_line_and_exit_2(app_dir, args, m
     assert "listening on" not in r.stdout
 
 
+@pytest.mark.parametrize("args, line", [
+    (["serve", "--port", "70000"],
+     "aoprim: --port: port must be in 0..65535 (0 picks a free one), not 70000"),
+    (["serve", "--port", "abc"], "aoprim: --port: not a port number: 'abc'"),
+    (["serve", "--workers", "x"], "aoprim: --workers: invalid int value: 'x'"),
+    (["serve", "--no-such-flag"], "aoprim: unrecognized arguments: --no-such-flag"),
+    (["loadgen", "--port", "1", "--no-such-flag"],
+     "aoprim: unrecognized arguments: --no-such-flag"),
+])
+def test_an_option_argparse_refuses_is_one_line_and_exit_2(args, line):
+    r = subprocess.run([sys.executable, "-m", "aoprim", *args], capture_output=True,
+                       text=True, timeout=30, cwd=CWD)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == [line]
+
+
+def test_help_still_shows_the_usage():
+    r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--help"],
+                       capture_output=True, text=True, timeout=30, cwd=CWD)
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout.startswith("usage: python -m aoprim serve ") and "--port PORT" in r.stdout
+
+
 def test_every_serve_flag_shows_its_default_in_help():
     r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--help"],
                        capture_output=True, text=True, timeout=30, cwd=CWD)

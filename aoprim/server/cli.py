@@ -36,7 +36,7 @@ import signal
 import sys
 import traceback
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import dataclasses
 
@@ -221,11 +221,22 @@ class _ServeOptions:
         return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too: add_subparsers makes them of this class),
+    whose errors -- a bad ``--port``, an unknown option -- are one ``aoprim: --port: ...``
+    line and exit 2, as every other configuration error is, instead of the usage block
+    (``--help`` shows that)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("argument "):         # "argument --port: ..."
+            message = message[len("argument "):]
+        self.exit(2, f"aoprim: {message}\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command line's parser; ``only``: the command about to run (the others' options
     are then not loaded -- their modules are not imported)."""
-    p = argparse.ArgumentParser(prog="python -m aoprim",
-                                description="aoprim's server and its load generator")
+    p = _Parser(prog="python -m aoprim", description="aoprim's server and its load generator")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     s = sub.add_parser(
         "serve", help="run the server: your handler (MODULE:HANDLER) or a built-in app",
