@@ -124,13 +124,21 @@ def build_module(name: str, source: str, workdir: str | os.PathLike[str] | None 
     cflags = tuple(cflags)
     if workdir:
         os.makedirs(workdir, exist_ok=True)
-        return _load(name, _compile(name, source, workdir, cflags))
+        built = _compile(name, source, workdir, cflags)
+        try:
+            return _load(name, built)
+        except _NotLoadable as e:
+            raise ImportError(f"build_module: the built module {built} does not load: "
+                              f"{e.__cause__}") from e.__cause__
     cache = cache_dir()
     filename = f"{name}-{_cache_key(name, source, cflags)}{_ext_suffix()}"
     path = os.path.join(cache, filename)
     private = _private.get(filename)
     if private is not None and os.path.isfile(private):
-        return _load(name, private)
+        try:
+            return _load(name, private)
+        except _NotLoadable:
+            del _private[filename]          # built again below
     stale = False
     if os.path.isfile(path):
         try:
