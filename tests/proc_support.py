@@ -66,11 +66,12 @@ def cpu_seconds(pid):
 # -- a server subprocess (python -m aoprim serve ...) ----------------------------------------
 
 class ServerProc:
-    """``python -m aoprim serve ARGS`` in a subprocess; ``port``, ``pid``; ``stop()`` sends
-    SIGTERM and returns a :class:`Stopped`."""
+    """``python -m aoprim serve --stats-json ARGS`` in a subprocess; ``port``, ``pid``;
+    ``stop()`` sends SIGTERM and returns a :class:`Stopped`."""
 
     def __init__(self, args, env=None, timeout=30, preexec_fn=None):
-        cmd = [sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port", "0", *args]
+        cmd = [sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port", "0",
+               "--stats-json", *args]      # (stop() reads the stats JSON line)
         # stderr goes to a file: a pipe nobody reads until the end would fill up with log
         # lines and block the server
         self._err = tempfile.TemporaryFile("w+")

@@ -44,7 +44,7 @@ def stop(p, sig):
 @pytest.mark.parametrize("backend", ["selectors", "epoll"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_serve_echo_answers_and_exits_0_on_signal(sig, backend):
-    p, port = start_server("--app", "echo", "--backend", backend)
+    p, port = start_server("--app", "echo", "--backend", backend, "--stats-json")
     try:
         with socket.create_connection((HOST, port), timeout=10) as s:
             s.sendall(b"hello cli")
@@ -103,7 +103,7 @@ def test_serve_chat_framed_with_workers():
 
 
 def test_serve_procs_supervises_and_forwards_shutdown():
-    p, port = start_server("--app", "echo", "--procs", "2")
+    p, port = start_server("--app", "echo", "--procs", "2", "--stats-json")
     try:
         socks = [socket.create_connection((HOST, port), timeout=10) for _ in range(8)]
         for i, s in enumerate(socks):
@@ -281,7 +281,7 @@ def _talk(port, payload):
     ("userpkg.game:Shout", b"pkg", b"PKG"),              # a module in a package
 ])
 def test_serve_the_users_handler_from_the_current_directory(app_dir, spec, payload, reply):
-    p, port = start_server(spec, "--log-level", "WARNING", cwd=str(app_dir))
+    p, port = start_server(spec, "--log-level", "WARNING", "--stats-json", cwd=str(app_dir))
     try:
         assert _talk(port, payload) == reply
         rc, out, err = stop(p, signal.SIGTERM)
@@ -305,7 +305,7 @@ def test_serve_the_users_handler_from_app_dir(app_dir):
 
 
 def test_serve_the_users_handler_with_procs(app_dir):
-    p, port = start_server("usermod:Shout", "--procs", "2", cwd=str(app_dir))
+    p, port = start_server("usermod:Shout", "--procs", "2", "--stats-json", cwd=str(app_dir))
     try:
         for i in range(6):
             assert _talk(port, b"p%d" % i) == b"P%d" % i

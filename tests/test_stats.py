@@ -1,5 +1,6 @@
-"""The stats at shutdown: one short line for a reader in the log (``stats.summary``), the
-whole ``stats()`` dict as JSON only on the command line's stdout, for programs."""
+"""The stats at shutdown, reported once: one short line for a reader in the log
+(``stats.summary``); the whole ``stats()`` dict as a JSON line on the command line's stdout
+only when asked (``--stats-json``, for programs)."""
 import json
 import logging
 import signal
@@ -58,9 +59,10 @@ def test_the_server_logs_its_stats_once_as_a_short_line(make_server, caplog):
                        "5 B out; closed: eof 1"]
 
 
-def test_the_cli_prints_the_json_once_and_the_log_a_short_line(backend):
+def _serve_one_echo(backend, *flags):
+    """``python -m aoprim serve --app echo FLAGS``: one echo, then SIGINT; (stdout, stderr)."""
     import test_cli as cli_t
-    p, port = cli_t.start_server("--app", "echo", "--backend", backend)
+    p, port = cli_t.start_server("--app", "echo", "--backend", backend, *flags)
     try:
         with socket.create_connection((HOST, port), timeout=10) as s:
             s.sendall(b"ping")
@@ -71,11 +73,43 @@ def test_the_cli_prints_the_json_once_and_the_log_a_short_line(backend):
             p.kill()
             p.wait()
     assert rc == 0, err
-    stats_lines = [ln for ln in out.splitlines() if ln.startswith("stats ")]
-    assert len(stats_lines) == 1
-    assert json.loads(stats_lines[0][6:])["frames_in"] == 1
+    return out, err
+
+
+def _one_summary_line(err):
     stopped = [ln for ln in err.splitlines() if "server stopped" in ln]
     assert len(stopped) == 1, err
     assert "1 connection; frames 1 in, 1 out; 4 B in, 4 B out" in stopped[0]
     assert "{" not in err and "rx_slots_in_use" not in err     # the dict is not logged
     assert len(stopped[0]) < 200
+
+
+def test_the_cli_reports_the_stats_once_as_the_logs_short_line(backend):
+    out, err = _serve_one_echo(backend)
+    _one_summary_line(err)
+    assert "stats" not in out and "{" not in out, out
+    assert out.splitlines()[1:] == []           # "listening on ..." only (read by start_server)
+
+
+def test_the_cli_prints_the_json_line_only_when_asked(backend):
+    out, err = _serve_one_echo(backend, "--stats-json")
+    _one_summary_line(err)
+    stats_lines = [ln for ln in out.splitlines() if ln.startswith("stats ")]
+    assert len(stats_lines) == 1
+    assert json.loads(stats_lines[0][6:])["frames_in"] == 1
+
+
+@pytest.mark.parametrize("flags, lines", [((), 0), (("--stats-json",), 2)],
+                         ids=["default", "stats-json"])
+def test_procs_children_follow_the_flag(flags, lines):
+    import test_cli as cli_t
+    p, port = cli_t.start_server("--app", "echo", "--procs", "2", *flags)
+    try:
+        rc, out, err = cli_t.stop(p, signal.SIGINT)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert rc == 0, err
+    assert sum(ln.startswith("stats ") for ln in out.splitlines()) == lines, out
+    assert len([ln for ln in err.splitlines() if "server stopped" in ln]) == 2, err

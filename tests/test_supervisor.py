@@ -135,7 +135,7 @@ def test_a_child_exiting_2_stops_the_supervisor_with_2():
 
 def test_a_child_that_exited_0_is_not_restarted():
     """A child that shut down cleanly (exit 0: it was told to stop) was restarted."""
-    p, port = serve("--procs", "2")
+    p, port = serve("--procs", "2", "--stats-json")
     kids = []
     try:
         kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
@@ -397,7 +397,7 @@ def test_a_handlers_exit_status_with_procs_1_is_1(tmp_path, what):
     """With --procs 1 the process exited with the handler's status: 2 (as if the settings
     were wrong) or 0 (as if told to stop)."""
     (tmp_path / "raiser.py").write_text(RAISER)
-    p, port = serve("raiser:Raiser", cwd=str(tmp_path))
+    p, port = serve("raiser:Raiser", "--stats-json", cwd=str(tmp_path))
     try:
         _raise_in_a_handler(port, what)
         out, err = p.communicate(timeout=60)

@@ -139,6 +139,19 @@ def _tree_of(server):
     return TREES.get("aoprim") if _backend_of(server) or server == "aoprim.aio" else None
 
 
+def _prints_stats_on_request(server):
+    """Whether ``server``'s command line prints its stats JSON line only with --stats-json
+    (a baseline checkout from before that flag prints it always, and refuses the flag)."""
+    tree = _tree_of(server)
+    if tree is None:
+        return True
+    try:
+        with open(os.path.join(tree, "aoprim", "server", "cli.py")) as f:
+            return "--stats-json" in f.read()
+    except OSError:
+        return False
+
+
 def server_cmd(server, framing, max_frame=None):
     """The argv that starts ``server`` (see the module docstring) on a free port;
     ``max_frame``: aoprim's --max-frame (the asyncio servers take any frame)."""
@@ -152,6 +165,8 @@ def server_cmd(server, framing, max_frame=None):
             cmd += ["--backend", _backend_of(server)]
         if max_frame is not None:
             cmd += ["--max-frame", str(max_frame)]
+        if _prints_stats_on_request(server):
+            cmd += ["--stats-json"]         # the stats JSON line run_one reads at the stop
         return cmd
     loop = {"asyncio": "asyncio", "uvloop": "uvloop", "aoprim.aio": "aio"}[server]
     return [sys.executable, os.path.join(HERE, "echo_asyncio.py"), "--host", HOST, "--port",

@@ -12,7 +12,9 @@ with ``--app-dir`` (default: the current directory) first on ``sys.path``.  With
 
 ``serve`` prints ``listening on HOST:PORT`` (one line, flushed) once it accepts connections,
 logs lifecycle and close reasons to stderr, and on SIGINT/SIGTERM shuts down cleanly (flushes
-what is pending), prints one ``stats {...}`` JSON line and exits 0 with no traceback.
+what is pending), logs the stats as one readable summary line and exits 0 with no traceback;
+with ``--stats-json`` it also prints the whole ``stats()`` dict as one ``stats {...}`` JSON
+line on stdout, for programs (a ``--procs`` supervisor passes the flag to its children).
 
 Exit status: 0 after a clean shutdown; 2 for a usage or configuration error (a bad option, a
 handler that cannot be loaded, settings the server refuses, an address it cannot bind), with
@@ -305,6 +307,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                "when on, included) (default: %(default)s)")
     o.add("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
           help="stderr log level (default: %(default)s)")
+    o.add("--stats-json", action="store_true",
+          help="at shutdown, also print the whole stats() dict as one 'stats {...}' JSON "
+               "line on stdout, for programs; the log's one readable summary line is "
+               "there either way (default: off)")
     o.add("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # a supervised child
     # a supervised child: its status pipe to the supervisor (supervisor.py)
     o.add("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -376,9 +382,9 @@ def _check_settings(a: argparse.Namespace) -> None:
 
 
 def _print_stats(srv: Server) -> None:
-    """The final ``stats {...}`` line.  A reader that went away (a killed --procs supervisor)
-    costs the line, not a traceback: stdout is pointed at /dev/null, so the interpreter's
-    own flush at exit does not fail either."""
+    """The final ``stats {...}`` line (``--stats-json``).  A reader that went away (a killed
+    --procs supervisor) costs the line, not a traceback: stdout is pointed at /dev/null, so
+    the interpreter's own flush at exit does not fail either."""
     try:
         print("stats " + json.dumps(srv.stats()), flush=True)
     except (BrokenPipeError, ValueError):
@@ -446,7 +452,8 @@ def _serve_one(a: argparse.Namespace) -> int:
         failed.append(True)
     if not failed:
         _tell(status_fd, b"stopped")    # told to stop, and done: not to be restarted
-    _print_stats(srv)
+    if a.stats_json:
+        _print_stats(srv)
     return 1 if failed else 0
 
 
