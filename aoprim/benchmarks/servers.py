@@ -161,12 +161,12 @@ def server_cmd(server, framing, max_frame=None):
     if server in TREES or _backend_of(server) or server == "aoprim":
         cmd = [sys.executable, "-m", "aoprim", "serve", "--app", "echo", "--host", HOST,
                "--port", "0", "--framing", framing, "--log-level", "WARNING"]
+        if _prints_stats_on_request(server):
+            cmd += ["--stats-json"]         # the stats JSON line run_one reads at the stop
         if _backend_of(server):
             cmd += ["--backend", _backend_of(server)]
         if max_frame is not None:
             cmd += ["--max-frame", str(max_frame)]
-        if _prints_stats_on_request(server):
-            cmd += ["--stats-json"]         # the stats JSON line run_one reads at the stop
         return cmd
     loop = {"asyncio": "asyncio", "uvloop": "uvloop", "aoprim.aio": "aio"}[server]
     return [sys.executable, os.path.join(HERE, "echo_asyncio.py"), "--host", HOST, "--port",
