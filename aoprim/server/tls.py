@@ -49,7 +49,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import re
+import reprlib
 import ssl
+import stat
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -87,41 +91,180 @@ def check_context(ctx: object) -> ssl.SSLContext:
 
 _CERT_PEM = b"-----BEGIN CERTIFICATE-----"
 _KEY_PEM = b"PRIVATE KEY-----"          # PRIVATE / RSA PRIVATE / EC PRIVATE / ENCRYPTED PRIVATE
+_OPENSSH_KEY = b"-----BEGIN OPENSSH PRIVATE KEY-----"     # ssh-keygen's format (~/.ssh/id_*)
+_PEM_KEY = re.compile(rb"-----BEGIN (?!OPENSSH )(?:[A-Z0-9]+ )*PRIVATE KEY-----")
+
+# The most a file is read: a certificate chain or a key is a few KiB, a CA bundle a few
+# hundred (Debian's whole ca-certificates.crt is ~220 KiB).  Anything larger is the wrong file
+# (a disk image, /dev/zero through a symlink), refused instead of read into memory.
+_PEM_LIMIT = 1 << 20
+_CA_LIMIT = 16 << 20
+
+# Where a file already open is opened again by its descriptor (Linux): OpenSSL loads the
+# file that was checked, even if its path is replaced in between (by a FIFO, say).
+_FD_DIR = "/proc/self/fd"
+
+# A path is checked with stat() before it is opened: opening a device can have effects of
+# its own (a tape rewinds), and opening a FIFO for reading waits for a writer.
+_KINDS = ((stat.S_ISFIFO, "a pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def _read_pem(flag: str, path: str) -> bytes:
-    """The bytes of the file that option ``flag`` names; an ``OSError`` of the same type
-    (``FileNotFoundError``, ``PermissionError``, ...) naming the option and the file."""
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        what = {errno.ENOENT: "no such file", errno.EACCES: "permission denied (this user "
-                "cannot read it)", errno.EISDIR: "is a directory, not a PEM file"}
-        reason = what.get(e.errno) or (e.strerror or str(e)).lower()
-        raise OSError(e.errno, f"{flag} {path!r}: {reason}") from None
+def _as_path(name: str, value: object) -> str:
+    """``value`` of parameter ``name`` as a ``str`` path: a ``str``, ``bytes`` (decoded with
+    ``os.fsdecode``, as ``open()`` takes them) or ``os.PathLike``.  Anything else is a
+    ``TypeError``: an int in particular, which ``open()`` would take for a file descriptor --
+    and close."""
+    if isinstance(value, (str, bytes, os.PathLike)):
+        try:
+            return os.fsdecode(value)
+        except TypeError:           # an __fspath__ that returns neither str nor bytes
+            pass
+    raise TypeError(f"{name} must be a file path (str, bytes or os.PathLike), not "
+                    f"{type(value).__name__} {reprlib.repr(value)}")
 
 
-def server_context(certfile: str, keyfile: str | None = None, ca_certs: str | None = None,
+def _size_text(n: int) -> str:
+    return f"{n >> 20} MiB" if n and not n % (1 << 20) else f"{n} bytes"
+
+
+def _file_error(flag: str, path: str, st: os.stat_result, limit: int) -> Exception | None:
+    """What is wrong with a file of this ``stat`` for option ``flag``, if anything: a
+    directory, not a regular file, more than ``limit`` bytes."""
+    if stat.S_ISDIR(st.st_mode):
+        return IsADirectoryError(errno.EISDIR, f"{flag} {path!r}: is a directory, not a "
+                                 f"regular file: give the PEM file in it")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a file")
+        return ValueError(f"{flag} {path!r} is {kind}, not a regular file: give the PEM "
+                          f"file itself (the server reads no pipe or device: it could be "
+                          f"endless)")
+    if st.st_size > limit:
+        n = st.st_size
+        size = f"{n / (1 << 20):.1f} MiB ({n} bytes)" if n >= 1 << 20 else f"{n} bytes"
+        return ValueError(f"{flag} {path!r} is {size}: more than any PEM file it should be "
+                          f"(at most {_size_text(limit)}): is it the right file?")
+    return None
+
+
+def _os_error(flag: str, path: str, e: OSError) -> OSError:
+    """``e`` as an ``OSError`` of the same type naming the option and the file."""
+    what = {errno.ENOENT: "no such file", errno.EACCES: "permission denied (this user "
+            "cannot read it)", errno.ENOTDIR: "a part of the path is not a directory"}
+    reason = what.get(e.errno or 0) or (e.strerror or str(e)).lower()
+    return OSError(e.errno, f"{flag} {path!r}: {reason}")
+
+
+class _PEMFile:
+    """The file that option ``flag`` names, open (``fd``) and read (``data``): checked to be
+    a regular file of at most ``limit`` bytes before it is opened, again once open, and while
+    it is read.  ``path`` is what to give OpenSSL: the open file itself (``/proc/self/fd/N``)
+    where there is such a path, else the name.  Errors name the option and the file: an
+    ``OSError`` of the same type (``FileNotFoundError``, ``PermissionError``,
+    ``IsADirectoryError``, ...) or ``ValueError`` (not a regular file, too large)."""
+
+    def __init__(self, flag: str, name: str, limit: int) -> None:
+        self.fd = -1
+        try:
+            st = os.stat(name)
+        except OSError as e:
+            raise _os_error(flag, name, e) from None
+        except ValueError:          # os.stat's "embedded null byte"
+            raise ValueError(f"{flag} {name!r}: a path cannot hold a NUL character") from None
+        err = _file_error(flag, name, st, limit)
+        if err is not None:
+            raise err
+        try:
+            # O_NONBLOCK: should the path have become a FIFO since, open() does not wait
+            self.fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            err = _file_error(flag, name, os.fstat(self.fd), limit)
+            if err is None:
+                self.data = self._read(flag, name, limit)
+        except OSError as e:
+            self.close()
+            raise _os_error(flag, name, e) from None
+        except ValueError:
+            self.close()
+            raise
+        if err is not None:
+            self.close()
+            raise err
+        self.path = f"{_FD_DIR}/{self.fd}" if os.path.isdir(_FD_DIR) else name
+
+    def _read(self, flag: str, name: str, limit: int) -> bytes:
+        """The file's bytes; ``ValueError`` if it holds more than ``limit`` -- more than its
+        ``stat()`` said: a file that grows, or one of /proc's (``st_size`` 0)."""
+        chunks: list[bytes] = []
+        left = limit + 1
+        while left > 0:
+            chunk = os.read(self.fd, min(left, 1 << 16))
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            left -= len(chunk)
+        raise ValueError(f"{flag} {name!r} is more than {_size_text(limit)}: more than any "
+                         f"PEM file it should be: is it the right file?")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def server_context(certfile: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+                   keyfile: str | bytes | os.PathLike[str] | os.PathLike[bytes] | None = None,
+                   ca_certs: str | bytes | os.PathLike[str] | os.PathLike[bytes] | None = None,
                    client_cert: str = "none") -> ssl.SSLContext:
     """The CLI's context: ``ssl.create_default_context(Purpose.CLIENT_AUTH)`` (TLS 1.2+,
     OpenSSL's default ciphers) with the certificate chain; ``client_cert`` "optional" or
     "required" verifies client certificates against ``ca_certs``.
 
+    A path is a ``str``, ``bytes`` (decoded with ``os.fsdecode``) or ``os.PathLike``;
+    anything else (an int is never taken for a file descriptor) is a ``TypeError`` naming
+    the parameter.  Only a regular file is read, and at most 1 MiB of a certificate or key
+    file, 16 MiB of a CA bundle; OpenSSL then loads the very file that was checked.
+
     Every failure names the option (``--certfile``, ``--keyfile``, ``--ca-certs``), the file
-    and what is wrong with it: ``OSError`` (``FileNotFoundError``, ``PermissionError``) for a
-    file that cannot be read, ``ValueError`` for one whose content is not what the option
-    needs -- no PEM certificate, no private key (and no ``--keyfile``), an encrypted key (the
-    server cannot ask for a passphrase), a key that does not match the certificate, CA
-    certificates that do not load."""
-    cert_pem = _read_pem("--certfile", certfile)
-    key_pem = _read_pem("--keyfile", keyfile) if keyfile else cert_pem
+    and what is wrong with it: ``OSError`` (``FileNotFoundError``, ``PermissionError``,
+    ``IsADirectoryError``) for a file that cannot be read, ``ValueError`` for a pipe or a
+    device, a file over the bound, or one whose content is not what the option needs -- no
+    PEM certificate, no private key (and no ``--keyfile``), an OpenSSH key, an encrypted key
+    (the server cannot ask for a passphrase), a key that does not match the certificate
+    (whatever the two algorithms), CA certificates that do not load."""
+    certfile = _as_path("certfile", certfile)
+    keyfile = _as_path("keyfile", keyfile) if keyfile is not None else None
+    ca_certs = _as_path("ca_certs", ca_certs) if ca_certs is not None else None
+    files: list[_PEMFile] = []
+    try:
+        return _server_context(files, certfile, keyfile, ca_certs, client_cert)
+    finally:
+        for f in files:
+            f.close()
+
+
+def _server_context(files: list[_PEMFile], certfile: str, keyfile: str | None,
+                    ca_certs: str | None, client_cert: str) -> ssl.SSLContext:
+    """server_context's work; every file it opens is added to ``files`` (closed by the
+    caller once OpenSSL has loaded them)."""
+    cert = _PEMFile("--certfile", certfile, _PEM_LIMIT)
+    files.append(cert)
+    key = _PEMFile("--keyfile", keyfile, _PEM_LIMIT) if keyfile else cert
+    if key is not cert:
+        files.append(key)
+    cert_pem, key_pem = cert.data, key.data
     key_flag = f"--keyfile {keyfile!r}" if keyfile else f"--certfile {certfile!r}"
     if _CERT_PEM not in cert_pem:
         raise ValueError(
             f"--certfile {certfile!r} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"
             + (": it holds a private key -- give that file with --keyfile and the "
                "certificate with --certfile" if _KEY_PEM in cert_pem else ""))
+    if _OPENSSH_KEY in key_pem and not _PEM_KEY.search(key_pem):
+        # (its header ends as a PEM key's does: OpenSSL then says only "PEM lib")
+        raise ValueError(
+            f"{key_flag} holds an OpenSSH private key, not a PEM one: is it an SSH key "
+            f"(~/.ssh/id_*)? Give the key the certificate was issued for (an RSA or ECDSA "
+            f"key in OpenSSH format converts with ssh-keygen -p -m PEM -f KEY, which "
+            f"rewrites KEY in place; ssh-keygen cannot convert an Ed25519 one)")
     if _KEY_PEM not in key_pem:
         if not keyfile:
             raise ValueError(f"--certfile {certfile!r} holds a certificate but no private "
@@ -140,9 +283,14 @@ def server_context(certfile: str, keyfile: str | None = None, ca_certs: str | No
 
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        ctx.load_cert_chain(certfile, keyfile, password=no_passphrase)
+        ctx.load_cert_chain(cert.path, key.path if keyfile else None,
+                            password=no_passphrase)
     except ssl.SSLError as e:
-        if e.reason == "KEY_VALUES_MISMATCH":
+        # KEY_VALUES_MISMATCH: a key of the certificate's algorithm, not its key.
+        # NO_CERTIFICATE_ASSIGNED: a key of another algorithm (an EC key for an RSA
+        # certificate, ...): OpenSSL keeps one certificate per algorithm and found none for
+        # this key's -- the certificate loaded, so that is the same mistake.
+        if e.reason in ("KEY_VALUES_MISMATCH", "NO_CERTIFICATE_ASSIGNED"):
             raise ValueError(f"the private key in {key_flag} does not match the certificate "
                              f"in --certfile {certfile!r}: give the key the certificate was "
                              f"issued for") from None
@@ -150,12 +298,14 @@ def server_context(certfile: str, keyfile: str | None = None, ca_certs: str | No
                          f"private key in {key_flag}: {e.reason or e} (are they PEM files "
                          f"of one certificate chain and its key?)") from None
     if ca_certs:
-        if _CERT_PEM not in _read_pem("--ca-certs", ca_certs):
+        ca = _PEMFile("--ca-certs", ca_certs, _CA_LIMIT)
+        files.append(ca)
+        if _CERT_PEM not in ca.data:
             raise ValueError(f"--ca-certs {ca_certs!r} holds no PEM certificate "
                              f"(-----BEGIN CERTIFICATE-----): give the PEM file of the CAs "
                              f"that issue the client certificates")
         try:
-            ctx.load_verify_locations(ca_certs)
+            ctx.load_verify_locations(ca.path)
         except ssl.SSLError as e:
             raise ValueError(f"--ca-certs {ca_certs!r}: cannot load its CA certificates: "
                              f"{e.reason or e}") from None
