@@ -134,6 +134,13 @@ cdef class AtomicInt:
     def __reduce__(self):
         return (AtomicInt, (aop_load_i64(&self.cell, AOP_SEQ_CST),))
 
+    def __format__(self, spec):
+        """format(a, spec), f"{a:,}", f"{a:x}": the loaded value formatted as an int is; an
+        empty spec gives str(a), as for any object."""
+        if not spec:
+            return str(self)
+        return format(aop_load_i64(&self.cell, AOP_SEQ_CST), spec)
+
     # ---- as a number ----------------------------------------------------------------------
     # In-place operators: one seq_cst read-modify-write each, the same instruction as the
     # fetch_* method of the same name, and they return self (the name stays bound to this

@@ -1,12 +1,15 @@
 import types
-from typing import Any, Generic, Iterable, List, Optional, TypeVar
+from typing import Any, overload, Generic, Iterable, List, Optional, TypeVar
 from typing_extensions import Self, disjoint_base
 
 _T = TypeVar("_T")
 
 @disjoint_base
 class MPMCQueue(Generic[_T]):
+    @overload
     def __new__(cls, capacity: int) -> Self: ...
+    @overload
+    def __new__(cls, *, maxsize: int) -> Self: ...
     def __class_getitem__(cls, item: Any) -> types.GenericAlias: ...
     @property
     def capacity(self) -> int: ...

@@ -38,7 +38,9 @@ from aoprim.atomic_h cimport (
 from aoprim._qwait cimport (
     AOP_Q_OK, AOP_Q_RETRY, AOP_Q_BUSY, AOP_Q_CLOSED, AOP_Q_MODE_OBJ,
     q_obj_mode, q_steal, q_word, q_timeout_ns, q_max_items, q_raise, q_wait_interruptible,
+    q_capacity,
 )
+from cpython.number cimport PyNumber_Index
 
 cdef extern from "Python.h":
     void _list_set_item "PyList_SET_ITEM" (object lst, Py_ssize_t i, PyObject *o)
@@ -615,23 +617,61 @@ cdef inline list q_get_many(qptr q, object max_items):
         return _q_get_many(q, max_items)
 
 
+# ---- construction ------------------------------------------------------------------------
+
+cdef inline uint64_t q_ctor_capacity(str name, tuple args, dict kwargs) except 0:
+    """The capacity of Name(capacity) / Name(capacity=...) / Name(maxsize=...) (queue.Queue's
+    keyword, an alias).  Every message names the class, never the constructor's internals.
+    maxsize <= 0 (unbounded, in queue.Queue) is refused: a ring has a fixed size."""
+    cdef bint by_capacity = "capacity" in kwargs, by_maxsize = "maxsize" in kwargs
+    if len(args) > 1:
+        raise TypeError(f"{name}() takes 1 positional argument ({len(args)} given)")
+    for key in kwargs:
+        if key != "capacity" and key != "maxsize":
+            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
+    if args and by_capacity:
+        raise TypeError(f"{name}() got multiple values for argument 'capacity'")
+    if (args or by_capacity) and by_maxsize:
+        raise TypeError(f"{name}() takes capacity or maxsize, not both")
+    if by_maxsize:
+        maxsize = kwargs["maxsize"]
+        if (not isinstance(maxsize, float) and hasattr(type(maxsize), "__index__")
+                and PyNumber_Index(maxsize) <= 0):
+            raise ValueError(f"{name}(maxsize={PyNumber_Index(maxsize)}): queue.Queue's "
+                             f"unbounded maxsize <= 0 has no equivalent, as {name} is a "
+                             f"bounded ring; give its capacity (an int >= 1)")
+        return q_capacity(maxsize)
+    if args:
+        return q_capacity(args[0])
+    if by_capacity:
+        return q_capacity(kwargs["capacity"])
+    raise TypeError(f"{name}() needs a capacity (e.g. {name}(1024))")
+
+
 # ---- asyncio waiters (get_async / put_async) ----------------------------------------------
 # A coroutine that finds the queue empty (full) registers a future in the queue's list of
-# async getters (putters), then tries again, then awaits the future.  Every successful put
-# (get), and close(), wakes every registered future of the other side through its loop's
-# call_soon_threadsafe; the woken coroutine tries again.  Why no wake-up is lost (Dekker, as
-# W1..W4 / N1, N2 in aop_queue.h):
+# async getters (putters), then tries again, then awaits the future.  A successful put (get)
+# wakes ONE registered future of the other side per item (slot) it made -- the oldest, through
+# its loop's call_soon_threadsafe -- and close() wakes every one; the woken coroutine tries
+# again.  Why no wake-up is lost (Dekker, as W1..W4 / N1, N2 in aop_queue.h):
 #   register:  A1 append the future;  A2 count += 1 (seq_cst RMW);  A3 seq_cst fence;
 #              A4 the operation again (q_pop_settled / q_push_settled)
 #   put (get): B1 the ring operation (its seq_cst CAS / store is N1);  B2 count (seq_cst load);
-#              if B2 != 0: pop and wake every registered future
+#              if B2 != 0: pop a registered future and wake it
 #   If B2 reads 0, B2 precedes A2 in the total order, so B1 precedes A3 and A4 sees B1 (a
 #   claim whose cell is not yet published is BUSY, and the settled retry yields until it
-#   lands).  Otherwise B2 reads A2's increment, which A1 precedes: the waker finds the future.
-# Waking all (not one) means a woken coroutine that is cancelled before it runs swallows no
-# wake-up.  A cancelled or finished coroutine takes its future out of the list (if a waker has
-# not), so none is left behind.  The lists are only appended to, popped and removed from --
-# each one atomic list operation, also in free-threaded builds.
+#   lands).  Otherwise B2 reads A2's increment, which A1 precedes: the waker finds a future.
+# Waking one per item keeps a put's cost independent of the number of waiters; it is safe
+# because a wake-up is never swallowed:
+#   - a woken coroutine that finds nothing (another consumer was first) registers again;
+#   - one that leaves without an item after a waker took its future (it was cancelled, even
+#     after its future got its result) wakes the next waiter in its place (its unregister
+#     finds the future gone: q_async_unregister returns 0);
+#   - a future whose loop is closed cannot be woken: the waker pops the next one instead.
+# A coroutine that takes an item on its re-check (A4) while a waker took its future used one
+# wake-up for one item, as if woken.  A cancelled or finished coroutine takes its future out
+# of the list (if a waker has not), so none is left behind.  The lists are only appended to,
+# popped and removed from -- each one atomic list operation, also in free-threaded builds.
 
 cdef inline int q_pop_settled(qptr q, uint64_t *v) noexcept nogil:
     """One pop that never reports BUSY: a producer that claimed the cell and has not yet
@@ -696,34 +736,40 @@ cdef inline int q_async_register(list waiters, aop_atomic_u32 *count, object fut
     aop_thread_fence(AOP_SEQ_CST)                    # A3: orders A2 before the re-check A4
     return 0
 
-cdef inline int q_async_unregister(list waiters, aop_atomic_u32 *count, object fut) except -1:
+cdef inline bint q_async_unregister(list waiters, aop_atomic_u32 *count,
+                                    object fut) except -1:
+    """Take fut out of the list: 1 if it was there, 0 if a waker took it (and counted it)."""
     try:
         waiters.remove(fut)
     except ValueError:
-        return 0                                     # a waker took it (and counted it)
+        return 0
     # relaxed: the count only decides whether a waker looks at the list; the list decides
     aop_fetch_sub_u32(count, 1, AOP_RELAXED)
-    return 0
+    return 1
 
 cdef inline bint q_async_any(aop_atomic_u32 *count) noexcept nogil:
     """B2: may a coroutine be registered?  Call right after the operation (B1); when True,
     call q_async_wake.  A seq_cst load (see above): on x86 one plain load."""
     return aop_load_u32(count, AOP_SEQ_CST) != 0
 
-cdef inline int q_async_wake(list waiters, aop_atomic_u32 *count, object wake) except -1:
-    """Wake every registered future (after q_async_any said there may be one)."""
+cdef inline int q_async_wake(list waiters, aop_atomic_u32 *count, object wake,
+                             Py_ssize_t n) except -1:
+    """Wake the n oldest registered futures (n < 0: every one), after q_async_any said there
+    may be one.  A future whose loop is closed does not count: the next one is woken."""
     if waiters is None:
         return 0                 # cleared by the cyclic GC: nobody can be waiting
-    while True:
+    while n != 0:
         try:
-            fut = waiters.pop()
+            fut = waiters.pop(0)
         except IndexError:
             return 0
         aop_fetch_sub_u32(count, 1, AOP_RELAXED)     # relaxed: as in q_async_unregister
         try:
             fut.get_loop().call_soon_threadsafe(wake, fut)
         except RuntimeError:
-            pass                 # its loop is closed: nobody is left to wake
+            continue             # its loop is closed: nobody there can take the item
+        n -= 1
+    return 0
 
 
 # ---- queue.Queue's task accounting (no OBJ-mode claim: it moves no object) --------------

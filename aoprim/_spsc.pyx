@@ -14,13 +14,14 @@ reference rules are stated.
 cimport cython
 from cpython.ref cimport PyObject
 from types import GenericAlias
-from aoprim._qwait cimport q_capacity
 from aoprim._qcore cimport (
-    QTypeSlots, traverseproc, inquiry, visitproc, q_traverse, q_clear,
+    QTypeSlots, traverseproc, q_ctor_capacity, inquiry, visitproc, q_traverse, q_clear,
     aop_spsc_new, q_drain_dealloc, q_put, q_put_nowait, q_get, q_get_nowait, q_put_many,
     q_get_many, q_size, q_close, q_repr, q_task_done, q_join,
     q_get_settled, q_put_settled, q_async_register, q_async_unregister, q_async_any, q_async_wake,
 )
+from asyncio import get_running_loop
+from aoprim._qasync import async_methods as _async_methods
 from aoprim.errors import Empty, Full
 from aoprim._mpmc import _wake_future
 
@@ -33,11 +34,13 @@ from aoprim._mpmc import _wake_future
 # defers the inner deallocations, so a long chain cannot overflow the C stack.
 @cython.trashcan(True)
 cdef class SPSCQueue:
-    """SPSCQueue(capacity): bounded lock-free queue for exactly one producer thread and one
+    """SPSCQueue(capacity) or SPSCQueue(maxsize=capacity): bounded lock-free queue for exactly one producer thread and one
     consumer thread.  capacity (int >= 1) is rounded up to a power of two; see .capacity."""
 
-    def __cinit__(self, capacity):
-        self.q = aop_spsc_new(q_capacity(capacity))
+    def __cinit__(self, *args, **kwargs):
+        # SPSCQueue(capacity), SPSCQueue(capacity=n) or queue.Queue's SPSCQueue(maxsize=n), parsed by
+        # q_ctor_capacity (aoprim/_qcore.pxd) so that every message names the class
+        self.q = aop_spsc_new(q_ctor_capacity("SPSCQueue", args, kwargs))
         if self.q is NULL:
             raise MemoryError()
         self._agetters = []
@@ -68,27 +71,27 @@ cdef class SPSCQueue:
         Full if no room in time, Closed if the queue is (or gets) closed."""
         q_put(self.q, item, block, timeout)
         if q_async_any(&self._nagetters):
-            q_async_wake(self._agetters, &self._nagetters, _wake_future)
+            q_async_wake(self._agetters, &self._nagetters, _wake_future, 1)
 
     def put_nowait(self, item):
         """Put item without waiting: Full if there is no room, Closed if closed."""
         q_put_nowait(self.q, item)
         if q_async_any(&self._nagetters):
-            q_async_wake(self._agetters, &self._nagetters, _wake_future)
+            q_async_wake(self._agetters, &self._nagetters, _wake_future, 1)
 
     def get(self, block=True, timeout=None):
         """Remove and return an item; if empty, wait (block=True) at most timeout seconds.
         Empty if none in time; Closed once the queue is closed and drained."""
         item = q_get(self.q, block, timeout)
         if q_async_any(&self._naputters):
-            q_async_wake(self._aputters, &self._naputters, _wake_future)
+            q_async_wake(self._aputters, &self._naputters, _wake_future, 1)
         return item
 
     def get_nowait(self):
         """Remove and return an item without waiting: Empty, or Closed once drained."""
         item = q_get_nowait(self.q)
         if q_async_any(&self._naputters):
-            q_async_wake(self._aputters, &self._naputters, _wake_future)
+            q_async_wake(self._aputters, &self._naputters, _wake_future, 1)
         return item
 
     def put_many(self, iterable):
@@ -97,16 +100,16 @@ cdef class SPSCQueue:
         (one claim per batch); from any other iterable an item is taken only when there is
         room for it."""
         n = q_put_many(self.q, iterable)
-        if q_async_any(&self._nagetters):
-            q_async_wake(self._agetters, &self._nagetters, _wake_future)
+        if n and q_async_any(&self._nagetters):
+            q_async_wake(self._agetters, &self._nagetters, _wake_future, n)
         return n
 
     def get_many(self, max_items):
         """Dequeue up to max_items items without waiting (possibly []).  Closed once the
         queue is closed and drained."""
         items = q_get_many(self.q, max_items)
-        if q_async_any(&self._naputters):
-            q_async_wake(self._aputters, &self._naputters, _wake_future)
+        if items and q_async_any(&self._naputters):
+            q_async_wake(self._aputters, &self._naputters, _wake_future, len(items))
         return items
 
     def qsize(self):
@@ -124,55 +127,70 @@ cdef class SPSCQueue:
         """True if the queue looks full (approximate while other threads run)."""
         return q_size(self.q) >= self.q.cap
 
-    async def get_async(self):
-        """Remove and return an item, awaiting one if the queue is empty (for coroutines;
-        threads may put meanwhile: their put wakes this coroutine through its loop).  Closed
-        once the queue is closed and drained.  Cancelling it takes no item and leaves
-        nothing registered."""
-        import asyncio
+    # get_async / put_async are Python coroutine functions (aoprim/_qasync.py: what inspect,
+    # asyncio and unittest.mock take for coroutine functions); their waits are these two.
+    get_async, put_async = _async_methods("SPSCQueue")
+
+    async def _get_async_wait(self):
+        """get_async's wait, after it found the queue empty: register, re-check, await a
+        wake-up, try again (aoprim/_qcore.pxd, "asyncio waiters")."""
         while True:
+            fut = get_running_loop().create_future()
+            q_async_register(self._agetters, &self._nagetters, fut)
+            try:
+                item = q_get_settled(self.q)            # the re-check after registering
+            except Empty:
+                pass
+            except BaseException:
+                if not q_async_unregister(self._agetters, &self._nagetters, fut):
+                    q_async_wake(self._agetters, &self._nagetters, _wake_future, 1)
+                raise
+            else:
+                q_async_unregister(self._agetters, &self._nagetters, fut)
+                if q_async_any(&self._naputters):
+                    q_async_wake(self._aputters, &self._naputters, _wake_future, 1)
+                return item
+            try:
+                await fut                               # a put or close() wakes us
+            except BaseException:
+                # cancelled: if a waker took our future, its wake-up goes to the next waiter
+                if not q_async_unregister(self._agetters, &self._nagetters, fut):
+                    q_async_wake(self._agetters, &self._nagetters, _wake_future, 1)
+                raise
             try:
                 return self.get_nowait()
             except Empty:
-                pass
-            fut = asyncio.get_running_loop().create_future()
-            q_async_register(self._agetters, &self._nagetters, fut)
-            try:
-                try:
-                    item = q_get_settled(self.q)        # the re-check after registering
-                except Empty:
-                    await fut                           # a put or close() wakes us
-                    continue
-                if q_async_any(&self._naputters):
-                    q_async_wake(self._aputters, &self._naputters, _wake_future)
-                return item
-            finally:
-                q_async_unregister(self._agetters, &self._nagetters, fut)
+                pass                                    # another consumer was first
 
-    async def put_async(self, item):
-        """Put item, awaiting room if the queue is full (for coroutines; a get in any thread
-        wakes this coroutine).  Closed if the queue is (or gets) closed.  Cancelling it
-        before it returns leaves the item not queued and nothing registered."""
-        import asyncio
+    async def _put_async_wait(self, item):
+        """put_async's wait, after it found the queue full (as _get_async_wait)."""
         while True:
+            fut = get_running_loop().create_future()
+            q_async_register(self._aputters, &self._naputters, fut)
+            try:
+                q_put_settled(self.q, item)             # the re-check after registering
+            except Full:
+                pass
+            except BaseException:
+                if not q_async_unregister(self._aputters, &self._naputters, fut):
+                    q_async_wake(self._aputters, &self._naputters, _wake_future, 1)
+                raise
+            else:
+                q_async_unregister(self._aputters, &self._naputters, fut)
+                if q_async_any(&self._nagetters):
+                    q_async_wake(self._agetters, &self._nagetters, _wake_future, 1)
+                return
+            try:
+                await fut                               # a get or close() wakes us
+            except BaseException:
+                if not q_async_unregister(self._aputters, &self._naputters, fut):
+                    q_async_wake(self._aputters, &self._naputters, _wake_future, 1)
+                raise
             try:
                 self.put_nowait(item)
                 return
             except Full:
-                pass
-            fut = asyncio.get_running_loop().create_future()
-            q_async_register(self._aputters, &self._naputters, fut)
-            try:
-                try:
-                    q_put_settled(self.q, item)         # the re-check after registering
-                except Full:
-                    await fut                           # a get or close() wakes us
-                    continue
-                if q_async_any(&self._nagetters):
-                    q_async_wake(self._agetters, &self._nagetters, _wake_future)
-                return
-            finally:
-                q_async_unregister(self._aputters, &self._naputters, fut)
+                pass                                    # another producer was first
 
     def task_done(self):
         """queue.Queue's task_done(): the task of an item got earlier is finished.  Each
@@ -190,9 +208,9 @@ cdef class SPSCQueue:
         Every blocked put/get wakes up.  Idempotent."""
         q_close(self.q)
         if q_async_any(&self._nagetters):
-            q_async_wake(self._agetters, &self._nagetters, _wake_future)
+            q_async_wake(self._agetters, &self._nagetters, _wake_future, -1)
         if q_async_any(&self._naputters):
-            q_async_wake(self._aputters, &self._naputters, _wake_future)
+            q_async_wake(self._aputters, &self._naputters, _wake_future, -1)
 
     def __repr__(self):
         return q_repr(self.q, "SPSCQueue", id(self))

@@ -70,6 +70,25 @@ def test_int_index_repr_value():
         a.value = 3
 
 
+@pytest.mark.parametrize("spec", [",", "_", "x", "#x", "X", "o", "b", "d", ">12", "<12,",
+                                  "+d", "012d", "e", ".2f", "%"])
+@pytest.mark.parametrize("value", [1234567, -255, 0])
+def test_format_spec_as_int(spec, value):
+    a = AtomicInt(value)
+    assert format(a, spec) == format(value, spec)
+    assert f"{a:{spec}}" == f"{value:{spec}}"
+
+
+def test_format_empty_spec_is_str():
+    a = AtomicInt(7)
+    assert format(a, "") == f"{a}" == str(a) == "AtomicInt(7)"
+
+
+def test_format_bad_spec_is_ints_error():
+    with pytest.raises(ValueError, match="Unknown format code 'Q'"):
+        format(AtomicInt(1), "Q")
+
+
 def test_wraps_modulo_2_64():
     a = AtomicInt(I64_MAX)
     assert a.fetch_add(1) == I64_MAX

@@ -48,8 +48,38 @@ def test_capacity_type_error(Q, bad):
 
 
 def test_capacity_required(Q):
-    with pytest.raises(TypeError):
+    name = Q.__name__
+    with pytest.raises(TypeError, match=rf"^{name}\(\) needs a capacity \(e\.g\. {name}\(1024\)\)$"):
         Q()
+
+
+def test_maxsize_is_an_alias_of_capacity(Q):
+    q = Q(maxsize=8)
+    assert q.capacity == q.maxsize == 8
+    assert Q(maxsize=5).capacity == 8             # rounded up as a capacity is
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_maxsize_unbounded_refused(Q, bad):
+    with pytest.raises(ValueError, match=rf"maxsize={bad}.*unbounded.*bounded ring"):
+        Q(maxsize=bad)
+
+
+@pytest.mark.parametrize("args,kwargs,words", [
+    ((8,), {"maxsize": 8}, "capacity or maxsize, not both"),
+    ((), {"capacity": 8, "maxsize": 8}, "capacity or maxsize, not both"),
+    ((8, 8), {}, "takes 1 positional argument (2 given)"),
+    ((), {"size": 8}, "unexpected keyword argument 'size'"),
+])
+def test_constructor_misuse_names_the_class(Q, args, kwargs, words):
+    with pytest.raises(TypeError) as e:
+        Q(*args, **kwargs)
+    msg = str(e.value)
+    assert msg.startswith(f"{Q.__name__}()") and words in msg and "__cinit__" not in msg
+
+
+def test_capacity_keyword(Q):
+    assert Q(capacity=3).capacity == 4
 
 
 def test_exceptions_are_queue_exceptions():

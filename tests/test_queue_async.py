@@ -5,9 +5,11 @@ takes no item and leaves nothing registered.  Real threads; every item counted; 
 bounded."""
 import asyncio
 import gc
+import inspect
 import sys
 import threading
 import weakref
+from unittest.mock import create_autospec
 
 import pytest
 
@@ -271,8 +273,9 @@ def test_woken_and_finished_waiters_leave_nothing(Q):
 
 
 def test_cancelled_waiter_swallows_no_wake_up():
-    """Two coroutines wait; a thread puts one item; the coroutine the put woke is cancelled
-    before it runs.  The other one still gets the item (every waiter is woken)."""
+    """Two coroutines wait; a thread puts one item, which wakes the first; that one is
+    cancelled before its wake-up reaches it (the loop is held meanwhile).  The wake-up goes
+    to the other one, which gets the item."""
     async def main():
         q = MPMCQueue(2)
         a = asyncio.ensure_future(q.get_async())
@@ -280,7 +283,7 @@ def test_cancelled_waiter_swallows_no_wake_up():
         await asyncio.sleep(0)
         t = threading.Thread(target=q.put, args=("x",))
         t.start()
-        await asyncio.get_running_loop().run_in_executor(None, t.join, BOUND)
+        t.join(BOUND)                 # blocks the loop: a's wake-up waits in its queue
         a.cancel()
         assert await b == "x"
         with pytest.raises(asyncio.CancelledError):
@@ -340,3 +343,191 @@ def test_mpmc_threads_and_coroutines_every_item_once():
                       + [("c", k, i) for k in range(3) for i in range(per)])
         assert items == want
     run(main())
+
+
+# ---- coroutine functions to inspect, asyncio and unittest.mock ---------------------------
+
+def test_async_methods_are_coroutine_functions(Q):
+    q = Q(2)
+    for f in (Q.get_async, Q.put_async, q.get_async, q.put_async):
+        assert inspect.iscoroutinefunction(f), f
+    coro = q.put_async(1)
+    assert inspect.iscoroutine(coro)
+    coro.close()
+    assert q.qsize() == 0                 # a coroutine never started did nothing
+
+
+def test_autospec_makes_awaitable_mocks(Q):
+    m = create_autospec(Q, instance=True)
+    m.get_async.return_value = "item"
+
+    async def main():
+        assert await m.get_async() == "item"
+        await m.put_async("x")
+        m.put_async.assert_awaited_once_with("x")
+    run(main())
+
+
+# ---- a put wakes one waiting coroutine, not all of them -----------------------------------
+
+def _count_wake_ups(counter):
+    """Make the running loop's call_soon_threadsafe() count the calls (a put wakes a
+    waiting coroutine through it)."""
+    loop = asyncio.get_running_loop()
+    call = loop.call_soon_threadsafe
+
+    def call_soon_threadsafe(*args, **kwargs):
+        counter.append(1)
+        return call(*args, **kwargs)
+    loop.call_soon_threadsafe = call_soon_threadsafe
+
+
+@pytest.mark.parametrize("waiters", [1, 10, 50])
+def test_one_item_wakes_one_waiter(waiters):
+    async def main():
+        q = MPMCQueue(4)
+        wakes = []
+        _count_wake_ups(wakes)
+        tasks = [asyncio.ensure_future(q.get_async()) for _ in range(waiters)]
+        await asyncio.sleep(0)                        # every one of them registered
+        t = threading.Thread(target=q.put, args=("x",))
+        t.start()
+        t.join(BOUND)
+        done, pending = await asyncio.wait(tasks, timeout=10,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        assert [d.result() for d in done] == ["x"]
+        assert len(wakes) == 1
+        q.close()                                     # wakes all: each raises Closed
+        for p in pending:
+            with pytest.raises(Closed):
+                await p
+        assert len(wakes) == waiters
+    run(main())
+
+
+def test_one_free_slot_wakes_one_putter():
+    async def main():
+        q = MPMCQueue(1)
+        q.put_nowait("full")
+        wakes = []
+        _count_wake_ups(wakes)
+        tasks = [asyncio.ensure_future(q.put_async(i)) for i in range(10)]
+        await asyncio.sleep(0)
+        t = threading.Thread(target=q.get)
+        t.start()
+        t.join(BOUND)
+        done, pending = await asyncio.wait(tasks, timeout=10,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1 and len(wakes) == 1
+        for p in pending:
+            p.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        assert q.qsize() == 1
+    run(main())
+
+
+def test_cancelled_woken_waiter_passes_its_wake_up_on():
+    """Of three waiters the put wakes the first; it is cancelled after its wake-up was
+    delivered (its future done) but before it ran: the wake-up goes to the next one."""
+    async def main():
+        q = MPMCQueue(2)
+        a, b, c = (asyncio.ensure_future(q.get_async()) for _ in range(3))
+        await asyncio.sleep(0)
+        t = threading.Thread(target=q.put, args=("x",))
+        t.start()
+        t.join(BOUND)
+        await asyncio.sleep(0)                        # the loop ran the wake-up callback
+        a.cancel()
+        done, _ = await asyncio.wait([b, c], timeout=10,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        assert [d.result() for d in done] == ["x"]
+        with pytest.raises(asyncio.CancelledError):
+            await a
+        q.close()
+        await asyncio.gather(b, c, return_exceptions=True)
+    run(main())
+
+
+def test_waiter_of_a_closed_loop_passes_its_wake_up_on():
+    """The first waiter's loop was closed while it waited: the put's wake-up goes to the
+    next waiter (of a running loop) instead of being lost."""
+    q = MPMCQueue(2)
+    dead = asyncio.new_event_loop()
+    stuck = dead.create_task(q.get_async())
+    dead.run_until_complete(asyncio.sleep(0))           # it registered
+    dead.close()
+
+    async def main():
+        b = asyncio.ensure_future(q.get_async())
+        await asyncio.sleep(0)
+        t = threading.Thread(target=q.put, args=("x",))
+        t.start()
+        t.join(BOUND)
+        assert await b == "x"
+    run(main())
+    assert not stuck.done()
+    stuck._log_destroy_pending = False                   # it can never run: no warning
+
+
+@pytest.mark.parametrize("loops", [1, 2])
+def test_many_waiters_thread_producers_every_item_once(loops):
+    """40 consumer coroutines (on one loop, or spread over two loops in two threads) and 3
+    producer threads through a small queue; consumers are cancelled and replaced meanwhile.
+    Every item is got exactly once and nobody is left asleep while items wait."""
+    per = scaled(2000)
+    n_cons = 40
+    q = MPMCQueue(8)
+    got = []                       # list.append is atomic: shared by both loops
+
+    async def consumer():
+        try:
+            while True:
+                got.append(await q.get_async())
+        except Closed:
+            pass
+
+    async def churn(tasks):
+        # cancel and replace a consumer now and then while the items flow
+        k = 0
+        while len(got) < 3 * per // 2:
+            await asyncio.sleep(0)
+            k += 1
+            if k % 50 == 0:
+                i = k % len(tasks)
+                tasks[i].cancel()
+                tasks[i] = asyncio.ensure_future(consumer())
+        return tasks
+
+    async def side(n):
+        tasks = [asyncio.ensure_future(consumer()) for _ in range(n)]
+        tasks = await churn(tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def producer(k):
+        for i in range(per):
+            q.put((k, i), timeout=BOUND)
+
+    other = None
+    if loops == 2:
+        other = threading.Thread(target=lambda: run(side(n_cons // 2)), daemon=True)
+        other.start()
+
+    async def main():
+        producers = [threading.Thread(target=producer, args=(k,), daemon=True)
+                     for k in range(3)]
+        for t in producers:
+            t.start()
+        here = asyncio.ensure_future(side(n_cons // loops))
+        loop = asyncio.get_running_loop()
+        for t in producers:
+            await loop.run_in_executor(None, t.join, BOUND)
+        # every item put: wait until the consumers took them all, then release them
+        while len(got) < 3 * per:
+            await asyncio.sleep(0.001)
+        q.close()
+        await here
+    run(main())
+    if other is not None:
+        other.join(BOUND)
+        assert not other.is_alive()
+    assert sorted(got) == sorted((k, i) for k in range(3) for i in range(per))
