@@ -78,7 +78,7 @@ def listen_error(host: str | None, port: int, exc: OSError) -> OSError:
         where = f"{host}:{port}" if bracketed else describe_address((host, port))
     reason = exc.strerror or str(exc)
     if isinstance(exc, socket.gaierror):
-        if bracketed:
+        if bracketed and isinstance(host, str):
             return socket.gaierror(exc.errno, (
                 f"cannot listen on {where}: cannot resolve {host!r}: give the IPv6 address "
                 f"without brackets ({host[1:-1]})"))
