@@ -34,6 +34,10 @@ def primitives() -> None:
     swapped: bool = a.compare_exchange(3, 4)
     now: int = a.load() + a.value + int(a) + before + int(swapped)
     a.store(now)
+    tallies = [a, AtomicInt(5)]
+    total: int = sum(map(int, tallies)) + int(sum(tallies))
+    shown: str = f"{a:,} {a:#x} {a}" + format(a, ">10")
+    assert total >= 0 and shown
 
     rc = RefCount(1, on_zero=lambda: None)
     count: int = rc.incref() + rc.decref() + rc.count
@@ -49,6 +53,9 @@ def primitives() -> None:
         lock.release()
 
     queues: tuple[MPMCQueue[int], SPSCQueue[int]] = (MPMCQueue[int](8), SPSCQueue(8))
+    sized: tuple[MPMCQueue[str], SPSCQueue[str]] = (MPMCQueue(maxsize=8),
+                                                    SPSCQueue(capacity=8))
+    assert sized
     for q in queues:
         q.put(1)
         q.put_nowait(2)
