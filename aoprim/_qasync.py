@@ -10,8 +10,8 @@ _get_async_wait() / _put_async_wait() (aoprim/_qcore.pxd, "asyncio waiters").
 from aoprim.errors import Empty, Full
 
 
-def async_methods(cls_name):
-    """The (get_async, put_async) functions of the class named cls_name."""
+def async_methods(cls_name, module):
+    """The (get_async, put_async) functions of the class cls_name of module."""
 
     async def get_async(self):
         """Remove and return an item, awaiting one if the queue is empty (for coroutines;
@@ -36,5 +36,5 @@ def async_methods(cls_name):
 
     for f in (get_async, put_async):
         f.__qualname__ = f"{cls_name}.{f.__name__}"
-        f.__module__ = f"aoprim._{cls_name[:4].lower()}"
+        f.__module__ = module
     return get_async, put_async

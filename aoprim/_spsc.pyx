@@ -129,7 +129,7 @@ cdef class SPSCQueue:
 
     # get_async / put_async are Python coroutine functions (aoprim/_qasync.py: what inspect,
     # asyncio and unittest.mock take for coroutine functions); their waits are these two.
-    get_async, put_async = _async_methods("SPSCQueue")
+    get_async, put_async = _async_methods("SPSCQueue", "aoprim._spsc")
 
     async def _get_async_wait(self):
         """get_async's wait, after it found the queue empty: register, re-check, await a
