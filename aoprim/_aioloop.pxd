@@ -25,6 +25,7 @@ cdef class _Events:
     cdef SleepFlag sleep         # the loop's SleepFlag (the selector's _sleep)
     cdef object group            # the loop's FlushGroup (the selector's _group)
     cdef object flush            # its flush (the loop's _aio_flush)
+    cdef dict sel_dict           # the selector's __dict__: a "select" there is a patch
     cdef int reserve(self, int n) except -1
 
 

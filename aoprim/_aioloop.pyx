@@ -45,7 +45,7 @@ from libc.errno cimport errno, EINTR
 from libc.stdlib cimport realloc, free
 from libc.math cimport ceil
 from cpython.exc cimport PyErr_CheckSignals, PyErr_SetFromErrno
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError
 cdef extern from "Python.h":
     dict PyObject_GenericGetDict(object o, void *context)
 from cpython.ref cimport PyObject, Py_INCREF
@@ -616,6 +616,7 @@ def wait_state(sel):
     evs.sleep = sel._sleep
     evs.group = sel._group
     evs.flush = sel._group.flush
+    evs.sel_dict = PyObject_GenericGetDict(sel, NULL)
     sel._aio_events = evs
     sel._aio_epfd = evs.epfd
 
@@ -1044,14 +1045,16 @@ cdef inline int _dict_bits(LoopCore loop) except -1:
 
 cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
     """0: asyncio's Python iteration; 1: the compiled one; 2: the compiled one, and the
-    loop's time() is BaseEventLoop's (in neither its class nor its __dict__) reading the
-    original ``time.monotonic`` (not patched: _clock_patched).  The compiled one reads the
+    loop's time() is BaseEventLoop's (in neither its class nor its __dict__; run_once then
+    also checks that ``time.monotonic`` is not patched: _clock_patched).  The
+    compiled one reads the
     loop state from LoopCore's C fields: only where they are what asyncio's code reads
     (_C_FIELDS), and with an exact list as the timer heap (heapq takes a list subclass:
     asyncio's iteration then).  It does not call ``Handle._run`` nor the selector's
-    ``select``: where either is patched (aiodebug's slow-callback log; aiotools' and
-    looptime's virtual clocks, which replace ``select`` on the selector instance) the
-    iteration is asyncio's, which calls them."""
+    ``select``: where either is patched (aiodebug's slow-callback log, checked here;
+    aiotools' and looptime's virtual clocks, which replace ``select`` on the selector
+    instance, checked in run_once: _select_patched) the iteration is asyncio's, which
+    calls them."""
     cdef int bits = _class_bits(loop)
     if not bits & _C_FIELDS or not bits & _C_EVENTS:
         return 0
@@ -1060,9 +1063,9 @@ cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
     cdef int d = _dict_bits(loop)
     if d & _DICT_EVENTS:
         return 0
-    if not _handle_run_ok() or _select_patched(sel):
+    if not _handle_run_ok():
         return 0
-    if bits & _C_TIME and not d & _DICT_TIME and not _clock_patched():
+    if bits & _C_TIME and not d & _DICT_TIME:
         return 2
     return 1
 
@@ -1078,10 +1081,22 @@ cdef object _S_MONOTONIC = _sys.intern("monotonic")
 cdef object _S_SELECT = _sys.intern("select")
 
 
-cdef inline bint _clock_patched():
-    """True when ``time.monotonic`` is no longer the function this module bound (one
-    lookup in the time module's dict, by an interned key)."""
-    return PyDict_GetItem(_time_dict, _S_MONOTONIC) != <PyObject *>_monotonic
+# the time module dict's version tag under which time.monotonic was last found unpatched
+# (0: none): one word, relaxed -- a stale value only makes the next check look it up again
+cdef uint64_t _time_clean_tag = 0
+
+
+cdef inline bint _clock_patched() except -1:
+    """True when ``time.monotonic`` is no longer the function this module bound: looked up
+    in the time module's dict (by an interned key) only when the dict changed since it was
+    last found unpatched (its version tag)."""
+    cdef uint64_t tag = aio_dict_tag(_time_dict)
+    if tag != 0 and tag == aop_load_u64p(&_time_clean_tag, AOP_RELAXED):
+        return False
+    if PyDict_GetItemWithError(_time_dict, _S_MONOTONIC) != <PyObject *>_monotonic:
+        return True
+    aop_store_u64p(&_time_clean_tag, tag, AOP_RELAXED)
+    return False
 
 
 # (version tag << 1) | ok: whether asyncio's Handle._run is still the one the compiled
@@ -1127,11 +1142,13 @@ cdef bint _select_class_ok() except -1:
     return ok
 
 
-cdef inline bint _select_patched(object sel) except -1:
+cdef inline bint _select_patched(_Events evs) except -1:
     """True when the selector's ``select`` is not _Selector's own: replaced on the instance
-    (one lookup in its __dict__, by an interned key) or on the class or a base."""
-    cdef dict d = PyObject_GenericGetDict(sel, NULL)
-    return PyDict_GetItem(d, _S_SELECT) != NULL or not _select_class_ok()
+    (one lookup in its __dict__, kept in evs, by an interned key: not cached by the dict's
+    version tag, which 3.13 does not renew when an attribute is stored into an object's
+    inline values) or on the class or a base."""
+    return (PyDict_GetItemWithError(evs.sel_dict, _S_SELECT) != NULL or
+            not _select_class_ok())
 
 
 # ---- the scheduling calls: asyncio's handles built in C ---------------------------------
@@ -1332,6 +1349,10 @@ def run_once(LoopCore loop):
             loop._evs_sel = sel
         group = evs.group
         flush = evs.flush
+        if _select_patched(evs):
+            ok = 0                          # asyncio's iteration calls the patched select
+        elif ok == 2 and _clock_patched():
+            ok = 1                          # time.monotonic patched: deadlines by loop.time()
     else:
         group = loop._aio_group
         flush = loop._aio_flush

@@ -21,6 +21,8 @@ Private asyncio names this module still uses (checked on CPython 3.11.7, 3.12.1,
   ``_make_empty_waiter`` / ``_reset_empty_waiter`` here, which the selector loop's native
   ``sendfile`` uses.
 - ``Server._attach`` / ``Server._detach`` (no argument before 3.13, the transport from 3.13).
+- ``selector_events._SelectorSocketTransport``: only whether it defines ``writelines``
+  (3.12+), whose messages ``writelines()`` then gives.
 
 Write side -- states of one transport::
 
@@ -61,6 +63,7 @@ from operator import attrgetter as _attrgetter
 from threading import get_ident as _get_ident
 
 from asyncio import constants as _constants
+from asyncio import selector_events as _se
 from asyncio import transports as _transports
 from asyncio import trsock as _trsock
 from asyncio.log import logger
@@ -86,6 +89,18 @@ _BYTES_LIKE = (bytes, bytearray, memoryview)
 # asyncio 3.11 copies the part of a write() the kernel does not take at once; 3.12+ keeps a
 # memoryview of the caller's buffer (see SocketTransport._write_large)
 _COPY_UNSENT = sys.version_info < (3, 12)
+
+# asyncio 3.12+'s selector transport has a writelines() of its own, which checks write_eof()
+# and a sendfile in progress before it reads the items, with its own messages; 3.11's is
+# WriteTransport.writelines (join, then write(): write()'s messages) -- by what the module
+# holds, not a version number
+_OWN_WRITELINES = "writelines" in vars(_se._SelectorSocketTransport)
+
+
+def _writelines_refused(eof: bool) -> None:
+    if eof:
+        raise RuntimeError('Cannot call writelines() after write_eof()')
+    raise RuntimeError('unable to writelines; sendfile is in progress')
 
 
 def _server_takes_transport() -> bool:
@@ -388,6 +403,8 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         # one compiled pass (aoprim._aiowrite: TransportWriter.writelines): every item
         # checked first (asyncio's TypeError, nothing written), then appended as write()
         # appends; not fast: _write_slow(b''.join(items)), asyncio's checks and order
+        if _OWN_WRITELINES and (self._eof or self._empty_waiter is not None):
+            _writelines_refused(self._eof)
         self._writer.writelines(list_of_data)
 
     def _aio_wake(self) -> None:
