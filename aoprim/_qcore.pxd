@@ -648,6 +648,14 @@ cdef inline uint64_t q_ctor_capacity(str name, tuple args, dict kwargs) except 0
     raise TypeError(f"{name}() needs a capacity (e.g. {name}(1024))")
 
 
+cdef inline object q_running_loop():
+    """asyncio.get_running_loop(), with asyncio imported here, on the first wait of a
+    get_async/put_async, not when the queue's module is imported: `import aoprim` (and the
+    server, and threads-only users) never loads asyncio, and ssl with it."""
+    from asyncio import get_running_loop
+    return get_running_loop()
+
+
 # ---- asyncio waiters (get_async / put_async) ----------------------------------------------
 # A coroutine that finds the queue empty (full) registers a future in the queue's list of
 # async getters (putters), then tries again, then awaits the future.  A successful put (get)

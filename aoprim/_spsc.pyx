@@ -19,8 +19,8 @@ from aoprim._qcore cimport (
     aop_spsc_new, q_drain_dealloc, q_put, q_put_nowait, q_get, q_get_nowait, q_put_many,
     q_get_many, q_size, q_close, q_repr, q_task_done, q_join,
     q_get_settled, q_put_settled, q_async_register, q_async_unregister, q_async_any, q_async_wake,
+    q_running_loop,
 )
-from asyncio import get_running_loop
 from aoprim._qasync import async_methods as _async_methods
 from aoprim.errors import Empty, Full
 from aoprim._mpmc import _wake_future
@@ -135,7 +135,7 @@ cdef class SPSCQueue:
         """get_async's wait, after it found the queue empty: register, re-check, await a
         wake-up, try again (aoprim/_qcore.pxd, "asyncio waiters")."""
         while True:
-            fut = get_running_loop().create_future()
+            fut = q_running_loop().create_future()
             q_async_register(self._agetters, &self._nagetters, fut)
             try:
                 item = q_get_settled(self.q)            # the re-check after registering
@@ -165,7 +165,7 @@ cdef class SPSCQueue:
     async def _put_async_wait(self, item):
         """put_async's wait, after it found the queue full (as _get_async_wait)."""
         while True:
-            fut = get_running_loop().create_future()
+            fut = q_running_loop().create_future()
             q_async_register(self._aputters, &self._naputters, fut)
             try:
                 q_put_settled(self.q, item)             # the re-check after registering
