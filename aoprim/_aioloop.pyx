@@ -1070,7 +1070,7 @@ cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
     return 1
 
 
-# ---- what the compiled iteration does not call, checked per iteration (issue 39) --------
+# ---- what the compiled iteration does not call, checked per iteration ------------------
 
 # time.monotonic as this module found it: the iteration and call_later call it directly
 # (no Python frame) while it is still what the time module holds; a patched one

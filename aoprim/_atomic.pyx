@@ -5,8 +5,8 @@
 Invariants
 - ``AtomicInt.cell`` is only ever read or written through aop_*_i64 (GCC __atomic builtins),
   never with a plain load or store, so no access is torn and none is reordered past another.
-- Every Python-level AtomicInt operation is sequentially consistent (API.md): one total order
-  of all of them exists that every thread agrees on.
+- Every Python-level AtomicInt operation is sequentially consistent (the module rule, in
+  docs/atomics-and-lock.md): one total order of all of them exists that every thread agrees on.
 - An AtomicInt operator either is one atomic read-modify-write or performs exactly one
   seq_cst load (per AtomicInt operand) and then works on plain Python ints; no operator is
   a load followed by a store.  One atomic step: ``+= -= &= |= ^=`` (fetch_add, fetch_sub,
@@ -43,7 +43,7 @@ cdef inline int64_t as_i64(object v) except? -1:
 
 
 cdef inline object load_of(AtomicInt a):
-    return aop_load_i64(&a.cell, AOP_SEQ_CST)     # seq_cst: API.md
+    return aop_load_i64(&a.cell, AOP_SEQ_CST)     # seq_cst: the module rule
 
 
 cdef inline object int_operand(object x):
@@ -72,48 +72,48 @@ cdef class AtomicInt:
 
     def load(self):
         """Return the current value."""
-        return aop_load_i64(&self.cell, AOP_SEQ_CST)   # seq_cst: API.md
+        return aop_load_i64(&self.cell, AOP_SEQ_CST)   # seq_cst: the module rule
 
     def store(self, v):
         """Set the value to ``v``."""
         cdef int64_t x = as_i64(v)
-        aop_store_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst: API.md
+        aop_store_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst: the module rule
 
     def fetch_add(self, d=1):
         """Add ``d``; return the value before the change."""
         cdef int64_t x = as_i64(d)
-        return aop_fetch_add_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: API.md
+        return aop_fetch_add_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: the module rule
 
     def fetch_sub(self, d=1):
         """Subtract ``d``; return the value before the change."""
         cdef int64_t x = as_i64(d)
-        return aop_fetch_sub_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: API.md
+        return aop_fetch_sub_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: the module rule
 
     def fetch_and(self, m):
         """Set the value to ``value & m``; return the value before the change."""
         cdef int64_t x = as_i64(m)
-        return aop_fetch_and_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: API.md
+        return aop_fetch_and_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: the module rule
 
     def fetch_or(self, m):
         """Set the value to ``value | m``; return the value before the change."""
         cdef int64_t x = as_i64(m)
-        return aop_fetch_or_i64(&self.cell, x, AOP_SEQ_CST)    # seq_cst RMW: API.md
+        return aop_fetch_or_i64(&self.cell, x, AOP_SEQ_CST)    # seq_cst RMW: the module rule
 
     def fetch_xor(self, m):
         """Set the value to ``value ^ m``; return the value before the change."""
         cdef int64_t x = as_i64(m)
-        return aop_fetch_xor_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: API.md
+        return aop_fetch_xor_i64(&self.cell, x, AOP_SEQ_CST)   # seq_cst RMW: the module rule
 
     def exchange(self, v):
         """Set the value to ``v``; return the old value."""
         cdef int64_t x = as_i64(v)
-        return aop_exchange_i64(&self.cell, x, AOP_SEQ_CST)    # seq_cst RMW: API.md
+        return aop_exchange_i64(&self.cell, x, AOP_SEQ_CST)    # seq_cst RMW: the module rule
 
     def compare_exchange(self, expected, desired):
         """Store ``desired`` only if the value equals ``expected``; True if it did."""
         cdef int64_t e = as_i64(expected)
         cdef int64_t d = as_i64(desired)
-        # seq_cst on success and on failure: a failed CAS is still a seq_cst load (API.md)
+        # seq_cst on success and on failure: a failed CAS is still a seq_cst load (the module rule)
         return aop_cas_i64(&self.cell, &e, d, AOP_SEQ_CST, AOP_SEQ_CST)
 
     @property
@@ -121,7 +121,7 @@ cdef class AtomicInt:
         """The current value (read-only; same as load())."""
         return aop_load_i64(&self.cell, AOP_SEQ_CST)
 
-    # int(), index(), repr() and pickling read with the same seq_cst load as load() (API.md)
+    # int(), index(), repr() and pickling read with the same seq_cst load as load() (module rule)
     def __int__(self):
         return aop_load_i64(&self.cell, AOP_SEQ_CST)
 
@@ -153,35 +153,35 @@ cdef class AtomicInt:
         if not PyIndex_Check(d):
             return NotImplemented
         cdef int64_t x = as_i64(d)
-        aop_fetch_add_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: API.md
+        aop_fetch_add_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self
 
     def __isub__(self, d):
         if not PyIndex_Check(d):
             return NotImplemented
         cdef int64_t x = as_i64(d)
-        aop_fetch_sub_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: API.md
+        aop_fetch_sub_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self
 
     def __iand__(self, m):
         if not PyIndex_Check(m):
             return NotImplemented
         cdef int64_t x = as_i64(m)
-        aop_fetch_and_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: API.md
+        aop_fetch_and_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self
 
     def __ior__(self, m):
         if not PyIndex_Check(m):
             return NotImplemented
         cdef int64_t x = as_i64(m)
-        aop_fetch_or_i64(&self.cell, x, AOP_SEQ_CST)       # seq_cst RMW: API.md
+        aop_fetch_or_i64(&self.cell, x, AOP_SEQ_CST)       # seq_cst RMW: the module rule
         return self
 
     def __ixor__(self, m):
         if not PyIndex_Check(m):
             return NotImplemented
         cdef int64_t x = as_i64(m)
-        aop_fetch_xor_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: API.md
+        aop_fetch_xor_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self
 
     # Comparisons: one seq_cst load of each AtomicInt operand, then int's comparison (an int
@@ -253,7 +253,7 @@ cdef class AtomicInt:
         return abs(load_of(self))
 
     def __bool__(self):
-        return aop_load_i64(&self.cell, AOP_SEQ_CST) != 0          # seq_cst: API.md
+        return aop_load_i64(&self.cell, AOP_SEQ_CST) != 0          # seq_cst: the module rule
 
 
 # GC: tracked (on_zero may close a cycle) but no_gc_clear: a cycle through on_zero is broken
