@@ -15,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -205,3 +206,26 @@ def test_the_parser_reads_what_the_tables_hold():
         defaults_of(["`rx_slot_size` × `rx_slots`", "16 KiB"])
     with pytest.raises(AssertionError):
         parse_default("16 furlongs")
+
+
+def test_the_seconds_ranges_in_server_md_are_the_ones_settings_enforce():
+    """Each seconds setting's row states its range; Settings takes its top and refuses
+    above it (an int too large for a float included) with an error naming the setting."""
+    tops = {"the largest finite float": sys.float_info.max,
+            "`threading.TIMEOUT_MAX`": threading.TIMEOUT_MAX}
+    checked = 0
+    for line, cells in table_rows(ROOT / "docs" / "server.md"):
+        m = re.search(r"range 0 < s ≤ (the largest finite float|`threading\.TIMEOUT_MAX`)",
+                      cells[-1])
+        if m is None:
+            continue
+        (name,) = names_of(cells[0])
+        hi = tops[m.group(1)]
+        assert getattr(Settings(**{name: hi}), name) == hi
+        for bad in [10 ** 400] + ([2 * hi] if hi < sys.float_info.max else []):
+            with pytest.raises(ValueError,
+                               match=f"^{name} must be .* <= {re.escape(repr(hi))}"):
+                Settings(**{name: bad})
+        checked += 1
+    seconds = {f.name for f in dataclasses.fields(Settings) if f.type.startswith("float")}
+    assert checked == len(seconds) == 6, seconds

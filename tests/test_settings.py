@@ -6,6 +6,7 @@ import math
 import os
 import socket
 import sys
+import threading
 
 import pytest
 
@@ -193,12 +194,15 @@ def test_the_worker_queue_counts_only_with_workers():
 SECONDS = ["idle_timeout", "frame_timeout", "close_linger", "shutdown_timeout",
            "proxy_header_timeout", "handshake_timeout"]
 OPTIONAL = {"idle_timeout", "frame_timeout", "proxy_header_timeout"}
+# the largest value each takes: what the code hands it to -- a loop timer takes any finite
+# float (its wait is clamped); shutdown_timeout is a thread join's and an Event.wait's timeout
+SECONDS_MAX = {name: sys.float_info.max for name in SECONDS}
+SECONDS_MAX["shutdown_timeout"] = threading.TIMEOUT_MAX
 
 
 @pytest.mark.parametrize("name", SECONDS)
 def test_seconds_bounds(name):
     assert getattr(Settings(**{name: 1e-9}), name) == 1e-9
-    assert getattr(Settings(**{name: 1e300}), name) == 1e300   # a timer clamps its wait
     for bad in (0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match=f"^{name} must be"):
             Settings(**{name: bad})
@@ -210,6 +214,46 @@ def test_seconds_bounds(name):
         with pytest.raises(TypeError, match=f"^{name} must be a number of seconds, not "
                                             "NoneType$"):
             Settings(**{name: None})
+
+
+@pytest.mark.parametrize("name", SECONDS)
+def test_seconds_upper_bound(name):
+    hi = SECONDS_MAX[name]
+    assert getattr(Settings(**{name: hi}), name) == hi
+    above = [10 ** 400, 10 ** 5000]        # (above the largest float: inf is refused apart)
+    if hi < sys.float_info.max:
+        above += [math.nextafter(hi, math.inf), 2 * hi]
+    for bad in above:
+        # (an int too large for a float: the same named error, not a bare OverflowError)
+        with pytest.raises(ValueError) as e:
+            Settings(**{name: bad})
+        msg = str(e.value)
+        assert msg.startswith(f"{name} must be a number of seconds > 0 and <= {hi!r}"), msg
+        shown = str(bad) if bad != 10 ** 5000 else "an int of 16610 bits"
+        assert msg.endswith(f", not {shown}"), msg
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["selectors", "epoll"])
+def test_a_server_at_the_seconds_bounds_serves_and_shuts_down(backend):
+    # every timer armed as far ahead as a setting allows, and shutdown_timeout as long as a
+    # join takes: the workers' join and shutdown()'s wait must not raise OverflowError
+    kw = {name: SECONDS_MAX[name] for name in SECONDS}
+    srv = Server(Echo(), HOST, backend=backend, workers=1, **kw).start()
+    done = []
+    try:
+        with socket.create_connection(srv.address, timeout=10) as c:
+            c.sendall(b"hi")
+            assert c.recv(10) == b"hi"
+            t = threading.Thread(target=lambda: (srv.shutdown(timeout=30), done.append(1)),
+                                 daemon=True)
+            t.start()
+            t.join(40)
+    finally:
+        if not done:
+            srv.shutdown(timeout=1)
+    assert done == [1], "shutdown() did not return"
+    assert srv.stats()["rx_slots_in_use"] == 0
 
 
 # -- the bounds hold for real: a server just inside the C-type bounds serves ------------------

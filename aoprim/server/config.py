@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import sys
+import threading
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 from .framing import DEFAULT_MAX_FRAME, FRAMINGS
@@ -41,6 +42,8 @@ _INT_MAX = (1 << 31) - 1        # a C int: listen()'s backlog
 _POOL_MAX_SLOTS = 1 << 30       # SlabPool's most slots (aop_slab.h: AOP_SLAB_MAX_SLOTS)
 _QUEUE_MAX = 1 << 32            # MPMCQueue's largest capacity (aop_queue.h: AOP_Q_MAX_CAPACITY)
 _QUEUE_CELL = 16                # bytes per MPMCQueue cell (the capacity rounded up to 2**k)
+_FLOAT_MAX = sys.float_info.max  # seconds a loop timer takes (its wait is clamped to a day)
+_JOIN_MAX = threading.TIMEOUT_MAX   # seconds a thread join / Event.wait takes: shutdown_timeout
 
 
 def _physical_memory() -> int | None:
@@ -104,22 +107,46 @@ def _fits(what: str, nbytes: int, memory: int | None) -> None:
                          f"({memory} bytes): it cannot be allocated")
 
 
-def _seconds(name: str, v: Any, allow_none: bool = True) -> float | None:
+def _shown(v: Any) -> str:
+    """``v`` for an error message: an int too long for ``str()`` (over 4300 digits) by its
+    size instead of a second error."""
+    try:
+        return str(v)
+    except ValueError:
+        return f"an int of {v.bit_length()} bits"
+
+
+def _seconds(name: str, v: Any, allow_none: bool = True, hi: float = _FLOAT_MAX,
+             why: str = "") -> float | None:
+    """``v`` checked as a number of seconds in ``0 < v <= hi``, as a float (None passes when
+    ``allow_none``: no limit).  ``hi``: what the code hands it to can take -- any finite
+    float (a loop timer: its wait is clamped to a day) or ``threading.TIMEOUT_MAX`` (a
+    thread join); ``why`` names that.  An int too large for a float is refused by the same
+    named error, not a bare OverflowError."""
     if v is None and allow_none:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name} must be a number of seconds" + (" or None" if allow_none
                                                                    else "")
                         + f", not {type(v).__name__}")
-    if not v > 0:
+    limit = (f"{name} must be a number of seconds > 0 and <= {hi!r}"
+             + (f" ({why})" if why else " (the largest finite float)")
+             + (" or None for no limit" if allow_none else ""))
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"{limit}, not {_shown(v)}") from None
+    if not f > 0:
         raise ValueError(f"{name} must be > 0" + (" (or None for no limit)" if allow_none
                                                    else "") + f", not {v}")
-    if not math.isfinite(v):
+    if not math.isfinite(f):
         # inf is refused, not read as "forever": a timer cannot be armed for it, and for the
         # limits that may be off, None already says "no limit"
         raise ValueError(f"{name} must be a finite number of seconds" +
                          (" (None for no limit)" if allow_none else "") + f", not {v}")
-    return float(v)
+    if f > hi:
+        raise ValueError(f"{limit}, not {_shown(v)}")
+    return f
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +221,9 @@ class Settings:
         _int("tx_slot_size", self.tx_slot_size, 64)
         _int("tx_slots", self.tx_slots, 1, hi=_POOL_MAX_SLOTS, why="a pool's most slots")
         _seconds("close_linger", self.close_linger, allow_none=False)
-        _seconds("shutdown_timeout", self.shutdown_timeout, allow_none=False)
+        # (shutdown() joins the worker threads and waits for the loop with it)
+        _seconds("shutdown_timeout", self.shutdown_timeout, allow_none=False, hi=_JOIN_MAX,
+                 why="threading.TIMEOUT_MAX: the longest thread join and wait")
         _int("worker_backlog", self.worker_backlog, 1)
         _int("worker_queue", self.worker_queue, 1, hi=_QUEUE_MAX,
              why="the completion queue's largest capacity")
