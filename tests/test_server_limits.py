@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -527,3 +528,50 @@ def test_a_failed_construction_leaves_a_given_socket_open(no_gc, monkeypatch, ba
 def test_a_sock_that_is_not_a_socket_is_refused_by_name():
     with pytest.raises(TypeError, match="sock must be a socket.socket.*not str"):
         Server(Echo(), sock="127.0.0.1:8000")
+
+
+# -- a Server never started gives back its fds: when dropped, and by close() ------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dropped_unstarted_server_closes_its_fds_without_the_gc(no_gc, backend):
+    """The loop holds no reference to itself while idle: a Server dropped before start()
+    is freed by refcount, its loop's epoll fd and eventfd and its listening socket with it."""
+    before = _fds()
+    with warnings.catch_warnings():
+        # (the listening socket says it was dropped unclosed: close() is the clean way)
+        warnings.simplefilter("ignore", ResourceWarning)
+        for _ in range(10):
+            srv = Server(Echo(), HOST, backend=backend)
+            assert _fds() > before          # (it did open some)
+            del srv
+    assert _fds() == before, "fds kept by dropped unstarted servers until the cyclic GC"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_gives_back_an_unstarted_servers_fds(no_gc, backend):
+    before = _fds()
+    servers = [Server(Echo(), HOST, backend=backend) for _ in range(10)]
+    assert _fds() > before
+    for srv in servers:
+        srv.close()
+    assert _fds() == before             # (the servers are still referenced)
+    for srv in servers:
+        srv.close()                     # idempotent
+        with pytest.raises(RuntimeError, match="started once"):
+            srv.start()
+    assert _fds() == before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_on_a_started_server_shuts_it_down(no_gc, backend):
+    before = _fds()
+    srv = Server(Echo(), HOST, backend=backend, workers=2).start()
+    with socket.create_connection(srv.address, timeout=10) as c:
+        c.sendall(b"hi")
+        assert recv_exact(c, 2) == b"hi"
+        srv.close()
+        assert recv_until_closed(c) == (b"", "eof")
+    srv.close()                         # idempotent
+    assert srv.stats()["rx_slots_in_use"] == 0
+    assert _fds() == before

@@ -22,12 +22,17 @@ Invariants:
   a timer waits for the next iteration).  Cancelled timers stay in the heap until popped, or
   until they are more than half of it (and more than 256): then the heap is rebuilt without
   them, so a server that arms and cancels a timer per session never grows it without bound.
+- No reference cycle through the loop while it is idle: what it registers itself (the
+  eventfd's drain) does not hold it, so an unclosed loop nobody references is freed -- and
+  ``__del__`` closes its fds -- at once, not by the cyclic GC.  (Callers' callbacks, the
+  hooks and pending timers may hold it; ``close()`` drops them all.)
 - A wait lasts at most a day (:data:`_MAX_WAIT`, as in ``EpollCore``): an ``inf`` deadline
   or an empty heap does not overflow the selector's timeout.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import logging
 import operator
@@ -71,6 +76,14 @@ def _restore_wakeup_fd(old: int) -> None:
         signal.set_wakeup_fd(-1)
         log.warning("event loop: could not put back the signal wake-up fd %d (%s); "
                     "none is set", old, e)
+
+
+def _drain_eventfd(fd: int) -> None:
+    """The wake-up eventfd's read callback: reset its counter."""
+    try:
+        os.eventfd_read(fd)
+    except OSError:
+        pass
 
 
 def _as_double(x: Any) -> float:
@@ -141,7 +154,11 @@ class SelectorsLoop(EventLoop):
             # EpollCore's dealloc does -- else it waited for the GC (the loop is in a cycle)
             self._wfd = self._rfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             try:
-                self.set_callbacks(self._rfd, self._drain_wakeup, None)
+                # the drain is a partial over the fd number, not a bound method: the
+                # loop's own table must not hold the loop (a cycle), or an unclosed loop
+                # -- a Server never started -- kept both fds until the cyclic GC ran
+                self.set_callbacks(self._rfd, functools.partial(_drain_eventfd, self._rfd),
+                                   None)
             except BaseException:
                 os.close(self._rfd)
                 del self._rfd, self._wfd
@@ -206,12 +223,6 @@ class SelectorsLoop(EventLoop):
                 except BlockingIOError:
                     pass    # the counter is full: a wake-up is pending anyway
         return True
-
-    def _drain_wakeup(self) -> None:
-        try:
-            os.eventfd_read(self._rfd)
-        except OSError:
-            pass
 
     def add_iteration_hook(self, hook: Callable[[], object]) -> None:
         self._hooks.append(hook)
@@ -327,7 +338,8 @@ class SelectorsLoop(EventLoop):
                 os.close(sig_w)
 
     def __del__(self, _close: Callable[[int], None] = os.close) -> None:
-        # an unclosed loop collected by the GC: the eventfd is a bare int nobody else
+        # an unclosed loop freed (by refcount when idle, else by the GC): the eventfd is a
+        # bare int nobody else
         # closes, and the selector's epoll fd was seen to outlive a collected loop -- close
         # both, as EpollCore's dealloc does.  No producer can be inside
         # call_soon_threadsafe: it would hold a reference to the loop.

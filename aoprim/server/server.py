@@ -267,9 +267,8 @@ class Server:
         # PROXY protocol: who may connect (checked at accept, before reading); None: off
         self._trusted = (TrustedPeers(st.trusted_proxies) if st.proxy_protocol is not None
                          else None)
-        # Everything below that fails gives back what was opened before it, at once: the
-        # selectors loop is in a reference cycle, so an unclosed one kept its epoll fd and
-        # eventfd until the cyclic GC ran.  (A sock= passed in stays the caller's.)
+        # Everything below that fails gives back what was opened before it, at once, not
+        # when the loop is freed.  (A sock= passed in stays the caller's.)
         self._loop: EventLoop = create_loop(st.backend)
         try:
             self._open_parts(st, host, port, sock)
@@ -441,6 +440,13 @@ class Server:
             raise TimeoutError("the server loop did not stop in time")
         if self._thread is not None:
             self._thread.join()         # (start()'s thread: it ends right after _done)
+
+    def close(self) -> None:
+        """Give back what the constructor opened -- the loop (its epoll fd and eventfd) and
+        the listening socket (a ``sock=`` passed in too: it was handed over) -- for a server
+        that is never started; it cannot be started afterwards.  Idempotent.  On a started
+        server it is :meth:`shutdown` (which closes everything once the loop stops)."""
+        self.shutdown()
 
     def __enter__(self) -> Self:
         return self.start()
