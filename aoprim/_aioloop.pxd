@@ -34,15 +34,19 @@ cdef class LoopCore:
     # attributes, held in C fields behind data descriptors of the same names (asyncio's
     # methods read and write ``self._ready`` unchanged; the compiled iteration reads the
     # field, no dict lookup).  Invariant: each is exactly what the last assignment stored
-    # (None before BaseEventLoop.__init__ ran, or after a GC clear).
-    cdef public object _ready                   # collections.deque of Handles
-    cdef public object _scheduled               # heapq list of TimerHandles
-    cdef public object _selector
-    cdef public object _stopping
-    cdef public object _debug
-    cdef public object _closed
-    cdef public object _clock_resolution
-    cdef public object _timer_cancelled_count
+    # (None before BaseEventLoop.__init__ ran, or after a GC clear), or _UNSET after a
+    # ``del loop._x`` (the attribute then reads as missing, as a deleted instance attribute
+    # on asyncio's loop).  c_unset counts the fields that are _UNSET: the compiled
+    # iteration runs only while it is 0.
+    cdef object c_ready                         # _ready: collections.deque of Handles
+    cdef object c_scheduled                     # _scheduled: heapq list of TimerHandles
+    cdef object c_selector                      # _selector
+    cdef object c_stopping                      # _stopping
+    cdef object c_debug                         # _debug
+    cdef object c_closed                        # _closed
+    cdef object c_clock_resolution              # _clock_resolution
+    cdef object c_timer_cancelled_count         # _timer_cancelled_count
+    cdef int c_unset
     cdef object _evs_sel                        # the selector _evs was read from
     cdef _Events _evs                           # its _aio_events (read once per selector)
     # what the instance __dict__ overrides (_DICT_* bits), as of the dict's version tag

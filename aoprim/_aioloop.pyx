@@ -737,9 +737,9 @@ cdef inline bint _due(object handle, double end_time) except -1:
 
 
 cdef int _iteration(LoopCore loop, _Events evs, bint own_time) except -1:
-    cdef list scheduled = loop._scheduled
+    cdef list scheduled = loop.c_scheduled
     cdef Py_ssize_t sched_count = len(scheduled)
-    cdef object ready = loop._ready
+    cdef object ready = loop.c_ready
     cdef object handle, key, data
     cdef dict fd_to_key
     cdef double timeout, end_time
@@ -748,7 +748,7 @@ cdef int _iteration(LoopCore loop, _Events evs, bint own_time) except -1:
     cdef Py_ssize_t ntodo, j
     cdef SleepFlag sleep
     if (sched_count > _MIN_SCHEDULED and
-            <double>loop._timer_cancelled_count / sched_count > _MIN_CANCELLED_FRACTION):
+            <double>loop.c_timer_cancelled_count / sched_count > _MIN_CANCELLED_FRACTION):
         new_scheduled = []
         for handle in scheduled:
             if handle._cancelled:
@@ -756,17 +756,17 @@ cdef int _iteration(LoopCore loop, _Events evs, bint own_time) except -1:
             else:
                 new_scheduled.append(handle)
         _heapify(new_scheduled)
-        loop._scheduled = scheduled = new_scheduled
-        loop._timer_cancelled_count = 0
+        loop.c_scheduled = scheduled = new_scheduled
+        loop.c_timer_cancelled_count = 0
     else:
         while len(scheduled) and scheduled[0]._cancelled:
-            loop._timer_cancelled_count -= 1
+            loop.c_timer_cancelled_count -= 1
             handle = aio_heappop(scheduled)
             handle._scheduled = False
     handle = None
 
     timeout = -1.0
-    if len(ready) or loop._stopping:
+    if len(ready) or loop.c_stopping:
         timeout = 0.0
     elif len(scheduled):
         # as asyncio: inf -> the maximum, negative -> 0; nan (a call_at(nan) timer at the
@@ -829,7 +829,7 @@ cdef int _iteration(LoopCore loop, _Events evs, bint own_time) except -1:
     if own_time and not len(scheduled):
         end_time = 0.0              # nothing can be due: asyncio's time() would be unused
     else:
-        end_time = (_monotonic() if own_time else loop.time()) + loop._clock_resolution
+        end_time = (_monotonic() if own_time else loop.time()) + loop.c_clock_resolution
     while len(scheduled):
         if not _due(scheduled[0], end_time):
             break
@@ -1056,9 +1056,9 @@ cdef inline int _compiled_ok(LoopCore loop, object sel) except -1:
     instance, checked in run_once: _select_patched) the iteration is asyncio's, which
     calls them."""
     cdef int bits = _class_bits(loop)
-    if not bits & _C_FIELDS or not bits & _C_EVENTS:
+    if not bits & _C_FIELDS or not bits & _C_EVENTS or loop.c_unset:
         return 0
-    if type(sel) is not _selector_type or loop._debug or type(loop._scheduled) is not list:
+    if type(sel) is not _selector_type or loop.c_debug or type(loop.c_scheduled) is not list:
         return 0
     cdef int d = _dict_bits(loop)
     if d & _DICT_EVENTS:
@@ -1174,19 +1174,19 @@ cdef object _new_handle(type t, object callback, tuple args, object loop, object
 # the iteration reads them) where the class reaches them (_C_FIELDS of its _class_bits),
 # the attribute on any other loop these functions are bound to
 cdef inline object _debug_of(object loop, int bits):
-    return (<LoopCore>loop)._debug if bits & _C_FIELDS else loop._debug
+    return (<LoopCore>loop).c_debug if bits & _C_FIELDS else loop._debug
 
 
 cdef inline object _closed_of(object loop, int bits):
-    return (<LoopCore>loop)._closed if bits & _C_FIELDS else loop._closed
+    return (<LoopCore>loop).c_closed if bits & _C_FIELDS else loop._closed
 
 
 cdef inline object _ready_of(object loop, int bits):
-    return (<LoopCore>loop)._ready if bits & _C_FIELDS else loop._ready
+    return (<LoopCore>loop).c_ready if bits & _C_FIELDS else loop._ready
 
 
 cdef inline object _scheduled_of(object loop, int bits):
-    return (<LoopCore>loop)._scheduled if bits & _C_FIELDS else loop._scheduled
+    return (<LoopCore>loop).c_scheduled if bits & _C_FIELDS else loop._scheduled
 
 
 cdef object _schedule_at(object loop, object when, object callback, tuple args,
@@ -1292,6 +1292,19 @@ def create_future(self):
 call_soon = aio_make_call_soon(LoopCore, _call_soon_body)
 
 
+# a LoopCore field after ``del loop._x``: the attribute reads as missing (AttributeError)
+# until assigned again, as an instance attribute deleted from asyncio's loop -- so
+# unittest.mock.patch.object(loop, "_clock_resolution", ...), which restores an attribute
+# not in vars(loop) by deleting its patch and, when the name is then missing, assigning
+# the original, leaves the loop as it was
+cdef object _UNSET = object()
+
+
+cdef int _missing(object loop, str name) except -1:
+    raise AttributeError(f"{type(loop).__name__!r} object has no attribute {name!r}",
+                         name=name, obj=loop)
+
+
 @cython.auto_pickle(False)     # a loop is not picklable (asyncio's neither)
 cdef class LoopCore:
     """The first base of ``aoprim.aio.Loop`` (see the .pxd): ``_ready``, ``_scheduled``,
@@ -1299,8 +1312,9 @@ cdef class LoopCore:
     ``_timer_cancelled_count`` in C fields behind data descriptors of the same names, so
     asyncio's Python code keeps ``self._ready`` etc. unchanged while the compiled iteration
     reads the fields (uvloop keeps its loop state in C fields likewise).  The differences a
-    caller can see: these names are not in ``vars(loop)``, ``del loop._ready`` (etc.) sets
-    None instead of removing the attribute, and a loop cannot be pickled or copied.
+    caller can see: these names are not in ``vars(loop)``, and a loop cannot be pickled or
+    copied.  ``del loop._ready`` (etc.) makes the attribute read as missing until it is
+    assigned again, as on asyncio's loop (the iteration is asyncio's meanwhile).
 
     GC: the fields are traversed and cleared as any object's; after a clear (a loop
     collected in a cycle) they are None, and a method called then fails as on asyncio's
@@ -1313,6 +1327,142 @@ cdef class LoopCore:
     ``_debug`` / ``_stopping`` (bools, immortal from 3.12, so a read racing a write never
     sees a freed object); ``_scheduled``, ``_timer_cancelled_count`` and the cached
     ``_evs`` are the loop thread's, as in asyncio."""
+
+    property _ready:
+        def __get__(self):
+            if self.c_ready is _UNSET:
+                _missing(self, "_ready")
+            return self.c_ready
+
+        def __set__(self, value):
+            if self.c_ready is _UNSET:
+                self.c_unset -= 1
+            self.c_ready = value
+
+        def __del__(self):
+            if self.c_ready is _UNSET:
+                _missing(self, "_ready")
+            self.c_ready = _UNSET
+            self.c_unset += 1
+
+    property _scheduled:
+        def __get__(self):
+            if self.c_scheduled is _UNSET:
+                _missing(self, "_scheduled")
+            return self.c_scheduled
+
+        def __set__(self, value):
+            if self.c_scheduled is _UNSET:
+                self.c_unset -= 1
+            self.c_scheduled = value
+
+        def __del__(self):
+            if self.c_scheduled is _UNSET:
+                _missing(self, "_scheduled")
+            self.c_scheduled = _UNSET
+            self.c_unset += 1
+
+    property _selector:
+        def __get__(self):
+            if self.c_selector is _UNSET:
+                _missing(self, "_selector")
+            return self.c_selector
+
+        def __set__(self, value):
+            if self.c_selector is _UNSET:
+                self.c_unset -= 1
+            self.c_selector = value
+
+        def __del__(self):
+            if self.c_selector is _UNSET:
+                _missing(self, "_selector")
+            self.c_selector = _UNSET
+            self.c_unset += 1
+
+    property _stopping:
+        def __get__(self):
+            if self.c_stopping is _UNSET:
+                _missing(self, "_stopping")
+            return self.c_stopping
+
+        def __set__(self, value):
+            if self.c_stopping is _UNSET:
+                self.c_unset -= 1
+            self.c_stopping = value
+
+        def __del__(self):
+            if self.c_stopping is _UNSET:
+                _missing(self, "_stopping")
+            self.c_stopping = _UNSET
+            self.c_unset += 1
+
+    property _debug:
+        def __get__(self):
+            if self.c_debug is _UNSET:
+                _missing(self, "_debug")
+            return self.c_debug
+
+        def __set__(self, value):
+            if self.c_debug is _UNSET:
+                self.c_unset -= 1
+            self.c_debug = value
+
+        def __del__(self):
+            if self.c_debug is _UNSET:
+                _missing(self, "_debug")
+            self.c_debug = _UNSET
+            self.c_unset += 1
+
+    property _closed:
+        def __get__(self):
+            if self.c_closed is _UNSET:
+                _missing(self, "_closed")
+            return self.c_closed
+
+        def __set__(self, value):
+            if self.c_closed is _UNSET:
+                self.c_unset -= 1
+            self.c_closed = value
+
+        def __del__(self):
+            if self.c_closed is _UNSET:
+                _missing(self, "_closed")
+            self.c_closed = _UNSET
+            self.c_unset += 1
+
+    property _clock_resolution:
+        def __get__(self):
+            if self.c_clock_resolution is _UNSET:
+                _missing(self, "_clock_resolution")
+            return self.c_clock_resolution
+
+        def __set__(self, value):
+            if self.c_clock_resolution is _UNSET:
+                self.c_unset -= 1
+            self.c_clock_resolution = value
+
+        def __del__(self):
+            if self.c_clock_resolution is _UNSET:
+                _missing(self, "_clock_resolution")
+            self.c_clock_resolution = _UNSET
+            self.c_unset += 1
+
+    property _timer_cancelled_count:
+        def __get__(self):
+            if self.c_timer_cancelled_count is _UNSET:
+                _missing(self, "_timer_cancelled_count")
+            return self.c_timer_cancelled_count
+
+        def __set__(self, value):
+            if self.c_timer_cancelled_count is _UNSET:
+                self.c_unset -= 1
+            self.c_timer_cancelled_count = value
+
+        def __del__(self):
+            if self.c_timer_cancelled_count is _UNSET:
+                _missing(self, "_timer_cancelled_count")
+            self.c_timer_cancelled_count = _UNSET
+            self.c_unset += 1
 
 
 # iterations that ran asyncio's Python _run_once (process-wide; a plain counter: exact on
@@ -1336,7 +1486,7 @@ def run_once(LoopCore loop):
     global _python_iterations
     cdef _Events evs
     cdef int ok
-    sel = loop._selector
+    sel = loop.c_selector
     ok = _compiled_ok(loop, sel)
     if ok:
         # the loop's own _Selector: its _Events holds the group and the flush (looked up

@@ -50,7 +50,7 @@ as a transport (asyncio's too) is used from its loop's thread; ``add_copy`` clai
 itself, so a write from another thread never corrupts it.  No state here relies on the GIL.
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_FULL_RO
 
 from aoprim._sendbatch cimport SendBatch, _get, sb_add_bytes_run
 from aoprim.atomic_h cimport aop_load_u32, aop_store_u32, AOP_SEQ_CST
@@ -128,9 +128,16 @@ cdef class TransportWriter:
             return
         for item in lst:
             t = type(item)
-            if (t is not bytes and t is not bytearray and t is not memoryview
+            if t is bytes:
+                continue
+            if (t is not bytearray and t is not memoryview
                     and not isinstance(item, (bytes, bytearray, memoryview))):
                 b''.join(lst)               # asyncio 3.11's TypeError, nothing written
+            # every buffer acquired once before anything is appended: an item that refuses
+            # it (a released memoryview) raises here, nothing written -- asyncio 3.12+
+            # takes memoryview(item) of every item before it buffers any, 3.11 joins them
+            PyObject_GetBuffer(item, &view, PyBUF_FULL_RO)
+            PyBuffer_Release(&view)
         # runs of small bytes items are copied under one claim of the batch
         # (sb_add_bytes_run); any other item as write() takes it
         i = 0

@@ -201,3 +201,64 @@ def test_aiodebug_logs_a_slow_callback(kind):
     finally:
         asyncio.events.Handle._run = orig   # (aiodebug has no disable())
     assert len(slow) == 1 and "blocking" in slow[0][0] and slow[0][1] >= 0.1, slow
+
+
+# the loop state aoprim.aio keeps in C fields (not in vars(loop)) and a value of each
+# that the loop still runs with; mock.patch.object restores such an attribute by deleting
+# its patch and, when the name is then missing, assigning the original back
+_FIELD_PATCHES = (("_clock_resolution", 0.001), ("_debug", False), ("_stopping", False),
+                  ("_timer_cancelled_count", 0))
+
+
+@pytest.mark.parametrize("name,value", _FIELD_PATCHES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_mock_patch_object_of_loop_state_restores_it(kind, name, value):
+    from unittest import mock
+    loop = new_loop(kind)
+
+    async def main():
+        before = getattr(loop, name)
+        with mock.patch.object(loop, name, value):
+            assert getattr(loop, name) == value
+            await asyncio.sleep(0.001)
+        after = getattr(loop, name)
+        t0 = REAL()
+        fired = await asyncio.wait_for(asyncio.sleep(0.01, "timer"), 5)
+        return before, after, fired, REAL() - t0
+
+    before, after, fired, took = run(loop, main())
+    assert after == before and type(after) is type(before), (before, after)
+    assert fired == "timer" and took >= 0.01 - 0.002, took
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deleted_loop_state_reads_as_missing_until_assigned(kind):
+    loop = new_loop(kind)
+    try:
+        res = loop._clock_resolution
+        del loop._clock_resolution
+        with pytest.raises(AttributeError, match="_clock_resolution"):
+            loop._clock_resolution
+        with pytest.raises(AttributeError):
+            del loop._clock_resolution
+        loop._clock_resolution = res
+        assert loop.run_until_complete(asyncio.sleep(0.001, "ran")) == "ran"
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loop_runs_timers_after_aiotools_virtual_clock_ends(kind):
+    aiotools = pytest.importorskip("aiotools", reason="aiotools is not installed")
+    loop = new_loop(kind)
+
+    async def main():
+        res = loop._clock_resolution
+        with aiotools.VirtualClock().patch_loop():
+            await asyncio.sleep(3600)
+        t0 = REAL()
+        fired = await asyncio.wait_for(asyncio.sleep(0.01, "timer"), 5)
+        return res, loop._clock_resolution, fired, REAL() - t0
+
+    before, after, fired, took = run(loop, main())
+    assert after == before and fired == "timer" and took >= 0.01 - 0.002, (before, after, took)

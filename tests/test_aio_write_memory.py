@@ -396,3 +396,34 @@ def test_writelines_bad_item_writes_nothing(kind):
         assert got.endswith(b"ok")             # uvloop writes the items before the bad one
     else:
         assert got == b"ok"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_writelines_unreadable_buffer_writes_nothing(kind):
+    # a released memoryview after two good items: every loop raises (asyncio 3.11 join's
+    # TypeError, 3.12+ and uvloop memoryview()'s ValueError); asyncio sends no item
+    loop = new_loop(kind)
+    a, b = socket.socketpair()
+    try:
+        async def main():
+            t, _ = await loop.connect_accepted_socket(asyncio.Protocol, a)
+            bad = memoryview(b"zz")
+            bad.release()
+            with pytest.raises((TypeError, ValueError)):
+                t.writelines([b"first-", bytearray(b"second-"), bad, b"third"])
+            t.write(b"ok")
+            t.close()
+            b.setblocking(False)
+            got = bytearray()
+            while d := await asyncio.wait_for(loop.sock_recv(b, 4096), 30):
+                got += d
+            return bytes(got)
+        got = loop.run_until_complete(main())
+    finally:
+        loop.close()
+        a.close()
+        b.close()
+    if kind == "uvloop":
+        assert got.endswith(b"ok"), got     # uvloop sends the bytearray before the bad item
+    else:
+        assert got == b"ok", got
