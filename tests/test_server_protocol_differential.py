@@ -2,7 +2,8 @@
 (``loop.create_server``) and on serve_protocol, the same client, and the callback sequence
 each one saw must be the same -- abort in connection_made, abort in data_received, close
 with nothing to write, close with data pending, the peer's EOF (eof_received returning
-false and true), the peer's reset.  Both Layer 1 backends, with and without workers."""
+false and true), the peer's reset; a BufferedProtocol with small buffers that pauses, closes
+or aborts inside buffer_updated.  Both Layer 1 backends, with and without workers."""
 import asyncio
 import socket
 import struct
@@ -178,3 +179,129 @@ def test_callback_sequence_matches_asyncio(plan, cls, backend, workers):
     # the sequence itself, spelt out (what asyncio did, checked above, is this)
     assert log[0] == "made" and log[-1][0] == "lost"
     assert sum(1 for e in log if e[0] == "lost") == 1
+
+
+# -- BufferedProtocol: pause / close / abort inside buffer_updated, small buffers ----------
+# asyncio reads only what get_buffer() hands out; aoprim delivers a chunk it read in several
+# buffer_updated calls -- and must stop the moment the protocol pauses, closes or aborts:
+# nothing more of the chunk until resume_reading() (pause) or ever (close/abort)
+PAYLOAD = b"0123456789abcdef"
+PAUSE_FOR = threading.Event()       # never set: a bounded wait
+
+
+class SmallBuffers(asyncio.BufferedProtocol):
+    """Hands out 4-byte buffers; on the first buffer_updated does ``plan`` ("pause": resumed
+    from another thread via ``resume``, which logs "resume" first).  Logs every update with
+    is_reading/is_closing; once the whole payload came, writes b"ok" and closes."""
+
+    def __init__(self, plan, log, done, resume):
+        self.plan, self.log, self.done, self.resume = plan, log, done, resume
+        self.buf = bytearray(4)
+        self.got = b""
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def get_buffer(self, sizehint):
+        return self.buf
+
+    def buffer_updated(self, nbytes):
+        data = bytes(self.buf[:nbytes])
+        self.got += data
+        self.log.append(("upd", data, self.t.is_reading(), self.t.is_closing()))
+        if len(self.log) == 1:
+            if self.plan == "pause":
+                self.t.pause_reading()
+                threading.Thread(target=self._resume_later, daemon=True).start()
+            else:
+                getattr(self.t, self.plan)()
+        elif self.got == PAYLOAD:
+            self.t.write(b"ok")
+            self.t.close()
+
+    def _resume_later(self):
+        # the pause lasts a while (what the test checks is that nothing comes meanwhile:
+        # the rest of the chunk would otherwise follow within the same call)
+        PAUSE_FOR.wait(0.3)
+        self.resume(self.t)
+
+    def eof_received(self):
+        self.log.append("eof")
+
+    def connection_lost(self, exc):
+        self.log.append("lost")
+        self.done.set()
+
+
+def _drive(address):
+    c = socket.create_connection(address, timeout=10)
+    try:
+        c.sendall(PAYLOAD)
+        got = b""
+        while True:
+            b = c.recv(100)
+            if not b:
+                return got
+            got += b
+    except ConnectionResetError:
+        return got
+    finally:
+        c.close()
+
+
+def _buffered_on_asyncio(plan):
+    log, done = [], threading.Event()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def resume(t):          # another thread: asyncio's transport is not thread-safe
+            loop.call_soon_threadsafe(lambda: (log.append("resume"), t.resume_reading()))
+
+        srv = await loop.create_server(lambda: SmallBuffers(plan, log, done, resume), HOST, 0)
+        try:
+            got = await asyncio.to_thread(_drive, srv.sockets[0].getsockname())
+            await asyncio.wait_for(asyncio.to_thread(done.wait, 10), 15)
+        finally:
+            srv.close()
+        return got
+
+    return log, asyncio.run(main())
+
+
+def _buffered_on_aoprim(plan, backend, workers):
+    log, done = [], threading.Event()
+
+    def resume(t):
+        log.append("resume")
+        t.resume_reading()
+
+    fds = open_fds()
+    srv = serve_protocol(lambda: SmallBuffers(plan, log, done, resume), HOST, 0,
+                         backend=backend, workers=workers)
+    try:
+        got = _drive(srv.address[:2])
+        assert done.wait(10), log
+        wait_for(lambda: srv.stats()["connections"] == 0)
+    finally:
+        srv.shutdown(timeout=15)
+    assert_no_leaks(srv, fds)
+    return log, got
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("plan", ["pause", "close", "abort"])
+def test_buffered_protocol_stops_inside_the_chunk_as_asyncio(plan, backend, workers):
+    want, want_got = _buffered_on_asyncio(plan)
+    log, got = _buffered_on_aoprim(plan, backend, workers)
+    assert log == want
+    assert got == want_got
+    if plan == "pause":
+        # every byte, in order, the rest only after the resume, never while paused
+        assert log[1] == "resume"
+        assert b"".join(e[1] for e in log if type(e) is tuple) == PAYLOAD
+        assert all(e[2] for e in log if type(e) is tuple)
+        assert got == b"ok"
+    else:
+        assert [e for e in log if type(e) is tuple] == [("upd", b"0123", True, False)]

@@ -81,13 +81,14 @@ class InlineDispatch:
 class WorkState:
     """A session's place in the worker dispatch (created by WorkerDispatch)."""
 
-    __slots__ = ("backlog", "lock", "scheduled", "paused")
+    __slots__ = ("backlog", "lock", "scheduled", "paused", "user_paused")
 
     def __init__(self) -> None:
         self.backlog: collections.deque[Any] = collections.deque()
         self.lock = SpinLock()
         self.scheduled = False
-        self.paused = False
+        self.paused = False             # the backlog's limit paused reading
+        self.user_paused = False        # pause_reading(): the worker holds the backlog
 
 
 class WorkerDispatch:
@@ -142,6 +143,26 @@ class WorkerDispatch:
         if schedule:
             self._schedule(session)
 
+    def push_front(self, session: Session, data: bytes) -> None:
+        """Session.unread() from its worker, inside on_read: the frame's rest goes back to
+        the front of the backlog (the worker running the session takes it next, or holds
+        it while paused)."""
+        w: WorkState = session.work     # type: ignore[assignment]
+        session.ref()
+        with w.lock:
+            w.backlog.appendleft(data)
+
+    def release_held(self, session: Session) -> None:
+        """resume_reading() (loop thread): schedule the session again if its worker let it
+        go holding frames."""
+        w: WorkState = session.work     # type: ignore[assignment]
+        with w.lock:
+            schedule = bool(w.backlog) and not w.scheduled and not w.user_paused
+            if schedule:
+                w.scheduled = True
+        if schedule:
+            self._schedule(session)
+
     def _schedule(self, session: Session) -> None:
         if self._overflow:
             self._overflow.append(session)      # keep the order of sessions waiting
@@ -175,7 +196,11 @@ class WorkerDispatch:
         handler = self.handler
         while True:
             with w.lock:
-                if not w.backlog:
+                # paused by the application (pause_reading, even from the on_read just run):
+                # hold what is queued, in order, until resume_reading (release_held); a
+                # closed session is not held (its frames are dropped or, after a reset,
+                # delivered, then on_close runs)
+                if not w.backlog or (w.user_paused and not session.closed):
                     w.scheduled = False
                     return
                 item = w.backlog.popleft()

@@ -52,6 +52,8 @@ from .rx import (PAUSE_BACKLOG, PAUSE_BACKPRESSURE, PAUSE_CLOSING, PAUSE_EOF, PA
 from .tx import ForeignSends, foreign_item, release_item
 
 if TYPE_CHECKING:
+    from asyncio.trsock import TransportSocket
+
     from typing_extensions import Buffer, TypeAlias
 
     from aoprim import RxArena, TLSFlush
@@ -137,7 +139,7 @@ class Session:
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
-                 "__weakref__")
+                 "_rest", "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
     #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
@@ -200,6 +202,9 @@ class Session:
         # the stream failed (reset, recv/send error) while the session was open: frames read
         # before it and still queued for a worker are delivered (see takes_frames)
         self._peer_failed = False
+        # workers=0: the rest of a frame that on_read handed back with unread() after pausing
+        # reading; delivered first once reading resumes
+        self._rest: bytes | None = None
 
     # the Receiver looks for the PROXY header (a TLS session reads it before the handshake)
     _rx_proxy = True
@@ -232,10 +237,14 @@ class Session:
         return self._batch.pending_bytes
 
     @property
-    def socket(self) -> socket.socket:
-        """The connection's socket, for inspection and socket options.  Close the session
+    def socket(self) -> TransportSocket:
+        """The connection's socket, for inspection and socket options: asyncio's
+        ``TransportSocket`` over it, as ``get_extra_info("socket")`` on an asyncio transport,
+        so it refuses ``setblocking(True)`` and ``settimeout()`` other than 0 (ValueError) --
+        the loop reads, writes and drains it assuming it never blocks.  Close the session
         with close()/abort(), never the socket itself: the loop owns its fd."""
-        return self._sock
+        from asyncio.trsock import TransportSocket    # (asyncio only for who asks)
+        return TransportSocket(self._sock)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         """As asyncio's transports: ``"peername"`` (the client's address: ``peer``, the
@@ -382,10 +391,37 @@ class Session:
             self._loop.call_soon_threadsafe(self._abort, "aborted by the application")
 
     def pause_reading(self) -> None:
+        """Stop reading, and delivering frames, until resume_reading().  Thread-safe.  Inside
+        on_read it takes effect after that call: no further on_read runs while paused --
+        frames already read (with workers: already queued for the worker) are held, in
+        order, and delivered after resume_reading()."""
+        w = self.work
+        if w is not None:
+            with w.lock:                # seen by the worker before its next frame
+                w.user_paused = True
         self._set_pause(PAUSE_USER, True)
 
     def resume_reading(self) -> None:
+        """Undo pause_reading(): reading resumes, frames held meanwhile are delivered first.
+        Thread-safe."""
+        w = self.work
+        if w is not None:
+            with w.lock:
+                w.user_paused = False
         self._set_pause(PAUSE_USER, False)
+
+    def unread(self, data: Buffer) -> None:
+        """Inside on_read, after pause_reading(): hand back the part of this frame not
+        consumed (copied), to be delivered by an on_read of its own before anything read
+        later, once reading resumes (used by the asyncio adapter for a BufferedProtocol
+        that pauses in the middle of a chunk)."""
+        rest = bytes(data)
+        if self.work is not None:
+            self._ctx.dispatch.push_front(self, rest)     # type: ignore[union-attr]
+        elif self._rest is None:
+            self._rest = rest
+        else:
+            self._rest = rest + self._rest
 
     def set_write_limits(self, high: int, low: int, on_high: Callable[[], object],
                          on_low: Callable[[], object]) -> None:
@@ -582,20 +618,36 @@ class Session:
         if on:
             if self._rx.pause(reason):
                 self._update_interest()
-        elif self._rx.resume(reason):
+            return
+        if self._rx.resume(reason):
             self._reading_resumed()
+        if reason == PAUSE_USER and self.work is not None:
+            # frames held for the worker while paused: have it take them again
+            self._ctx.dispatch.release_held(self)   # type: ignore[union-attr]
 
     def _reading_resumed(self) -> None:
         """The last pause reason was cleared (loop thread)."""
         self._update_interest()
-        if self._rx.receiver.pending:
+        if self._rx.receiver.pending or self._rest is not None:
             # frames read before the pause and held back (the receiver stops between frames
             # once held): no readiness event will come for them
             self._loop.call_soon(self._deliver_held)
 
     def _deliver_held(self) -> None:
-        if self._state == OPEN and not self._rx.paused:
-            self._reader()
+        if self._state != OPEN or self._rx.paused:
+            return
+        rest = self._rest
+        if rest is not None:
+            # the rest on_read handed back (unread) comes before what the receiver holds
+            self._rest = None
+            try:
+                self._ctx.dispatch.handler.on_read(self, rest)
+            except BaseException as e:
+                self.handler_failed("on_read", e)
+                return
+            if self._state != OPEN or self._rx.paused or not self._rx.receiver.pending:
+                return
+        self._reader()
 
     # -- hooks for the server's parts ---------------------------------------------------
     def start(self) -> None:
@@ -856,7 +908,9 @@ class Session:
         total = 0
         for _ in range(_LINGER_READS):
             try:
-                data = recv(_DISCARD)
+                # MSG_DONTWAIT: never blocks, even if the fd was made blocking behind the
+                # loop's back (through a dup of it, say)
+                data = recv(_DISCARD, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return total
             except OSError:

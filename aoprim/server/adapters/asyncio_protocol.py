@@ -192,6 +192,13 @@ class ProtocolHandler(Handler):
             mv.release()
             proto.buffer_updated(k)
             off += k
+            if off < n and (not tr.is_reading() or tr.is_closing()):
+                # as asyncio: nothing more for the protocol in this call.  After close() or
+                # abort() the rest is dropped; after pause_reading() it is handed back to
+                # the session and comes first once reading resumes
+                if not tr.is_closing():
+                    session.unread(data[off:])
+                return
 
     def _on_peer_eof(self, session: Session) -> bool:
         """The peer's EOF (see Session._peer_eof_keeps_open): the protocol's

@@ -1,0 +1,219 @@
+"""Pausing and the socket the application sees, on serve_protocol and on native Handlers:
+
+- ``get_extra_info("socket")`` / ``Session.socket`` is asyncio's ``TransportSocket``: a
+  protocol cannot make the loop's socket blocking (shutdown() would then hang in a recv);
+- with workers, no ``data_received``/``on_read`` runs while reading is paused: frames already
+  queued for the worker are held, in order, and delivered after ``resume_reading()``.
+
+Both Layer 1 backends, with and without workers.  (A BufferedProtocol pausing inside
+``buffer_updated``: test_server_protocol_differential.py.)"""
+import asyncio
+import asyncio.trsock
+import socket
+import threading
+
+import pytest
+
+from aoprim.server import Handler, Server, serve_protocol
+from aoprim.server.loop import BACKENDS
+
+from test_server_support import HOST, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+WORKERS = [0, 2]
+
+
+# -- the socket ---------------------------------------------------------------------------
+class SocketProbe(asyncio.Protocol):
+    def __init__(self, box, ready):
+        self.box = box
+        self.ready = ready
+
+    def connection_made(self, transport):
+        s = transport.get_extra_info("socket")
+        self.box["type"] = type(s)
+        for name, call in (("setblocking", lambda: s.setblocking(True)),
+                           ("settimeout", lambda: s.settimeout(None))):
+            try:
+                call()
+                self.box[name] = "accepted"
+            except ValueError:
+                self.box[name] = "refused"
+        s.setblocking(False)                    # allowed: what the loop needs anyway
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)    # options still work
+        self.box["fileno"] = s.fileno()
+        self.ready.set()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_protocol_cannot_make_the_socket_blocking(backend, workers):
+    box, ready = {}, threading.Event()
+    srv = serve_protocol(lambda: SocketProbe(box, ready), HOST, 0, backend=backend,
+                         workers=workers)
+    idle = socket.create_connection(srv.address[:2], timeout=10)
+    try:
+        assert ready.wait(10)
+        assert box["type"] is asyncio.trsock.TransportSocket
+        assert box["setblocking"] == "refused" and box["settimeout"] == "refused", box
+        assert box["fileno"] >= 0
+        # an idle client and the attempt above: shutdown() still returns
+        th = threading.Thread(target=srv.shutdown, kwargs={"timeout": 5}, daemon=True)
+        th.start()
+        th.join(20)
+        assert not th.is_alive(), "shutdown() hung"
+    finally:
+        idle.close()
+        srv.shutdown()
+
+
+def test_asyncio_refuses_the_same_calls():
+    """What the probe expects is asyncio's own behaviour (its loop, its transport)."""
+    box, ready = {}, threading.Event()
+
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(
+            lambda: SocketProbe(box, ready), HOST, 0)
+        c = socket.create_connection(srv.sockets[0].getsockname(), timeout=10)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(ready.wait, 10), 15)
+        finally:
+            c.close()
+            srv.close()
+
+    asyncio.run(main())
+    assert box["type"] is asyncio.trsock.TransportSocket
+    assert box["setblocking"] == "refused" and box["settimeout"] == "refused"
+
+
+class SocketHandler(Handler):
+    def __init__(self, box, ready):
+        self.box = box
+        self.ready = ready
+
+    def on_connect(self, session):
+        s = session.socket
+        try:
+            s.setblocking(True)
+            self.box["setblocking"] = "accepted"
+        except ValueError:
+            self.box["setblocking"] = "refused"
+        self.ready.set()
+
+    def on_read(self, session, data):
+        pass
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_session_socket_refuses_blocking(backend):
+    box, ready = {}, threading.Event()
+    srv = Server(SocketHandler(box, ready), HOST, 0, backend=backend).start()
+    c = socket.create_connection(srv.address[:2], timeout=10)
+    try:
+        assert ready.wait(10)
+        assert box["setblocking"] == "refused"
+        th = threading.Thread(target=srv.shutdown, kwargs={"timeout": 5}, daemon=True)
+        th.start()
+        th.join(20)
+        assert not th.is_alive(), "shutdown() hung"
+    finally:
+        c.close()
+        srv.shutdown()
+
+
+# -- workers: nothing delivered while paused -----------------------------------------------
+N_MORE = 5
+
+
+class _Gate:
+    """The first delivery blocks until the test has had N_MORE more frames read (queued for
+    the worker), then pauses reading and returns; every delivery is logged with whether
+    reading was on."""
+
+    def __init__(self):
+        self.log = []
+        self.total = 0
+        self.release = threading.Event()
+        self.first_done = threading.Event()
+        self.more = threading.Event()
+        self.all_in = threading.Event()
+
+    def deliver(self, data, reading, pause):
+        self.log.append((len(data), reading))
+        self.total += len(data)
+        if len(self.log) == 1:
+            assert self.release.wait(20)
+            pause()
+            self.first_done.set()
+        else:
+            self.more.set()
+        if self.total == 100 * (1 + N_MORE):
+            self.all_in.set()
+
+
+class GateProtocol(asyncio.Protocol):
+    def __init__(self, gate):
+        self.gate = gate
+
+    def connection_made(self, transport):
+        self.t = transport
+        self.gate.transport = transport
+
+    def data_received(self, data):
+        self.gate.deliver(data, self.t.is_reading(), self.t.pause_reading)
+
+
+class GateHandler(Handler):
+    def __init__(self, gate):
+        self.gate = gate
+
+    def on_connect(self, session):
+        self.gate.transport = session
+
+    def on_read(self, session, data):
+        self.gate.deliver(bytes(data), not self.gate.paused, self._pause(session))
+
+    def _pause(self, session):
+        def pause():
+            self.gate.paused = True
+            session.pause_reading()
+        return pause
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["protocol", "handler"])
+def test_nothing_delivered_while_paused(kind, backend, workers):
+    gate = _Gate()
+    gate.paused = False
+    if kind == "protocol":
+        srv = serve_protocol(lambda: GateProtocol(gate), HOST, 0, backend=backend,
+                             workers=workers)
+    else:
+        srv = Server(GateHandler(gate), HOST, 0, backend=backend, workers=workers).start()
+    c = socket.create_connection(srv.address[:2], timeout=10)
+    try:
+        c.sendall(b"a" * 100)
+        wait_for(lambda: srv.stats()["frames_in"] == 1, 10, "the first frame")
+        if workers:
+            # while the worker is inside the first delivery, the loop reads (and queues)
+            # N_MORE frames of their own
+            for i in range(N_MORE):
+                c.sendall(bytes([ord("b") + i]) * 100)
+                wait_for(lambda: srv.stats()["frames_in"] == 2 + i, 10, "a frame read")
+        gate.release.set()
+        assert gate.first_done.wait(10)
+        if not workers:
+            for i in range(N_MORE):
+                c.sendall(bytes([ord("b") + i]) * 100)
+        # paused: whatever was read or queued stays put (a bounded look, then resume)
+        assert not gate.more.wait(0.3), f"delivered while paused: {gate.log}"
+        gate.paused = False
+        gate.transport.resume_reading()
+        assert gate.all_in.wait(10), gate.log
+        assert all(reading for _, reading in gate.log), gate.log
+        assert gate.total == 100 * (1 + N_MORE)
+    finally:
+        c.close()
+        srv.shutdown(timeout=10)
