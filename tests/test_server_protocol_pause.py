@@ -24,6 +24,25 @@ pytestmark = pytest.mark.timeout(60)
 WORKERS = [0, 2]
 
 
+def _shutdown_returns(srv):
+    """shutdown() in a thread of its own: it returns, without "the server loop did not stop
+    in time" (the loop thread stuck in a blocking call)."""
+    box = {}
+
+    def run():
+        try:
+            srv.shutdown(timeout=5)
+            box["ok"] = True
+        except BaseException as e:      # reported below
+            box["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(20)
+    assert not th.is_alive(), "shutdown() hung"
+    assert box.get("ok"), box
+
+
 # -- the socket ---------------------------------------------------------------------------
 class SocketProbe(asyncio.Protocol):
     def __init__(self, box, ready):
@@ -59,10 +78,38 @@ def test_protocol_cannot_make_the_socket_blocking(backend, workers):
         assert box["setblocking"] == "refused" and box["settimeout"] == "refused", box
         assert box["fileno"] >= 0
         # an idle client and the attempt above: shutdown() still returns
-        th = threading.Thread(target=srv.shutdown, kwargs={"timeout": 5}, daemon=True)
-        th.start()
-        th.join(20)
-        assert not th.is_alive(), "shutdown() hung"
+        _shutdown_returns(srv)
+    finally:
+        idle.close()
+        srv.shutdown()
+
+
+class DupBlocking(asyncio.Protocol):
+    """Makes the fd blocking behind the loop's back: a dup shares the file's O_NONBLOCK."""
+
+    def __init__(self, ready):
+        self.ready = ready
+
+    def connection_made(self, transport):
+        d = transport.get_extra_info("socket").dup()
+        d.setblocking(True)
+        d.close()
+
+    def data_received(self, data):
+        self.ready.set()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shutdown_returns_when_the_fd_was_made_blocking_through_a_dup(backend, workers):
+    ready = threading.Event()
+    srv = serve_protocol(lambda: DupBlocking(ready), HOST, 0, backend=backend,
+                         workers=workers)
+    idle = socket.create_connection(srv.address[:2], timeout=10)
+    try:
+        idle.sendall(b"x" * 10)
+        assert ready.wait(10)
+        _shutdown_returns(srv)
     finally:
         idle.close()
         srv.shutdown()
@@ -113,10 +160,7 @@ def test_session_socket_refuses_blocking(backend):
     try:
         assert ready.wait(10)
         assert box["setblocking"] == "refused"
-        th = threading.Thread(target=srv.shutdown, kwargs={"timeout": 5}, daemon=True)
-        th.start()
-        th.join(20)
-        assert not th.is_alive(), "shutdown() hung"
+        _shutdown_returns(srv)
     finally:
         c.close()
         srv.shutdown()
