@@ -31,7 +31,7 @@ def start_server(*args, cwd=CWD):
         out, err = p.communicate(timeout=10)
         raise AssertionError(f"server did not start: {line!r} {err}")
     host, port = line.split()[-1].rsplit(":", 1)
-    assert host == HOST
+    assert host.removeprefix("[").removesuffix("]") == HOST     # IPv6 comes bracketed
     return p, int(port)
 
 

@@ -133,23 +133,32 @@ def test_a_child_exiting_2_stops_the_supervisor_with_2():
     assert "Traceback" not in r.stderr
 
 
-def test_a_child_that_exited_0_is_not_restarted():
-    """A child that shut down cleanly (exit 0: it was told to stop) was restarted."""
-    p, port = serve("--procs", "2", "--stats-json")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_child_stopped_by_someone_else_is_replaced(backend):
+    """SIGTERM to one child (an operator's kill, an OOM daemon) stopped it for good: the
+    service went on with one process fewer, and ended (exit 0) once each child had one."""
+    p, port = serve("--procs", "2", "--stats-json", "--backend", backend)
     kids = []
     try:
         kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
                         what="2 children")
-        os.kill(kids[0], signal.SIGTERM)
-        wait_for(lambda: not alive(kids[0]), what="the child to stop")
-        time.sleep(1.5)                      # the old supervisor restarted after 0.5-0.7 s
-        assert children_of(p.pid) == [kids[1]]
-        assert echo_once(port) == b"ping"    # the other one still serves
-        os.kill(kids[1], signal.SIGTERM)     # the last one: nothing left to supervise
-        out, err = p.communicate(timeout=20)
-        assert p.returncode == 0, err
-        assert out.count("stats ") == 2
-        assert "not restarting it" in err and "Traceback" not in err
+        err = Lines(p.stderr)
+        for n, kid in enumerate(kids, 1):
+            os.kill(kid, signal.SIGTERM)
+            err.wait("(restarted) is listening", count=n, timeout=30)
+        now = children_of(p.pid)
+        assert len(now) == 2 and not set(now) & set(kids)
+        assert p.poll() is None
+        for i in range(4):
+            assert echo_once(port, b"ok%d" % i) == b"ok%d" % i
+        p.send_signal(signal.SIGTERM)
+        out = p.stdout.read()
+        assert p.wait(60) == 0, err.text()
+        err.join()
+        assert out.count("stats ") == 4                  # the two stopped, the two stopping
+        assert err.text().count("without the supervisor asking: replacing it") == 2
+        assert "Traceback" not in err.text()
     finally:
         cleanup(p, kids)
 
@@ -479,19 +488,26 @@ CHILD = textwrap.dedent("""
         time.sleep(60)
     if mode == "fail2":                    # a configuration error before listening
         sys.exit(2)
+    if mode == "early":                    # a crash before listening (a start-up crash)
+        sys.exit(3)
     # before "ready": a stop signal, sent once every child listens, could otherwise land
     # inside this print (the child then wrote "child" + "bye ...": a test race)
     print("child", mode, "up", flush=True)
     os.write(status, b"ready\\n")
     # exit2/exit0: a status chosen while serving (a handler's sys.exit, os._exit);
-    # stop0: the child stops by itself as if told to, saying so first
-    lifetime = {"crash": 0.05, "late": 0.4, "exit2": 0.2, "exit0": 0.2, "stop0": 0.2}.get(mode)
+    # stop0: the child stops by itself as if told to, saying so first; killed: it dies of
+    # SIGTERM that the supervisor did not send
+    lifetime = {"crash": 0.05, "late": 0.4, "exit2": 0.2, "exit0": 0.2, "stop0": 0.2,
+                "killed": 0.2}.get(mode)
     if lifetime is None:
         time.sleep(60)
     else:
         time.sleep(lifetime)
         if mode == "stop0":
             os.write(status, b"stopped\\n")
+        if mode == "killed":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
         sys.exit({"crash": 3, "late": 3, "exit2": 2, "exit0": 0, "stop0": 0}[mode])
 """)
 
@@ -550,26 +566,58 @@ def delays_logged(caplog):
 
 
 def test_crash_loop_backs_off_exponentially_with_a_cap_then_gives_up(child_script, caplog):
+    """Crashes before "ready" (a start-up that fails every time) end the service."""
     caplog.set_level(logging.INFO, logger="aoprim.server")
     out = io.StringIO()
-    sup = Supervisor(argv_of(child_script, "crash"), 1, HOST, 0, stdout=out, backoff=0.05,
+    sup = Supervisor(argv_of(child_script, "crash", "early"), 1, HOST, 0, stdout=out, backoff=0.05,
                      backoff_max=0.2, give_up_after=4, stable_after=10)
     assert sup.run() == 1
-    assert delays_logged(caplog) == [0.05, 0.1, 0.2, 0.2]
+    # the first child crashed while serving (not counted), then 5 start-ups failed
+    assert delays_logged(caplog) == [0.05, 0.1, 0.2, 0.2, 0.2]
     times = [t for t, _, _ in sup.spawned]
-    assert len(times) == 5
-    for gap, delay in zip([b - a for a, b in zip(times, times[1:])], [0.05, 0.1, 0.2, 0.2]):
+    assert len(times) == 6
+    for gap, delay in zip([b - a for a, b in zip(times, times[1:])],
+                          [0.05, 0.1, 0.2, 0.2, 0.2]):
         assert gap >= delay
     assert out.getvalue().count("listening on") == 1
     assert not any(alive(pid) for _, _, pid in sup.spawned)
 
 
 def test_crash_loop_message_names_the_give_up(child_script, capfd):
-    sup = Supervisor(argv_of(child_script, "crash"), 1, HOST, 0, stdout=io.StringIO(),
+    sup = Supervisor(argv_of(child_script, "crash", "early"), 1, HOST, 0, stdout=io.StringIO(),
                      backoff=0.01, backoff_max=0.01, give_up_after=2)
     assert sup.run() == 1
     err = capfd.readouterr().err
-    assert "3 crashes in a row" in err and "giving up" in err
+    assert "3 crashes in a row, each before it listened: giving up" in err
+
+
+def test_crashes_while_serving_never_end_the_service(child_script, caplog):
+    """A child that crashes after "ready" (a request that kills it) counted toward the
+    crash loop: a few bad requests stopped the whole service for good."""
+    caplog.set_level(logging.INFO, logger="aoprim.server")
+    sup = Supervisor(argv_of(child_script, "crash"), 2, HOST, 0, stdout=io.StringIO(),
+                     backoff=0.01, backoff_max=0.04, give_up_after=2, stable_after=10)
+    assert run_supervisor(sup, lambda: len(sup.spawned) >= 12) == 0
+    assert len(sup.spawned) >= 12
+    delays = delays_logged(caplog)
+    assert max(delays) == 0.04 and delays.count(0.04) >= 2        # doubled, then capped
+    assert "giving up" not in caplog.text
+    assert not any(alive(pid) for _, _, pid in sup.spawned)
+
+
+@pytest.mark.parametrize("mode", ["stop0", "killed"])
+def test_a_child_stopped_without_the_supervisor_asking_is_replaced(child_script, caplog,
+                                                                    mode):
+    """A child that said "stopped" (an operator's SIGTERM to it) was never restarted: the
+    service shrank for good, and ended with exit 0 when every child had been stopped."""
+    caplog.set_level(logging.INFO, logger="aoprim.server")
+    sup = Supervisor(argv_of(child_script, mode, mode, "serve"), 2, HOST, 0,
+                     stdout=io.StringIO(), backoff=0.01, give_up_after=0)
+    assert run_supervisor(sup, lambda: len(sup.spawned) == 4 and
+                          all(c.ready for c in sup._children)) == 0
+    assert sorted(i for _, i, _ in sup.spawned) == [0, 0, 1, 1]   # both places filled again
+    assert caplog.text.count("without the supervisor asking: replacing it") == 2
+    assert not any(alive(pid) for _, _, pid in sup.spawned)
 
 
 def test_a_child_that_lived_long_enough_starts_the_back_off_again(child_script, caplog):
@@ -605,10 +653,10 @@ def test_exit_2_before_listening_stops_every_child_with_2(child_script):
     assert not any(alive(pid) for _, _, pid in sup.spawned)
 
 
-def test_children_that_exit_0_are_not_restarted(child_script):
+def test_a_stop_asked_for_is_not_followed_by_a_restart(child_script):
     out = io.StringIO()
-    sup = Supervisor(argv_of(child_script, "stop0"), 3, HOST, 0, stdout=out)
-    assert sup.run() == 0                               # none left: done
+    sup = Supervisor(argv_of(child_script, "serve"), 3, HOST, 0, stdout=out)
+    assert run_supervisor(sup, lambda: "listening on" in out.getvalue()) == 0
     assert len(sup.spawned) == 3
     assert out.getvalue().count("listening on") == 1
 

@@ -30,11 +30,14 @@ each is ``serve`` with the hidden ``--reuse-port --status-fd FD``, and says ``re
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import importlib
 import json
 import logging
 import os
 import signal
+import stat
 import sys
 import traceback
 from types import FrameType
@@ -46,7 +49,7 @@ from aoprim.server import BACKENDS, BackendUnavailable, Handler, Server
 
 from .config import Settings
 from .framing import FRAMINGS
-from .listener import check_port, listen_error
+from .listener import check_port, describe_address, listen_error
 from .proxy import PROXY_MODES
 from .server import as_handler
 from .supervisor import Supervisor
@@ -395,30 +398,112 @@ def _print_stats(srv: Server) -> None:
             os.close(devnull)
 
 
-def _tell(fd: int | None, word: bytes) -> bool:
-    """Write ``word`` on the supervisor's status pipe (``--status-fd``); False if it is gone."""
-    if fd is None:
+class _StatusPipe:
+    """The supervisor's status pipe (``--status-fd``), kept out of the handler's way: the
+    inherited fd is moved to a high number, close-on-exec, and its number is taken out of
+    ``sys.argv``, so handler code does not find it by chance, nor do the processes it starts.
+    The pipe's identity (device, inode) is recorded: a word is written only while the fd is
+    still that pipe, so a handler that closed the fd and opened a file of its own under the
+    number does not get ``stopped`` written into its file."""
+
+    def __init__(self, fd: int) -> None:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISFIFO(st.st_mode):
+                raise OSError(errno.EINVAL, "not a pipe")
+            try:
+                high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 256)
+            except OSError:                # RLIMIT_NOFILE below 257: any free number
+                high = os.dup(fd)          # (close-on-exec: Python's fds are not inheritable)
+            os.close(fd)
+        except OSError as e:
+            raise UsageError(f"--status-fd {fd}: {_reason(e)}") from None
+        self.fd = high
+        self._id = (st.st_dev, st.st_ino)
+        _drop_status_fd_arg(sys.argv)
+
+    def tell(self, word: bytes) -> bool:
+        """Write ``word``; False if the pipe is gone (or the fd is no longer that pipe)."""
+        try:
+            st = os.fstat(self.fd)
+            if not stat.S_ISFIFO(st.st_mode) or (st.st_dev, st.st_ino) != self._id:
+                return False
+            os.write(self.fd, word + b"\n")
+        except OSError:
+            return False
         return True
+
+
+def _drop_status_fd_arg(argv: list[str]) -> None:
+    """Remove ``--status-fd N`` (or ``--status-fd=N``) from ``argv`` in place."""
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--status-fd":
+            del argv[i:i + 2]
+        elif argv[i].startswith("--status-fd="):
+            del argv[i]
+        else:
+            i += 1
+
+
+def _tell(pipe: _StatusPipe | None, word: bytes) -> bool:
+    """Write ``word`` on the supervisor's status pipe; False if it is gone."""
+    return True if pipe is None else pipe.tell(word)
+
+
+def _fds() -> set[int]:
+    """The process's open fds (empty where /proc/self/fd is not there)."""
     try:
-        os.write(fd, word + b"\n")
+        return {int(n) for n in os.listdir("/proc/self/fd")}
     except OSError:
-        return False
-    return True
+        return set()
+
+
+def _hide_in_forks(fds: set[int]) -> None:
+    """In a process forked from this one by handler code (a ``fork`` multiprocessing worker,
+    ``os.fork()``), put ``/dev/null`` in place of ``fds`` -- the server's listening socket,
+    its event loop's fds, the status pipe -- and give SIGINT/SIGTERM back their default
+    action.  A forked process that outlives this one must not keep the listening socket (the
+    kernel would still hand it a share of the port's connections, which nobody accepts), nor
+    the serving process's signal handlers (it would ignore SIGTERM).  ``/dev/null`` rather
+    than close(): the Python objects copied into the fork still own those numbers, and their
+    own close() must not close an fd the fork opened meanwhile.  A subprocess (fork + exec)
+    loses them by close-on-exec anyway."""
+    owned = sorted(fds - {0, 1, 2})
+
+    def after_in_child() -> None:
+        try:
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return
+        for fd in owned:
+            try:
+                os.dup2(null, fd, inheritable=False)
+            except OSError:
+                pass
+        os.close(null)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM
+                              else signal.default_int_handler)
+            except ValueError:             # forked from a thread Python does not take for
+                pass                       # the main one: the handlers stay
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:
+            pass
+
+    os.register_at_fork(after_in_child=after_in_child)
 
 
 def _serve_one(a: argparse.Namespace) -> int:
-    status_fd = a.status_fd
-    if status_fd is not None:
-        # the supervisor's pipe is not for the handler's own subprocesses to hold open
-        try:
-            os.set_inheritable(status_fd, False)
-        except OSError as e:
-            raise UsageError(f"--status-fd {status_fd}: {_reason(e)}") from None
+    status = _StatusPipe(a.status_fd) if a.status_fd is not None else None
     if a.handler is not None:
         _put_on_path(a.app_dir)
         handler = load_handler(a.handler)
     else:
         handler = load_handler(BUILTIN_APPS[a.app or "echo"])
+    before = _fds()                     # the process's fds before the server's
     try:
         srv = Server(handler, a.host, a.port, **_settings(a))
     except (ValueError, TypeError, OSError, BackendUnavailable) as e:
@@ -430,10 +515,13 @@ def _serve_one(a: argparse.Namespace) -> int:
         # run by the loop's first callback, before any accept (so before any handler code):
         # once it is out, the loop runs (its signal wake-up pipe exists: the process's fds
         # are those it serves with).  A supervised child says it on its status pipe only.
+        if status is not None:
+            # the server's fds (listening socket, loop) and the pipe, before handler code
+            _hide_in_forks((_fds() - before) | {status.fd})
         try:
-            if status_fd is None:
-                print(f"listening on {host}:{port}", flush=True)
-            elif not _tell(status_fd, b"ready"):
+            if status is None:
+                print(f"listening on {describe_address((host, port))}", flush=True)
+            elif not _tell(status, b"ready"):
                 raise BrokenPipeError
         except BrokenPipeError:
             failed.append(True)
@@ -450,8 +538,15 @@ def _serve_one(a: argparse.Namespace) -> int:
         log.error("a handler raised %s while serving: the server stopped (exit status 1)",
                   f"{type(e).__name__}({', '.join(map(repr, e.args))})")
         failed.append(True)
+    finally:
+        # the stop began: a second SIGINT/SIGTERM (systemd signals every process of the
+        # service, and the supervisor forwards its own) must neither interrupt the rest nor
+        # kill the process while the interpreter finalizes (which puts back the default
+        # action of a signal with a Python handler): ignored from here until exit
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not failed:
-        _tell(status_fd, b"stopped")    # told to stop, and done: not to be restarted
+        _tell(status, b"stopped")    # told to stop, and done: not to be restarted
     if a.stats_json:
         _print_stats(srv)
     return 1 if failed else 0
@@ -469,6 +564,11 @@ def _serve_procs(a: argparse.Namespace) -> int:
                 *tail]
 
     sup = Supervisor(child_argv, a.procs, a.host, a.port)
+    # from here on a stop signal is the supervisor's (noted, never raised): _raise_stop,
+    # which run() would put back when it returns, could raise a pending one anywhere on the
+    # way out, even in a finalizer ("Exception ignored ... _Stop" on stderr)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, sup.on_signal)
     try:
         return sup.run()
     except OSError as e:
@@ -477,6 +577,10 @@ def _serve_procs(a: argparse.Namespace) -> int:
         # the port cannot be reserved: in use (by anything, another --procs server
         # included: see supervisor.reserve_port), or not an address of this machine
         raise UsageError(_reason(listen_error(a.host, a.port, e))) from None
+    finally:
+        # every child is gone: a late signal must not kill the supervisor as it finalizes
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:

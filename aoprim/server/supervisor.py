@@ -16,20 +16,23 @@ Rules
   Two supervisors never share a port, even when they start at the same instant.  What the
   kernel still allows: a program of the same user that sets ``SO_REUSEPORT`` itself joins
   the group (Linux's rule; docs/server.md).
-- ``listening on HOST:PORT`` is printed once, when every child has said it listens.  A child
+- ``listening on HOST:PORT`` (``[HOST]:PORT`` for IPv6) is printed once, when every child has said it listens.  A child
   that exits before that, or a start that takes longer than ``start_timeout``, stops the
   others; the supervisor then exits non-zero (2 if that child exited 2) and never prints it.
 - What happens when a child exits is decided by what it said on its status pipe, never by
   its exit status alone (which a handler can choose: ``sys.exit(2)``, ``os._exit(0)``):
     - it exited 2 before saying ``ready``: a usage or configuration error, which a restart
       would only repeat: stop every child, exit 2;
-    - it said ``stopped`` (it was told to stop and shut down cleanly) and exited 0: it is
-      not restarted (when none is left, the supervisor exits 0);
+    - it said ``stopped`` and exited 0, or died of SIGTERM/SIGINT, without the supervisor
+      having asked (an operator's ``kill``, an OOM daemon): it is replaced -- the service
+      keeps its N processes -- and that is not counted as a crash;
     - anything else is a crash: restart it after a back-off that doubles from ``backoff``
-      up to ``backoff_max``; a child that lived ``stable_after`` seconds starts the count
-      again.  A place restarted ``give_up_after`` times in a row, every child of it crashing
-      within ``stable_after`` seconds of its start, is a crash loop: the next crash stops
-      every child and the supervisor exits 1.
+      up to ``backoff_max``; a child that lived ``stable_after`` seconds starts the back-off
+      again.  Only crashes before ``ready`` (bad settings, a start-up that fails) count
+      toward giving up: a place whose child crashed before ``ready`` more than
+      ``give_up_after`` times in a row stops every child and the supervisor exits 1.  A
+      crash while serving (a handler's ``os._exit``, a request that kills the process) is
+      restarted for as long as the supervisor runs: no request can end the service.
 - SIGINT/SIGTERM are forwarded (once) to every child; the supervisor waits up to
   ``stop_timeout`` seconds, kills what is left, and exits 0 if every child exited 0, else 1.
   A second signal kills the children at once.
@@ -40,7 +43,8 @@ Rules
   that forked the child, so the supervisor runs in one thread: the caller's.
 - Children run in their own process group: a Ctrl-C at the terminal reaches the supervisor
   only, which forwards it once.  Their stdout is read by the supervisor and passed on line by
-  line; their stderr is the supervisor's.  When the supervisor's stdout is gone (closed, or a
+  line (a line longer than 64 KiB in pieces of that size: the supervisor's memory stays
+  bounded); their stderr is the supervisor's.  When the supervisor's stdout is gone (closed, or a
   pipe whose reader exited: ``| head -1``) the lines are dropped -- logged once -- and
   everything else goes on: serving, restarts, the exit status.
 
@@ -49,10 +53,12 @@ The status pipe
 ``child_argv(port, status_fd)`` gives each child the number of an inherited pipe's write end.
 The child writes ``ready\n`` once it accepts connections (its settings were accepted, no
 handler code has run yet), and ``stopped\n`` when it was told to stop (SIGINT/SIGTERM) and
-has shut down cleanly, just before it exits 0.  Nothing else is read from it.
+has shut down cleanly, just before it exits 0.  Nothing else is read from it.  ``stopped``
+matters only when the supervisor asked for the stop: said on its own, the child is replaced.
 """
 from __future__ import annotations
 
+import codecs
 import ctypes
 import logging
 import os
@@ -73,6 +79,7 @@ _PR_SET_PDEATHSIG = 1
 _READY = b"ready"           # the child's status messages (see "The status pipe")
 _STOPPED = b"stopped"
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_MAX_LINE = 65536           # a longer stdout line is passed on in pieces of this size
 
 
 def _find_prctl() -> Any:
@@ -128,7 +135,7 @@ def reserve_port(host: str | None, port: int) -> socket.socket:
 class _Child:
     """One of the N places: the process filling it now, and its history."""
     __slots__ = ("index", "proc", "buf", "status", "said", "started", "ready", "listened",
-                 "crashes", "respawn_at", "done")
+                 "crashes", "early", "respawn_at", "dec")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -139,9 +146,10 @@ class _Child:
         self.started = 0.0        # time.monotonic() at spawn
         self.ready = False        # the current process said "ready"
         self.listened = False     # some process in this place did
-        self.crashes = 0          # crashes in a row, each soon after its start
+        self.crashes = 0          # exits in a row, each soon after its start (the back-off)
+        self.early = 0            # exits in a row before "ready" (the crash-loop count)
         self.respawn_at: float | None = None    # monotonic time of the pending restart
-        self.done = False         # told to stop, and it did: stays stopped
+        self.dec: Any = None      # its stdout's UTF-8 decoder (a character may span reads)
 
 
 class Supervisor:
@@ -212,6 +220,7 @@ class Supervisor:
         c.status = status_r
         c.said = b""
         c.buf = b""
+        c.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         c.started = time.monotonic()
         c.ready = False
         c.respawn_at = None
@@ -252,6 +261,7 @@ class Supervisor:
         words = c.said.split(b"\n")[:-1]
         if _READY in words and not c.ready:
             c.ready = c.listened = True
+            c.early = 0
             if self._announced:
                 log.info("server process %d (restarted) is listening", c.proc.pid)
 
@@ -280,13 +290,23 @@ class Supervisor:
                 if c.buf:
                     self._line(c, c.buf + b"\n")
                     c.buf = b""
+                self._line(c, b"", final=True)
                 return
             *lines, c.buf = (c.buf + chunk).split(b"\n")
             for line in lines:
                 self._line(c, line + b"\n")
+            if len(c.buf) >= _MAX_LINE:
+                # a line without end (progress output, a binary dump): kept whole, it would
+                # grow without bound and be joined again on every read; passed on now, it
+                # costs at most _MAX_LINE + one read, and each byte is copied a bounded
+                # number of times
+                self._line(c, c.buf)
+                c.buf = b""
 
-    def _line(self, c: _Child, line: bytes) -> None:
-        self._write(line.decode(errors="replace"))
+    def _line(self, c: _Child, line: bytes, final: bool = False) -> None:
+        text = c.dec.decode(line, final) if c.dec is not None else line.decode(errors="replace")
+        if text:
+            self._write(text)
 
     def _write(self, text: str) -> None:
         """Write to the supervisor's stdout; once that is gone, drop the text (logged once):
@@ -370,7 +390,10 @@ class Supervisor:
             else:
                 self._read(key.data)
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The supervisor's signal handler: a stop signal is noted, to be handled by
+        ``run()``.  A caller may install it before ``run()`` (which keeps what was noted),
+        so that no stop signal falls between its own handler and the supervisor's."""
         if signum != signal.SIGCHLD:
             self._signals.append(signum)
 
@@ -394,21 +417,32 @@ class Supervisor:
         if not self._announced and not c.listened:
             return self._fail(f"server process {pid} ({c.index + 1} of {self._procs}) exited "
                               f"with {_how(rc)} before it listened: stopping", 1)
-        if rc == 0 and _STOPPED in words:
-            log.info("server process %d exited 0 (told to stop): not restarting it", pid)
-            c.done = True
-            return 0 if all(x.done for x in self._children) else None
         if now - c.started >= self._stable_after:
-            c.crashes = 0
+            c.crashes = 0                  # it served a while: the back-off starts again
         c.crashes += 1
-        how = _how(rc)
-        if rc in (0, 2):                   # a status a handler chose (sys.exit, os._exit)
-            how += " while serving, not told to stop (a crash)"
-        if c.crashes > self._give_up_after:
-            return self._fail(f"server process {pid} exited with {how}; {c.crashes} crashes "
-                              f"in a row, each within {self._stable_after:g} s of its start: "
-                              "giving up", 1)
         delay = min(self._backoff * 2 ** (c.crashes - 1), self._backoff_max)
+        if (rc == 0 and _STOPPED in words) or rc in (-signal.SIGTERM, -signal.SIGINT):
+            # stopped by someone else (an operator's kill, an OOM daemon's SIGTERM): the
+            # supervisor did not ask (its own stops are reaped by _stop_all), so the place
+            # is filled again -- not a crash: never a reason to give up
+            log.warning("server process %d stopped (%s) without the supervisor asking: "
+                        "replacing it in %.2g s", pid, _how(rc), delay)
+            c.respawn_at = now + delay
+            return None
+        how = _how(rc)
+        if not c.ready:
+            # a crash before "ready": its settings or its start-up, which a restart repeats
+            c.early += 1
+            if c.early > self._give_up_after:
+                return self._fail(f"server process {pid} exited with {how} before it "
+                                  f"listened; {c.early} crashes in a row, each before it "
+                                  "listened: giving up", 1)
+        else:
+            # a crash while serving (a handler's bad request, os._exit, a signal): restarted
+            # after the back-off for as long as the supervisor runs; requests must never be
+            # able to end the service
+            if rc in (0, 2):               # a status a handler chose (sys.exit, os._exit)
+                how += " while serving, not told to stop (a crash)"
         log.error("server process %d exited with %s: restarting it in %.2g s", pid, how,
                   delay)
         c.respawn_at = now + delay
@@ -420,7 +454,7 @@ class Supervisor:
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
         self._sel.register(wake_r, selectors.EVENT_READ, None)
-        old = {s: signal.signal(s, self._on_signal) for s in _STOP_SIGNALS + (signal.SIGCHLD,)}
+        old = {s: signal.signal(s, self.on_signal) for s in _STOP_SIGNALS + (signal.SIGCHLD,)}
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         reserve = None
         try:
@@ -472,7 +506,8 @@ class Supervisor:
             if not self._announced:
                 if all(c.listened for c in self._children):
                     self._announced = True
-                    self._write(f"listening on {host}:{port}\n")
+                    shown = f"[{host}]" if ":" in host else host     # IPv6: bracketed
+                    self._write(f"listening on {shown}:{port}\n")
                     log.info("supervising %d server processes on %s:%s", self._procs, host,
                              port)
                 elif now >= deadline:

@@ -1,0 +1,263 @@
+"""--procs N while serving: what the processes around the service do to it (supervisor.py and
+the serve parts of cli.py): systemd's stop, which signals every process at once; a handler's
+output without newlines; a process a handler forked; the status pipe kept from handler code;
+IPv6 addresses on the ``listening on`` line.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from aoprim.server.loop import BACKENDS
+
+from proc_support import child_env
+from test_server_support import HOST, recv_exact, wait_for
+from test_supervisor import Lines, alive, children_of, cleanup, echo_once, serve
+
+
+def _stop_all_at_once(p, kids):
+    """systemd's stop (KillMode=control-group): SIGTERM to the supervisor and every child in
+    one go."""
+    for pid in [p.pid, *kids]:
+        os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigterm_to_every_process_at_once_is_a_clean_stop(backend):
+    for round_ in range(10):
+        p, port = serve("--procs", "3", "--backend", backend)
+        kids = []
+        try:
+            kids = wait_for(lambda: len(children_of(p.pid)) == 3 and children_of(p.pid),
+                            what="3 children")
+            assert echo_once(port) == b"ping"
+            _stop_all_at_once(p, kids)
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, f"round {round_}: {err}"
+            assert "Traceback" not in err and "Exception ignored" not in err, err
+            assert err.count("aoprim server stopped") == 3, err
+            assert not any(alive(k) for k in kids)
+        finally:
+            cleanup(p, kids)
+
+
+NO_NEWLINE = """
+import sys
+from aoprim.server import Handler
+
+class Dots(Handler):
+    # progress output without a newline: 1 MiB per request
+    def on_read(self, session, data):
+        sys.stdout.write("x" * (1 << 20))
+        sys.stdout.flush()
+        session.send(data)
+"""
+
+
+def _rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+
+
+def _cpu_s(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_output_without_newlines_keeps_the_supervisor_small(tmp_path, backend):
+    """50 MiB on one line: the supervisor passes it on in pieces instead of keeping (and
+    joining again on each read) the whole line."""
+    (tmp_path / "dots.py").write_text(NO_NEWLINE)
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
+                          "0", "--procs", "2", "--backend", backend, "--log-level", "ERROR",
+                          "dots:Dots"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=str(tmp_path), env=child_env())
+    kids = []
+    try:
+        line = p.stdout.readline().decode()
+        assert line.startswith("listening on "), p.stderr.read() if p.poll() else line
+        port = int(line.rsplit(":", 1)[1])
+        got = [0]
+
+        def count():
+            while True:
+                chunk = p.stdout.read1(1 << 16)
+                if not chunk:
+                    return
+                got[0] += chunk.count(b"x")
+        reader = threading.Thread(target=count, daemon=True)
+        reader.start()
+        kids = children_of(p.pid)
+        rss0, cpu0 = _rss_kib(p.pid), _cpu_s(p.pid)
+        for i in range(50):
+            assert echo_once(port, b"n%02d" % i) == b"n%02d" % i
+        wait_for(lambda: got[0] == 50 << 20, timeout=60, what="50 MiB passed on")
+        grew, cpu = _rss_kib(p.pid) - rss0, _cpu_s(p.pid) - cpu0
+        assert grew < 16 << 10, f"supervisor RSS grew by {grew} KiB"
+        assert cpu < 5.0, f"supervisor used {cpu:.1f} s of CPU"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+        reader.join(30)
+        assert got[0] == 50 << 20
+    finally:
+        cleanup(p, kids)
+
+
+FORKER = """
+import os, signal
+from aoprim.server import Handler
+
+class Forker(Handler):
+    # a handler that starts a long-lived process by fork (a multiprocessing worker with the
+    # 'fork' start method), then a request that crashes its server process
+    def on_read(self, session, data):
+        if bytes(data) == b"fork":
+            pid = os.fork()
+            if pid == 0:
+                while True:            # lives until a signal ends it (the test's)
+                    signal.pause()
+            session.send(b"%d\\n" % pid)
+            return
+        if bytes(data) == b"crash":
+            os._exit(3)
+        session.send(data)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_process_forked_by_a_handler_takes_no_connection(tmp_path, backend):
+    """The forked process outlives its crashed server process: it must not keep the
+    listening socket (the kernel would hand it a share of new connections, never accepted)
+    nor ignore SIGTERM."""
+    (tmp_path / "forker.py").write_text(FORKER)
+    p, port = serve("--procs", "2", "--backend", backend, "forker:Forker", cwd=str(tmp_path))
+    kids, grandchild = [], None
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        err = Lines(p.stderr)
+        with socket.create_connection((HOST, port), timeout=10) as s:
+            s.sendall(b"fork")
+            buf = b""
+            while not buf.endswith(b"\n"):
+                more = s.recv(64)
+                assert more
+                buf += more
+            grandchild = int(buf)
+            s.sendall(b"crash")
+            try:
+                assert s.recv(10) == b""
+            except ConnectionResetError:
+                pass
+        err.wait("(restarted) is listening")
+        assert alive(grandchild)
+        served = 0
+        for i in range(40):
+            with socket.create_connection((HOST, port), timeout=10) as s:
+                s.sendall(b"c%02d" % i)
+                served += recv_exact(s, 3, timeout=5) == b"c%02d" % i
+        assert served == 40
+        os.kill(grandchild, signal.SIGTERM)      # the default action again: it ends
+        wait_for(lambda: not alive(grandchild), timeout=10, what="the forked process to end")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, err.text()
+    finally:
+        if grandchild is not None and alive(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
+        cleanup(p, kids)
+
+
+ARGV = """
+import os, stat, sys
+from aoprim.server import Handler
+
+class Argv(Handler):
+    # tells what handler code sees of the status pipe: its flag in sys.argv, pipes among
+    # the fds that a process it starts would inherit (besides stdin/stdout/stderr)
+    def on_read(self, session, data):
+        inheritable_pipes = 0
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                fd = int(name)
+                if fd > 2 and stat.S_ISFIFO(os.fstat(fd).st_mode) and os.get_inheritable(fd):
+                    inheritable_pipes += 1
+            except OSError:
+                pass
+        session.send(b"%d %d\\n" % ("--status-fd" in " ".join(sys.argv), inheritable_pipes))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_handler_code_does_not_see_the_status_pipe(tmp_path):
+    (tmp_path / "argvapp.py").write_text(ARGV)
+    p, port = serve("--procs", "2", "argvapp:Argv", cwd=str(tmp_path))
+    kids = []
+    try:
+        kids = children_of(p.pid)
+        with socket.create_connection((HOST, port), timeout=10) as s:
+            s.sendall(b"?")
+            assert recv_exact(s, 4) == b"0 0\n"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        cleanup(p, kids)
+
+
+def test_stopped_is_written_only_while_the_fd_is_still_the_pipe(tmp_path, monkeypatch):
+    """A handler that closed the pipe's fd and opened a file under the number must not get
+    the child's last word in its file."""
+    from aoprim.server import cli
+    monkeypatch.setattr(sys, "argv", ["aoprim", "serve", "--status-fd", "7", "--port", "0"])
+    r, w = os.pipe()
+    pipe = cli._StatusPipe(w)
+    try:
+        assert sys.argv == ["aoprim", "serve", "--port", "0"]
+        assert pipe.tell(b"ready")
+        assert os.read(r, 64) == b"ready\n"
+        with open(tmp_path / "users.txt", "wb") as f:
+            os.dup2(f.fileno(), pipe.fd)            # the handler's file takes the number
+            assert not pipe.tell(b"stopped")
+        assert (tmp_path / "users.txt").read_bytes() == b""
+    finally:
+        os.close(pipe.fd)
+        os.close(r)
+
+
+def _has_ipv6_loopback():
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+@pytest.mark.parametrize("procs", ["1", "2"])
+def test_the_listening_line_brackets_an_ipv6_address(procs):
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", "::1", "--port",
+                          "0", "--procs", procs], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("listening on [::1]:"), line
+        port = int(line.rsplit(":", 1)[1])
+        with socket.create_connection(("::1", port), timeout=10) as s:
+            s.sendall(b"v6")
+            assert recv_exact(s, 2) == b"v6"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        cleanup(p)
