@@ -10,6 +10,7 @@ Both Layer 1 backends, with and without workers.  (A BufferedProtocol pausing in
 import asyncio
 import asyncio.trsock
 import socket
+import struct
 import threading
 
 import pytest
@@ -112,6 +113,39 @@ def test_shutdown_returns_when_the_fd_was_made_blocking_through_a_dup(backend, w
         _shutdown_returns(srv)
     finally:
         idle.close()
+        srv.shutdown()
+
+
+class LingerWriter(asyncio.Protocol):
+    """Sets SO_LINGER with a long time, then writes more than a peer that does not read
+    lets leave: a close() of that socket would block until the time ran out."""
+
+    def __init__(self, ready):
+        self.ready = ready
+
+    def connection_made(self, transport):
+        transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 60))
+        transport.write(b"x" * (2 << 20))
+        self.ready.set()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shutdown_returns_when_the_protocol_set_so_linger(backend, workers):
+    ready = threading.Event()
+    srv = serve_protocol(lambda: LingerWriter(ready), HOST, 0, backend=backend,
+                         workers=workers, shutdown_timeout=0.5)
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.settimeout(10)
+    try:
+        stalled.connect(srv.address[:2])
+        assert ready.wait(10)
+        wait_for(lambda: srv.stats()["bytes_out"] > 0, 10, "the first bytes sent")
+        _shutdown_returns(srv)      # the loop thread not stuck in close() for 60 s
+    finally:
+        stalled.close()
         srv.shutdown()
 
 

@@ -89,6 +89,11 @@ _frame_header = SendBatch.frame_header
 _RESET_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ECONNABORTED}
 _LINGER_READS = 16          # reads of unread input per lingering-close callback
 _DISCARD = 65536
+_SOL_SOCKET = socket.SOL_SOCKET
+_SO_LINGER = socket.SO_LINGER
+# struct linger {int l_onoff; int l_linger;}: off, and on with 0 (a reset) never block close()
+_LINGER_OFF = bytes(8)
+_NO_BLOCKING_LINGER = (_LINGER_OFF, (1).to_bytes(4, sys.byteorder) + bytes(4))
 # pause reasons under which the server itself keeps a session from being read: its idle and
 # frame clocks stop (rx.Rx.sweep)
 # (PAUSE_EOF: a half-closed peer waits for the replies its frames still queued for a worker)
@@ -955,8 +960,17 @@ class Session:
         ctx.stats.fold_session(self._rx.receiver, b, self._nout)
         self._nout = 0
         b.clear()                       # releases retained slots
+        sock = self._sock
         try:
-            self._sock.close()
+            # SO_LINGER with a time (set through the socket the application sees) would make
+            # close() block the loop thread until the unsent rest left or the time ran out:
+            # close in the background instead (the kernel still sends the rest), as without
+            if sock.getsockopt(_SOL_SOCKET, _SO_LINGER, 8) not in _NO_BLOCKING_LINGER:
+                sock.setsockopt(_SOL_SOCKET, _SO_LINGER, _LINGER_OFF)
+        except OSError:
+            pass
+        try:
+            sock.close()
         except OSError:
             pass
         ctx.session_closed(self)
