@@ -25,7 +25,9 @@ failure, not a clean stop nor a usage error.
 
 ``--procs N`` runs N server processes on one port under a supervisor (see supervisor.py);
 each is ``serve`` with the hidden ``--reuse-port --status-fd FD``, and says ``ready`` and
-``stopped`` on that pipe instead of printing ``listening on``.
+``stopped`` on that pipe instead of printing ``listening on``.  The pipe is kept out of the
+handler's way (``_StatusPipe``), and a process a handler forks loses the server's fds
+(``_hide_in_forks``).
 """
 from __future__ import annotations
 
