@@ -89,6 +89,37 @@ def test_handler_exception_on_a_worker_closes_only_that_session(make_server, con
     assert "worker bug" in logs.text
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_on_close_exception_is_logged_and_counted(make_server, connect, logs, backend,
+                                                     workers):
+    """Like on_connect's and on_read's: logged with its traceback and counted in
+    handler_errors, once per raising on_close; the server goes on serving."""
+    closes = []
+
+    class FragileClose(Echo):
+        def on_close(self, session, exc):
+            closes.append(session.id)
+            if len(closes) <= 2:
+                raise RuntimeError(f"on_close bug {len(closes)}")
+
+    srv = make_server(FragileClose(), framing="u16", workers=workers)
+    for _ in range(2):
+        c = connect(srv)
+        still_served(c, tag=b"c")
+        c.close()
+    wait_for(lambda: srv.stats()["handler_errors"] == 2, 20, "handler_errors == 2")
+    good = connect(srv)
+    still_served(good)
+    recs = [r for r in logs.records if r.exc_info and "on_close raised" in r.getMessage()]
+    assert sorted(str(r.exc_info[1]) for r in recs) == ["on_close bug 1", "on_close bug 2"]
+    assert srv.stats()["handler_errors"] == 2
+    good.close()
+    wait_for(lambda: len(closes) == 3, 20, "the third on_close")      # (it does not raise)
+    assert srv.stats()["handler_errors"] == 2
+
+
 def test_abrupt_reset_closes_only_that_session(make_server, connect, logs):
     class Closes(Echo):
         def __init__(self):

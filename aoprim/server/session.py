@@ -733,6 +733,7 @@ class Session:
             self._ctx.dispatch.handler.on_close(self, self._exc)
         except BaseException as e:      # (on a worker: the thread must live on)
             log.error("session %d: handler on_close raised", self.id, exc_info=e)
+            self._ctx.stats.handler_errors.fetch_add(1)
 
     def lost_error(self) -> OSError | None:
         """The OSError of the recv or send error that ended the stream (a reset:
