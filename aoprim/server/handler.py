@@ -21,8 +21,8 @@ Rules for handlers:
   ``Exception`` stops the server (every session aborted, every buffer back) and propagates
   out of ``serve_forever()``; SIGINT itself never raises ``KeyboardInterrupt`` in a serving
   ``serve_forever()`` (it shuts down cleanly).  ``on_close`` is the exception: whatever it
-  raises, on any thread, is logged with its traceback and counted in ``handler_errors``; nothing else
-  happens (its session is closed already).
+  raises, on any thread, is logged with its traceback and counted in ``handler_errors``;
+  nothing else happens (its session is closed already).
 - ``session.close()`` / ``abort()`` inside ``on_connect`` or ``on_read`` (or anywhere) never
   runs ``on_close`` inside that call: the hook returns first, and ``on_close`` follows from a
   loop callback of its own (with workers, on the session's worker after its last
