@@ -451,6 +451,7 @@ cdef extern from *:
     ctypedef PyObject *(*aio_soon_body_t)(PyObject *, PyObject *, PyObject *, PyObject *) except NULL
     object aio_make_call_soon(object cls, aio_soon_body_t body)
     unsigned long long aio_dict_tag(object d)
+    unsigned long long aio_dict_tag_p "aio_dict_tag"(PyObject *d)
     void aio_deque_init(object append, object popleft)
     int aio_deque_append(object dq, object item) except -1
     object aio_deque_popleft(object dq)
@@ -1081,22 +1082,46 @@ cdef object _S_MONOTONIC = _sys.intern("monotonic")
 cdef object _S_SELECT = _sys.intern("select")
 
 
-# the time module dict's version tag under which time.monotonic was last found unpatched
-# (0: none): one word, relaxed -- a stale value only makes the next check look it up again
+# BaseEventLoop.time() reads ``time`` from asyncio.base_events' globals at each call:
+# replacing that name (unittest.mock.patch("asyncio.base_events.time", fake)) is a patched
+# clock as much as replacing time.monotonic
+cdef dict _be_dict = _be.__dict__
+cdef object _S_TIME = _sys.intern("time")
+# both dicts as borrowed pointers (the modules, held by sys.modules and by this module's
+# globals, keep them alive): the per-iteration tag reads take no reference
+cdef PyObject *_time_dict_p = <PyObject *>_time_dict
+cdef PyObject *_be_dict_p = <PyObject *>_be_dict
+
+
+# the version tags of the time module's dict and of asyncio.base_events' under which each
+# was last found unpatched (0: none): one word each, relaxed -- a stale value only makes
+# the next check look it up again
 cdef uint64_t _time_clean_tag = 0
+cdef uint64_t _be_clean_tag = 0
+
+
+cdef bint _clock_patched_slow(uint64_t time_tag, uint64_t be_tag) except -1:
+    if PyDict_GetItemWithError(_time_dict, _S_MONOTONIC) != <PyObject *>_monotonic:
+        return True
+    aop_store_u64p(&_time_clean_tag, time_tag, AOP_RELAXED)
+    if PyDict_GetItemWithError(_be_dict, _S_TIME) != <PyObject *>_time:
+        return True
+    aop_store_u64p(&_be_clean_tag, be_tag, AOP_RELAXED)
+    return False
 
 
 cdef inline bint _clock_patched() except -1:
-    """True when ``time.monotonic`` is no longer the function this module bound: looked up
-    in the time module's dict (by an interned key) only when the dict changed since it was
-    last found unpatched (its version tag)."""
-    cdef uint64_t tag = aio_dict_tag(_time_dict)
-    if tag != 0 and tag == aop_load_u64p(&_time_clean_tag, AOP_RELAXED):
+    """True when the clock BaseEventLoop.time() reads is no longer ``time.monotonic`` as
+    this module bound it: ``time.monotonic`` replaced in the time module, or the name
+    ``time`` in asyncio.base_events' globals no longer the time module.  Each dict is looked
+    up (by an interned key) only when it changed since it was last found unpatched (its
+    version tag): two tag compares otherwise."""
+    cdef uint64_t tag = aio_dict_tag_p(_time_dict_p)
+    cdef uint64_t be_tag = aio_dict_tag_p(_be_dict_p)
+    if (tag != 0 and tag == aop_load_u64p(&_time_clean_tag, AOP_RELAXED) and
+            be_tag == aop_load_u64p(&_be_clean_tag, AOP_RELAXED)):
         return False
-    if PyDict_GetItemWithError(_time_dict, _S_MONOTONIC) != <PyObject *>_monotonic:
-        return True
-    aop_store_u64p(&_time_clean_tag, tag, AOP_RELAXED)
-    return False
+    return _clock_patched_slow(tag, be_tag)
 
 
 # (version tag << 1) | ok: whether asyncio's Handle._run is still the one the compiled

@@ -9,12 +9,15 @@ real time whatever the patched clock says.  aoprim.aio's compiled iteration and
 as ``time.monotonic`` is not the original (``unittest.mock.patch``, freezegun).
 
 Each scenario runs on asyncio's loop (the baseline, asserted too), uvloop and aoprim.aio;
-the elapsed real time is what is observed (the awaited sleep is 3 s, so a timeout that
-never fires ends the probe after 3 s instead of hanging).
+``asyncio.base_events.time`` (the module BaseEventLoop.time() reads ``monotonic`` from)
+replaced by a fake is a patched clock too.  The elapsed real time is what is observed (the
+awaited sleep is 3 s, so a timeout that never fires ends the probe after 3 s instead of
+hanging).
 """
 import asyncio
 import contextlib
 import time
+import types
 from unittest import mock
 
 import pytest
@@ -57,8 +60,17 @@ def _frozen_ticking():
     return freezegun.freeze_time("2020-01-01", tick=True)
 
 
+def _module_clock(offset):
+    # the time module BaseEventLoop.time() reads by its global name, replaced: asyncio's
+    # loop.time() is then the fake's monotonic() while time.monotonic itself is untouched
+    fake = types.SimpleNamespace(monotonic=lambda: REAL() + offset)
+    return mock.patch("asyncio.base_events.time", fake)
+
+
 CLOCKS = {"unpatched": contextlib.nullcontext, "ahead": _ahead, "behind": _behind,
-          "freezegun-tick": _frozen_ticking}
+          "freezegun-tick": _frozen_ticking,
+          "base_events.time-ahead": lambda: _module_clock(1000.0),
+          "base_events.time-behind": lambda: _module_clock(-1000.0)}
 
 
 async def _timeout_cm():
@@ -118,7 +130,8 @@ def test_deadlines_follow_one_clock(kind, clock):
         assert outcome == "fired" and DELAY * 0.9 <= took < DELAY + 1.5, (name, got)
 
 
-@pytest.mark.parametrize("clock", ["ahead", "behind"])
+@pytest.mark.parametrize("clock", ["ahead", "behind", "base_events.time-ahead",
+                                   "base_events.time-behind"])
 @pytest.mark.parametrize("kind", ["asyncio", "aoprim"])
 def test_call_later_deadline_is_on_loop_time(kind, clock):
     # the handle's deadline is loop.time() + delay, loop.time() reading the patched clock
