@@ -454,11 +454,20 @@ def _tell(pipe: _StatusPipe | None, word: bytes) -> bool:
 
 
 def _fds() -> set[int]:
-    """The process's open fds (empty where /proc/self/fd is not there)."""
+    """The process's open fds (empty where /proc/self/fd is not there).  The listing's own
+    fd, closed once it is read, is left out: its number may be anyone's next."""
     try:
-        return {int(n) for n in os.listdir("/proc/self/fd")}
+        names = os.listdir("/proc/self/fd")
     except OSError:
         return set()
+    out = set()
+    for n in names:
+        try:
+            os.fstat(int(n))
+        except OSError:
+            continue
+        out.add(int(n))
+    return out
 
 
 def _hide_in_forks(fds: set[int]) -> None:
