@@ -36,8 +36,10 @@ behave as on asyncio.  These are checked at every iteration.
 
 One clock: the iteration and ``call_later`` read ``time.monotonic`` directly only while the
 loop's ``time()`` is BaseEventLoop's and ``time.monotonic`` is still the function this module
-bound at import; where it is patched (``unittest.mock.patch("time.monotonic")``, freezegun)
-every deadline goes through ``loop.time()``, as asyncio's own do.  The wait itself retries
+bound at import and ``asyncio.base_events.time`` (what BaseEventLoop.time() reads it from) is
+the time module; where either is patched (``unittest.mock.patch("time.monotonic")``,
+freezegun, ``mock.patch("asyncio.base_events.time", fake)``) every deadline goes through
+``loop.time()``, as asyncio's own do.  The wait itself retries
 after EINTR on the real clock: it is a real sleep.
 """
 cimport cython

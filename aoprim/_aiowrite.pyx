@@ -42,13 +42,19 @@ every item is first checked to be bytes-like (any other raises asyncio's TypeErr
 ``b''.join``, with nothing written), then each is appended as ``write`` appends bytes -- a
 run of bytes of at most ``copy_max`` bytes each copied under one claim of the batch
 (``sb_add_bytes_run``), a bytearray or contiguous memoryview that small with
-``c_add_copy``, anything else ``add_copy`` -- and steps 2 and 3 run once, after the last.
+``c_add_copy``, one of ``SEND_NOW`` bytes or more by reference as ``write()`` takes it
+(offered to the kernel from the caller's memory; what is left then is copied on Python 3.11
+and kept as a view on 3.12+, as asyncio does), anything else ``add_copy`` -- and steps 2
+and 3 run once, after the last.  Every item's buffer is acquired before any is appended:
+one that refuses it (a released memoryview) raises with nothing written.
 Without ``fast``: ``transport._write_slow(b''.join(items))`` (asyncio 3.11's writelines).
 
 Threads: ``fast`` and ``high`` are plain fields written by the transport on the loop's thread,
 as a transport (asyncio's too) is used from its loop's thread; ``add_copy`` claims the batch
 itself, so a write from another thread never corrupts it.  No state here relies on the GIL.
 """
+import sys
+
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_FULL_RO
 
@@ -60,6 +66,10 @@ from aoprim.atomic_h cimport aop_load_u32, aop_store_u32, AOP_SEQ_CST
 cdef enum:
     _SEND_NOW = 65536
 SEND_NOW = _SEND_NOW
+
+# asyncio 3.11 copies the part of a write the kernel does not take at once; 3.12+ keeps a
+# memoryview of the caller's buffer (aoprim.aio.transport's _COPY_UNSENT, the same rule)
+cdef bint _COPY_UNSENT = sys.version_info < (3, 12)
 
 
 cdef class SleepFlag:
@@ -121,7 +131,8 @@ cdef class TransportWriter:
         cdef type t
         cdef Py_ssize_t n
         cdef Py_buffer view
-        cdef bint small
+        cdef bint small, large
+        cdef bint viewed = False
         cdef Py_ssize_t i, j, end
         if not self.fast:
             self.transport._write_slow(b''.join(lst))
@@ -165,11 +176,22 @@ cdef class TransportWriter:
                 else:
                     small = (view.len == 0 or (<size_t>view.len <= b.copy_max
                              and b.c_add_copy(view.buf, <size_t>view.len) >= 0))
+                    large = view.len >= _SEND_NOW
                     PyBuffer_Release(&view)
                     if small:
                         continue
+                    if large:
+                        # as write() takes it (SocketTransport._write_large): by reference,
+                        # offered to the kernel from the caller's memory below
+                        b.add(item)
+                        viewed = True
+                        continue
             self.add(item)
-        _after_add(self, b, _get(&b.pend_bytes))    # relaxed load (see _get): a threshold
+        try:
+            _after_add(self, b, _get(&b.pend_bytes))    # relaxed load (see _get): a threshold
+        finally:
+            if viewed and _COPY_UNSENT and _get(&b.pend_bytes):
+                b._copy_views()             # 3.11: what the kernel left is copied (asyncio's)
 
 
     cdef int _flush_over_high(self, SendBatch b) except -1:

@@ -377,9 +377,10 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         goes to the kernel at once anyway): queued by reference, so the kernel takes what it
         can straight from the caller's memory, as asyncio's write() sends it.  What the
         kernel leaves is kept as asyncio keeps it: copied on Python 3.11 (a later change to
-        the caller's buffer is not sent), a view of the caller's buffer on 3.12+ (asyncio
-        keeps a memoryview: changes made before it is sent are sent, and resizing a
-        bytearray raises BufferError until then).  docs/aio.md, differences, item 4."""
+        the caller's buffer is not sent), a view of the caller's buffer on 3.12+ (changes
+        made before it is sent are sent, and resizing a bytearray raises BufferError until
+        then: asyncio keeps a memoryview when its buffer was empty, the bytearray itself,
+        resizable, when data was already waiting).  docs/aio.md, differences, item 4."""
         batch = self._batch
         batch.add(data)                     # by reference: the export is held until sent
         try:
