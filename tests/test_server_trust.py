@@ -500,8 +500,11 @@ def test_a_start_that_fails_leaves_a_stopped_server(monkeypatch):
     assert open_fds() == fds
 
 
-@pytest.mark.parametrize("st,timeout", [(1e300, None), (5.0, math.inf)])
+@pytest.mark.parametrize("st,timeout", [(threading.TIMEOUT_MAX, None), (5.0, math.inf),
+                                        (5.0, 1e300)])
 def test_huge_finite_shutdown_timeouts_wait_instead_of_overflowing(st, timeout):
+    """The largest shutdown_timeout a thread join takes (larger ones are refused when the
+    Settings are built: tests/test_settings.py), and any shutdown(timeout=) however large."""
     srv = Server(Echo(), HOST, 0, shutdown_timeout=st).start()
     srv.shutdown(timeout=timeout)
     assert_no_leaks(srv)
