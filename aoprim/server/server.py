@@ -287,7 +287,7 @@ class Server:
         self.backend = self._loop.backend
         self._rx_pool = SlabPool(st.rx_slot_size, st.rx_slots)
         self._tx_pool = SlabPool(st.tx_slot_size, st.tx_slots)
-        # raw framing (issue 20): raw sessions read up to rx_read_size bytes per recv into
+        # raw framing: raw sessions read up to rx_read_size bytes per recv into
         # slots of this pool (a 64 KiB message is one recv, not four slot-sized ones and an
         # empty one), and a large echo is sent by reference from that slot.  Its memory is
         # the project's, touched once here: no page of it is ever faulted in again.
