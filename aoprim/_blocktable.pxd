@@ -5,11 +5,13 @@
     from aoprim._slab cimport Slot
 
 A logical byte sequence laid over pool slots: logical byte k lives in block
-(start + k) // size at offset (start + k) % size.  Not thread-safe: one owner at a time
-(forks are separate tables and may live in other threads; the blocks they share are never
-written while shared, and their reference counts are atomic).
+(start + k) // size at offset (start + k) % size.  One owner at a time, enforced: every
+method claims ``busy`` (aoprim/_owner.pxd) and a second thread entering meanwhile gets
+RuntimeError (forks are separate tables and may live in other threads; the blocks they
+share are never written while shared, and their reference counts are atomic).
 """
 from cpython.ref cimport PyObject
+from aoprim.atomic_h cimport aop_atomic_i64, aop_atomic_u32
 from aoprim._slab cimport SlabPool, Slot
 
 
@@ -20,11 +22,15 @@ cdef class BlockTable:
     cdef Py_ssize_t bsize       # bytes per block (pool.slot_size)
     cdef Py_ssize_t start       # offset of logical byte 0 in the first block (< bsize)
     cdef Py_ssize_t nbytes      # logical length
-    cdef Py_ssize_t exports     # live views of the tail buffer (mutation refused while > 0)
+    cdef aop_atomic_i64 exports # live views of the tail buffer (mutation refused while > 0;
+                                # atomic: a view may be released in any thread, claim or not)
+    cdef aop_atomic_u32 busy    # the one-owner claim (_owner.claim): 1 while a method runs
     cdef _TailBuffer _tail      # the reusable writable exporter returned by tail()
     cdef _FrameExporter _fx     # reusable exporter behind view(): one getbuffer per view
 
     cdef Py_ssize_t _fill_last(self)            # bytes used in the last block (bsize if none)
+    cdef tuple _indices(self)                   # blocks' slot indices (claim held)
+    cdef Py_ssize_t _tail_room(self)            # free bytes in the last block (claim held)
     cdef int _check_unexported(self) except -1
     cdef Slot _take1(self)                      # one fresh block (PoolExhausted)
     cdef int _prepare_tail(self) except -1      # last block exists, has room, unshared

@@ -21,9 +21,19 @@ table drops a block that still has views, the block goes back to the pool when t
 is released (Slot.c_release_deferred), so a frame view stays valid as long as it is held and
 no view ever sees a reused slot.
 
-Not thread-safe: one owner at a time (a receive buffer belongs to one session).  A fork is a
-separate table and may be used in another thread: shared blocks are only read, and the block
-reference counts are atomic.
+Threads: one owner at a time (a receive buffer belongs to one session), enforced rather
+than assumed.  Every method and property claims the table (``busy``, an atomic exchange with
+acquire; a release store gives it back: aoprim/_owner.pxd), so a second thread entering
+meanwhile gets RuntimeError and changes nothing -- on a free-threaded build two threads
+inside one table would otherwise race on ``_blocks`` and the block reference counts and
+free a slot twice.  A claim rather than a critical section: the type is documented as one
+owner's, a second thread is a bug to report, not to serialise, and the claim costs one
+exchange per call and never waits.  Arguments are converted (``__index__``, the buffer
+export of ``append``'s data) before the claim, so a callback they run can use the table.
+The tail buffer's export claims the table too; the release of an export (any thread, at
+any time) only decrements the atomic ``exports``.  A fork is a separate table and may be
+used in another thread: shared blocks are only read, and the block reference counts are
+atomic.
 """
 cimport cython
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBuffer_FillInfo
@@ -40,7 +50,9 @@ from cpython.long cimport PyLong_CheckExact, PyLong_AsSsize_t
 from libc.string cimport memcpy
 from libc.stdint cimport int64_t
 
-from aoprim.atomic_h cimport AOP_ACQUIRE, aop_load_i64
+from aoprim.atomic_h cimport (AOP_ACQUIRE, AOP_ACQ_REL, AOP_RELAXED, aop_load_i64,
+                             aop_store_i64, aop_fetch_add_i64, aop_fetch_sub_i64)
+from aoprim._owner cimport claim, unclaim, owner_busy
 from aoprim._slab cimport SlabPool, Slot, aop_slab_take, AOP_SLOT_REF_MASK
 from aoprim.errors import PoolExhausted
 
@@ -60,6 +72,22 @@ cdef inline Py_ssize_t _as_index(object v, str what) except? -1:
             raise TypeError(f"{what} must be an integer, not {type(v).__name__}")
         v = PyNumber_Index(v)
     return PyNumber_AsSsize_t(v, NULL)
+
+
+cdef inline object _pre_index(object v, str what):
+    """None, or ``v`` as an exact int (its __index__ runs here, before the table is
+    claimed, so a callback in it may use the table)."""
+    if v is None or PyLong_CheckExact(v):
+        return v
+    if isinstance(v, float) or not hasattr(type(v), "__index__"):
+        raise TypeError(f"{what} must be an integer, not {type(v).__name__}")
+    return PyNumber_Index(v)
+
+
+cdef inline int _enter(BlockTable t) except -1:
+    if not claim(&t.busy):
+        owner_busy("BlockTable")
+    return 0
 
 
 cdef inline bint _shared(Slot s) noexcept:
@@ -87,7 +115,8 @@ cdef class BlockTable:
         self.bsize = pool.slab.slot_size
         self.start = 0
         self.nbytes = 0
-        self.exports = 0
+        # relaxed: the table is not published to another thread yet
+        aop_store_i64(&self.exports, 0, AOP_RELAXED)
         self._tail = None
 
     def __dealloc__(self):
@@ -112,7 +141,10 @@ cdef class BlockTable:
         return self.start + self.nbytes - (nb - 1) * self.bsize
 
     cdef int _check_unexported(self) except -1:
-        if self.exports:
+        # acquire: pairs with the acq_rel decrement in _TailBuffer.__releasebuffer__ (any
+        # thread), so whatever the releasing thread did with the tail bytes happened before
+        # we write there again
+        if aop_load_i64(&self.exports, AOP_ACQUIRE):
             raise BufferError("the table's tail buffer is exported (release the view first)")
         return 0
 
@@ -256,80 +288,115 @@ cdef class BlockTable:
         Fills the last block before taking new ones; a shared last block is copied first.
         PoolExhausted leaves the table unchanged (no partial append)."""
         cdef Py_buffer buf
-        self._check_unexported()
-        PyObject_GetBuffer(data, &buf, PyBUF_SIMPLE)
+        PyObject_GetBuffer(data, &buf, PyBUF_SIMPLE)    # before the claim: see the docstring
         try:
-            self._write(<const char *>buf.buf, buf.len)
+            _enter(self)
+            try:
+                self._check_unexported()
+                self._write(<const char *>buf.buf, buf.len)
+            finally:
+                unclaim(&self.busy)
         finally:
             PyBuffer_Release(&buf)
 
     def __len__(self):
-        return self.nbytes
+        _enter(self)
+        n = self.nbytes
+        unclaim(&self.busy)
+        return n
 
     def __bytes__(self):
-        cdef object out = PyBytes_FromStringAndSize(NULL, self.nbytes)
-        self._copy_out(PyBytes_AS_STRING(out), 0, self.nbytes)
-        return out
+        _enter(self)
+        try:
+            out = PyBytes_FromStringAndSize(NULL, self.nbytes)
+            self._copy_out(PyBytes_AS_STRING(out), 0, self.nbytes)
+            return out
+        finally:
+            unclaim(&self.busy)
 
     def read(self, start=0, stop=None):
         """bytes of the range [start:stop), with Python slice semantics."""
         cdef Py_ssize_t a, b
-        self._range(start, stop, &a, &b)
-        out = PyBytes_FromStringAndSize(NULL, b - a)
-        self._copy_out(PyBytes_AS_STRING(out), a, b - a)
-        return out
+        start = _pre_index(start, "start")
+        stop = _pre_index(stop, "stop")
+        _enter(self)
+        try:
+            self._range(start, stop, &a, &b)
+            out = PyBytes_FromStringAndSize(NULL, b - a)
+            self._copy_out(PyBytes_AS_STRING(out), a, b - a)
+            return out
+        finally:
+            unclaim(&self.busy)
 
     @property
     def blocks(self):
         """Physical slot indices of the blocks, in logical order."""
+        _enter(self)
+        try:
+            return self._indices()
+        finally:
+            unclaim(&self.busy)
+
+    cdef tuple _indices(self):
         cdef Slot s
         return tuple([s._index for s in self._blocks])
 
     @property
     def pool(self):
         """The SlabPool the blocks come from."""
-        return self.pool
+        return self.pool            # set once in __cinit__: no claim needed
 
     def fork(self):
         """A new table sharing every block (each retained; nothing copied).  A later write to
         either side copies a shared last block first, so neither sees the other's writes."""
-        cdef BlockTable t
+        cdef BlockTable t = BlockTable(self.pool)
         cdef Slot s
-        self._check_unexported()
-        t = BlockTable(self.pool)
-        for s in self._blocks:
-            s.c_retain()
-        t._blocks = list(self._blocks)
-        t.start = self.start
-        t.nbytes = self.nbytes
+        _enter(self)
+        try:
+            self._check_unexported()
+            for s in self._blocks:
+                s.c_retain()
+            t._blocks = list(self._blocks)
+            t.start = self.start
+            t.nbytes = self.nbytes
+        finally:
+            unclaim(&self.busy)
         return t
 
     def consume(self, n):
         """Drop the first ``n`` bytes (0 <= n <= len), returning whole blocks to the pool as
         they empty; when the table becomes empty every block goes back."""
         cdef Py_ssize_t k = _as_index(n, "n")
-        if k < 0 or k > self.nbytes:
-            raise ValueError(f"consume({k}) out of range 0..{self.nbytes}")
-        if k == 0:
-            return
-        self._check_unexported()
-        self.nbytes -= k
-        if self.nbytes == 0:
-            self._drop_front(len(self._blocks))
-            self.start = 0
-            return
-        self.start += k
-        k = self.start // self.bsize
-        if k:
-            self._drop_front(k)
-            self.start -= k * self.bsize
+        _enter(self)
+        try:
+            if k < 0 or k > self.nbytes:
+                raise ValueError(f"consume({k}) out of range 0..{self.nbytes}")
+            if k == 0:
+                return
+            self._check_unexported()
+            self.nbytes -= k
+            if self.nbytes == 0:
+                self._drop_front(len(self._blocks))
+                self.start = 0
+                return
+            self.start += k
+            k = self.start // self.bsize
+            if k:
+                self._drop_front(k)
+                self.start -= k * self.bsize
+        finally:
+            unclaim(&self.busy)
 
     def release(self):
         """Give back every block reference; the table is then empty and reusable."""
-        self._check_unexported()
-        self._drop_front(len(self._blocks))
-        self.start = 0
-        self.nbytes = 0
+        _enter(self)
+        try:
+            self._check_unexported()
+            self._drop_front(len(self._blocks))
+            self.start = 0
+            self.nbytes = 0
+        finally:
+            unclaim(&self.busy)
 
     # ---- receive fast path (beyond API.md) -------------------------------------------------
 
@@ -342,15 +409,26 @@ cdef class BlockTable:
         Always the same object (nothing is allocated per read); each buffer export re-points
         it at the current tail.  Its length is the free room (1..slot_size).  While a view of
         it is alive, append/commit/consume/fork/release raise BufferError."""
-        self._prepare_tail()
-        if self._tail is None:
-            self._tail = _TailBuffer.__new__(_TailBuffer)
-            self._tail.table = <PyObject *>self
-        return self._tail
+        _enter(self)
+        try:
+            self._prepare_tail()
+            if self._tail is None:
+                self._tail = _TailBuffer.__new__(_TailBuffer)
+                self._tail.table = <PyObject *>self
+            return self._tail
+        finally:
+            unclaim(&self.busy)
 
     @property
     def tail_room(self):
         """Free bytes at the end of the last block (0 when there is no block or it is full)."""
+        _enter(self)
+        try:
+            return self._tail_room()
+        finally:
+            unclaim(&self.busy)
+
+    cdef Py_ssize_t _tail_room(self):
         if not self._blocks:
             return 0
         return self.bsize - self._fill_last()
@@ -358,11 +436,16 @@ cdef class BlockTable:
     def commit(self, n):
         """Claim ``n`` bytes written into the tail (0 <= n <= tail_room) as part of the table."""
         cdef Py_ssize_t k = _as_index(n, "n")
-        cdef Py_ssize_t room = self.bsize - self._fill_last() if self._blocks else 0
-        if k < 0 or k > room:
-            raise ValueError(f"commit({k}) out of range 0..{room}")
-        self._check_unexported()
-        self.nbytes += k
+        cdef Py_ssize_t room
+        _enter(self)
+        try:
+            room = self._tail_room()
+            if k < 0 or k > room:
+                raise ValueError(f"commit({k}) out of range 0..{room}")
+            self._check_unexported()
+            self.nbytes += k
+        finally:
+            unclaim(&self.busy)
 
     def view(self, start=0, stop=None):
         """The range [start:stop) (slice semantics) without copying when it lies within one
@@ -370,8 +453,14 @@ cdef class BlockTable:
         the pool only after the view is released, even if the table drops it first).  A
         range that spans blocks is copied into bytes; an empty range gives b""."""
         cdef Py_ssize_t a, b
-        self._range(start, stop, &a, &b)
-        return self._view(a, b)
+        start = _pre_index(start, "start")
+        stop = _pre_index(stop, "stop")
+        _enter(self)
+        try:
+            self._range(start, stop, &a, &b)
+            return self._view(a, b)
+        finally:
+            unclaim(&self.busy)
 
     cdef object _view(self, Py_ssize_t a, Py_ssize_t b):
         cdef Py_ssize_t p, q
@@ -420,27 +509,41 @@ cdef class BlockTable:
         cdef unsigned long long size
         if h < 1 or h > 8:
             raise ValueError(f"header must be in 1..8, got {h}")
-        if p < 0 or p > self.nbytes:
-            raise ValueError(f"pos {p} out of range 0..{self.nbytes}")
-        if h > self.nbytes - p:             # 0 <= p <= nbytes: no overflow
-            return None
-        size = self._uint(p, h)
-        if size > <unsigned long long>(self.nbytes - p - h):
-            return None
-        return self._view(p + h, p + h + <Py_ssize_t>size)
+        _enter(self)
+        try:
+            if p < 0 or p > self.nbytes:
+                raise ValueError(f"pos {p} out of range 0..{self.nbytes}")
+            if h > self.nbytes - p:             # 0 <= p <= nbytes: no overflow
+                return None
+            size = self._uint(p, h)
+            if size > <unsigned long long>(self.nbytes - p - h):
+                return None
+            return self._view(p + h, p + h + <Py_ssize_t>size)
+        finally:
+            unclaim(&self.busy)
 
     def uint(self, pos, size):
         """The big-endian unsigned integer of ``size`` bytes (1..8) at ``pos`` (0 <= pos and
         pos + size <= len), read across blocks without allocating (for length headers)."""
         cdef Py_ssize_t p = _as_index(pos, "pos"), n = _as_index(size, "size")
+        cdef unsigned long long v
         if n < 1 or n > 8:
             raise ValueError(f"size must be in 1..8, got {n}")
-        if p < 0 or p > self.nbytes - n:    # 1 <= n <= 8: nbytes - n cannot overflow
-            raise ValueError(f"uint({p}, {n}) out of range for length {self.nbytes}")
-        return self._uint(p, n)
+        _enter(self)
+        try:
+            if p < 0 or p > self.nbytes - n:    # 1 <= n <= 8: nbytes - n cannot overflow
+                raise ValueError(f"uint({p}, {n}) out of range for length {self.nbytes}")
+            v = self._uint(p, n)
+        finally:
+            unclaim(&self.busy)
+        return v
 
     def __repr__(self):
-        return f"<BlockTable len={self.nbytes} blocks={self.blocks} start={self.start}>"
+        _enter(self)
+        try:
+            return f"<BlockTable len={self.nbytes} blocks={self._indices()} start={self.start}>"
+        finally:
+            unclaim(&self.busy)
 
     def __reduce__(self):
         raise TypeError("BlockTable objects cannot be pickled")
@@ -463,17 +566,25 @@ cdef class _TailBuffer:
         if self.table == NULL:
             raise BufferError("the BlockTable is gone")
         t = <BlockTable>self.table
-        t._prepare_tail()
-        fill = t._fill_last()
-        last = <Slot>t._blocks[len(t._blocks) - 1]
-        PyBuffer_FillInfo(view, self, last.ptr + fill, t.bsize - fill, 0, flags)
-        t.exports += 1
+        _enter(t)                         # the export re-points the tail: the table's owner
+        try:
+            t._prepare_tail()
+            fill = t._fill_last()
+            last = <Slot>t._blocks[len(t._blocks) - 1]
+            PyBuffer_FillInfo(view, self, last.ptr + fill, t.bsize - fill, 0, flags)
+            # relaxed: under the claim, whose release store publishes it with the rest
+            aop_fetch_add_i64(&t.exports, 1, AOP_RELAXED)
+        finally:
+            unclaim(&t.busy)
         Py_INCREF(t)                      # the table lives while its tail is exported
         view.internal = <void *>t
 
     def __releasebuffer__(self, Py_buffer *view):
+        # any thread, claimed or not: only the atomic count changes.  acq_rel: release so
+        # this thread's use of the tail bytes happens-before the owner's next write there
+        # (its acquire load in _check_unexported)
         cdef BlockTable t = <BlockTable>view.internal
-        t.exports -= 1
+        aop_fetch_sub_i64(&t.exports, 1, AOP_ACQ_REL)
         Py_DECREF_p(<PyObject *>t)
 
     def __len__(self):
