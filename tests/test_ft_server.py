@@ -1,0 +1,430 @@
+"""The server under true parallelism: ``workers=N`` worker threads run ``on_read`` while other
+threads call ``Session.send()``, ``Server.broadcast()`` and ``Session.close()``, and a real
+client load goes through it.  Every byte is accounted for at the client (exact counts, each
+thread's order per session), every session's ``on_close`` runs exactly once, and the server's
+gauges (sessions, pool slots, fds) are back to idle after shutdown.
+
+These run on every build; they matter most on a free-threaded one (3.13t), where the worker
+threads, the senders and the loop really run at the same time.  Also here: the table of
+docs/threads.md names every public type.
+"""
+import collections
+import pathlib
+import re
+import socket
+import struct
+import threading
+
+import pytest
+
+import aoprim
+from aoprim import SlabPool
+from aoprim.server import Handler, Server
+from aoprim.server.loop import BACKENDS
+
+from support import scaled
+from test_server_support import HOST, assert_no_leaks, open_fds, wait_for
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+class Tally(Handler):
+    """Echoes every frame tagged ``E``; records every on_connect and on_close."""
+
+    def __init__(self):
+        self.connected = []         # sessions, in on_connect order (list.append: atomic)
+        self.closed = []            # session ids, one per on_close call
+        self.threads = set()        # names of the threads on_read ran on
+        self.overlaps = []          # sessions whose on_read ran on two threads at once
+
+    def on_connect(self, session):
+        session.user = threading.Lock()     # held during its on_read: per-session exclusion
+        self.connected.append(session)
+
+    def on_read(self, session, data):
+        if not session.user.acquire(blocking=False):
+            self.overlaps.append(session.id)
+            return
+        try:
+            self.threads.add(threading.current_thread().name)
+            session.send(b"E" + bytes(data))
+        finally:
+            session.user.release()
+
+    def on_close(self, session, exc):
+        self.closed.append(session.id)
+
+
+def pad(t, i):
+    """The filler of thread t's item i: its length and bytes depend on both, so a frame cut
+    or spliced anywhere does not parse as another."""
+    return bytes([(t * 31 + i) & 0xFF]) * ((t * 7 + i * 13) % 97)
+
+
+def big_pad(t, i):
+    return bytes([(t + i) & 0xFF]) * 3000      # above the copy limit: a tx pool slot
+
+
+def echo_payload(j):
+    return struct.pack(">I", j) + bytes([j & 0xFF]) * (j % 41)
+
+
+class Client:
+    """One connection: a writer thread sends ``m`` frames, a reader thread reads frames
+    until EOF (or a reset after the server closed the session)."""
+
+    def __init__(self, srv, m, expect):
+        self.sock = socket.create_connection(srv.address, timeout=60)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.addr = self.sock.getsockname()
+        self.m = m
+        self.expect = expect                # frames of an open session, in all
+        self.frames = []
+        self.leftover = b""
+        self.how = None                     # "eof" | "reset"
+        self.complete = threading.Event()   # every expected frame arrived
+        self.write_error = None
+        self.errors = []
+
+    def write(self, midway=None):
+        """Send the m frames; ``midway()`` is called once half of them are sent."""
+        def frames(js):
+            return b"".join(struct.pack(">H", len(p)) + p for p in map(echo_payload, js))
+        try:
+            self.sock.sendall(frames(range(self.m // 2)))
+            if midway is not None:
+                midway()
+            data = frames(range(self.m // 2, self.m))
+            for k in range(0, len(data), 1500):
+                self.sock.sendall(data[k:k + 1500])
+        except OSError as e:                # a session the test closes may be gone
+            self.write_error = e
+
+    def read(self):
+        buf = bytearray()
+        try:
+            while True:
+                try:
+                    chunk = self.sock.recv(1 << 16)
+                except ConnectionResetError:
+                    self.how = "reset"
+                    break
+                if not chunk:
+                    self.how = "eof"
+                    break
+                buf += chunk
+                off = 0
+                while len(buf) - off >= 2:
+                    n = (buf[off] << 8) | buf[off + 1]
+                    if len(buf) - off - 2 < n:
+                        break
+                    self.frames.append(bytes(buf[off + 2:off + 2 + n]))
+                    off += 2 + n
+                del buf[:off]
+                if len(self.frames) >= self.expect:
+                    self.complete.set()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.errors.append(e)
+        finally:
+            self.leftover = bytes(buf)
+            self.complete.set()
+
+    def sequences(self):
+        """(echoed indices, {thread: [item indices]}) in arrival order; a frame that is
+        neither an echo nor a thread's item, or whose bytes are wrong, fails the test."""
+        echoes, items = [], collections.defaultdict(list)
+        for f in self.frames:
+            if f[:1] == b"E":
+                (j,) = struct.unpack_from(">I", f, 1)
+                assert f[1:] == echo_payload(j), f"corrupt echo {f[:16]!r}"
+                echoes.append(j)
+            elif f[:1] == b"T":
+                t, i = struct.unpack_from(">BI", f, 1)
+                body = f[6:]
+                assert body in (pad(t, i), big_pad(t, i)), f"corrupt item {t}/{i}"
+                items[t].append(i)
+            else:
+                raise AssertionError(f"unexpected frame {f[:16]!r}")
+        return echoes, items
+
+
+def start_threads(fns):
+    errors = []
+
+    def wrap(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the test
+                errors.append(e)
+        return run
+
+    ts = [threading.Thread(target=wrap(f)) for f in fns]
+    for t in ts:
+        t.start()
+    return ts, errors
+
+
+def join_all(ts, timeout=120):
+    for t in ts:
+        t.join(timeout)
+    alive = [t.name for t in ts if t.is_alive()]
+    assert not alive, f"threads still running: {alive}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers,nthreads", [(2, 3), (4, 8)])
+def test_sends_broadcasts_and_closes_from_threads_under_a_worker_load(backend, workers,
+                                                                      nthreads):
+    """``nthreads - 1`` threads each send n items to every session -- ``send()`` of bytes,
+    of a ``Slot``, and every third item a ``broadcast()`` (small, or large enough for a pool
+    slot) -- while the clients' frames are echoed by the workers and one more thread closes
+    two of the sessions half-way (one sender thread closes them too, racing it).  Open
+    sessions get exactly every item and echo, each thread's items in order; a closed
+    session gets a gap-free prefix of each thread's items that holds at least what that
+    thread had finished before the close began, and of its echoes.  Half-way every thread
+    waits for the others (a barrier), so the closes race the second half of the traffic."""
+    n = scaled(300)
+    m = scaled(400)
+    nconn, nclose = 4, 2
+    senders = nthreads - 1
+    fds = open_fds()
+    pool = SlabPool(256, 512)
+    h = Tally()
+    srv = Server(h, HOST, 0, framing="u16", workers=workers, backend=backend).start()
+    clients = []
+    try:
+        for k in range(nconn):
+            clients.append(Client(srv, m, m + senders * n))
+            wait_for(lambda: len(h.connected) == k + 1, 10, "on_connect")
+        by_addr = {s.peer: s for s in h.connected}
+        sessions = [by_addr[c.addr] for c in clients]
+        targets = sessions[:nclose]
+
+        progress = [0] * senders            # items thread t finished to every session
+        # half-way, every sender, client writer and the closer meet, so that the closes
+        # land in the middle of the traffic (the senders would otherwise often be done
+        # before the closer runs); then all of them go on at once
+        midway = threading.Barrier(senders + nconn + 1)
+        close_now = threading.Event()
+        floors = {}
+
+        def sender(t):
+            def run():
+                closed_here = False
+                for i in range(n):
+                    if i % 3 == 2:
+                        body = big_pad(t, i) if i % 9 == 8 else pad(t, i)
+                        srv.broadcast(b"T" + struct.pack(">BI", t, i) + body)
+                    elif i % 3 == 1:
+                        payload = b"T" + struct.pack(">BI", t, i) + pad(t, i)
+                        slot = pool.try_acquire()
+                        if slot is None:            # (the pool is only a variant)
+                            item = payload
+                        else:
+                            mv = memoryview(slot)
+                            mv[:len(payload)] = payload
+                            mv.release()
+                            slot.length = len(payload)
+                            item = slot
+                        for s in sessions:
+                            s.send(item)
+                        if slot is not None:
+                            slot.release()          # each send retained its own reference
+                    else:
+                        payload = bytearray(b"T" + struct.pack(">BI", t, i) + pad(t, i))
+                        for s in sessions:
+                            s.send(payload)         # copied: reusable at once
+                        payload[:] = b"X" * len(payload)
+                    progress[t] = i + 1
+                    if i == n // 2:
+                        midway.wait(120)
+                    if t == 1 and not closed_here and close_now.is_set():
+                        closed_here = True
+                        for s in targets:
+                            s.close()
+            return run
+
+        def closer():
+            midway.wait(120)
+            floors.update(enumerate(list(progress)))    # before any close began
+            close_now.set()
+            for s in targets:
+                s.close()
+
+        readers, rerrs = start_threads([c.read for c in clients])
+        writers, werrs = start_threads([lambda c=c: c.write(lambda: midway.wait(120))
+                                        for c in clients])
+        workers_ts, errs = start_threads([sender(t) for t in range(senders)] + [closer])
+        join_all(workers_ts)
+        assert not errs, errs
+        join_all(writers)
+        for c in clients[nclose:]:
+            assert c.complete.wait(120), "an open session's frames did not all arrive"
+            assert c.write_error is None, c.write_error
+        # the closed sessions ended (their readers saw the server's FIN): end our side too
+        for c in clients[:nclose]:
+            assert c.complete.wait(120)
+            try:
+                c.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        wait_for(lambda: all(s.closed for s in targets), 30, "the closed sessions")
+    finally:
+        srv.shutdown(timeout=60)
+        try:
+            join_all(readers)
+        finally:
+            for c in clients:
+                c.sock.close()
+    assert not rerrs and not werrs, (rerrs, werrs)
+    for c in clients:
+        assert not c.errors, c.errors
+        assert c.leftover == b"", f"a frame cut short: {c.leftover[:16]!r}"
+
+    for k, c in enumerate(clients):
+        echoes, items = c.sequences()
+        if k >= nclose:
+            assert echoes == list(range(m)), f"session {k}: echoes lost or reordered"
+            for t in range(senders):
+                assert items[t] == list(range(n)), f"session {k}: thread {t}'s items"
+            assert len(c.frames) == m + senders * n
+        else:
+            assert echoes == list(range(len(echoes))), f"closed session {k}: echoes"
+            for t in range(senders):
+                got = items[t]
+                assert got == list(range(len(got))), f"closed session {k}: thread {t} gap"
+                assert len(got) >= floors[t], \
+                    f"closed session {k}: thread {t} lost items sent before the close"
+
+    assert not h.overlaps, f"on_read ran on two threads at once for sessions {h.overlaps}"
+    assert h.threads and all(name.startswith("aoprim-worker") for name in h.threads), h.threads
+    assert sorted(h.closed) == sorted(s.id for s in h.connected), \
+        f"on_close not exactly once per session: {collections.Counter(h.closed)}"
+    wait_for(lambda: pool.in_use == 0, 10, "every sent slot back in the test's pool")
+    assert_no_leaks(srv, fds)
+    st = srv.stats()
+    assert st["live_sessions"] == 0 and st["connections"] == 0
+    assert st["closes"].get("closed", 0) >= nclose
+
+
+def lcg(x, rounds):
+    """Pure-Python arithmetic: no call in it releases a lock or the GIL."""
+    for _ in range(rounds):
+        x = (x * 1103515245 + 12345) & 0x7FFFFFFF
+    return x
+
+
+class Crunch(Handler):
+    """A CPU-bound handler: every frame costs ``rounds`` steps of arithmetic."""
+
+    rounds = 300
+
+    def __init__(self):
+        self.closed = []
+        self.connected = []
+        self.overlaps = []
+        self.threads = set()
+
+    def on_connect(self, session):
+        session.user = threading.Lock()
+        self.connected.append(session.id)
+
+    def on_read(self, session, data):
+        if not session.user.acquire(blocking=False):
+            self.overlaps.append(session.id)
+            return
+        try:
+            self.threads.add(threading.current_thread().name)
+            (j, seed) = struct.unpack(">II", data)
+            session.send(struct.pack(">II", j, lcg(seed, self.rounds)))
+        finally:
+            session.user.release()
+
+    def on_close(self, session, exc):
+        self.closed.append(session.id)
+
+
+@pytest.mark.timeout(300)
+def test_a_cpu_bound_handler_on_two_workers_answers_every_frame_in_order(backend):
+    """workers=2 and a pure-Python CPU-bound on_read: every reply is the right result, in
+    each session's order; a session's on_read never runs on two workers at once; on_close
+    exactly once; nothing held after shutdown.  (Correctness only: the speed-up is
+    measured by the benchmarks, never asserted.)"""
+    nconn, m = 6, scaled(300)
+    fds = open_fds()
+    h = Crunch()
+    srv = Server(h, HOST, 0, framing="u16", workers=2, backend=backend).start()
+    socks = []
+    results = {}
+    try:
+        for _ in range(nconn):
+            s = socket.create_connection(srv.address, timeout=60)
+            socks.append(s)
+
+        def client(k):
+            def run():
+                s = socks[k]
+                seeds = [(k * 1000003 + j * 7919) & 0x7FFFFFFF for j in range(m)]
+                s.sendall(b"".join(struct.pack(">HII", 8, j, seeds[j]) for j in range(m)))
+                got = bytearray()
+                while len(got) < m * 10:
+                    chunk = s.recv(1 << 16)
+                    if not chunk:
+                        raise ConnectionError(f"EOF after {len(got)} bytes")
+                    got += chunk
+                s.shutdown(socket.SHUT_WR)
+                assert s.recv(1) == b""         # the server closes after our EOF
+                results[k] = (seeds, bytes(got))
+            return run
+
+        ts, errs = start_threads([client(k) for k in range(nconn)])
+        join_all(ts, 240)
+        assert not errs, errs
+    finally:
+        srv.shutdown(timeout=60)
+        for s in socks:
+            s.close()
+    for k in range(nconn):
+        seeds, got = results[k]
+        for j in range(m):
+            hdr, jj, val = struct.unpack_from(">HII", got, j * 10)
+            assert (hdr, jj) == (8, j), f"session {k}: reply {j} out of order"
+            assert val == lcg(seeds[j], Crunch.rounds), f"session {k}: reply {j} wrong"
+    assert not h.overlaps, h.overlaps
+    assert all(name.startswith("aoprim-worker") for name in h.threads), h.threads
+    assert sorted(h.closed) == sorted(h.connected) and len(h.closed) == nconn
+    assert_no_leaks(srv, fds)
+
+
+# -- docs/threads.md names every public type ---------------------------------------------
+def _public_types():
+    names = []
+    for name in aoprim.__all__:
+        obj = getattr(aoprim, name)
+        if isinstance(obj, type) and not issubclass(obj, BaseException):
+            names.append(name)
+    return names
+
+
+def test_the_threads_table_names_every_public_type():
+    """Each public class of ``aoprim`` (its ``__all__``, exceptions aside), the server's
+    ``Server``/``Session``/``Handler`` and aoprim.aio's loop and transport has a row of its
+    own in docs/threads.md's table: a type added without saying what may be shared between
+    threads fails here."""
+    text = (ROOT / "docs" / "threads.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    named = set()
+    for row in rows:
+        first = row.split("|")[1]
+        named.update(re.findall(r"`([A-Za-z_][\w.]*)`", first))
+    want = _public_types() + ["Server", "Session", "Handler", "aoprim.aio.Loop",
+                              "SocketTransport"]
+    assert "BlockTable" in want and "ProxyParser" in want      # the list is not empty
+    missing = [w for w in want if w not in named]
+    assert not missing, f"docs/threads.md has no row for {missing}"
