@@ -313,6 +313,81 @@ def test_sends_broadcasts_and_closes_from_threads_under_a_worker_load(backend, w
     assert st["closes"].get("closed", 0) >= nclose
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", [2, 4])
+def test_shutdown_while_threads_send_and_broadcast_leaves_nothing_held(backend, workers):
+    """shutdown() while 4 threads go on sending bytes and ``Slot``s and broadcasting: no
+    sender sees an exception (sends after the close are dropped), every client's stream is
+    whole frames only, each thread's items in order with no gap, ``on_close`` exactly once,
+    every slot back in the test's pool and in the server's, no fd left."""
+    nconn, nthreads, warm = 4, 4, scaled(50)
+    fds = open_fds()
+    pool = SlabPool(256, 1024)
+    h = Tally()
+    srv = Server(h, HOST, 0, framing="u16", workers=workers, backend=backend).start()
+    clients = []
+    try:
+        for k in range(nconn):
+            clients.append(Client(srv, 0, 1 << 62))
+            wait_for(lambda: len(h.connected) == k + 1, 10, "on_connect")
+        sessions = list(h.connected)
+        stop = threading.Event()
+        warmed = [threading.Event() for _ in range(nthreads)]
+
+        def sender(t):
+            def run():
+                i = 0
+                while not stop.is_set():
+                    head = b"T" + struct.pack(">BI", t, i)
+                    if i % 3 == 2:
+                        srv.broadcast(head + (big_pad(t, i) if i % 9 == 8 else pad(t, i)))
+                    else:
+                        slot = pool.try_acquire() if i % 3 == 1 else None
+                        item = head + pad(t, i)
+                        if slot is not None:
+                            mv = memoryview(slot)
+                            mv[:len(item)] = item
+                            mv.release()
+                            slot.length = len(item)
+                        for s in sessions:
+                            s.send(item if slot is None else slot)
+                        if slot is not None:
+                            slot.release()
+                    i += 1
+                    if i == warm:
+                        warmed[t].set()
+            return run
+
+        readers, rerrs = start_threads([c.read for c in clients])
+        senders, serrs = start_threads([sender(t) for t in range(nthreads)])
+        try:
+            for e in warmed:
+                assert e.wait(120), "a sender did not get going"
+            srv.shutdown(timeout=60)        # the senders are still sending
+        finally:
+            stop.set()
+            join_all(senders)
+            join_all(readers)
+            for c in clients:
+                c.sock.close()
+    finally:
+        srv.shutdown(timeout=60)
+    assert not serrs, serrs
+    assert not rerrs, rerrs
+    for k, c in enumerate(clients):
+        assert not c.errors, c.errors
+        assert c.leftover == b"", f"session {k}: a frame cut short"
+        echoes, items = c.sequences()
+        assert not echoes
+        for t in range(nthreads):
+            got = items[t]
+            assert got == list(range(len(got))), f"session {k}: thread {t}'s items have a gap"
+    assert sorted(h.closed) == sorted(s.id for s in h.connected), \
+        f"on_close not exactly once per session: {collections.Counter(h.closed)}"
+    assert pool.in_use == 0, f"{pool.in_use} slots the senders sent are still held"
+    assert_no_leaks(srv, fds)
+
+
 def lcg(x, rounds):
     """Pure-Python arithmetic: no call in it releases a lock or the GIL."""
     for _ in range(rounds):
