@@ -14,7 +14,9 @@ Slot objects and pool indices (the generation question)
   dead, counters: every operation on it raises (RefCountError / BufferError).
 - Objects are recycled to make steady-state acquire/release allocate nothing: a released Slot
   parks in ``pool.cache[index]``.  The next acquire of that index reuses the parked object
-  only if the cache holds its *sole* reference (``Py_REFCNT == 1``): then no stale reference
+  only if the cache holds its *sole* reference (``aop_sole_reference``: ``Py_REFCNT == 1``
+  under the GIL; on a free-threaded build, owned by the acquiring thread with local count 1
+  and shared count 0, the one exact test there): then no stale reference
   exists anywhere, nobody can observe the reuse, and object identity acts as the generation.
   Otherwise the parked object is retired for good (its stale holders keep a dead Slot) and a
   fresh object is made.  So a stale reference can never reach the next holder's slot.
@@ -52,8 +54,32 @@ from aoprim.errors import PoolExhausted, RefCountError
 import warnings as _warnings
 
 cdef extern from "Python.h":
-    Py_ssize_t Py_REFCNT(PyObject *o)
     void Py_DECREF_p "Py_DECREF"(PyObject *o)
+
+cdef extern from *:
+    """
+    /* 1 when `o` holds exactly one reference and no other thread can hold or take one
+     * (the caller holds that reference).
+     * GIL build: Py_REFCNT(o) == 1 (the GIL makes the read exact).
+     * Free-threaded build: the count is split in two fields (biased reference counting), a
+     * local one only the owning thread writes and a shared one other threads change
+     * atomically; their sum read field by field can miss a reference that moves from one to
+     * the other between the two reads.  So the object must be owned by this thread (its
+     * local field is then ours alone: stable while we read it), local == 1 and shared == 0
+     * (relaxed: no other thread holds a reference, so no write to order against).  Objects
+     * owned by another thread answer 0, which only costs a fresh object (CPython's own
+     * uniqueness test, _PyObject_IsUniquelyReferenced in 3.14, is the same). */
+    static inline int aop_sole_reference(PyObject *o) {
+    #ifdef Py_GIL_DISABLED
+        return _Py_IsOwnedByCurrentThread(o)
+            && _Py_atomic_load_uint32_relaxed(&o->ob_ref_local) == 1
+            && _Py_atomic_load_ssize_relaxed(&o->ob_ref_shared) == 0;
+    #else
+        return Py_REFCNT(o) == 1;
+    #endif
+    }
+    """
+    bint aop_sole_reference(PyObject *o) noexcept nogil
 
 # state-word constants come from aop_slab.h (compile-time)
 cdef extern from "aop_slab.h":
@@ -140,7 +166,7 @@ cdef class SlabPool:
         cdef Slot s
         if o != NULL:
             self.cache[index] = NULL
-            if Py_REFCNT(o) == 1:
+            if aop_sole_reference(o):
                 # the cache holds the only reference: nobody can see this object, reuse it
                 s = <Slot>o          # +1
                 Py_DECREF_p(o)       # -1: the cache's reference is now ours

@@ -511,3 +511,65 @@ def test_inplace_bitwise_threads_no_lost_bits():
     a |= 1 << 62            # a bit no thread touches: must survive
     run_threads([work(k) for k in range(3)])
     assert a.load() == 1 << 62
+
+
+# ---- true parallelism (free-threaded builds run these threads at once; the GIL build
+# interleaves them): exact results from 2 to 8 threads ------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [2, 4, 8])
+def test_fetch_add_tickets_are_unique_across_threads(threads):
+    """fetch_add(1) as a ticket dispenser: every value 0..total-1 is handed out exactly once
+    (a lost or duplicated increment shows as a missing or repeated ticket), while other
+    threads' fetch_sub/fetch_add pairs cancel out."""
+    a = AtomicInt()
+    noise = AtomicInt(1000)
+    n = scaled(20_000)
+    got = [None] * threads
+
+    def work(i):
+        def run():
+            take, up, down = a.fetch_add, noise.fetch_add, noise.fetch_sub
+            mine = []
+            for _ in range(n):
+                mine.append(take(1))
+                up(3)
+                down(3)
+            got[i] = mine
+        return run
+
+    run_threads([work(i) for i in range(threads)], timeout=110)
+    tickets = sorted(t for mine in got for t in mine)
+    assert tickets == list(range(threads * n))
+    assert a.load() == threads * n and noise.load() == 1000
+    for mine in got:                 # each thread saw its own tickets in increasing order
+        assert mine == sorted(mine)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [2, 4, 8])
+def test_refcount_shared_then_dropped_on_zero_once(threads):
+    """Every thread increfs and decrefs one shared RefCount, then drops its share; on_zero
+    runs exactly once, in the thread whose decref reached 0, and only after every share
+    was dropped."""
+    per = scaled(5_000)
+    for _ in range(scaled(20)):
+        calls, dropped = [], AtomicInt()
+        r = RefCount(threads, on_zero=lambda: calls.append((threading.get_ident(),
+                                                             dropped.load())))
+        idents = [None] * threads
+
+        def work(i):
+            def run():
+                idents[i] = threading.get_ident()
+                inc, dec = r.incref, r.decref
+                for _ in range(per):
+                    assert inc() >= 2
+                    assert dec() >= 1
+                dropped.fetch_add(1)
+                dec()
+            return run
+
+        run_threads([work(i) for i in range(threads)], timeout=110)
+        assert len(calls) == 1 and r.count == 0
+        assert calls[0][0] in idents and calls[0][1] == threads

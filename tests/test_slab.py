@@ -2,6 +2,7 @@
 and the no-allocation steady state."""
 import ctypes
 import gc
+import time
 import tracemalloc
 import warnings
 
@@ -368,3 +369,120 @@ def test_threaded_fan_out_with_retain():
     run_threads([producer] + [consumer(k) for k in range(3)], timeout=120)
     assert seen == [rounds] * 3
     assert p.available == 4 and p.in_use == 0
+
+
+# ---- true parallelism: 2 to 8 threads on one pool (free-threaded builds run them at once) --
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [2, 4, 8])
+def test_stress_two_slots_never_handed_out_twice(threads):
+    """More threads than slots, all on try_acquire: a holder stamps its slot, does a little
+    work and checks the stamp is still its own (a double hand-out overwrites it).  Exact
+    accounting: hits + misses == attempts, misses == failed_acquires, everything back."""
+    p = SlabPool(64, 2)
+    n = scaled(20_000)
+    hits, misses = [0] * threads, [0] * threads
+
+    def worker(tid):
+        pat = bytes([tid + 1]) * 64
+
+        def run():
+            take = p.try_acquire
+            for _ in range(n):
+                s = take()
+                if s is None:
+                    misses[tid] += 1
+                    continue
+                with memoryview(s) as m:
+                    m[:] = pat
+                    s.length = tid + 1
+                    if m != pat or s.length != tid + 1:
+                        raise AssertionError(f"slot {s.index} handed to two holders")
+                s.release()
+                hits[tid] += 1
+        return run
+
+    run_threads([worker(t) for t in range(threads)], timeout=110)
+    assert [h + m for h, m in zip(hits, misses)] == [n] * threads
+    assert p.failed_acquires == sum(misses)
+    assert (p.available, p.in_use) == (2, 0)
+    assert p.high_water == (2 if sum(misses) else p.high_water)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [2, 4, 8])
+def test_stress_a_stale_slot_never_reaches_the_next_tenure(threads):
+    """Slot objects are recycled, so each thread keeps its previous (released) Slot while
+    the other threads take and release the same few indices: the stale object must stay
+    dead (refs 0, retain/release/views refused), and no acquire may return it."""
+    p = SlabPool(32, 4)
+    n = scaled(10_000)
+    done = [0] * threads
+
+    def worker(tid):
+        def run():
+            take = p.try_acquire
+            prev = None
+            for _ in range(n):
+                s = take()
+                if s is None:
+                    continue
+                if s is prev:
+                    raise AssertionError("a released Slot that is still referenced was reused")
+                s.release()
+                if prev is not None:
+                    if prev.refs != 0:
+                        raise AssertionError(f"stale slot shows {prev.refs} reference(s)")
+                    with pytest.raises(RefCountError):
+                        prev.retain()
+                    with pytest.raises(RefCountError):
+                        prev.release()
+                    with pytest.raises(BufferError):
+                        memoryview(prev)
+                prev = s
+                done[tid] += 1
+        return run
+
+    run_threads([worker(t) for t in range(threads)], timeout=110)
+    assert sum(done) >= n     # at least one thread's worth of tenures went round
+    assert (p.available, p.in_use) == (4, 0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [2, 4])
+def test_stress_slots_released_by_another_thread(threads):
+    """Producers acquire and fill slots and hand them (their only reference) to consumer
+    threads, which check the bytes and release them there: the Slot objects are freed,
+    parked and reused across threads (the biased reference counts' cross-thread path).
+    Every slot arrives exactly once with its producer's bytes, and all come back."""
+    import queue
+    p = SlabPool(64, 8)
+    n = scaled(10_000)
+    q = queue.SimpleQueue()
+    got = [0] * threads
+
+    def producer(tid):
+        def run():
+            for k in range(n):
+                while (s := p.try_acquire()) is None:
+                    time.sleep(0)    # a yield: the consumers give the slots back
+                memoryview(s)[:] = bytes([tid + 1, k % 256]) * 32
+                q.put((tid, k, s))
+                del s                # the consumer holds the only reference
+            q.put(None)
+        return run
+
+    def consumer(i):
+        def run():
+            while (item := q.get(timeout=60)) is not None:
+                tid, k, s = item
+                if bytes(memoryview(s)) != bytes([tid + 1, k % 256]) * 32:
+                    raise AssertionError("a slot's bytes changed between two threads")
+                s.release()
+                got[i] += 1
+        return run
+
+    run_threads([producer(t) for t in range(threads)] + [consumer(i) for i in range(threads)],
+                timeout=110)
+    assert sum(got) == threads * n
+    assert (p.available, p.in_use) == (8, 0)
