@@ -31,7 +31,8 @@ def build_parser(p=None):
                    help="fewer rounds, smaller sizes, 4 server scenarios (about a minute)")
     p.add_argument("--only", nargs="+", action="extend", metavar="NAME",
                    help="run only these: a family (atomic, lock, queue, slab, blocktable, "
-                        "sendbatch, flushgroup, receiver, contention, server; aio: asyncio, uvloop, rloop and "
+                        "sendbatch, flushgroup, receiver, contention, server; ft: 1 vs 2 threads, on a "
+                        "free-threaded Python only; aio: asyncio, uvloop, rloop and "
                         "aoprim.aio side by side, only when named), a kind (python, c, contention, "
                         "server), a group id or a glob over ids (see --list)")
     p.add_argument("--json", metavar="FILE", help="write every figure here (schema: "

@@ -198,6 +198,9 @@ def render_group(g):
     if g["family"] == "aio":
         from .aio import render_group as aio_group
         return aio_group(g)
+    if g["family"] == "ft":
+        from .ft import render_group as ft_group
+        return ft_group(g)
     lines = _heading(g)
     ents = sorted(g["entries"], key=lambda e: e["median"], reverse=(g["better"] == "higher"))
     base = next((e for e in g["entries"] if e["role"] == "baseline"), None)

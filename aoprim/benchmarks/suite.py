@@ -10,6 +10,8 @@ JSON document (schema.py).  Modes:
   tiny   for the test suite only (``--tiny``): everything, as small as still runs end to end
          (the tls groups only when named: ``--only tls``)
 
+The ``ft`` groups (ft.py) measure scaling at 1 and 2 threads; they run only on a
+free-threaded interpreter, and elsewhere the run's skipped list says why.
 The ``tls`` groups (tls.py) run the servers with TLS, with the server groups' rounds and
 durations.  The ``aio`` groups (aio.py; only when named: ``--only aio``) run asyncio's loop,
 uvloop, rloop and aoprim.aio side by side, with their own rounds and durations
@@ -17,7 +19,7 @@ uvloop, rloop and aoprim.aio side by side, with their own rounds and durations
 """
 import fnmatch
 
-from . import aio, cases, contention, machine, runner, servers, tls
+from . import aio, cases, contention, ft, machine, runner, servers, tls
 from .schema import SCHEMA_ID
 
 __all__ = ["MODES", "SERVER_SERIES", "plan", "run", "selectors", "UnknownSelection"]
@@ -116,7 +118,7 @@ def _all_groups(mode):
     return (list(cases.GROUPS) + contention.groups() +
             [ServerGroup(s) for s in MODES[mode]["server"]["scenarios"]] +
             [TLSGroup(s, default=(mode != "tiny")) for s in tls.SCENARIOS] +
-            aio.groups(mode))
+            aio.groups(mode) + ft.groups(mode))
 
 
 def selectors():
@@ -162,6 +164,8 @@ def steps(groups, mode, n_servers, n_loops=len(aio.LOOPS)):
     cont = _contention_settings(m)
     total = 0
     for g in groups:
+        if g.family == "ft" and not ft.available():
+            continue
         if hasattr(g, "measure"):
             total += g.steps(n_loops)
         elif g.kind == "server":
@@ -275,6 +279,11 @@ def run(groups, mode="full", progress=None, only=None, on_header=None, on_group=
     if any(g.kind == "c" for g in groups):
         doc_skipped += [{"what": f"C level: {fam}", "reason": r}
                         for fam, r in cases.C_SKIPPED.items()]
+    if any(g.family == "ft" for g in groups) and not ft.available():
+        # the scaling groups mean something only without the GIL (ft.py): one line says so
+        doc_skipped.append({"what": "ft (free-threaded scaling) groups",
+                            "reason": ft.skip_reason()})
+        groups = [g for g in groups if g.family != "ft"]
     _, warnings = machine.load_check(header["cores"], start)
     header.update({
         "mode": mode,

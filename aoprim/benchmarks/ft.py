@@ -1,0 +1,418 @@
+"""The ``ft`` groups: scaling without the GIL, at 1 thread and at 2 (or 2 + 2) threads.
+
+Only on a free-threaded interpreter (``sys._is_gil_enabled()`` false): under the GIL two
+threads take turns and a 2/1 ratio says nothing about parallel scaling, so ``plan`` leaves
+the groups out and ``python -m aoprim bench`` prints one line saying so.
+
+Each group is one workload; each entry one implementation of it, measured as a *solo* run
+(1 thread) and a *parallel* run (2 threads; the 2P2C queue group: 2 producers + 2
+consumers), rounds interleaved with the implementation order rotating.  A sample is one whole
+threaded run of ``n`` operations in all (the threads start together at a barrier; wall time
+from the barrier to the last join).  The figure is total operations per second; the group's
+ratio column compares the parallel figure with the baseline's (the stdlib's lock-based way),
+and ``2/1`` is the entry's own parallel figure over its solo one (1.0: a second core adds
+nothing; 2.0: perfect scaling).
+
+Every thread binds the bound methods it calls once, before the barrier (``add =
+counter.fetch_add``): on a free-threaded build each reference taken to an object that
+another thread owns is an atomic add on its shared reference count, so the loop body touches
+the shared object only through the operation being measured.  Every implementation gets the
+same treatment.  Every run checks its count: the counter's final value, every item got back
+exactly once, every slot back in the pool.
+"""
+import contextlib
+import queue
+import sys
+import threading
+import time
+
+from aoprim import AtomicInt, MPMCQueue, SlabPool, SPSCQueue, SpinLock
+
+from . import runner
+from .cases import Unavailable
+
+__all__ = ["FtGroup", "available", "groups", "skip_reason", "render_group"]
+
+# the operations of one sample (all threads together), per mode; tiny: the test suite's
+MODES = {"full": dict(rounds=5, scale=1.0),
+         "quick": dict(rounds=3, scale=0.25),
+         "tiny": dict(rounds=1, scale=0.01)}
+N = 1_000_000
+N_QUEUE = 400_000
+
+
+def skip_reason():
+    """None on a free-threaded interpreter; otherwise why the ft groups do not run."""
+    probe = getattr(sys, "_is_gil_enabled", None)
+    if probe is None:
+        return (f"Python {sys.version.split()[0]} has no free-threaded build (3.13t and up); "
+                "under the GIL threads take turns, so 2-thread scaling is not measured")
+    if probe():
+        return ("the GIL is enabled (this is not a free-threaded build, or PYTHON_GIL=1); "
+                "run `python3.13t -m aoprim bench --only ft` for the scaling figures")
+    return None
+
+
+def available():
+    return skip_reason() is None
+
+
+def _peer(module, attr):
+    """An optional peer's class, or Unavailable naming what to install."""
+    try:
+        mod = __import__(module, fromlist=[attr])
+    except ImportError as e:
+        pkg = {"ft_utils.concurrency": "ft-utils", "cereggii": "cereggii"}[module]
+        raise Unavailable(f"{pkg} is not installed here ({e}); `pip install {pkg}`") from None
+    return getattr(mod, attr)
+
+
+def _run_threads(bodies):
+    """Start one thread per body (each a callable returning its own count), release them
+    together, join; returns (wall seconds, [counts])."""
+    go = threading.Barrier(len(bodies) + 1)
+    counts = [None] * len(bodies)
+    errors = []
+
+    def work(i, body):
+        try:
+            go.wait()
+            counts[i] = body()
+        except BaseException as e:       # reported below: a failed run is never a figure
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(i, b)) for i, b in enumerate(bodies)]
+    for t in ts:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in ts:
+        t.join(300)
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in ts):
+        raise RuntimeError("a benchmark thread did not finish in 300 s")
+    return wall, counts
+
+
+# -- workloads: make(threads, n) -> run() -> wall seconds for n operations in all -------------
+
+def _counter_shared(kind):
+    """One counter shared by every thread, n increments in all (a fresh counter per run)."""
+    def fresh(per):
+        """(the body every thread runs, a function reading the final count)"""
+        if kind == "AtomicInt":
+            c = AtomicInt()
+
+            def body():
+                add = c.fetch_add
+                for _ in range(per):
+                    add(1)
+                return per
+            return body, c.load
+        if kind == "ft_utils":
+            c = _peer("ft_utils.concurrency", "AtomicInt64")(0)
+
+            def body():
+                incr = c.incr
+                for _ in range(per):
+                    incr()
+                return per
+            return body, c.get
+        if kind == "cereggii":
+            c = _peer("cereggii", "AtomicInt64")(0)
+
+            def body():
+                add = c.increment_and_get
+                for _ in range(per):
+                    add(1)
+                return per
+            return body, c.get
+        lk = SpinLock() if kind == "SpinLock" else threading.Lock()   # a lock around an int
+        box = [0]
+
+        def body():
+            for _ in range(per):
+                with lk:
+                    box[0] += 1
+            return per
+        return body, lambda: box[0]
+
+    def make(threads, n):
+        per = n // threads
+        fresh(per)                       # Unavailable now, when a peer is missing
+
+        def run():
+            body, final = fresh(per)
+            wall, counts = _run_threads([body] * threads)
+            got = final()
+            assert got == per * threads == sum(counts), (kind, got, per * threads)
+            return wall, per * threads
+        return run
+    return make
+
+
+def _counter_own(kind):
+    """One counter per thread (nothing shared but the code): n increments in all."""
+    def make(threads, n):
+        per = n // threads
+        if kind == "AtomicInt":
+            cs = [AtomicInt() for _ in range(threads)]
+        elif kind == "ft_utils":
+            cs = [_peer("ft_utils.concurrency", "AtomicInt64")(0) for _ in range(threads)]
+        else:
+            cs = [(threading.Lock(), [0]) for _ in range(threads)]
+
+        def body_of(c):
+            if kind == "AtomicInt":
+                def body():
+                    add = c.fetch_add
+                    for _ in range(per):
+                        add(1)
+                    return c.load()
+            elif kind == "ft_utils":
+                def body():
+                    incr = c.incr
+                    for _ in range(per):
+                        incr()
+                    return c.get()
+            else:
+                lk, box = c
+
+                def body():
+                    for _ in range(per):
+                        with lk:
+                            box[0] += 1
+                    return box[0]
+            return body
+
+        def run():
+            for c in cs:                 # fresh counts per sample
+                if kind == "Lock":
+                    c[1][0] = 0
+                elif kind == "AtomicInt":
+                    c.store(0)
+                else:
+                    c.set(0)
+            wall, counts = _run_threads([body_of(c) for c in cs])
+            assert counts == [per] * threads, (kind, counts, per)
+            return wall, per * threads
+        return run
+    return make
+
+
+def _slab(kind):
+    """acquire + release of a 4096-byte buffer, n in all; SlabPool: one pool shared by every
+    thread (16 slots, so never exhausted at 2 threads)."""
+    def make(threads, n):
+        per = n // threads
+        if kind == "SlabPool":
+            pool = SlabPool(4096, 16)
+
+            def body():
+                acq = pool.acquire
+                for _ in range(per):
+                    acq().release()
+                return per
+        else:
+            def body():
+                for _ in range(per):
+                    bytearray(4096)
+                return per
+
+        def run():
+            wall, counts = _run_threads([body] * threads)
+            assert sum(counts) == per * threads
+            if kind == "SlabPool":
+                assert pool.in_use == 0, pool.stats
+            return wall, per * threads
+        return run
+    return make
+
+
+def _queue(kind, producers, consumers):
+    """``producers`` threads put n items in all, ``consumers`` threads get them (blocking
+    gets); every item is got exactly once.  With producers == consumers == 0: the solo run,
+    one thread putting then getting each item."""
+    def new():
+        if kind == "MPMCQueue":
+            return MPMCQueue(1024)
+        if kind == "SPSCQueue":
+            return SPSCQueue(1024)
+        if kind == "SimpleQueue":
+            return queue.SimpleQueue()
+        if kind == "Queue":
+            return queue.Queue(1024)
+        return _peer("ft_utils.concurrency", "ConcurrentQueue")()
+
+    def names(q):
+        if kind == "ft_utils":
+            return q.push, q.pop
+        return q.put, q.get
+
+    def make(threads, n):
+        if producers == 0:
+            def run():
+                q = new()
+                put, get = names(q)
+                t0 = time.perf_counter()
+                s = 0
+                for i in range(n):
+                    put(i)
+                    s += get()
+                wall = time.perf_counter() - t0
+                assert s == n * (n - 1) // 2, (kind, s)
+                return wall, n
+            return run
+        per_p, per_c = n // producers, n // consumers
+        total = per_p * producers
+        assert per_c * consumers == total
+
+        def run():
+            q = new()
+
+            def producer(base):
+                def body():
+                    put = names(q)[0]
+                    for i in range(base, base + per_p):
+                        put(i)
+                    return per_p
+                return body
+
+            def consumer():
+                get = names(q)[1]
+                s = 0
+                for _ in range(per_c):
+                    s += get()
+                return s
+
+            bodies = [producer(p * per_p) for p in range(producers)] + [consumer] * consumers
+            wall, counts = _run_threads(bodies)
+            assert sum(counts[producers:]) == total * (total - 1) // 2, (kind, counts)
+            return wall, total
+        return run
+    return make
+
+
+# -- groups --------------------------------------------------------------------------------
+
+class FtGroup:
+    """One workload measured solo and in parallel for every implementation (module doc)."""
+    kind = "contention"
+    family = "ft"
+    compete = True
+    default = True
+    unit = "M ops/s"
+
+    def __init__(self, gid, title, entries, n, mode, parallel=2, solo=1, note=None):
+        self.id = gid
+        self.title = title
+        self.entries = entries        # [(name, role, make)]
+        self.mode = MODES[mode]
+        self.n = max(64, int(n * self.mode["scale"]))
+        self.threads = (solo, parallel)
+        self.params = {"n": self.n, "threads": parallel}
+        self.series = ["ft"]
+        self.note = note
+
+    def steps(self, n_loops=0):
+        return self.mode["rounds"] * len(self.entries)
+
+    def measure(self, loops=(), loop_skips=(), progress=None):
+        skipped, live = [], []
+        for name, role, make in self.entries:
+            try:
+                solo, par = make(self.threads[0], self.n), make(self.threads[1], self.n)
+                solo()                          # warm-up (and the peer's first import)
+            except Unavailable as e:
+                skipped.append({"name": name, "reason": str(e)})
+                if progress:
+                    progress.step(self.mode["rounds"])
+                continue
+            live.append({"name": name, "role": role, "solo": solo, "par": par,
+                         "s": [], "p": []})
+        for r in range(self.mode["rounds"]):
+            order = live[r % len(live):] + live[:r % len(live)] if live else []
+            for e in order:
+                wall, ops = e["solo"]()
+                e["s"].append(ops / wall / 1e6)
+                wall, ops = e["par"]()
+                e["p"].append(ops / wall / 1e6)
+                if progress:
+                    progress.step(1, f"{self.id}: {e['name']}")
+        entries = []
+        for e in live:
+            ent = {"name": e["name"], "role": e["role"], "n": self.n, "calls_per_sample": 1,
+                   "samples": [round(x, 4) for x in e["p"]]}
+            ent.update(runner.summarize(e["p"]))
+            solo = runner.summarize(e["s"])
+            ent["metrics"] = {"solo_mops": solo,
+                              "scaling": runner.summarize(
+                                  [p / s for p, s in zip(e["p"], e["s"])])}
+            entries.append(ent)
+        return runner.finish_group(self, entries, skipped, better="higher",
+                                   extra={"threads": list(self.threads)})
+
+
+def groups(mode):
+    cs, co, sl, q = _counter_shared, _counter_own, _slab, _queue
+    return [
+        FtGroup("ft-atomic-shared", "one counter shared by every thread: n increments in all",
+                [("threading.Lock + int", "baseline", cs("Lock")),
+                 ("AtomicInt.fetch_add", "candidate", cs("AtomicInt")),
+                 ("ft_utils AtomicInt64.incr", "candidate", cs("ft_utils")),
+                 ("cereggii AtomicInt64", "candidate", cs("cereggii"))], N, mode),
+        FtGroup("ft-atomic-own", "one counter per thread: n increments in all",
+                [("threading.Lock + int", "baseline", co("Lock")),
+                 ("AtomicInt.fetch_add", "candidate", co("AtomicInt")),
+                 ("ft_utils AtomicInt64.incr", "candidate", co("ft_utils"))], N, mode),
+        FtGroup("ft-lock-counter", "`with lock: n += 1` on one shared lock and counter",
+                [("threading.Lock + int", "baseline", cs("Lock")),
+                 ("SpinLock + int", "candidate", cs("SpinLock"))], N, mode),
+        FtGroup("ft-slab", "a 4096-byte buffer: acquire + release (one shared SlabPool of 16)",
+                [("bytearray(4096)", "baseline", sl("bytearray")),
+                 ("SlabPool.acquire().release()", "candidate", sl("SlabPool"))], N, mode),
+        FtGroup("ft-mpmc-1p1c", "1 producer + 1 consumer thread, blocking put/get "
+                "(solo: one thread, put then get)",
+                [("queue.Queue(1024)", "baseline", q("Queue", 1, 1)),
+                 ("queue.SimpleQueue", "candidate", q("SimpleQueue", 1, 1)),
+                 ("MPMCQueue(1024)", "candidate", q("MPMCQueue", 1, 1)),
+                 ("ft_utils ConcurrentQueue", "candidate", q("ft_utils", 1, 1))],
+                N_QUEUE, mode),
+        FtGroup("ft-mpmc-2p2c", "2 producer + 2 consumer threads on 2 cores, blocking put/get "
+                "(solo: one thread, put then get)",
+                [("queue.Queue(1024)", "baseline", q("Queue", 2, 2)),
+                 ("queue.SimpleQueue", "candidate", q("SimpleQueue", 2, 2)),
+                 ("MPMCQueue(1024)", "candidate", q("MPMCQueue", 2, 2)),
+                 ("ft_utils ConcurrentQueue", "candidate", q("ft_utils", 2, 2))],
+                N_QUEUE, mode, parallel=4),
+        FtGroup("ft-spsc-1p1c", "1 producer + 1 consumer thread, blocking put/get "
+                "(solo: one thread, put then get)",
+                [("queue.Queue(1024)", "baseline", q("Queue", 1, 1)),
+                 ("queue.SimpleQueue", "candidate", q("SimpleQueue", 1, 1)),
+                 ("SPSCQueue(1024)", "candidate", q("SPSCQueue", 1, 1))], N_QUEUE, mode),
+    ]
+
+
+def render_group(g):
+    """The ft table: M ops/s with the parallel thread count and its spread, the ratio to
+    the baseline's parallel figure, M ops/s solo, and the entry's parallel/solo."""
+    from .report import _heading, _label, _wrap, _ratio_cell, _spread
+    solo_t, par_t = g.get("threads", [1, 2])
+    lines = _heading(g)
+    ents = sorted(g["entries"], key=lambda e: e["median"], reverse=True)
+    base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
+    nw = max([len(_label(e)) for e in ents] + [8])
+    lines.append(f"{'  entry':<{nw}} {f'{par_t} thr':>8} {'spread':>13} {'ratio':>7} "
+                 f"{f'{solo_t} thr':>8} {f'{par_t}/{solo_t}':>6}")
+    for e in ents:
+        m = e["metrics"]
+        lines.append(f"{_label(e):<{nw}} {e['median']:>8.2f} {_spread(e, '-'):>13} "
+                     f"{_ratio_cell(e, base):>7} {m['solo_mops']['median']:>8.2f} "
+                     f"{m['scaling']['median']:>6.2f}")
+    if g.get("note"):
+        lines += _wrap(g["note"], "  note: ", "        ")
+    for s in g["skipped"]:
+        lines += _wrap(f"{s['name']}: {s['reason']}", "  (skipped ", "    ")
+    return "\n".join(lines)
