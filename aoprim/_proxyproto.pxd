@@ -11,6 +11,8 @@ Memory: the parser keeps at most AOP_PP_KEEP bytes (the longest v1 line, or v2's
 plus the longest address block); v2 TLVs are counted and skipped, never stored.
 """
 
+from aoprim.atomic_h cimport aop_atomic_u32
+
 cdef enum:
     AOP_PP_MORE = 0       # the header is not complete: feed more
     AOP_PP_DONE = 1       # complete: `result` holds it, `total` is its length
@@ -35,6 +37,9 @@ cdef class ProxyParser:
     cdef object result           # DONE: (version, command, family, src, dst)
     cdef object error            # ERROR: the reason (str)
     cdef unsigned char buf[AOP_PP_KEEP]   # the kept bytes: v1 line / v2 fixed + addresses
+    cdef aop_atomic_u32 busy     # the one-owner claim of the Python methods (_owner.claim);
+                                 #   the c_* methods are the caller's (a Receiver's, under
+                                 #   its own claim)
 
     # Consume header bytes from p[0:n]; returns how many belong to the header (all of them
     # while MORE; fewer when the header ends inside p).  Nothing is consumed once DONE or
@@ -42,6 +47,7 @@ cdef class ProxyParser:
     cdef Py_ssize_t c_feed(self, const unsigned char *p, Py_ssize_t n) except -1
     # The stream ended (EOF): MORE turns into ERROR when bytes were consumed; 1 if it did.
     cdef int c_eof(self) except -1
+    cdef object _get(self, int what)     # a Python property, read under the claim
     cdef int _fail(self, str reason) except -1
     cdef int _v1_line(self) except -1
     cdef int _v2_fixed(self) except -1

@@ -39,6 +39,7 @@ Rules (stated once; tests/test_proxy_protocol.py checks each)
 Memory: one parser keeps at most AOP_PP_KEEP (232) bytes, inline; the only allocations are
 the result (or the error string) when the header ends.
 """
+from aoprim._owner cimport claim, unclaim, owner_busy
 cimport cython
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from libc.string cimport memcpy, memchr
@@ -106,6 +107,12 @@ cdef inline object _path(const unsigned char *a, Py_ssize_t n):
     return (<bytes>a[:n]).decode("utf-8", "surrogateescape")
 
 
+cdef inline int _enter(ProxyParser pp) except -1:
+    if not claim(&pp.busy):
+        owner_busy("ProxyParser")
+    return 0
+
+
 @cython.final
 @cython.no_gc
 cdef class ProxyParser:
@@ -114,7 +121,13 @@ cdef class ProxyParser:
     ``accept``: 1 (v1 only), 2 (v2 only) or 3 (either).  ``limit``: the longest header
     accepted, 232..65551 bytes (v1 lines are at most 107 whatever the limit).  Not
     GC-tracked: it holds only the result (a tuple of ints, strings, None and (host, port)
-    tuples) or an error string -- nothing that can refer back to it.  One thread."""
+    tuples) or an error string -- nothing that can refer back to it.
+
+    One thread at a time, enforced: feed(), eof() and the properties claim the parser
+    (an atomic exchange, acquire; a release store gives it back), so a second thread
+    entering meanwhile gets RuntimeError and changes nothing.  A claim, not a critical
+    section: sharing one connection's header parser is a bug to report.  ``accept`` and
+    ``limit`` are fixed at construction and readable anywhere."""
 
     def __cinit__(self, accept=3, limit=4096):
         if isinstance(accept, bool) or not isinstance(accept, int):
@@ -333,49 +346,77 @@ cdef class ProxyParser:
         header.  After PP_DONE the rest of ``data`` is the stream's; nothing is consumed once
         the parser is done or failed."""
         cdef Py_buffer view
-        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)   # before the claim (may run Python)
         try:
-            return self.c_feed(<const unsigned char *>view.buf, view.len)
+            _enter(self)
+            try:
+                return self.c_feed(<const unsigned char *>view.buf, view.len)
+            finally:
+                unclaim(&self.busy)
         finally:
             PyBuffer_Release(&view)
 
     def eof(self):
         """The stream ended: a header begun and not finished becomes an error.  True if it
         did."""
-        return bool(self.c_eof())
+        _enter(self)
+        try:
+            return bool(self.c_eof())
+        finally:
+            unclaim(&self.busy)
+
+    cdef object _get(self, int what):
+        # a property read under the claim (object fields are read, then INCREF'd: another
+        # thread replacing one meanwhile would free it under us)
+        _enter(self)
+        try:
+            if what == 0:
+                return self.state
+            if what == 1:
+                return self.version
+            if what == 2:
+                return self.total
+            if what == 3:
+                return self.result
+            if what == 4:
+                return self.error
+            st = ("more", "done", "error")[self.state]
+            return f"<ProxyParser {st} version={self.version} total={self.total}>"
+        finally:
+            unclaim(&self.busy)
 
     @property
     def state(self):
         """PP_MORE, PP_DONE or PP_ERROR."""
-        return self.state
+        return self._get(0)
 
     @property
     def done(self):
-        return self.state == AOP_PP_DONE
+        return self._get(0) == AOP_PP_DONE
 
     @property
     def failed(self):
-        return self.state == AOP_PP_ERROR
+        return self._get(0) == AOP_PP_ERROR
 
     @property
     def version(self):
         """0 until the first byte, then 1 or 2."""
-        return self.version
+        return self._get(1)
 
     @property
     def total(self):
         """Bytes consumed (the header's length once done)."""
-        return self.total
+        return self._get(2)
 
     @property
     def result(self):
         """``(version, command, family, src, dst)`` once done, else None."""
-        return self.result
+        return self._get(3)
 
     @property
     def error(self):
         """Why the header was refused, or None."""
-        return self.error
+        return self._get(4)
 
     @property
     def accept(self):
@@ -386,8 +427,7 @@ cdef class ProxyParser:
         return self.limit
 
     def __repr__(self):
-        st = ("more", "done", "error")[self.state]
-        return f"<ProxyParser {st} version={self.version} total={self.total}>"
+        return self._get(5)
 
     def __reduce__(self):
         raise TypeError("ProxyParser objects cannot be pickled")

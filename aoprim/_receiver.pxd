@@ -17,8 +17,12 @@ Buffers (who owns what; the invariants are argued at the top of _receiver.pyx)
   larger than a slot).  It holds one reference; close()/dealloc give it back (deferred
   while views of it live).
 
-One thread: a Receiver, and the RxArena it reads into, are used by one event-loop thread.
-Frame views may travel to other threads: their pins are atomic counts.
+One thread: a Receiver, and the RxArena it reads into, are used by one event-loop thread,
+enforced: each claims itself (``tid``, aoprim/_owner.pxd's tclaim) for every call, so a
+second thread gets RuntimeError while the owning thread's nested calls (a handler reading
+another receiver, closing its own) go through.  Counters are relaxed atomics, readable from
+any thread without a claim.  Frame views may travel to other threads: their pins are atomic
+counts.
 """
 from libc.stdint cimport int64_t, uint64_t
 from cpython.ref cimport PyObject
@@ -81,8 +85,11 @@ cdef class RxArena:
     cdef object scratch          # Slot or _HeapBuf, one reference of ours; None once closed
     cdef char *sptr              # first byte of the scratch (NULL once closed)
     cdef Py_ssize_t size         # scratch size == pool.slot_size
-    cdef int64_t swaps           # scratch replaced because views of it escaped
-    cdef int64_t fallbacks       # heap buffers used because the pool was exhausted
+    cdef int64_t swaps           # scratch replaced because views of it escaped (accessed as
+                                 #   relaxed atomics: written by the owner, read by any
+                                 #   thread's stats; _receiver.pyx's _bump/_count)
+    cdef int64_t fallbacks       # heap buffers used because the pool was exhausted (idem)
+    cdef aop_atomic_i64 tid      # the owning thread's ident while claimed, else 0
     cdef bint closed             # close() ran: the scratch is given back
     cdef bint busy               # a burst is parsing the scratch in place (a nested burst
                                  #   of another receiver must swap before reading)
@@ -145,9 +152,11 @@ cdef class Receiver:
     cdef bint hold               # the owner paused reading: no further frame or recv this
                                  #   call, and on_readable() does nothing while set
     cdef int max_reads           # recv calls per on_readable while each fills its room
-    cdef int64_t reads           # recv calls that returned data
+    cdef int64_t reads           # recv calls that returned data (relaxed atomics, as below:
+                                 #   written by the owner, read by any thread)
     cdef int64_t bytes_in        # bytes received
     cdef int64_t frames_in       # frames delivered (handed to on_frame)
+    cdef aop_atomic_i64 tid      # the owning thread's ident while claimed, else 0
     cdef object source           # None: recv from fd; else source(view) fills a writable
                                  #   view of the room and returns the bytes written, 0 at
                                  #   EOF, None when nothing is there, -errno on an error
@@ -157,6 +166,8 @@ cdef class Receiver:
 
     # on_readable() for Cython callers: 0, or -1 with a BaseException set.
     cdef int c_on_readable(self) except -1
+    cdef int _on_readable(self, RxArena arena) except -1    # claims held
+    cdef object _locked(self, int what)     # a property read under the claim
     cdef int _burst(self, bint do_read) except -1
     cdef int _cut(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end) except -1
     cdef int _cut_frames(self, object buf, char *p, Py_ssize_t *ppos, Py_ssize_t end,

@@ -100,8 +100,22 @@ drops too.  Its buffer is held through a C pointer the clear never sees, and __d
 returns it properly (c_release_deferred), so a collected cycle returns every slot without
 the Slot's ResourceWarning path.  A cleared receiver reads nothing more.
 
-Threads: one event-loop thread uses a receiver and its arena (no locking, like a socket).
-Views handed out may be released in any thread: pins are atomic counts.
+Threads: one event-loop thread uses a receiver and its arena (no locking, like a socket),
+and that is enforced rather than assumed.  Every entry of a Receiver claims it, and
+on_readable() claims its arena too, with aoprim/_owner.pxd's tclaim: a compare-exchange of
+the owner's thread ident (acquire), given back by the outermost entry with a release
+store.  A second thread entering meanwhile gets RuntimeError naming the type and changes
+nothing; on a free-threaded build it would otherwise read into the same scratch and free
+the same buffer twice.  A claim, not a critical section: the types are documented as one
+thread's, a second thread is a bug to report, and a critical section would be suspended
+whenever a handler blocks -- exactly when the second thread would get in.  The claim is
+re-entrant for the owning thread, because a handler legitimately calls back: on_frame may
+close() its receiver, set ``hold``, close the arena or read another receiver of the same
+arena (the ``busy`` marks then do what they did).  The counters (reads, bytes_in,
+frames_in, scratch_swaps, fallbacks) are relaxed atomics written by the owner only, so a
+stats reader on any thread needs no claim and never sees a torn value; fd, header_size,
+max_frame, max_reads and copy_frames are fixed at construction.  Views handed out may be
+released in any thread: pins are atomic counts.
 """
 cimport cython
 from cpython.ref cimport PyObject, Py_INCREF
@@ -124,6 +138,20 @@ from aoprim.atomic_h cimport (
 )
 from aoprim._slab cimport SlabPool, Slot, aop_slab_take
 from aoprim._proxyproto cimport ProxyParser, AOP_PP_MORE, AOP_PP_DONE
+from aoprim._owner cimport tclaim, tunclaim, TCLAIM_OUTER
+from aoprim.atomic_h cimport aop_atomic_i64, aop_load_u64p, aop_store_u64p
+
+
+cdef inline void _bump(int64_t *c, int64_t n) noexcept nogil:
+    # relaxed load and store, not an RMW: only the claimed owner writes a counter; other
+    # threads read it relaxed (statistics), and an aligned atomic store is never torn.  The
+    # fields stay int64_t (cimporters read them as such); the access is atomic.
+    cdef uint64_t *u = <uint64_t *>c
+    aop_store_u64p(u, aop_load_u64p(u, AOP_RELAXED) + <uint64_t>n, AOP_RELAXED)
+
+
+cdef inline int64_t _count(int64_t *c) noexcept nogil:
+    return <int64_t>aop_load_u64p(<uint64_t *>c, AOP_RELAXED)   # relaxed: statistics
 
 cdef extern from "Python.h":
     int PyBUF_WRITABLE
@@ -297,7 +325,7 @@ cdef object _slot_or_heap_of(RxArena a, SlabPool pool, Py_ssize_t size):
     cdef int64_t i = aop_slab_take(pool.slab)
     if i >= 0:
         return pool._bind(i)
-    a.fallbacks += 1
+    _bump(&a.fallbacks, 1)
     return _heap(size)
 
 
@@ -501,8 +529,10 @@ cdef class RxArena:
             self.raw_pool = raw_pool
             self.bptr = (<Slot>self.big).ptr
             self.bsize = raw_pool.slab.slot_size
-        self.swaps = 0
-        self.fallbacks = 0
+        # relaxed: the arena is not published to another thread yet
+        aop_store_u64p(<uint64_t *>&self.swaps, 0, AOP_RELAXED)
+        aop_store_u64p(<uint64_t *>&self.fallbacks, 0, AOP_RELAXED)
+        aop_store_i64(&self.tid, 0, AOP_RELAXED)
         self.closed = False
         self.busy = False
 
@@ -522,7 +552,7 @@ cdef class RxArena:
         cdef object new = self._slot_or_heap()
         self.scratch = new
         self.sptr = _bptr(new)
-        self.swaps += 1
+        _bump(&self.swaps, 1)
         self.busy = False   # the flag describes the scratch in place
         _bgive(old)         # goes back when its last view dies
         return 0
@@ -561,7 +591,7 @@ cdef class RxArena:
         new = _slot_or_heap_of(self, self.raw_pool, self.bsize)
         self.big = new
         self.bptr = _bptr(new)
-        self.swaps += 1
+        _bump(&self.swaps, 1)
         self.bbusy = False
         _bgive(old)
         return 0
@@ -569,12 +599,17 @@ cdef class RxArena:
     def close(self):
         """Give the scratch and the big buffer back (each when its last view dies, if views
         are alive).  Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.frames is not None:
-            self.frames.c_close()
-        _give_bufs(self)
+        cdef int t = tclaim(&self.tid, "RxArena")
+        try:
+            if self.closed:
+                return
+            self.closed = True
+            if self.frames is not None:
+                self.frames.c_close()
+            _give_bufs(self)
+        finally:
+            if t == TCLAIM_OUTER:
+                tunclaim(&self.tid)
 
     @property
     def pool(self):
@@ -620,21 +655,25 @@ cdef class RxArena:
     def scratch_swaps(self):
         """Times the scratch (or the big buffer) was replaced because a frame view of it
         escaped."""
-        return self.swaps
+        return _count(&self.swaps)
 
     @property
     def fallbacks(self):
         """Times a heap buffer of slot size was used because the pool was exhausted."""
-        return self.fallbacks
+        return _count(&self.fallbacks)
 
     @property
     def closed(self):
         """True once close() ran."""
-        return self.closed
+        cdef int t = tclaim(&self.tid, "RxArena")
+        c = self.closed
+        if t == TCLAIM_OUTER:
+            tunclaim(&self.tid)
+        return c
 
     def __repr__(self):
         return (f"<RxArena slot_size={self.size} closed={self.closed} "
-                f"scratch_swaps={self.swaps} fallbacks={self.fallbacks}>")
+                f"scratch_swaps={_count(&self.swaps)} fallbacks={_count(&self.fallbacks)}>")
 
     def __reduce__(self):
         raise TypeError("RxArena objects cannot be pickled")
@@ -782,7 +821,25 @@ cdef class Receiver:
     # ---- the read path -----------------------------------------------------------------------
 
     cdef int c_on_readable(self) except -1:
-        cdef RxArena arena = self.arena
+        cdef int t = tclaim(&self.tid, "Receiver")
+        cdef int ta = 0
+        cdef RxArena arena
+        try:
+            arena = self.arena
+            if arena is not None:
+                ta = tclaim(&arena.tid, "RxArena")
+                try:
+                    self._on_readable(arena)
+                finally:
+                    if ta == TCLAIM_OUTER:
+                        tunclaim(&arena.tid)
+        finally:
+            if t == TCLAIM_OUTER:
+                tunclaim(&self.tid)
+        return 0
+
+    cdef int _on_readable(self, RxArena arena) except -1:
+        # both claims held (see c_on_readable)
         if (self.closed or self.busy or self.failed or self.hold or arena is None
                 or arena.closed):
             return 0            # hold: the owner paused reading -- no recv, no delivery
@@ -826,11 +883,19 @@ cdef class Receiver:
         recv is made in the call that is running, and on_readable() does nothing while it
         stays set.  Frames already received stay buffered (``pending``): after clearing it,
         call on_readable() to deliver them -- the socket may have nothing new to report."""
-        return self.hold
+        cdef int t = tclaim(&self.tid, "Receiver")
+        h = self.hold
+        if t == TCLAIM_OUTER:
+            tunclaim(&self.tid)
+        return h
 
     @hold.setter
     def hold(self, v):
-        self.hold = bool(v)
+        cdef bint h = bool(v)         # (its __bool__ runs before the claim)
+        cdef int t = tclaim(&self.tid, "Receiver")
+        self.hold = h
+        if t == TCLAIM_OUTER:
+            tunclaim(&self.tid)
 
     @property
     def source(self):
@@ -842,14 +907,24 @@ cdef class Receiver:
         is there now, or -errno for an error (given to on_event as RX_ERROR).  The view is
         released when it returns; it must not be kept.  The source may close the receiver.
         A PROXY header (``proxy``) is looked for in what the source returns."""
-        return self.source
+        cdef int t = tclaim(&self.tid, "Receiver")
+        try:
+            return self.source
+        finally:
+            if t == TCLAIM_OUTER:
+                tunclaim(&self.tid)
 
     @source.setter
     def source(self, v):
         if v is not None and not callable(v):
             raise TypeError("source must be callable or None")
-        self.source = v
-        self.csource = v if isinstance(v, _RxSource) else None
+        cdef int t = tclaim(&self.tid, "Receiver")
+        try:
+            self.source = v
+            self.csource = v if isinstance(v, _RxSource) else None
+        finally:
+            if t == TCLAIM_OUTER:
+                tunclaim(&self.tid)
 
     @property
     def max_reads(self):
@@ -930,8 +1005,8 @@ cdef class Receiver:
                 elif err != EAGAIN and err != EWOULDBLOCK and err != EINTR:
                     self._event(AOP_RX_ERROR, err)
                 return 0
-            self.reads += 1
-            self.bytes_in += n
+            _bump(&self.reads, 1)
+            _bump(&self.bytes_in, n)
             self.filled = n == room
             end += n
         self.pending = False
@@ -1128,7 +1203,7 @@ cdef class Receiver:
         else:
             data = self._view(buf, p, n)
         ppos[0] = newpos
-        self.frames_in += 1
+        _bump(&self.frames_in, 1)
         try:
             self.on_frame(self.owner, data)
         except Exception as e:
@@ -1250,19 +1325,47 @@ cdef class Receiver:
     def close(self):
         """Give every buffer back (a slot with live views goes back with its last view), stop
         delivering, drop the callbacks and the owner.  Exactly once; idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        self.pp = None              # (a PROXY header still expected: no longer)
-        self.source = None
-        self.csource = None
+        cdef int t = tclaim(&self.tid, "Receiver")
         try:
-            self._drop_own()
+            if self.closed:
+                return
+            self.closed = True
+            self.pp = None              # (a PROXY header still expected: no longer)
+            self.source = None
+            self.csource = None
+            try:
+                self._drop_own()
+            finally:
+                self.on_frame = None
+                self.on_event = None
+                self.owner = None
+                self.arena = None
         finally:
-            self.on_frame = None
-            self.on_event = None
-            self.owner = None
-            self.arena = None
+            if t == TCLAIM_OUTER:
+                tunclaim(&self.tid)
+
+    cdef object _locked(self, int what):
+        # the properties that read several fields or an object field, under the claim
+        cdef int t = tclaim(&self.tid, "Receiver")
+        try:
+            if what == 0:
+                return self.closed
+            if what == 1:               # buffered
+                if self.own != NULL:
+                    return self.end - self.pos
+                return self.pp.total if self.pp is not None else 0
+            if what == 2:
+                return self.pp is not None
+            if what == 3:
+                return self.own != NULL and type(<object>self.own) is Slot
+            if what == 4:
+                return self.pending
+            return (f"<Receiver fd={self.fd} header_size={self.hs} closed={self.closed} "
+                    f"reads={_count(&self.reads)} frames_in={_count(&self.frames_in)} "
+                    f"buffered={self.end - self.pos if self.own != NULL else 0}>")
+        finally:
+            if t == TCLAIM_OUTER:
+                tunclaim(&self.tid)
 
     @property
     def fd(self):
@@ -1272,47 +1375,45 @@ cdef class Receiver:
     @property
     def closed(self):
         """True once close() ran."""
-        return self.closed
+        return self._locked(0)
 
     @property
     def reads(self):
-        """recv calls that returned data."""
-        return self.reads
+        """recv calls that returned data (any thread: a relaxed atomic)."""
+        return _count(&self.reads)
 
     @property
     def bytes_in(self):
-        """Bytes received."""
-        return self.bytes_in
+        """Bytes received (any thread: a relaxed atomic)."""
+        return _count(&self.bytes_in)
 
     @property
     def frames_in(self):
-        """Frames handed to on_frame."""
-        return self.frames_in
+        """Frames handed to on_frame (any thread: a relaxed atomic)."""
+        return _count(&self.frames_in)
 
     @property
     def buffered(self):
         """Bytes kept for an unfinished frame (or undelivered frames), or of an unfinished
         PROXY header; 0 when none."""
-        if self.own != NULL:
-            return self.end - self.pos
-        return self.pp.total if self.pp is not None else 0
+        return self._locked(1)
 
     @property
     def proxy_pending(self):
         """True while a PROXY header is expected and not yet complete."""
-        return self.pp is not None
+        return self._locked(2)
 
     @property
     def holds_slot(self):
         """True while this receiver owns a pool slot."""
-        return self.own != NULL and type(<object>self.own) is Slot
+        return self._locked(3)
 
     @property
     def pending(self):
         """True while received bytes wait -- left by a handler exception, a BaseException,
         or ``hold`` set between frames -- for the next on_readable(), which delivers them
         before reading."""
-        return self.pending
+        return self._locked(4)
 
     @property
     def header_size(self):
@@ -1330,9 +1431,7 @@ cdef class Receiver:
         return self.copy_frames
 
     def __repr__(self):
-        return (f"<Receiver fd={self.fd} header_size={self.hs} closed={self.closed} "
-                f"reads={self.reads} frames_in={self.frames_in} "
-                f"buffered={self.end - self.pos if self.own != NULL else 0}>")
+        return self._locked(5)
 
     def __reduce__(self):
         raise TypeError("Receiver objects cannot be pickled")
