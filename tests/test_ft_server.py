@@ -17,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 
 import pytest
 
@@ -481,6 +482,19 @@ def test_a_cpu_bound_handler_on_two_workers_answers_every_frame_in_order(backend
     assert_no_leaks(srv, fds)
 
 
+def survives(code):
+    """Run ``code`` (which takes its duration in seconds) in fresh interpreters, 2 s at a
+    time, for 12 s on a free-threaded build (where the race is real) and 2 s on a GIL one;
+    fail with the first run that did not exit 0 (a crash: -11)."""
+    end = time.monotonic() + (12 if FREE_THREADED else 2)
+    while True:
+        r = subprocess.run([sys.executable, "-c", code, "2"], capture_output=True, text=True,
+                           timeout=100)
+        assert r.returncode == 0, f"exit status {r.returncode}: {r.stderr[-2000:]}"
+        if time.monotonic() >= end:
+            return
+
+
 # Timers cancelled on two threads other than the loop's (documented loop-thread-only: misuse)
 # while the loop runs due timers; cancelling many far ones makes the heap compact itself.
 CANCEL_RACE = r"""
@@ -528,10 +542,51 @@ core.close()
 def test_an_epoll_timer_cancelled_on_another_thread_never_crashes_the_loop():
     """Misuse -- cancel() belongs to the loop thread -- may be refused or misbehave, but the
     interpreter must survive it (a subprocess: a crash must not take pytest with it)."""
-    secs = "4" if FREE_THREADED else "2"
-    r = subprocess.run([sys.executable, "-c", CANCEL_RACE, secs], capture_output=True,
-                       text=True, timeout=100)
-    assert r.returncode == 0, f"exit status {r.returncode}: {r.stderr[-2000:]}"
+    survives(CANCEL_RACE)
+
+
+# An fd's callbacks replaced on two threads other than the loop's (misuse: loop-thread-only)
+# while the loop dispatches that fd: the fd table holds the only reference to each callback.
+SET_CALLBACKS_RACE = r"""
+import socket, sys, threading, time
+from aoprim import EpollCore
+secs = float(sys.argv[1])
+core = EpollCore()
+pairs = [socket.socketpair() for _ in range(16)]
+for a, b in pairs:
+    b.send(b"x")
+hits = [0]
+def make():
+    return lambda: hits.__setitem__(0, hits[0] + 1)
+for a, _ in pairs:
+    core.set_callbacks(a.fileno(), make(), None)
+def swapper():
+    end = time.monotonic() + secs
+    while time.monotonic() < end:
+        for a, _ in pairs:
+            core.set_callbacks(a.fileno(), make(), None)
+    core.call_soon_threadsafe(core.stop)
+ths = [threading.Thread(target=swapper) for _ in range(2)]
+core.call_soon(lambda: [t.start() for t in ths])
+core.run()
+for t in ths:
+    t.join()
+for a, _ in pairs:
+    core.remove(a.fileno())
+core.close()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(FREE_THREADED, strict=True, reason=(
+    "EpollCore.set_callbacks() on another thread stores into the fd table (rd[fd] = ...) "
+    "while the loop thread takes the callback with a borrowed PyList_GET_ITEM(rd, fd) "
+    "(aoprim/_eloop.pyx, _run's dispatch): the callback is freed under the loop, a segfault "
+    "on a free-threaded build"))
+def test_callbacks_set_on_another_thread_never_crash_the_epoll_loop():
+    """Misuse -- set_callbacks() belongs to the loop thread -- may be refused, but must not
+    crash the interpreter (a subprocess: a crash must not take pytest with it)."""
+    survives(SET_CALLBACKS_RACE)
 
 
 # -- docs/threads.md names every public type ---------------------------------------------
