@@ -21,8 +21,9 @@ the poll/select variants test the selectors module, not the loop or its transpor
                        file drives SSLProtocol with mock transports, not a loop)
   test_unix_events     SelectorEventLoopUnixSocketTests  (create_unix_server/_connection)
 
-No test of these classes is skipped (``EXCLUDED`` below, the place for one with its reason,
-is empty): 226 tests and 12 subtests, the same that pass on asyncio's default loop.  Left
+One test of these classes is skipped (``EXCLUDED`` below, with its reason: a white-box test
+of the default loop's private transport attributes, in CPython 3.13.5 and later); the others,
+226 tests and 12 subtests on 3.13.0, are the same that pass on asyncio's default loop.  Left
 out (the README's "asyncio loop" section lists them too):
 
 - the PollEventLoopTests / SelectEventLoopTests variants of test_events, test_sock_lowlevel
@@ -61,6 +62,15 @@ POLICY = asyncio.DefaultEventLoopPolicy if BASELINE else aoprim.aio.EventLoopPol
 
 # test id (Class.test_method) -> why it is not run on aoprim's loop
 EXCLUDED = {
+    # (CPython 3.13.5+) fakes a full socket buffer by reaching into asyncio's own
+    # _SelectorSocketTransport: its side effect reads the private `_read_ready_cb` and swaps
+    # the private `_sock` for a wrapper whose send() writes half.  aoprim's transport has
+    # neither (it writes through the fd), so the mock raises AttributeError from write();
+    # the test's server thread then spins for ever on recv() returning b"" (it does not
+    # handle EOF).  The public behaviour it guards (all data, then close_notify, after the
+    # peer's close_notify) is test_remote_shutdown_receives_trailing_data, which runs.
+    "TestSSL.test_remote_shutdown_receives_trailing_data_on_slow_socket":
+        "white-box: patches asyncio's private _SelectorSocketTransport._sock/_read_ready_cb",
 }
 
 
