@@ -63,7 +63,9 @@ def _peer(module, attr):
         mod = __import__(module, fromlist=[attr])
     except ImportError as e:
         pkg = {"ft_utils.concurrency": "ft-utils", "cereggii": "cereggii"}[module]
-        raise Unavailable(f"{pkg} is not installed here ({e}); `pip install {pkg}`") from None
+        raise Unavailable(f"{pkg} is not installed here ({e}); `pip install {pkg}` (on 3.13t "
+                          "there may be no wheel: pip then builds the sdist, which needs its "
+                          "build tools to find this interpreter)") from None
     return getattr(mod, attr)
 
 
@@ -122,9 +124,14 @@ def _counter_shared(kind):
             return body, c.get
         if kind == "cereggii":
             c = _peer("cereggii", "AtomicInt64")(0)
+            name = next((m for m in ("increment_and_get", "get_and_increment")
+                         if hasattr(c, m)), None)
+            if name is None:
+                raise Unavailable("this cereggii's AtomicInt64 has neither increment_and_get "
+                                  "nor get_and_increment")
 
             def body():
-                add = c.increment_and_get
+                add = getattr(c, name)
                 for _ in range(per):
                     add(1)
                 return per
