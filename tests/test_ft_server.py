@@ -322,9 +322,11 @@ def test_sends_broadcasts_and_closes_from_threads_under_a_worker_load(backend, w
 @pytest.mark.parametrize("workers", [2, 4])
 def test_shutdown_while_threads_send_and_broadcast_leaves_nothing_held(backend, workers):
     """shutdown() while 4 threads go on sending bytes and ``Slot``s and broadcasting: no
-    sender sees an exception (sends after the close are dropped), every client's stream is
-    whole frames only, each thread's items in order with no gap, ``on_close`` exactly once,
-    every slot back in the test's pool and in the server's, no fd left."""
+    sender sees an exception (sends after the close are dropped), every client gets whole
+    frames, each thread's items in order with no gap (the last frame may be cut only where
+    the session was aborted: the senders can outrun a client past ``max_pending``),
+    ``on_close`` exactly once, every slot back in the test's pool and in the server's, no
+    fd left."""
     nconn, nthreads, warm = 4, 4, scaled(50)
     fds = open_fds()
     pool = SlabPool(256, 1024)
@@ -381,7 +383,9 @@ def test_shutdown_while_threads_send_and_broadcast_leaves_nothing_held(backend, 
     assert not rerrs, rerrs
     for k, c in enumerate(clients):
         assert not c.errors, c.errors
-        assert c.leftover == b"", f"session {k}: a frame cut short"
+        # a stream the server closed gracefully ends on a frame boundary; one it aborted
+        # (max_pending: the senders outrun this client; or shutdown_timeout) may not
+        assert c.how == "reset" or c.leftover == b"", f"session {k}: a frame cut short"
         echoes, items = c.sequences()
         assert not echoes
         for t in range(nthreads):
