@@ -148,6 +148,96 @@ cdef extern from *:
     bint AOP_Q_FREE_THREADED     # a compile-time constant: the C compiler drops dead branches
 
 
+# ---- fast entries for the hot methods ---------------------------------------------------
+# put(x), get(), put_nowait(x) and get_nowait() are most of a queue's calls.  Cython's own
+# wrapper of a def method parses every call shape (keywords, defaults) and takes a reference
+# to each argument and default for the call's duration; on a free-threaded build each of
+# those reference-count operations costs several instructions more, and one on an argument
+# owned by another thread is an atomic operation.  That parsing was half of put()'s
+# instructions on 3.13t.  So each of these methods gets a small C entry (q_fast_install,
+# at import) that handles the common shapes -- no keywords, and exactly the positional
+# arguments the fast function takes -- by calling a cdef function with borrowed arguments,
+# and hands every other shape to Cython's wrapper unchanged (its checks and messages stay
+# the only ones).  The entry replaces ml_meth in the method's own PyMethodDef, which every
+# descriptor and bound method of it reads on each call, before any call can happen (the
+# module is still initialising); a method whose flags are not the expected FASTCALL |
+# KEYWORDS keeps Cython's wrapper.
+cdef extern from *:
+    """
+    typedef PyObject *(*aop_q_fastcall_t)(PyObject *, PyObject *const *, Py_ssize_t, PyObject *);
+    typedef struct {
+        aop_q_fastcall_t full;                     /* Cython's wrapper: every call shape */
+        PyObject *(*f0)(PyObject *);               /* no arguments, no keywords */
+        PyObject *(*f1)(PyObject *, PyObject *);   /* one positional argument, no keywords */
+    } aop_q_fast_t;
+
+    #define AOP_Q_FAST_ENTRY(NAME) \
+        static __attribute__((unused)) aop_q_fast_t NAME##_fast; \
+        static __attribute__((unused)) PyObject *NAME##_entry(PyObject *self, PyObject *const *args, \
+                                      Py_ssize_t nargsf, PyObject *kwnames) \
+        { \
+            Py_ssize_t nargs = PyVectorcall_NARGS(nargsf); \
+            if (kwnames == NULL) { \
+                if (nargs == 0 && NAME##_fast.f0) return NAME##_fast.f0(self); \
+                if (nargs == 1 && NAME##_fast.f1) return NAME##_fast.f1(self, args[0]); \
+            } \
+            return NAME##_fast.full(self, args, nargsf, kwnames); \
+        }
+    AOP_Q_FAST_ENTRY(aop_q_put)
+    AOP_Q_FAST_ENTRY(aop_q_put_nowait)
+    AOP_Q_FAST_ENTRY(aop_q_get)
+    AOP_Q_FAST_ENTRY(aop_q_get_nowait)
+
+    /* Point the method `name` of tp at entry, keeping Cython's wrapper in fast->full.
+     * 0 when installed, 1 when the method is not a FASTCALL | KEYWORDS method descriptor
+     * (left as it is), -1 with an exception set. */
+    static __attribute__((unused)) int aop_q_fast_install(PyTypeObject *tp, const char *name,
+                                                          aop_q_fast_t *fast, aop_q_fastcall_t entry)
+    {
+        PyMethodDef *def;
+        PyObject *d = PyDict_GetItemString(tp->tp_dict, name);   /* borrowed */
+        if (d == NULL) {
+            PyErr_Format(PyExc_AttributeError, "%s has no method %s", tp->tp_name, name);
+            return -1;
+        }
+        if (!PyObject_TypeCheck(d, &PyMethodDescr_Type)) return 1;
+        def = ((PyMethodDescrObject *)d)->d_method;
+        if (def->ml_flags != (METH_FASTCALL | METH_KEYWORDS)) return 1;
+        fast->full = (aop_q_fastcall_t)(void (*)(void))def->ml_meth;
+        def->ml_meth = (PyCFunction)(void (*)(void))entry;
+        return 0;
+    }
+    """
+    ctypedef struct aop_q_fast_t:
+        object (*f0)(object)
+        object (*f1)(object, object)
+    ctypedef void *aop_q_fastcall_t
+    aop_q_fast_t aop_q_put_fast, aop_q_put_nowait_fast, aop_q_get_fast, aop_q_get_nowait_fast
+    void *aop_q_put_entry
+    void *aop_q_put_nowait_entry
+    void *aop_q_get_entry
+    void *aop_q_get_nowait_entry
+    int aop_q_fast_install(type tp, const char *name, aop_q_fast_t *fast,
+                           aop_q_fastcall_t entry) except -1
+
+
+cdef inline int q_fast_install(type tp, object (*put1)(object, object),
+                               object (*put_nowait1)(object, object),
+                               object (*get0)(object), object (*get_nowait0)(object)) except -1:
+    """Give tp's put/put_nowait/get/get_nowait their fast entries (see above); at import."""
+    aop_q_put_fast.f1 = put1
+    aop_q_put_nowait_fast.f1 = put_nowait1
+    aop_q_get_fast.f0 = get0
+    aop_q_get_nowait_fast.f0 = get_nowait0
+    aop_q_fast_install(tp, b"put", &aop_q_put_fast, <aop_q_fastcall_t>aop_q_put_entry)
+    aop_q_fast_install(tp, b"put_nowait", &aop_q_put_nowait_fast,
+                       <aop_q_fastcall_t>aop_q_put_nowait_entry)
+    aop_q_fast_install(tp, b"get", &aop_q_get_fast, <aop_q_fastcall_t>aop_q_get_entry)
+    aop_q_fast_install(tp, b"get_nowait", &aop_q_get_nowait_fast,
+                       <aop_q_fastcall_t>aop_q_get_nowait_entry)
+    return 0
+
+
 ctypedef aop_mpmc_t *mpmc_ptr
 ctypedef aop_spsc_t *spsc_ptr
 ctypedef fused qptr:
@@ -351,7 +441,7 @@ cdef inline int q_drain_dealloc(qptr q) noexcept:
     return 0
 
 
-cdef inline object _q_put(qptr q, object item, object block, object timeout):
+cdef inline int _q_put(qptr q, object item, object block, object timeout) except -1:
     cdef int64_t ns = -1
     cdef uint64_t v = q_word(item)
     cdef int r
@@ -361,7 +451,7 @@ cdef inline object _q_put(qptr q, object item, object block, object timeout):
     Py_INCREF(item)                  # the queue's reference, taken before publication
     r = q_push(q, v)
     if r == AOP_Q_OK:
-        return None
+        return 0
     if (r == AOP_Q_RETRY or r == AOP_Q_BUSY) and ns != 0:
         try:
             r = q_wait_push(q, &v, ns)
@@ -369,12 +459,12 @@ cdef inline object _q_put(qptr q, object item, object block, object timeout):
             Py_DECREF(item)          # interrupted: not queued
             raise
         if r == AOP_Q_OK:
-            return None
+            return 0
     Py_DECREF(item)                  # not queued: the caller still holds item
-    q_raise(r, True)
+    return q_raise(r, True)
 
 
-cdef inline object _q_put_nowait(qptr q, object item):
+cdef inline int _q_put_nowait(qptr q, object item) except -1:
     cdef int r
     q_obj_mode(&q.mode)
     Py_INCREF(item)                  # the queue's reference, taken before publication
@@ -382,7 +472,7 @@ cdef inline object _q_put_nowait(qptr q, object item):
     if r != AOP_Q_OK:
         Py_DECREF(item)              # not queued: the caller still holds item
         q_raise(r, True)
-    return None
+    return 0
 
 
 cdef inline object _q_get(qptr q, object block, object timeout):
@@ -556,7 +646,7 @@ cdef inline list _q_get_many(qptr q, object max_items):
 # The entry points: MPMC goes straight to the bodies above; SPSC brackets them with its side's
 # misuse check (a relaxed load in GIL builds; a claim in free-threaded ones).
 
-cdef inline object q_put(qptr q, object item, object block, object timeout):
+cdef inline int q_put(qptr q, object item, object block, object timeout) except -1:
     if qptr is spsc_ptr:
         spsc_enter(&q.pclaim, True)
         try:
@@ -566,7 +656,7 @@ cdef inline object q_put(qptr q, object item, object block, object timeout):
     else:
         return _q_put(q, item, block, timeout)
 
-cdef inline object q_put_nowait(qptr q, object item):
+cdef inline int q_put_nowait(qptr q, object item) except -1:
     if qptr is spsc_ptr:
         spsc_enter(&q.pclaim, True)
         try:

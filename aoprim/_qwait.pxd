@@ -14,7 +14,7 @@ aop_queue.h.
 """
 from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from libc.math cimport isnan
-from cpython.ref cimport PyObject, Py_DECREF
+from cpython.ref cimport PyObject
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.number cimport PyNumber_Index
 from cpython.exc cimport PyErr_CheckSignals
@@ -41,14 +41,24 @@ cdef extern from "aop_queue.h" nogil:
     uint64_t aop_q_round_capacity(uint64_t n) noexcept
 
 
+cdef extern from *:
+    """
+    /* The queue's strong reference, handed over as is: declared to Cython as returning a new
+     * reference, so taking the word costs no reference-count operation at all. */
+    #define aop_q_take_ref(v) ((PyObject *)(uintptr_t)(v))
+    """
+    object aop_q_take_ref(uint64_t v)
+
+
 cdef inline object q_steal(uint64_t v):
-    """The object whose strong reference travelled in v; the reference passes to the caller."""
-    cdef object o = <object><PyObject *><uintptr_t>v   # +1 (Cython's own reference)
-    Py_DECREF(o)                                       # drop the queue's: net hand-over
-    return o
+    """The object whose strong reference travelled in v; the reference passes to the caller
+    unchanged.  No reference count is touched: on a free-threaded build an item put by
+    another thread is not owned by the getter, and each count change on it would be an
+    atomic operation on a cache line its owner writes too (biased reference counting)."""
+    return aop_q_take_ref(v)
 
 
-cdef inline uint64_t q_word(object o):
+cdef inline uint64_t q_word(object o) noexcept:
     return <uint64_t><uintptr_t><PyObject *>o
 
 

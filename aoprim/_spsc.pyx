@@ -19,7 +19,7 @@ from aoprim._qcore cimport (
     aop_spsc_new, q_drain_dealloc, q_put, q_put_nowait, q_get, q_get_nowait, q_put_many,
     q_get_many, q_size, q_close, q_repr, q_task_done, q_join,
     q_get_settled, q_put_settled, q_async_register, q_async_unregister, q_async_any, q_async_wake,
-    q_running_loop,
+    q_running_loop, q_fast_install,
 )
 from aoprim._qasync import async_methods as _async_methods
 from aoprim.errors import Empty, Full
@@ -66,33 +66,25 @@ cdef class SPSCQueue:
         """SPSCQueue[int]: a generic alias for annotations, as queue.Queue[int]."""
         return GenericAlias(cls, item)
 
+    # put / put_nowait / get / get_nowait: the bodies are the cdef functions below the class,
+    # which the fast entries call too (aoprim/_qcore.pxd, "fast entries")
     def put(self, item, block=True, timeout=None):
         """Put item; if full, wait (block=True) at most timeout seconds (None: forever).
         Full if no room in time, Closed if the queue is (or gets) closed."""
-        q_put(self.q, item, block, timeout)
-        if q_async_any(&self._nagetters):
-            q_async_wake(self._agetters, &self._nagetters, _wake_future, 1)
+        return _put(self, item, block, timeout)
 
     def put_nowait(self, item):
         """Put item without waiting: Full if there is no room, Closed if closed."""
-        q_put_nowait(self.q, item)
-        if q_async_any(&self._nagetters):
-            q_async_wake(self._agetters, &self._nagetters, _wake_future, 1)
+        return _put_nowait(self, item)
 
     def get(self, block=True, timeout=None):
         """Remove and return an item; if empty, wait (block=True) at most timeout seconds.
         Empty if none in time; Closed once the queue is closed and drained."""
-        item = q_get(self.q, block, timeout)
-        if q_async_any(&self._naputters):
-            q_async_wake(self._aputters, &self._naputters, _wake_future, 1)
-        return item
+        return _get(self, block, timeout)
 
     def get_nowait(self):
         """Remove and return an item without waiting: Empty, or Closed once drained."""
-        item = q_get_nowait(self.q)
-        if q_async_any(&self._naputters):
-            q_async_wake(self._aputters, &self._naputters, _wake_future, 1)
-        return item
+        return _get_nowait(self)
 
     def put_many(self, iterable):
         """Enqueue items from iterable, in order, until the queue is full; return how many
@@ -214,6 +206,56 @@ cdef class SPSCQueue:
 
     def __repr__(self):
         return q_repr(self.q, "SPSCQueue", id(self))
+
+
+# ---- the hot methods' bodies (borrowed arguments: no reference is taken on self or item) ---
+
+cdef object _put(SPSCQueue self, object item, object block, object timeout):
+    q_put(self.q, item, block, timeout)
+    if q_async_any(&self._nagetters):
+        q_async_wake(self._agetters, &self._nagetters, _wake_future, 1)
+    return None
+
+
+cdef object _put_nowait(SPSCQueue self, object item):
+    q_put_nowait(self.q, item)
+    if q_async_any(&self._nagetters):
+        q_async_wake(self._agetters, &self._nagetters, _wake_future, 1)
+    return None
+
+
+cdef object _get(SPSCQueue self, object block, object timeout):
+    item = q_get(self.q, block, timeout)
+    if q_async_any(&self._naputters):
+        q_async_wake(self._aputters, &self._naputters, _wake_future, 1)
+    return item
+
+
+cdef object _get_nowait(SPSCQueue self):
+    item = q_get_nowait(self.q)
+    if q_async_any(&self._naputters):
+        q_async_wake(self._aputters, &self._naputters, _wake_future, 1)
+    return item
+
+
+# the fast entries' functions: put(x), put_nowait(x), get(), get_nowait()
+cdef object _put1(object self, object item):
+    return _put(<SPSCQueue>self, item, True, None)
+
+
+cdef object _put_nowait1(object self, object item):
+    return _put_nowait(<SPSCQueue>self, item)
+
+
+cdef object _get0(object self):
+    return _get(<SPSCQueue>self, True, None)
+
+
+cdef object _get_nowait0(object self):
+    return _get_nowait(<SPSCQueue>self)
+
+
+q_fast_install(SPSCQueue, _put1, _put_nowait1, _get0, _get_nowait0)
 
 
 # ---- the cyclic GC ------------------------------------------------------------------------
