@@ -174,7 +174,7 @@ def test_pause_reading_stops_data_received(servers):
     with pytest.raises(socket.timeout):
         s.recv(10)
     assert got == [b"pause"]
-    srv.sessions[0].user[1].resume_reading()     # the transport, from another thread
+    srv.sessions[0].user.resume_reading()     # the transport, from another thread
     assert recv_exact(s, 5) == b"later"
     s.close()
 

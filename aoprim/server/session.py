@@ -93,7 +93,10 @@ _SOL_SOCKET = socket.SOL_SOCKET
 _SO_LINGER = socket.SO_LINGER
 # struct linger {int l_onoff; int l_linger;}: off, and on with 0 (a reset) never block close()
 _LINGER_OFF = bytes(8)
-_NO_BLOCKING_LINGER = (_LINGER_OFF, (1).to_bytes(4, sys.byteorder) + bytes(4))
+_LINGER_RESET = (1).to_bytes(4, sys.byteorder) + bytes(4)
+_NO_BLOCKING_LINGER = (_LINGER_OFF, _LINGER_RESET)
+# the close causes that are a server limit cutting the session (see Session.limit_error)
+_LIMIT_CAUSES = frozenset(("max_pending", "timeout", "linger"))
 # pause reasons under which the server itself keeps a session from being read: its idle and
 # frame clocks stop (rx.Rx.sweep)
 # (PAUSE_EOF: a half-closed peer waits for the replies its frames still queued for a worker)
@@ -144,7 +147,8 @@ class Session:
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
-                 "_rest", "__weakref__")
+                 "_rest", "_transport", "_limit", "_limit_cause", "_progress_at",
+                 "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
     #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
@@ -210,6 +214,14 @@ class Session:
         # workers=0: the rest of a frame that on_read handed back with unread() after pausing
         # reading; delivered first once reading resumes
         self._rest: bytes | None = None
+        # an asyncio transport's rules (set_transport_rules): close() waits for the backlog,
+        # max_pending counts what was pending before each send
+        self._transport = False
+        # the reason and cause when a server limit (max_pending, a timeout, close_linger)
+        # ended the session, else None (see limit_error)
+        self._limit: str | None = None
+        self._limit_cause: str | None = None
+        self._progress_at = 0.0             # a transport's close: when the peer last took bytes
 
     # the Receiver looks for the PROXY header (a TLS session reads it before the handshake)
     _rx_proxy = True
@@ -395,6 +407,72 @@ class Session:
             self._close_requested = True
             self._loop.call_soon_threadsafe(self._abort, "aborted by the application")
 
+    def abort_sending(self) -> None:
+        """abort() that first hands what is queued to the kernel with one non-blocking
+        attempt (TLS: encrypted and sent), as an asyncio transport's ``write()`` has already
+        tried the socket before ``abort()``: the peer gets what fits in the socket buffer,
+        the rest is dropped.  Thread-safe (off the loop thread, the attempt comes after the
+        sends this thread made before)."""
+        if self._state == CLOSED:
+            return
+        if _get_ident() == self._loop.thread_id:
+            self._send_then_abort()
+        else:
+            self._close_requested = True
+            self._loop.call_soon_threadsafe(self._send_then_abort)
+
+    def _send_then_abort(self) -> None:
+        if self._state == CLOSED:
+            return
+        if not self._lingering:
+            self._send_once()
+        self._abort("aborted by the application")
+
+    def _send_once(self) -> None:
+        """One non-blocking attempt to write what the batch holds (loop thread).  A TLS
+        session's batch is outside the FlushGroup: the server's TLS flush (the iteration
+        hook, run early) encrypts and sends it."""
+        b = self._batch
+        try:
+            if b.group is not None:
+                if b.pending_bytes:
+                    b.flush()
+            elif self._ctx.tls is not None and self.pending_bytes:
+                self._ctx.tls.flush()
+        except (OSError, RuntimeError):
+            pass            # (the abort follows: a send error changes nothing)
+
+    def set_transport_rules(self) -> None:
+        """An asyncio transport's rules for this session (the asyncio adapter, loop thread,
+        before any send): ``close()`` waits until the backlog is sent, with no
+        ``close_linger`` bound (only ``idle_timeout``, if set, cuts a peer that takes
+        nothing: check_timeouts), and ``max_pending`` is checked against what was pending
+        before each send (:meth:`over_max_pending`), never cutting a single large write."""
+        self._transport = True
+
+    def over_max_pending(self) -> bool:
+        """A transport's check before a send (any thread): more than
+        ``max(max_pending, high)`` bytes pending (``high``: the write limits' high-water
+        mark) means the writer ignores ``pause_writing``: the session is dropped (a reset;
+        connection_lost gets a ConnectionAbortedError naming the limit) and True is
+        returned."""
+        # (sends another thread made that the loop has not added yet count too)
+        p = self.pending_bytes + self._foreign.queued
+        st = self._ctx.settings
+        wm = self._wm
+        cap = st.max_pending if wm is None else max(st.max_pending, wm[0])
+        if p <= cap:
+            return False
+        reason = (f"max_pending exceeded ({p} unsent bytes > {cap} before a write): the "
+                  f"protocol writes on after pause_writing() and the peer does not read")
+        if _get_ident() == self._loop.thread_id:
+            self._abort(reason, None, logging.WARNING, "max_pending")
+        elif not self._close_requested:
+            self._close_requested = True
+            self._loop.call_soon_threadsafe(self._abort, reason, None, logging.WARNING,
+                                            "max_pending")
+        return True
+
     def pause_reading(self) -> None:
         """Stop reading, and delivering frames, until resume_reading().  Thread-safe.  Inside
         on_read it takes effect after that call: no further on_read runs while paused --
@@ -452,7 +530,8 @@ class Session:
     def _push_foreign(self, item: bytes | Slot) -> bool:
         """Queue an item for the loop thread (any thread); False if it was dropped."""
         n = self._hs + (len(item) if type(item) is bytes else item.length)
-        limit = self._ctx.settings.max_pending
+        # (a transport checks max_pending itself, before the send: over_max_pending)
+        limit = None if self._transport else self._ctx.settings.max_pending
         # pending_bytes: what max_pending counts (a TLS session's: plaintext not yet
         # encrypted plus ciphertext not yet sent), as the loop thread's check does
         ok = self._foreign.push(item, n, self.pending_bytes, limit)
@@ -519,7 +598,7 @@ class Session:
         set above it must not disable it."""
         p = self.pending_bytes
         st = self._ctx.settings
-        if p > st.max_pending:
+        if p > st.max_pending and not self._transport:
             self._abort(f"max_pending exceeded ({p} unsent bytes > {st.max_pending}): "
                         "the peer does not read", level=logging.WARNING,
                         cause="max_pending")
@@ -687,6 +766,9 @@ class Session:
     def check_timeouts(self, now: float, idle_timeout: float | None,
                        frame_timeout: float | None, proxy_timeout: float | None = None) -> None:
         if self._state != OPEN:
+            if (self._state == CLOSING and self._transport and idle_timeout is not None
+                    and not self._lingering):
+                self._check_close_progress(now, idle_timeout)
             return
         rx = self._rx
         held = bool(rx.paused & _SERVER_HOLDS)
@@ -715,6 +797,18 @@ class Session:
         if reason is not None:
             self._abort(reason, level=logging.WARNING, cause="timeout")
 
+    def _check_close_progress(self, now: float, idle_timeout: float) -> None:
+        """A transport's close waiting for its backlog: cut (a reset, connection_lost gets a
+        TimeoutError) once the peer took no byte for ``idle_timeout`` seconds."""
+        taken = self._bytes_written() - _unsent(self._fd)
+        if taken != self._sent_seen:
+            self._sent_seen = taken
+            self._progress_at = now
+        elif now - self._progress_at > idle_timeout:
+            self._abort(f"idle timeout ({idle_timeout:g} s without the peer taking a byte "
+                        f"of the {self.pending_bytes} owed at close): unsent data dropped",
+                        level=logging.WARNING, cause="timeout")
+
     def _bytes_written(self) -> int:
         """Bytes this session wrote to its socket so far (check_timeouts' progress)."""
         return self._batch.stats["bytes"]
@@ -734,6 +828,18 @@ class Session:
         except BaseException as e:      # (on a worker: the thread must live on)
             log.error("session %d: handler on_close raised", self.id, exc_info=e)
             self._ctx.stats.handler_errors.fetch_add(1)
+
+    def limit_error(self) -> OSError | None:
+        """The error that a server limit ended the session with -- ``max_pending``
+        (ConnectionAbortedError), ``idle_timeout``/``frame_timeout``/``close_linger``
+        (TimeoutError), its message the reason -- or None: what the asyncio adapter hands
+        ``connection_lost`` then (``on_close`` itself gets None for these)."""
+        reason = self._limit
+        if reason is None:
+            return None
+        if self._limit_cause == "max_pending":
+            return ConnectionAbortedError(reason)
+        return TimeoutError(reason)
 
     def lost_error(self) -> OSError | None:
         """The OSError of the recv or send error that ended the stream (a reset:
@@ -873,9 +979,17 @@ class Session:
         if self._owes_output():
             self._sync_watch()          # the flush reports back; at 0 pending we finish
             self._requeue()
-            self._timer = self._loop.call_later(
-                self._ctx.settings.close_linger, self._abort,
-                "close linger timeout: unsent data dropped", None, logging.WARNING, "linger")
+            if self._transport:
+                # as asyncio's close(): the whole backlog is sent, however slowly the peer
+                # takes it; only the idle timeout, if set, cuts a peer that takes nothing
+                # (check_timeouts)
+                self._progress_at = self._loop.time()
+                self._sent_seen = self._bytes_written() - _unsent(self._fd)
+            else:
+                self._timer = self._loop.call_later(
+                    self._ctx.settings.close_linger, self._abort,
+                    "close linger timeout: unsent data dropped", None, logging.WARNING,
+                    "linger")
         else:
             self._finish_close()
 
@@ -935,6 +1049,9 @@ class Session:
                cause: str = "aborted") -> None:
         if self._state == CLOSED:
             return
+        if cause in _LIMIT_CAUSES and not self._lingering and self._limit is None:
+            self._limit = reason
+            self._limit_cause = cause
         if self._state == OPEN:
             self._reason = reason
             self._exc = exc
@@ -960,13 +1077,26 @@ class Session:
         ctx.flusher.forget(b)
         ctx.stats.fold_session(self._rx.receiver, b, self._nout)
         self._nout = 0
+        # a server limit drops bytes still owed (max_pending: at least the send it refused):
+        # the peer must not take the cut stream for a whole one, so the close is a reset
+        # (RST), not a FIN
+        reset = self._limit is not None and (self.pending_bytes > 0 or
+                                             self._limit_cause == "max_pending")
         b.clear()                       # releases retained slots
         sock = self._sock
+        if self._sockname is None:
+            # asked first in on_close / connection_lost: read it while the socket is open
+            try:
+                self._sockname = sock.getsockname()
+            except OSError:
+                pass
         try:
             # SO_LINGER with a time (set through the socket the application sees) would make
             # close() block the loop thread until the unsent rest left or the time ran out:
             # close in the background instead (the kernel still sends the rest), as without
-            if sock.getsockopt(_SOL_SOCKET, _SO_LINGER, 8) not in _NO_BLOCKING_LINGER:
+            if reset:
+                sock.setsockopt(_SOL_SOCKET, _SO_LINGER, _LINGER_RESET)
+            elif sock.getsockopt(_SOL_SOCKET, _SO_LINGER, 8) not in _NO_BLOCKING_LINGER:
                 sock.setsockopt(_SOL_SOCKET, _SO_LINGER, _LINGER_OFF)
         except OSError:
             pass

@@ -106,6 +106,11 @@ class ForeignSends:
             self.close()            # the loop is closed: nobody will drain
         return True
 
+    @property
+    def queued(self) -> int:
+        """Bytes queued here, not yet handed to the batch (any thread; a racy read)."""
+        return self._bytes
+
     def _run(self) -> None:
         with self._lock:
             self._scheduled = False       # before taking: a later push schedules again

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from asyncio.events import _get_running_loop, _set_running_loop
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..handler import Handler
@@ -35,27 +37,211 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer
 
+    import contextvars
+
+    from ..loop import EventLoop, Timer
     from ..session import Session
 
 __all__ = ["ProtocolHandler", "SessionTransport"]
 
 log = logging.getLogger("aoprim.server")
+_get_ident = threading.get_ident
 
 # what asyncio's TLS transport answers in get_extra_info (and the session's ALPN name)
 _TLS_NAMES = frozenset(("sslcontext", "ssl_object", "peercert", "cipher", "compression",
                         "selected_alpn_protocol"))
 
 
+class ProtocolLoop(asyncio.AbstractEventLoop):
+    """The running loop a protocol's callbacks see (``asyncio.get_running_loop()``, and so
+    ``asyncio.sleep``, ``asyncio.timeout``, ``wait_for``, tasks and futures): asyncio's
+    scheduling API over the server's event loop.  One per server.
+
+    Offered: ``time``, ``call_soon``, ``call_later``, ``call_at``, ``call_soon_threadsafe``
+    (asyncio ``Handle``/``TimerHandle`` objects, cancellable), ``create_future``,
+    ``create_task``, ``run_in_executor``, ``get_debug``, ``is_running``/``is_closed``,
+    the exception handler methods.  What runs through them runs on the server's loop
+    thread, with this loop set as the running loop.  Everything else asyncio's loops do
+    (I/O: ``create_connection``, ``sock_*``, ``add_reader``, ...; ``run_until_complete``,
+    ``stop``, ``close``: the server runs and closes it) raises ``NotImplementedError``."""
+
+    def __init__(self, ev: EventLoop) -> None:
+        self._ev = ev
+        self._exception_handler: Callable[..., object] | None = None
+
+    # -- time and callbacks ----------------------------------------------------------------
+    def time(self) -> float:
+        return self._ev.clock()
+
+    def call_soon(self, callback: Callable[..., object], *args: Any,
+                  context: contextvars.Context | None = None) -> asyncio.Handle:
+        h = asyncio.Handle(callback, args, self, context)
+        ev = self._ev
+        if _get_ident() == ev.thread_id:
+            ev.call_soon(self._run_handle, h)
+        elif not ev.call_soon_threadsafe(self._run_handle, h):
+            raise RuntimeError("Event loop is closed (the server has shut down)")
+        return h
+
+    call_soon_threadsafe = call_soon
+
+    def call_later(self, delay: float, callback: Callable[..., object], *args: Any,
+                   context: contextvars.Context | None = None) -> asyncio.TimerHandle:
+        if delay is None:
+            raise TypeError("delay must not be None")
+        return self.call_at(self.time() + delay, callback, *args, context=context)
+
+    def call_at(self, when: float, callback: Callable[..., object], *args: Any,
+                context: contextvars.Context | None = None) -> asyncio.TimerHandle:
+        if when is None:
+            raise TypeError("when cannot be None")
+        h = _Timer(when, callback, args, self, context)
+        ev = self._ev
+        if _get_ident() == ev.thread_id:
+            self._arm(h)
+        elif not ev.call_soon_threadsafe(self._arm, h):
+            raise RuntimeError("Event loop is closed (the server has shut down)")
+        return h
+
+    def _arm(self, h: _Timer) -> None:
+        if not h.cancelled():
+            h._ev_timer = self._ev.call_at(h.when(), self._run_handle, h)
+
+    def _timer_handle_cancelled(self, handle: asyncio.TimerHandle) -> None:
+        t = getattr(handle, "_ev_timer", None)
+        if t is not None:
+            # (the server loop's timers are cancelled on its thread; a cancel from another
+            # thread leaves the timer to fire and find the handle cancelled)
+            if _get_ident() == self._ev.thread_id:
+                t.cancel()
+
+    def _run_handle(self, h: asyncio.Handle) -> None:
+        if h.cancelled():
+            return
+        prev = _get_running_loop()
+        _set_running_loop(self)
+        try:
+            h._run()        # (asyncio's: an exception goes to call_exception_handler)
+        finally:
+            _set_running_loop(prev)
+
+    # -- futures, tasks, executor ----------------------------------------------------------
+    def create_future(self) -> asyncio.Future[Any]:
+        return asyncio.Future(loop=self)
+
+    def create_task(self, coro: Any, *, name: str | None = None,
+                    context: contextvars.Context | None = None) -> asyncio.Task[Any]:
+        if context is None:
+            task = asyncio.Task(coro, loop=self, name=name)
+        else:
+            task = asyncio.Task(coro, loop=self, name=name, context=context)
+        return task
+
+    def run_in_executor(self, executor: Any, func: Callable[..., Any],
+                        *args: Any) -> asyncio.Future[Any]:
+        """``executor.submit(func, *args)`` as an asyncio future; with ``executor=None``
+        (``asyncio.to_thread`` too) a thread of its own per call, which ends with the call
+        (nothing is left running once the server has shut down)."""
+        if executor is not None:
+            return asyncio.wrap_future(executor.submit(func, *args), loop=self)
+        fut = self.create_future()
+
+        def work() -> None:
+            try:
+                r = func(*args)
+            except BaseException as e:      # (handed to the awaiting coroutine)
+                self.call_soon_threadsafe(_settle, fut, None, e)
+            else:
+                self.call_soon_threadsafe(_settle, fut, r, None)
+
+        threading.Thread(target=work, name="aoprim-protocol-executor", daemon=True).start()
+        return fut
+
+    # -- state -----------------------------------------------------------------------------
+    def get_debug(self) -> bool:
+        return False
+
+    def is_running(self) -> bool:
+        return not self._ev.closed
+
+    def is_closed(self) -> bool:
+        return self._ev.closed
+
+    # -- errors ----------------------------------------------------------------------------
+    def get_exception_handler(self) -> Callable[..., object] | None:
+        return self._exception_handler
+
+    def set_exception_handler(self, handler: Callable[..., object] | None) -> None:
+        if handler is not None and not callable(handler):
+            raise TypeError(f"A callable object or None is expected, got {handler!r}")
+        self._exception_handler = handler
+
+    def default_exception_handler(self, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        extra = "".join(f"\n{k}: {v!r}" for k, v in context.items()
+                        if k not in ("message", "exception"))
+        log.error("%s%s", context.get("message", "Unhandled exception in a protocol's "
+                                      "loop callback"), extra,
+                  exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
+
+    def call_exception_handler(self, context: dict[str, Any]) -> None:
+        handler = self._exception_handler
+        if handler is None:
+            self.default_exception_handler(context)
+            return
+        try:
+            handler(self, context)
+        except Exception as e:
+            log.error("the protocol loop's exception handler raised", exc_info=e)
+            self.default_exception_handler(context)
+
+    def __repr__(self) -> str:
+        return f"<ProtocolLoop over {self._ev!r}>"
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if exc is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(exc)
+
+
+class _Timer(asyncio.TimerHandle):
+    """asyncio's TimerHandle, with the server loop's timer that fires it."""
+    __slots__ = ("_ev_timer",)
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._ev_timer: Timer | None = None
+
+
+def _call(loop: ProtocolLoop, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with ``loop`` as this thread's running loop (the previous one, if
+    any, restored after: calls nest)."""
+    prev = _get_running_loop()
+    _set_running_loop(loop)
+    try:
+        return fn(*args)
+    finally:
+        _set_running_loop(prev)
+
+
 class SessionTransport(asyncio.Transport):
     """An ``asyncio.Transport`` over one session."""
 
-    def __init__(self, session: Session, protocol: asyncio.BaseProtocol) -> None:
+    def __init__(self, session: Session, protocol: asyncio.BaseProtocol,
+                 loop: ProtocolLoop) -> None:
         super().__init__({"peername": session.peer})
         self._session = session
+        self._loop = loop
         self._protocol = protocol
+        self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
         self._closing = False
         self._paused_reading = False
         self._low = self._high = 0
+        session.set_transport_rules()
         self.set_write_buffer_limits()
 
     # -- writing -------------------------------------------------------------------------
@@ -65,7 +251,10 @@ class SessionTransport(asyncio.Transport):
                             f"not {type(data).__name__!r}")
         if self._closing or not data:
             return
-        self._session.send(data)
+        s = self._session
+        if s.over_max_pending():
+            return          # (dropped: connection_lost gets the error naming max_pending)
+        s.send(data)
 
     def writelines(self, list_of_data: Iterable[Buffer]) -> None:
         data = b"".join(list_of_data)
@@ -93,13 +282,13 @@ class SessionTransport(asyncio.Transport):
 
     def _pause_writing(self) -> None:
         try:
-            self._protocol.pause_writing()
+            _call(self._loop, self._protocol.pause_writing)
         except Exception:
             log.exception("protocol pause_writing() failed")
 
     def _resume_writing(self) -> None:
         try:
-            self._protocol.resume_writing()
+            _call(self._loop, self._protocol.resume_writing)
         except Exception:
             log.exception("protocol resume_writing() failed")
 
@@ -130,8 +319,9 @@ class SessionTransport(asyncio.Transport):
         self._session.close()
 
     def abort(self) -> None:
+        # asyncio's write() has tried the socket already: the peer gets what fit
         self._closing = True
-        self._session.abort()
+        self._session.abort_sending()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         s = self._session
@@ -158,66 +348,99 @@ class SessionTransport(asyncio.Transport):
         return self._protocol
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        # later data, eof_received, connection_lost and the write-limit callbacks go to it
+        # (a BufferedProtocol gets its bytes through get_buffer/buffer_updated)
         self._protocol = protocol
+        self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
 
 
 class ProtocolHandler(Handler):
-    """A Handler that drives one asyncio protocol per session."""
+    """A Handler that drives one asyncio protocol per session (the transport's current
+    one: ``set_protocol`` switches), each callback with the server's :class:`ProtocolLoop`
+    as the running loop."""
 
     def __init__(self, protocol_factory: Callable[[], asyncio.BaseProtocol]) -> None:
         self._factory = protocol_factory
+        self._loop: ProtocolLoop | None = None
+
+    def _loop_of(self, session: Session) -> ProtocolLoop:
+        ev = session._loop
+        loop = self._loop
+        if loop is None or loop._ev is not ev:
+            loop = self._loop = ProtocolLoop(ev)
+        return loop
 
     def on_connect(self, session: Session) -> None:
+        loop = self._loop_of(session)
+        _call(loop, self._made, session, loop)
+
+    def _made(self, session: Session, loop: ProtocolLoop) -> None:
         proto = self._factory()
-        tr = SessionTransport(session, proto)
-        session.user = (proto, tr, isinstance(proto, asyncio.BufferedProtocol))
-        proto.connection_made(tr)
+        tr = SessionTransport(session, proto, loop)
+        session.user = tr
+        try:
+            proto.connection_made(tr)
+        except Exception as e:
+            # as asyncio (connection_made runs as a loop callback there): logged, and the
+            # connection carries on
+            loop.call_exception_handler({
+                "message": f"session {session.id}: protocol connection_made() raised",
+                "exception": e, "protocol": proto, "transport": tr})
 
     def on_read(self, session: Session, data: memoryview | bytes) -> None:
-        proto, tr, buffered = session.user
+        tr: SessionTransport = session.user
         if tr._closing:
             return
-        if not buffered:
-            proto.data_received(bytes(data))
-            return
-        n = len(data)
-        off = 0
-        while off < n:
-            buf = proto.get_buffer(n - off)
-            mv = memoryview(buf).cast("B")
-            k = min(mv.nbytes, n - off)
-            if k <= 0:
-                raise RuntimeError("get_buffer() returned an empty buffer")
-            mv[:k] = data[off:off + k]
-            mv.release()
-            proto.buffer_updated(k)
-            off += k
-            if off < n and (not tr.is_reading() or tr.is_closing()):
-                # as asyncio: nothing more for the protocol in this call.  After close() or
-                # abort() the rest is dropped; after pause_reading() it is handed back to
-                # the session and comes first once reading resumes
-                if not tr.is_closing():
-                    session.unread(data[off:])
+        prev = _get_running_loop()
+        _set_running_loop(tr._loop)
+        try:
+            if not tr._buffered:
+                tr._protocol.data_received(bytes(data))
                 return
+            n = len(data)
+            off = 0
+            while off < n:
+                proto: Any = tr._protocol
+                buf = proto.get_buffer(n - off)
+                mv = memoryview(buf).cast("B")
+                k = min(mv.nbytes, n - off)
+                if k <= 0:
+                    raise RuntimeError("get_buffer() returned an empty buffer")
+                mv[:k] = data[off:off + k]
+                mv.release()
+                proto.buffer_updated(k)
+                off += k
+                if off < n and (not tr.is_reading() or tr.is_closing()):
+                    # as asyncio: nothing more for the protocol in this call.  After close()
+                    # or abort() the rest is dropped; after pause_reading() it is handed
+                    # back to the session and comes first once reading resumes
+                    if not tr.is_closing():
+                        session.unread(data[off:])
+                    return
+                if not tr._buffered and off < n:
+                    # set_protocol() to a plain Protocol inside buffer_updated
+                    tr._protocol.data_received(bytes(data[off:]))
+                    return
+        finally:
+            _set_running_loop(prev)
 
     def _on_peer_eof(self, session: Session) -> bool:
         """The peer's EOF (see Session._peer_eof_keeps_open): the protocol's
         ``eof_received()``; True keeps the transport open for writing."""
-        if session.user is None:
+        tr: SessionTransport | None = session.user
+        if tr is None or tr._closing:
             return False
-        proto, tr, _ = session.user
-        if tr._closing:
-            return False
-        return bool(proto.eof_received())
+        return bool(_call(tr._loop, tr._protocol.eof_received))
 
     def on_close(self, session: Session, exc: BaseException | None) -> None:
-        if session.user is None:
+        tr: SessionTransport | None = session.user
+        if tr is None:
             return
-        proto, tr, _ = session.user
         tr._closing = True
         session.user = None
         if exc is None:
             # a reset or another socket error: asyncio hands connection_lost the OSError
-            # (ConnectionResetError for ECONNRESET)
-            exc = session.lost_error()
-        proto.connection_lost(exc)
+            # (ConnectionResetError for ECONNRESET); a server limit that cut the session
+            # (max_pending, a timeout): the error naming it
+            exc = session.lost_error() or session.limit_error()
+        _call(tr._loop, tr._protocol.connection_lost, exc)
