@@ -64,6 +64,9 @@ cdef class AtomicInt:
     Arithmetic wraps modulo 2**64 (two's complement), as C atomics do.  ``+= -= &= |= ^=``
     are one atomic step each; comparisons and ``+ - & | ^ -a ~a abs() bool()`` read the value
     once and return what Python's int gives (docs/atomics-and-lock.md).  Unhashable (mutable).
+
+    Threads: shared -- any number of threads may call any method at the same time, on a
+    free-threaded build too (docs/threads.md); a load is a snapshot.
     """
 
     def __cinit__(self, value=0):
@@ -273,6 +276,9 @@ cdef class RefCount:
     reference is always made from an existing one; a decrement releases everything its holder
     wrote, and the decrement that reaches 0 acquires all of them, so ``on_zero`` sees every
     write made by every former holder.
+
+    Threads: shared -- incref/decref/try_incref/count from any threads at once, on a
+    free-threaded build too; on_zero runs once, in the thread whose decref reached 0.
     """
 
     def __cinit__(self, count=1, on_zero=None):

@@ -106,6 +106,9 @@ cdef class SlabPool:
 
     ``acquire()`` -> Slot (PoolExhausted when none is free), ``try_acquire()`` -> Slot | None.
     Thread-safe without a lock; the arena never grows.
+
+    Threads: shared -- acquire/try_acquire/the statistics from any threads at once, on a
+    free-threaded build too; a slot is never handed out twice (docs/threads.md).
     """
 
     def __cinit__(self, slot_size=4096, slots=16):
@@ -263,6 +266,10 @@ cdef class Slot:
 
     Buffer protocol: a writable 1-D 'B' view of ``size`` bytes.  ``release()`` drops one
     reference; the last one returns the slot to the pool (BufferError while a view lives).
+
+    Threads: the count is shared (retain/release from any thread: a slot acquired in one
+    thread may be released in another); the bytes have one writer at a time, published to
+    readers by whatever hands the slot over (a queue, a lock).
     """
 
     def __init__(self, *args, **kwargs):

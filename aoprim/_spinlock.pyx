@@ -51,7 +51,12 @@ cdef enum:
 # GC: not tracked: the lock word and the weakref list are all it holds (a waiter in another
 # thread holds the lock object itself, so it cannot be garbage while anyone waits).
 cdef class SpinLock:
-    """A non-reentrant lock; same methods and argument rules as threading.Lock."""
+    """A non-reentrant lock; same methods and argument rules as threading.Lock.
+
+    Threads: shared -- acquire/release/locked/with from any threads at once (release from a
+    thread other than the holder's is allowed, as for threading.Lock).  On a free-threaded
+    build a waiter spins a few microseconds before it sleeps (docs/atomics-and-lock.md).
+    """
 
     def __cinit__(self):
         aop_spin_init(&self.lock)
