@@ -40,7 +40,7 @@ cdef class EpollCore:
     cdef aop_atomic_u32 _wake_pending
     cdef aop_atomic_u32 _closed
     cdef aop_atomic_u32 _inflight
-    cdef bint _running
+    cdef aop_atomic_u32 _running   # 1 while run() or close() runs: the one-runner claim
     cdef bint _stopping
     cdef list _rd
     cdef list _wr
@@ -68,3 +68,4 @@ cdef class EpollCore:
     cdef void _drain_sigfd(self) noexcept nogil
     cdef int _wait(self, int timeout_ms) except -1
     cdef int _run(self) except -1
+    cdef _close(self)                   # close()'s body, under the one-runner claim

@@ -21,7 +21,14 @@ directly, and the per-iteration hook is the compiled ``FlushGroup.flush``.
 
 Invariants
 - One loop thread.  Only the thread running :meth:`run` touches the fd table, the timer heap
-  and the hook list.  The thread-safe entries are :meth:`call_soon_threadsafe` and
+  and the hook list.  :meth:`run` and :meth:`close` take a one-runner claim (an atomic
+  exchange of ``_running``, acquire; a release store gives it back), so a second thread
+  calling either meanwhile gets RuntimeError -- on a free-threaded build two runners would
+  share the epoll array and the timer heap.  A claim, not a critical section: a second
+  runner is a bug to report, and a critical section would be suspended while epoll_wait
+  blocks.  The other loop-thread methods (call_soon, call_at, set_callbacks, remove,
+  add_iteration_hook) are the loop thread's alone and are not checked (they read list items
+  borrowed, as the GIL allowed): from any other thread use :meth:`call_soon_threadsafe`.  The thread-safe entries are :meth:`call_soon_threadsafe` and
   :meth:`stop` (built on it): an append to a ``collections.deque`` (atomic with the GIL, and
   internally locked in a free-threaded build) plus, unless a wake-up is already pending, one
   ``write`` to the eventfd.
@@ -445,7 +452,8 @@ cdef class EpollCore:
 
     @property
     def running(self):
-        return self._running
+        # acquire: pairs with the release store that ends run(); any thread may ask
+        return aop_load_u32(&self._running, AOP_ACQUIRE) == 1
 
     def stop(self):
         """Make :meth:`run` return after the current iteration (any thread)."""
@@ -460,11 +468,15 @@ cdef class EpollCore:
 
     def run(self):
         """Run iterations until :meth:`stop` (loop thread)."""
-        if aop_load_u32(&self._closed, AOP_ACQUIRE):    # acquire: pairs with close()
-            raise RuntimeError("the event loop is closed")
-        if self._running:
+        # The one-runner claim: a test-and-set, not a read then a write, so two threads
+        # calling run() at once (free-threaded build) cannot both get in and share the
+        # epoll array, the timer heap and the fd table.  acquire: pairs with the release
+        # store at the end of the previous run() (or close()), whose state we take over.
+        if aop_exchange_u32(&self._running, 1, AOP_ACQUIRE) != 0:
             raise RuntimeError("the event loop is already running")
-        self._running = True
+        if aop_load_u32(&self._closed, AOP_ACQUIRE):    # acquire: pairs with close()
+            aop_store_u32(&self._running, 0, AOP_RELEASE)   # release: nothing changed
+            raise RuntimeError("the event loop is closed")
         self._stopping = False
         self.thread_id = threading.get_ident()
         self._now = monotonic()
@@ -489,13 +501,14 @@ cdef class EpollCore:
                     signal.set_wakeup_fd(old)
                 os.close(r)
                 os.close(w)
-                self._running = False
+                aop_store_u32(&self._running, 0, AOP_RELEASE)   # release: see below
                 raise
             self._sigfd = r
         try:
             self._run()
         finally:
-            self._running = False
+            # release: the next run()/close() (acquire) sees the state this run left
+            aop_store_u32(&self._running, 0, AOP_RELEASE)
             if r >= 0:
                 self._sigfd = -1
                 try:
@@ -663,7 +676,7 @@ cdef class EpollCore:
 
     def run_ready(self):
         """Run the queued callbacks now, after :meth:`run` returned (clean-up)."""
-        if self._running:
+        if aop_load_u32(&self._running, AOP_ACQUIRE):   # acquire: pairs with run()'s end
             raise RuntimeError("run_ready() is for a stopped loop")
         ready = self._ready
         # seq_cst: the same clear-before-drain as the loop's callback phase (Dekker pair with
@@ -679,8 +692,17 @@ cdef class EpollCore:
 
     def close(self):
         """Release the backend's resources (after :meth:`run` returned); idempotent."""
-        if self._running:
-            raise RuntimeError("cannot close a running event loop")
+        # close() takes the one-runner claim too (acquire, as run()), so it can neither run
+        # under a run() another thread started nor twice at once (closing the fds twice)
+        if aop_exchange_u32(&self._running, 1, AOP_ACQUIRE) != 0:
+            raise RuntimeError("cannot close a running event loop (or one another thread "
+                               "is closing)")
+        try:
+            self._close()
+        finally:
+            aop_store_u32(&self._running, 0, AOP_RELEASE)   # release: as at run()'s end
+
+    cdef _close(self):
         if aop_load_u32(&self._closed, AOP_ACQUIRE):    # acquire: an earlier close()
             return
         # seq_cst, both: the Dekker pair with call_soon_threadsafe (set _closed, then read
