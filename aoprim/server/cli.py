@@ -15,10 +15,15 @@ logs lifecycle and close reasons to stderr, and on SIGINT/SIGTERM shuts down cle
 what is pending), logs the stats as one readable summary line and exits 0 with no traceback;
 with ``--stats-json`` it also prints the whole ``stats()`` dict as one ``stats {...}`` JSON
 line on stdout, for programs (a ``--procs`` supervisor passes the flag to its children).
+The process's stdout is the user's, written as any program's is (blocking): a handler's
+``print()`` into a pipe nobody reads blocks that handler.  A stop therefore has a bound,
+``--stop-timeout`` (15 s): a process that has not ended that long after SIGINT/SIGTERM (or
+after serving ended) says so on stderr and exits 1 (``_StopWatchdog``).
 
-Exit status: 0 after a clean shutdown; 2 for a usage or configuration error (a bad option, a
-handler that cannot be loaded, settings the server refuses, an address it cannot bind), with
-one ``aoprim: ...`` line on stderr and no traceback; 1 when serving failed -- a
+Exit status: 0 after a clean shutdown (only a real SIGINT/SIGTERM ends it so); 2 for a usage
+or configuration error (a bad option, a handler that cannot be loaded -- whatever its import
+raises, ``SystemExit(0)`` and ``KeyboardInterrupt`` included --, settings the server refuses,
+an address it cannot bind), with one ``aoprim: ...`` line on stderr and no traceback; 1 when serving failed -- a
 ``SystemExit`` or ``KeyboardInterrupt`` a handler raises while serving included (with
 ``workers=0`` it stops the server, see handler.py): whatever status it carries, that is a
 failure, not a clean stop nor a usage error.
@@ -41,6 +46,8 @@ import os
 import signal
 import stat
 import sys
+import threading
+import time
 import traceback
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
@@ -54,7 +61,7 @@ from .framing import FRAMINGS
 from .listener import check_port, describe_address, listen_error
 from .proxy import PROXY_MODES
 from .server import as_handler
-from .supervisor import Supervisor
+from .supervisor import Supervisor, check_seconds
 
 if TYPE_CHECKING:
     import ssl
@@ -99,8 +106,15 @@ def _raised_by_aoprim(exc: BaseException) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
-    """``Type: message (file:line)``, the line being where it was raised."""
-    text = f"{type(exc).__name__}: {exc}"
+    """``Type: message (file:line)``, the line being where it was raised; an exception that
+    is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``) as ``Type(args)``, its
+    message being often empty or a bare status (``SystemExit(0)``, ``SystemExit(None)``)."""
+    if isinstance(exc, SystemExit):
+        text = f"SystemExit({exc.code!r})"
+    elif not isinstance(exc, Exception):
+        text = f"{type(exc).__name__}({', '.join(map(repr, exc.args))})"
+    else:
+        text = f"{type(exc).__name__}: {exc}"
     tb = traceback.extract_tb(exc.__traceback__)
     # where it was raised, unless that is aoprim's own code or a SyntaxError (which names
     # its own line)
@@ -145,7 +159,12 @@ def load_handler(spec: str) -> Handler:
             raise UsageError(f"cannot import {mod_name!r} for {spec}: no module named "
                              f"{e.name!r} (looked in {sys.path[0]!r} first)") from None
         raise UsageError(f"importing {mod_name!r} failed: {_describe(e)}") from None
-    except Exception as e:                          # the module's own error
+    except _Stop:                                   # a real SIGINT/SIGTERM: a quiet exit 0
+        raise
+    except BaseException as e:                      # the module's own error, whatever it is
+        # a KeyboardInterrupt or SystemExit(0) raised by the module (one that runs a CLI or
+        # a prompt at import) is a failure to load it, not a stop: a real stop signal
+        # arrives as _Stop
         raise UsageError(f"importing {mod_name!r} failed: {_describe(e)}") from None
     obj = module
     for part in attr.split("."):
@@ -159,7 +178,9 @@ def load_handler(spec: str) -> Handler:
         # it returns is taken by Server's rule
         try:
             obj = obj()
-        except Exception as e:
+        except _Stop:
+            raise
+        except BaseException as e:
             raise UsageError(f"{spec}() raised {_describe(e)}") from None
         spec += "()"
     # Server's own rule (as_handler): a handler object as it is, a class instantiated with
@@ -170,7 +191,9 @@ def load_handler(spec: str) -> Handler:
         if _raised_by_aoprim(e):            # refused: the message says why
             raise UsageError(f"{spec}: {e}") from None
         raise UsageError(f"{spec}() raised {_describe(e)}") from None
-    except Exception as e:
+    except _Stop:
+        raise
+    except BaseException as e:
         raise UsageError(f"{spec}() raised {_describe(e)}") from None
 
 
@@ -186,6 +209,19 @@ def _seconds_or_none(v: str) -> float | None:
     if x <= 0:
         raise argparse.ArgumentTypeError("must be > 0 (or 'none')")
     return x
+
+
+def _seconds_bounded(none_ok: bool) -> Callable[[str], float | None]:
+    """An option's type: a number of seconds above 0 and at most a day (the supervisor's
+    check_seconds); with ``none_ok``, ``none`` for no limit."""
+    def parse(v: str) -> float | None:
+        if none_ok and v.lower() in ("none", "off"):
+            return None
+        try:
+            return check_seconds("it", v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).replace("it must", "must")) from None
+    return parse
 
 
 def _port(v: str) -> int:
@@ -316,6 +352,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
           help="at shutdown, also print the whole stats() dict as one 'stats {...}' JSON "
                "line on stdout, for programs; the log's one readable summary line is "
                "there either way (default: off)")
+    o.add("--start-timeout", type=_seconds_bounded(True), default=None, metavar="S",
+          text=_seconds_text,
+          help="--procs: seconds the server processes have to start and listen before the "
+               "supervisor gives up (exit 1); 'none' waits as long as they are alive, as "
+               "serve alone does (default: none)")
+    o.add("--stop-timeout", type=_seconds_bounded(False), default=15.0, metavar="S",
+          help="seconds a stop (SIGINT/SIGTERM) may take; then what has not stopped is "
+               "killed (--procs) or the process exits (alone), with status 1 "
+               "(default: %(default)s)")
+    o.add("--backoff-max", type=_seconds_bounded(False), default=30.0, metavar="S",
+          help="--procs: the longest wait before a crashed server process is restarted "
+               "(the wait doubles from 0.5 s up to this) (default: %(default)s)")
     o.add("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # a supervised child
     # a supervised child: its status pipe to the supervisor (supervisor.py)
     o.add("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -393,11 +441,20 @@ def _print_stats(srv: Server) -> None:
     try:
         print("stats " + json.dumps(srv.stats()), flush=True)
     except (BrokenPipeError, ValueError):
+        _stdout_to_devnull()
+
+
+def _stdout_to_devnull() -> None:
+    """Point fd 1 at /dev/null: the interpreter's flush at exit then writes what is left
+    there instead of failing again ("Exception ignored ... BrokenPipeError")."""
+    try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(devnull, sys.stdout.fileno())
         finally:
             os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 class _StatusPipe:
@@ -507,6 +564,59 @@ def _hide_in_forks(fds: set[int]) -> None:
     os.register_at_fork(after_in_child=after_in_child)
 
 
+class _StopWatchdog:
+    """``serve``'s bound on its own stop: once armed (a stop signal, or the end of serving),
+    the process exits with status 1 if it has not ended ``seconds`` later.  The serving
+    process's stdout is the user's and is written as any program's is: a handler whose
+    ``print()`` meets a pipe nobody reads blocks there, on the loop thread or a worker,
+    and the shutdown that SIGTERM starts could never run; this thread ends the process
+    instead (one line on stderr, written by a thread of its own so that a stalled stderr
+    cannot hold it either).  A daemon thread: a process that ended in time is not kept."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._armed = False
+
+    def arm(self, why: str) -> None:
+        if not self._armed:
+            self._armed = True
+            threading.Thread(target=self._run, args=(why,), name="aoprim-stop-watchdog",
+                             daemon=True).start()
+
+    def _run(self, why: str) -> None:
+        time.sleep(self._seconds)
+        msg = (f"aoprim: the server did not stop within {self._seconds:g} s of {why} (a "
+               "thread of it is blocked: a handler that does not return, or that writes to "
+               "a stdout nobody reads): exiting with status 1\n").encode()
+        say = threading.Thread(target=_write_all, args=(2, msg), daemon=True)
+        say.start()
+        say.join(1.0)
+        os._exit(1)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass
+
+
+def _watch_stop_signals(watchdog: _StopWatchdog) -> None:
+    """Arm ``watchdog`` when SIGINT/SIGTERM arrives, before the handler in place (the
+    server's, which starts the shutdown) runs."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        prev = signal.getsignal(sig)
+        if not callable(prev):
+            continue
+
+        def on_stop(signum: int, frame: FrameType | None, prev: Callable[..., Any] = prev
+                    ) -> None:
+            watchdog.arm(signal.Signals(signum).name)
+            prev(signum, frame)
+        signal.signal(sig, on_stop)
+
+
 def _serve_one(a: argparse.Namespace) -> int:
     status = _StatusPipe(a.status_fd) if a.status_fd is not None else None
     if a.handler is not None:
@@ -521,6 +631,7 @@ def _serve_one(a: argparse.Namespace) -> int:
         raise UsageError(_reason(e)) from None
     host, port = srv.address[:2]
     failed = []
+    watchdog = _StopWatchdog(a.stop_timeout)
 
     def announce() -> None:
         # run by the loop's first callback, before any accept (so before any handler code):
@@ -529,6 +640,8 @@ def _serve_one(a: argparse.Namespace) -> int:
         if status is not None:
             # the server's fds (listening socket, loop) and the pipe, before handler code
             _hide_in_forks((_fds() - before) | {status.fd})
+        # (serve_forever has put its signal handlers in place by now: the loop runs)
+        _watch_stop_signals(watchdog)
         try:
             if status is None:
                 print(f"listening on {describe_address((host, port))}", flush=True)
@@ -556,10 +669,17 @@ def _serve_one(a: argparse.Namespace) -> int:
         # action of a signal with a Python handler): ignored from here until exit
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # what is left -- the stats line, what handlers printed without flushing -- goes
+        # to a stdout that may not be read: bounded too
+        watchdog.arm("the end of serving")
     if not failed:
         _tell(status, b"stopped")    # told to stop, and done: not to be restarted
     if a.stats_json:
         _print_stats(srv)
+    try:
+        sys.stdout.flush()           # here, under the watchdog, not at interpreter exit
+    except (OSError, ValueError, AttributeError):
+        _stdout_to_devnull()         # gone (a reader that exited): no second failure at exit
     return 1 if failed else 0
 
 
@@ -574,7 +694,8 @@ def _serve_procs(a: argparse.Namespace) -> int:
                 *a.child_argv(a, port=port, procs=1, reuse_port=True, status_fd=status_fd),
                 *tail]
 
-    sup = Supervisor(child_argv, a.procs, a.host, a.port)
+    sup = Supervisor(child_argv, a.procs, a.host, a.port, start_timeout=a.start_timeout,
+                     stop_timeout=a.stop_timeout, backoff_max=a.backoff_max)
     # from here on a stop signal is the supervisor's (noted, never raised): _raise_stop,
     # which run() would put back when it returns, could raise a pending one anywhere on the
     # way out, even in a finalizer ("Exception ignored ... _Stop" on stderr)

@@ -16,23 +16,31 @@ Rules
   Two supervisors never share a port, even when they start at the same instant.  What the
   kernel still allows: a program of the same user that sets ``SO_REUSEPORT`` itself joins
   the group (Linux's rule; docs/server.md).
-- ``listening on HOST:PORT`` (``[HOST]:PORT`` for IPv6) is printed once, when every child has said it listens.  A child
-  that exits before that, or a start that takes longer than ``start_timeout``, stops the
-  others; the supervisor then exits non-zero (2 if that child exited 2) and never prints it.
+- ``listening on HOST:PORT`` (``[HOST]:PORT`` for IPv6) is printed once, when every child
+  has said it listens.  A child that exits before that (the first start), or a start that
+  takes longer than ``start_timeout``, stops the others; the supervisor then exits
+  non-zero (2 if that child exited 2) and never prints it.  ``start_timeout`` is None by
+  default: the supervisor waits as long as its children are alive, as ``serve`` alone
+  does (a handler module that loads a model for minutes); a child that dies still ends the
+  start at once.
 - What happens when a child exits is decided by what it said on its status pipe, never by
   its exit status alone (which a handler can choose: ``sys.exit(2)``, ``os._exit(0)``):
-    - it exited 2 before saying ``ready``: a usage or configuration error, which a restart
-      would only repeat: stop every child, exit 2;
+    - at the first start, it exited before saying ``ready``: a usage or configuration
+      error (status 2) or a start-up that fails, which a restart would only repeat: stop
+      every child, exit 2 (or 1);
     - it said ``stopped`` and exited 0, or died of SIGTERM/SIGINT, without the supervisor
       having asked (an operator's ``kill``, an OOM daemon): it is replaced -- the service
       keeps its N processes -- and that is not counted as a crash;
     - anything else is a crash: restart it after a back-off that doubles from ``backoff``
       up to ``backoff_max``; a child that lived ``stable_after`` seconds starts the back-off
-      again.  Only crashes before ``ready`` (bad settings, a start-up that fails) count
-      toward giving up: a place whose child crashed before ``ready`` more than
-      ``give_up_after`` times in a row stops every child and the supervisor exits 1.  A
-      crash while serving (a handler's ``os._exit``, a request that kills the process) is
-      restarted for as long as the supervisor runs: no request can end the service.
+      again.  A restart that fails -- its process exits before ``ready`` (status 2 too: a
+      handler file half-way through a deploy) or cannot be spawned at all (``EMFILE``,
+      ``EAGAIN``) -- is a crash of that place, logged once per back-off step and retried
+      while the other children serve.  Only such failures before ``ready`` count toward
+      giving up, and only while no other child serves: a place that failed more than
+      ``give_up_after`` times in a row then stops every child and the supervisor exits 1.
+      A crash while serving (a handler's ``os._exit``, a request that kills the process)
+      is restarted for as long as the supervisor runs: no request can end the service.
 - SIGINT/SIGTERM are forwarded (once) to every child; the supervisor waits up to
   ``stop_timeout`` seconds, kills what is left, and exits 0 if every child exited 0, else 1.
   A second signal kills the children at once.
@@ -44,9 +52,16 @@ Rules
 - Children run in their own process group: a Ctrl-C at the terminal reaches the supervisor
   only, which forwards it once.  Their stdout is read by the supervisor and passed on line by
   line (a line longer than 64 KiB in pieces of that size: the supervisor's memory stays
-  bounded); their stderr is the supervisor's.  When the supervisor's stdout is gone (closed, or a
-  pipe whose reader exited: ``| head -1``) the lines are dropped -- logged once -- and
-  everything else goes on: serving, restarts, the exit status.
+  bounded); their stderr is the supervisor's.  A child's output is never waited for once
+  it has exited (what it wrote is in the pipe; a process it started may hold the pipe
+  open): the loop never stalls on it, and a stop takes the time of the slowest child.
+- Writing its stdout never blocks the supervisor (:class:`_Output`): what a stdout that is
+  not read (a stalled log shipper) does not take waits, up to 1 MiB, and lines beyond that
+  are dropped, counted, and said on stderr (when dropping begins, and the count once the
+  stdout is read again or the supervisor ends); the children never block printing into
+  the supervisor, and SIGINT/SIGTERM are handled as ever.  When the supervisor's stdout is
+  gone (closed, or a pipe whose reader exited: ``| head -1``) the lines are dropped --
+  logged once -- and everything else goes on: serving, restarts, the exit status.
 
 The status pipe
 ---------------
@@ -60,11 +75,14 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import errno
 import logging
+import math
 import os
 import selectors
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -80,6 +98,10 @@ _READY = b"ready"           # the child's status messages (see "The status pipe"
 _STOPPED = b"stopped"
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _MAX_LINE = 65536           # a longer stdout line is passed on in pieces of this size
+_OUT_MAX = 1 << 20          # bytes of output kept for a stdout that is not read, at most
+_FINAL_READS = 64           # reads of an exited child's stdout, at most (64 x 64 KiB)
+_MAX_SECONDS = 86400.0      # the largest start_timeout, stop_timeout and backoff_max
+_OUT = object()             # the selector's mark of the supervisor's own stdout
 
 
 def _find_prctl() -> Any:
@@ -132,6 +154,156 @@ def reserve_port(host: str | None, port: int) -> socket.socket:
     return s
 
 
+class _Output:
+    """The supervisor's stdout, written without ever blocking the supervisor.
+
+    A pipe, a FIFO or a terminal is opened again (``/proc/self/fd/N``: a file description of
+    the supervisor's own) with ``O_NONBLOCK``, so the flag touches no other process sharing
+    the stream (the shell's terminal, a ``| tee``); a socket (systemd's journal) is written
+    with ``MSG_DONTWAIT``; a regular file or ``/dev/null`` never blocks and is written as it
+    is; a file object without an fd (``io.StringIO``) too.  What the stream does not take at
+    once waits here, in order, up to ``limit`` bytes, and is written as the stream becomes
+    writable (the supervisor's loop polls it); a line that does not fit is dropped and
+    counted: dropping is logged once when it begins, and how many lines went is logged once
+    the stream takes output again (or when the supervisor ends).  Where the stream cannot
+    be opened again (a terminal of another user), writes block, as any program's do."""
+
+    def __init__(self, out: IO[str] | None, limit: int = _OUT_MAX) -> None:
+        self._file = out
+        self._limit = limit
+        self._enc = (getattr(out, "encoding", None) or "utf-8") if out is not None else ""
+        self.fd = -1                  # the fd the loop polls while bytes wait, or -1
+        self._own = -1                # the reopened fd, ours to close
+        self._sock: socket.socket | None = None
+        self._text = False            # written through the file object (no fd of its own)
+        self._pending = bytearray()
+        self._dropped = 0             # lines dropped since the stream last took everything
+        self._stalled = False         # dropping was logged and its count not yet
+        self.lost = False             # the stream is gone: everything is dropped
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._pending) and not self.lost
+
+    def open(self) -> None:
+        out = self._file
+        if out is None:                        # sys.stdout is None: fd 1 was closed
+            self._lose("no stdout")
+            return
+        try:
+            fd = out.fileno()
+        except (OSError, ValueError, AttributeError):     # io.UnsupportedOperation: no fd
+            self._text = True
+            return
+        try:
+            out.flush()                        # what was printed before: first, in order
+            mode = os.fstat(fd).st_mode
+        except (OSError, ValueError) as e:
+            self._lose(e)
+            return
+        if stat.S_ISREG(mode) or stat.S_ISBLK(mode):
+            self._own = os.dup(fd)             # a file's writes do not wait for a reader
+        elif stat.S_ISSOCK(mode):
+            self._sock = socket.socket(fileno=os.dup(fd))
+            self.fd = self._sock.fileno()
+        else:
+            try:
+                self._own = self.fd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY |
+                                              os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            except OSError as e:
+                if e.errno == errno.ENXIO and stat.S_ISFIFO(mode):
+                    self._lose(BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)))
+                else:                          # blocking writes on the file object
+                    self._text = True
+
+    def write(self, text: str, keep: bool = False) -> None:
+        """Write ``text`` (whole lines, or a piece of a line too long to keep) or keep it to
+        be written; ``keep``: never dropped (the supervisor's own ``listening on`` line)."""
+        if self.lost:
+            return
+        if self._text:
+            try:
+                self._file.write(text)         # type: ignore[union-attr]
+                self._file.flush()             # type: ignore[union-attr]
+            except (OSError, ValueError) as e:     # EPIPE, EBADF; ValueError: closed file
+                self._lose(e)
+            return
+        data = text.encode(self._enc, "replace")
+        if self._pending:
+            if len(self._pending) + len(data) > self._limit and not keep:
+                self._drop()
+                return
+            self._pending += data              # after what waits: order is kept
+            return
+        self._pending += data
+        self.flush()
+
+    def _drop(self) -> None:
+        self._dropped += 1
+        if not self._stalled:
+            self._stalled = True
+            log.warning("stdout is not being read (%d bytes waiting): the server processes' "
+                        "output is dropped until it is; serving goes on", len(self._pending))
+
+    def flush(self) -> None:
+        """Write what waits, as much as the stream takes now."""
+        while self._pending and not self.lost:
+            try:
+                if self._sock is not None:
+                    n = self._sock.send(self._pending, socket.MSG_DONTWAIT)
+                else:
+                    n = os.write(self._own, self._pending)
+            except BlockingIOError:
+                return
+            except InterruptedError:
+                continue
+            except OSError as e:
+                self._lose(e)
+                return
+            del self._pending[:n]
+        if self._stalled and not self._pending:
+            log.warning("stdout is read again: %d lines of the server processes' output "
+                        "were dropped meanwhile", self._dropped)
+            self._stalled = False
+            self._dropped = 0
+
+    def close(self) -> None:
+        """Write what the stream takes now (never waiting), say what was dropped, let go."""
+        self.flush()
+        if self._stalled or (self._pending and not self.lost):
+            log.warning("stdout was not read to the end: %d lines of the server processes' "
+                        "output were dropped and %d bytes not written", self._dropped,
+                        len(self._pending))
+        self._pending.clear()
+        if self._sock is not None:
+            self._sock.close()
+        elif self._own >= 0:
+            os.close(self._own)
+        self._sock = None
+        self._own = self.fd = -1
+
+    def _lose(self, why: str | BaseException) -> None:
+        if isinstance(why, OSError) and why.strerror:
+            why = why.strerror
+        self.lost = True
+        self._pending.clear()
+        log.warning("stdout is unusable (%s): the server processes' output is dropped "
+                    "from now on; serving goes on", why)
+        out = self._file
+        if self._text and out is not None and out is sys.stdout:
+            # the interpreter's own flush at exit would fail again, with a traceback-like
+            # "Exception ignored" on stderr: what is left in its buffer goes to /dev/null
+            try:
+                fd = out.fileno()
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                try:
+                    os.dup2(devnull, fd)
+                finally:
+                    os.close(devnull)
+            except (OSError, ValueError):
+                pass
+
+
 class _Child:
     """One of the N places: the process filling it now, and its history."""
     __slots__ = ("index", "proc", "buf", "status", "said", "started", "ready", "listened",
@@ -159,7 +331,7 @@ class Supervisor:
 
     def __init__(self, child_argv: Callable[[int, int], Sequence[str]], procs: int,
                  host: str | None = "127.0.0.1", port: int = 0, *,
-                 stdout: IO[str] | None = None, start_timeout: float = 30.0,
+                 stdout: IO[str] | None = None, start_timeout: float | None = None,
                  stop_timeout: float = 15.0, backoff: float = 0.5, backoff_max: float = 30.0,
                  give_up_after: int = 5, stable_after: float = 10.0) -> None:
         if not isinstance(procs, int) or procs < 1:
@@ -168,11 +340,12 @@ class Supervisor:
         self._procs = procs
         self._host = host
         self._port = port
-        self._out: IO[str] | None = stdout if stdout is not None else sys.stdout
-        self._start_timeout = float(start_timeout)
-        self._stop_timeout = float(stop_timeout)
-        self._backoff = float(backoff)
-        self._backoff_max = float(backoff_max)
+        self._output = _Output(stdout if stdout is not None else sys.stdout)
+        self._start_timeout = (None if start_timeout is None
+                               else check_seconds("start_timeout", start_timeout))
+        self._stop_timeout = check_seconds("stop_timeout", stop_timeout)
+        self._backoff = check_seconds("backoff", backoff)
+        self._backoff_max = check_seconds("backoff_max", backoff_max)
         self._give_up_after = int(give_up_after)
         self._stable_after = float(stable_after)
         self._prctl = _find_prctl()       # looked up here: the child only calls it
@@ -180,7 +353,7 @@ class Supervisor:
         self._sel: selectors.BaseSelector = None    # type: ignore[assignment]  # (run() makes it)
         self._signals: list[int] = []     # stop signals received, not yet handled
         self._announced = False           # "listening on" was printed
-        self._out_lost = False            # stdout failed (or is None): output is dropped
+        self._out_watched = False         # the stdout's fd is in the selector
         self.address: tuple[str, int] | None = None     # (host, port) once reserved
         self.spawned: list[tuple[float, int, int]] = []  # (monotonic time, index, pid)
 
@@ -227,15 +400,41 @@ class Supervisor:
         self.spawned.append((c.started, c.index, c.proc.pid))
         log.debug("started server process %d (place %d)", c.proc.pid, c.index)
 
-    def _start(self, c: _Child) -> bool:
+    def _start(self, c: _Child, now: float) -> bool:
+        """Spawn a process for place ``c``.  False if the supervisor is to stop: the spawn
+        failed at the first start, or a restart failed and no other process serves and
+        this place failed more than ``give_up_after`` times in a row.  A restart that fails
+        while others serve (``EMFILE`` from ``os.pipe``, ``EAGAIN`` from ``fork``, a
+        program gone mid-deploy) is a crash before ``ready``: retried after the back-off."""
         try:
             self._spawn(c)
         except (OSError, subprocess.SubprocessError) as e:
-            log.error("cannot start %s: %s", self._child_argv(self.address[1], -1)[:4], e)
             c.proc = None
             c.respawn_at = None
-            return False
+            what = f"cannot start server process {c.index + 1} of {self._procs}: {e}"
+            if not self._announced and not c.listened:
+                log.error("%s", what)
+                return False
+            c.early += 1
+            if c.early > self._give_up_after and not self._serving(c):
+                log.error("%s; %d failures in a row and no server process serves: giving up",
+                          what, c.early)
+                return False
+            c.respawn_at = now + self._next_delay(c, now)
+            log.error("%s: retrying in %.2g s", what, c.respawn_at - now)
         return True
+
+    def _serving(self, but: _Child) -> bool:
+        """Some place other than ``but`` has a process that serves."""
+        return any(o.ready and o.proc is not None for o in self._children if o is not but)
+
+    def _next_delay(self, c: _Child, now: float) -> float:
+        """The back-off before place ``c``'s next start, one more crash counted."""
+        if c.started and now - c.started >= self._stable_after:
+            c.crashes = 0                  # it served a while: the back-off starts again
+        c.started = 0.0                    # (a failed spawn: counted from the first crash)
+        c.crashes += 1
+        return min(self._backoff * 2 ** (c.crashes - 1), self._backoff_max)
 
     def _read_status(self, c: _Child, fd: int, final: bool = False) -> None:
         """Take what child ``c`` wrote on its status pipe (``ready`` marks it ready).
@@ -266,24 +465,28 @@ class Supervisor:
                 log.info("server process %d (restarted) is listening", c.proc.pid)
 
     def _read(self, c: _Child, final: bool = False) -> None:
-        """Pass on what child ``c`` printed.  ``final``: it has exited; read to the end of its
-        output, for a bounded time, and what it said on its status pipe."""
+        """Pass on what child ``c`` printed.  ``final``: it has exited; take what is in its
+        pipes and close them, never waiting.  Everything it wrote before it exited is in the
+        pipe already; what may still come is from a process it started that holds the pipe
+        (a sidecar spawned at import), which the supervisor does not wait for -- waiting
+        would stall its loop, once per exited child."""
         if final and c.status is not None:
             self._read_status(c, c.status, final=True)
         if c.proc.stdout.closed:           # its end of output was read already
             return
         fd = c.proc.stdout.fileno()
-        deadline = time.monotonic() + 2.0
+        reads = 0
         while True:
             try:
                 chunk = os.read(fd, 65536)
             except BlockingIOError:
                 if not final:
                     return
-                if time.monotonic() < deadline:
-                    _wait_readable(fd, deadline - time.monotonic())
-                    continue
-                chunk = b""              # something it started holds the pipe: let go
+                chunk = b""                # all there is: let go of the pipe
+            if final:
+                reads += 1                 # a helper writing without end: bounded
+                if reads > _FINAL_READS:
+                    chunk = b""
             if not chunk:
                 self._sel.unregister(fd)
                 c.proc.stdout.close()
@@ -306,38 +509,7 @@ class Supervisor:
     def _line(self, c: _Child, line: bytes, final: bool = False) -> None:
         text = c.dec.decode(line, final) if c.dec is not None else line.decode(errors="replace")
         if text:
-            self._write(text)
-
-    def _write(self, text: str) -> None:
-        """Write to the supervisor's stdout; once that is gone, drop the text (logged once):
-        a reader that went away must not stop the servers."""
-        if self._out_lost:
-            return
-        out = self._out
-        if out is None:                        # sys.stdout is None: fd 1 was closed
-            why = "no stdout"
-        else:
-            try:
-                out.write(text)
-                out.flush()
-                return
-            except (OSError, ValueError) as e:     # EPIPE, EBADF; ValueError: closed file
-                why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        self._out_lost = True
-        log.warning("stdout is unusable (%s): the server processes' output is dropped "
-                    "from now on; serving goes on", why)
-        if out is not None and out is sys.stdout:
-            # the interpreter's own flush at exit would fail again, with a traceback-like
-            # "Exception ignored" on stderr: what is left in its buffer goes to /dev/null
-            try:
-                fd = out.fileno()
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                try:
-                    os.dup2(devnull, fd)
-                finally:
-                    os.close(devnull)
-            except (OSError, ValueError):
-                pass
+            self._output.write(text)
 
     def _stop_all(self, sig: int = signal.SIGTERM) -> bool:
         """Signal every live child, wait for them (bounded by stop_timeout, or not at all for
@@ -378,8 +550,17 @@ class Supervisor:
         return ok
 
     def _poll(self, timeout: float | None) -> None:
+        out = self._output
+        if out.fd >= 0 and out.waiting != self._out_watched:   # poll stdout while bytes wait
+            if out.waiting:
+                self._sel.register(out.fd, selectors.EVENT_WRITE, _OUT)
+            else:
+                self._sel.unregister(out.fd)
+            self._out_watched = out.waiting
         for key, _ in self._sel.select(timeout):
-            if key.data is None:               # the signal wake-up pipe
+            if key.data is _OUT:
+                out.flush()
+            elif key.data is None:             # the signal wake-up pipe
                 try:
                     while os.read(key.fd, 512):
                         pass
@@ -410,17 +591,15 @@ class Supervisor:
         self._read(c, final=True)          # it may have said "ready" just before
         c.proc = None
         words = c.said.split(b"\n")[:-1]
-        if rc == 2 and not c.ready:
-            return self._fail(f"server process {pid} ({c.index + 1} of {self._procs}) exited "
-                              "with status 2 (a usage or configuration error) before it "
-                              "listened: stopping", 2)
         if not self._announced and not c.listened:
+            # the first start: what a restart would only repeat
+            if rc == 2:
+                return self._fail(f"server process {pid} ({c.index + 1} of {self._procs}) "
+                                  "exited with status 2 (a usage or configuration error) "
+                                  "before it listened: stopping", 2)
             return self._fail(f"server process {pid} ({c.index + 1} of {self._procs}) exited "
                               f"with {_how(rc)} before it listened: stopping", 1)
-        if now - c.started >= self._stable_after:
-            c.crashes = 0                  # it served a while: the back-off starts again
-        c.crashes += 1
-        delay = min(self._backoff * 2 ** (c.crashes - 1), self._backoff_max)
+        delay = self._next_delay(c, now)
         if (rc == 0 and _STOPPED in words) or rc in (-signal.SIGTERM, -signal.SIGINT):
             # stopped by someone else (an operator's kill, an OOM daemon's SIGTERM): the
             # supervisor did not ask (its own stops are reaped by _stop_all), so the place
@@ -431,12 +610,14 @@ class Supervisor:
             return None
         how = _how(rc)
         if not c.ready:
-            # a crash before "ready": its settings or its start-up, which a restart repeats
+            # a restart that failed before "ready": its start-up (a handler file half-way
+            # through a deploy exits 2), which the back-off retries while other processes
+            # serve; with none serving, a start-up that fails every time ends the service
             c.early += 1
-            if c.early > self._give_up_after:
-                return self._fail(f"server process {pid} exited with {how} before it "
-                                  f"listened; {c.early} crashes in a row, each before it "
-                                  "listened: giving up", 1)
+            how += " before it listened"
+            if c.early > self._give_up_after and not self._serving(c):
+                return self._fail(f"server process {pid} exited with {how}; {c.early} "
+                                  "crashes in a row, each before it listened: giving up", 1)
         else:
             # a crash while serving (a handler's bad request, os._exit, a signal): restarted
             # after the back-off for as long as the supervisor runs; requests must never be
@@ -458,6 +639,7 @@ class Supervisor:
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         reserve = None
         try:
+            self._output.open()
             reserve = reserve_port(self._host, self._port)
             self.address = reserve.getsockname()[:2]
             return self._supervise()
@@ -471,6 +653,7 @@ class Supervisor:
                 if c.status is not None:
                     os.close(c.status)
                     c.status = None
+            self._output.close()
             signal.set_wakeup_fd(old_wake)
             for s, h in old.items():
                 signal.signal(s, h)
@@ -483,9 +666,10 @@ class Supervisor:
     def _supervise(self) -> int:
         host, port = self.address
         for c in self._children:
-            if not self._start(c):
+            if not self._start(c, time.monotonic()):
                 return self._fail("cannot start a server process: stopping", 1)
-        deadline = time.monotonic() + self._start_timeout
+        deadline = time.monotonic() + (math.inf if self._start_timeout is None
+                                       else self._start_timeout)
         while True:
             if self._signals:
                 sig = self._signals.pop(0)
@@ -501,13 +685,13 @@ class Supervisor:
                         if status is not None:
                             return status
                 elif c.respawn_at is not None and now >= c.respawn_at:
-                    if not self._start(c):
+                    if not self._start(c, now):
                         return self._fail("cannot restart a server process: stopping", 1)
             if not self._announced:
                 if all(c.listened for c in self._children):
                     self._announced = True
                     shown = f"[{host}]" if ":" in host else host     # IPv6: bracketed
-                    self._write(f"listening on {shown}:{port}\n")
+                    self._output.write(f"listening on {shown}:{port}\n", keep=True)
                     log.info("supervising %d server processes on %s:%s", self._procs, host,
                              port)
                 elif now >= deadline:
@@ -517,6 +701,19 @@ class Supervisor:
             if not self._announced:
                 waits.append(deadline - now)
             self._poll(max(0.0, min([0.5] + waits)))
+
+
+def check_seconds(name: str, value: object) -> float:
+    """``value`` as a float if it is a finite number of seconds above 0 and at most a day,
+    else ValueError naming ``name`` and the value."""
+    try:
+        x = float(value)        # type: ignore[arg-type]  # (any object: TypeError)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not 0 < x <= _MAX_SECONDS:          # (nan and inf fail this too)
+        raise ValueError(f"{name} must be a number of seconds above 0 and at most "
+                         f"{_MAX_SECONDS:g}, not {value!r}")
+    return x
 
 
 def _how(rc: int) -> str:
@@ -533,9 +730,3 @@ def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
         proc.send_signal(sig)
     except ProcessLookupError:
         pass
-
-
-def _wait_readable(fd: int, timeout: float) -> None:
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        sel.select(max(0.0, timeout))
