@@ -247,6 +247,44 @@ def test_read_buffer_is_one_thread_at_a_time():
 
 # ---- issue 20: large reads land in the buffer's pooled, resident bytes objects -----------
 
+def _pool_max():
+    from aoprim._readbuf import POOL_MAX
+    return POOL_MAX
+
+
+# On a free-threaded build the pool is off: a pooled bytes object is reused when its
+# reference count reads 1, and without the GIL that read does not prove another thread is
+# not taking a reference at that moment.  The tests of the pool's reuse run where it is on;
+# test_the_read_pool_is_off_without_the_gil proves it off where it is not.
+needs_pool = pytest.mark.skipif(
+    _pool_max() == 0, reason="the read pool is off on a free-threaded build (POOL_MAX == 0)")
+
+
+def test_the_read_pool_is_off_without_the_gil():
+    """POOL_MAX is 0 exactly on a free-threaded build; there, large reads are fresh bytes
+    objects every time (none handed out as a slot, no slot created), and right."""
+    import sysconfig
+    from aoprim._readbuf import ReadBuffer
+    ft = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+    assert (_pool_max() == 0) == ft
+    rb = ReadBuffer(64)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    got = []
+    for i in range(4):
+        b.sendall(bytes([65 + i]) * 40)             # >= size/4: a slot where the pool is on
+        got.append(rb.recv_bytes(a))
+    assert got == [bytes([65 + i]) * 40 for i in range(4)]
+    if ft:
+        assert rb.pool_stats == {"slots": 0, "free": 0, "handed_out": 0}
+        assert len({id(g) for g in got}) == 4
+    else:
+        assert rb.pool_stats["handed_out"] == 4
+    a.close()
+    b.close()
+
+
+@needs_pool
 def test_large_reads_allocate_nothing_in_the_steady_state():
     """A read of at least size/4 bytes is handed out as a pooled slot: once the slot exists,
     reading (and dropping) large messages allocates no new memory for them (asyncio's
@@ -282,6 +320,7 @@ def test_large_reads_allocate_nothing_in_the_steady_state():
     b.close()
 
 
+@needs_pool
 def test_pooled_reads_bytes_order_hash_and_held_slots():
     """Every read's bytes are right and stay right while held, whatever is read after
     them: a held slot is never reused, a dropped one is (its length and hash reset);
@@ -323,6 +362,7 @@ def test_pooled_reads_bytes_order_hash_and_held_slots():
     a.close()
 
 
+@needs_pool
 def test_a_64k_read_is_handed_out_whatever_the_buffer_size():
     """A read of 64 KiB is handed out as a pool slot also from a buffer larger than 256 KiB
     (the threshold is min(size // 4, 64 KiB), not size // 4): copied out of a 512 KiB
@@ -442,7 +482,8 @@ def test_large_echo_all_bytes_in_order(loop, keep):
     assert bytes(got) == b"".join(msgs) == bytes(p.data)
     if keep:
         assert b"".join(kept) == b"".join(msgs)
-    assert loop._aio_rbuf.pool_stats["handed_out"] >= 1
+    # large reads are handed out as pool slots where the pool is on (none without the GIL)
+    assert (loop._aio_rbuf.pool_stats["handed_out"] >= 1) == (_pool_max() > 0)
     tr.close()
     loop.run_until_complete(p.lost)
     peer.close()
