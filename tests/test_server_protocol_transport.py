@@ -535,3 +535,29 @@ def test_an_exception_in_connection_made_is_logged_and_the_connection_carries_on
     errors = [r for r in logs.records if r.levelno >= logging.ERROR]
     assert any("connection_made" in r.getMessage() and r.exc_info and
                isinstance(r.exc_info[1], LookupError) for r in errors), errors
+
+
+# -- a shutdown that drops a close's backlog ------------------------------------------------
+
+def test_a_shutdown_that_drops_the_backlog_resets_and_tells_connection_lost(backend, workers):
+    log, done = [], threading.Event()
+
+    class P(SlowDownload):
+        size = 4 << 20
+
+    fds = open_fds()
+    srv = serve_protocol(lambda: P(log, done), HOST, 0, backend=backend, workers=workers,
+                         shutdown_timeout=0.3, max_pending=8 << 20)
+    try:
+        c = connect(srv, rcvbuf=65536)
+        c.sendall(b"GET")
+        assert recv_exact(c, 1000)       # the download began; the peer reads no more
+    finally:
+        srv.shutdown(timeout=15)
+    assert done.wait(10), log
+    got, how = recv_until_closed(c, limit=8 << 20)
+    c.close()
+    assert how == "reset" and len(got) < P.size
+    exc = log[-1][1]
+    assert isinstance(exc, ConnectionAbortedError) and "shutdown" in str(exc), exc
+    assert_no_leaks(srv, fds)

@@ -441,6 +441,8 @@ class Session:
                 self._ctx.tls.flush()
         except (OSError, RuntimeError):
             pass            # (the abort follows: a send error changes nothing)
+        except Exception as e:      # another TLS session's callback in the early flush
+            log.error("session %d: flush before abort failed", self.id, exc_info=e)
 
     def set_transport_rules(self) -> None:
         """An asyncio transport's rules for this session (the asyncio adapter, loop thread,
@@ -832,12 +834,13 @@ class Session:
     def limit_error(self) -> OSError | None:
         """The error that a server limit ended the session with -- ``max_pending``
         (ConnectionAbortedError), ``idle_timeout``/``frame_timeout``/``close_linger``
-        (TimeoutError), its message the reason -- or None: what the asyncio adapter hands
+        (TimeoutError), a shutdown that dropped bytes still owed (ConnectionAbortedError),
+        its message the reason -- or None: what the asyncio adapter hands
         ``connection_lost`` then (``on_close`` itself gets None for these)."""
         reason = self._limit
         if reason is None:
             return None
-        if self._limit_cause == "max_pending":
+        if self._limit_cause in ("max_pending", "shutdown"):
             return ConnectionAbortedError(reason)
         return TimeoutError(reason)
 
@@ -1049,7 +1052,9 @@ class Session:
                cause: str = "aborted") -> None:
         if self._state == CLOSED:
             return
-        if cause in _LIMIT_CAUSES and not self._lingering and self._limit is None:
+        if (self._limit is None and not self._lingering and
+                (cause in _LIMIT_CAUSES or (cause == "shutdown" and self.pending_bytes))):
+            # (a shutdown counts when it drops bytes still owed)
             self._limit = reason
             self._limit_cause = cause
         if self._state == OPEN:

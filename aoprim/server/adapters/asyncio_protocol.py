@@ -6,19 +6,42 @@ Each session gets one protocol instance (from the factory) and one :class:`Sessi
 A ``BufferedProtocol`` gets its bytes through ``get_buffer``/``buffer_updated``: they were
 received into pool slots by Layer 2 and are copied once, straight from the slot, into the
 buffer the protocol hands out (with ``workers=N`` from the frame's ``bytes`` copy instead).
-The transport's write buffer is the session's ``SendBatch``: ``get_write_buffer_size()`` is
-its unsent bytes, and the protocol's ``pause_writing`` /
+``set_protocol()`` switches: later bytes, ``eof_received``, ``connection_lost`` and the
+write-limit callbacks go to the new protocol (a Protocol <-> BufferedProtocol switch too).
+
+The loop.  Every protocol callback runs with the server's :class:`ProtocolLoop` as the
+running loop, so ``asyncio.get_running_loop()``, ``loop.call_later``/``call_at``/
+``call_soon``, ``create_future``, ``create_task``, ``asyncio.sleep``, ``wait_for``,
+``asyncio.timeout`` and ``run_in_executor``/``asyncio.to_thread`` work as on asyncio's
+loop; what they schedule runs on the server's loop thread (with ``workers=0`` the thread of
+the protocol's own callbacks, so no lock is needed; with ``workers=N`` the protocol's
+callbacks run on a worker and the loop's on the loop thread: state both touch needs a
+lock).  The loop's I/O methods raise ``NotImplementedError``.
+
+Writing.  The transport's write buffer is the session's ``SendBatch``:
+``get_write_buffer_size()`` is its unsent bytes, and the protocol's ``pause_writing`` /
 ``resume_writing`` are called when it crosses the limits of ``set_write_buffer_limits``.
+As asyncio, one write is never refused for its size: ``max_pending`` is checked against what
+was pending *before* each write (and against the high-water mark, if set above it), so only
+a protocol that writes on after ``pause_writing()`` to a peer that does not read is cut.
 
 The callbacks come in asyncio's order: ``connection_lost()`` never runs inside the callback
 that caused it (``abort()``, or ``close()`` with nothing left to write, inside
 ``connection_made`` or ``data_received``): it follows in a later loop callback, as asyncio's
-``call_soon``, and no ``data_received`` comes after ``close()``/``abort()``.  The peer's EOF
-calls ``eof_received()``; a false return closes the transport (what it wrote first is
-sent), a true one keeps it open for writing until the protocol closes it (over TLS it closes
-anyway, as asyncio's TLS transport).  A reset or another socket error gives
-``connection_lost`` the ``OSError`` (``ConnectionResetError``), as asyncio.
-``write_eof`` is not supported.  Over TLS
+``call_soon``, and no ``data_received`` comes after ``close()``/``abort()``.  An exception
+in ``connection_made`` is logged and the connection carries on (asyncio runs it as a loop
+callback); one in ``data_received``/``eof_received`` closes it with ``connection_lost(exc)``.
+``close()`` sends the whole backlog however slowly the peer reads (``close_linger`` does not
+apply; ``idle_timeout``, if set, cuts a peer that takes nothing).  ``abort()`` first makes
+one non-blocking attempt to send what was written (over TLS: encrypted), as asyncio's
+``write()`` has already tried the socket, then closes.  The peer's EOF calls
+``eof_received()``; a false return closes the transport (what it wrote first is sent), a
+true one keeps it open for writing until the protocol closes it (over TLS it closes anyway,
+as asyncio's TLS transport).  A reset or another socket error gives ``connection_lost`` the
+``OSError`` (``ConnectionResetError``), as asyncio; a server limit that cuts the session
+(``max_pending``, ``idle_timeout``, a shutdown dropping the backlog) ends the stream with a
+reset and gives ``connection_lost`` an exception naming it (``ConnectionAbortedError``,
+``TimeoutError``), never None.  ``write_eof`` is not supported.  Over TLS
 (``serve_protocol(..., ssl=ctx)``) ``get_extra_info`` answers asyncio's TLS names
 (``sslcontext``, ``ssl_object``, ``peercert``, ``cipher``, ``compression``).
 """
@@ -73,7 +96,8 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
     def time(self) -> float:
         return self._ev.clock()
 
-    def call_soon(self, callback: Callable[..., object], *args: Any,
+    def call_soon(self, callback: Callable[..., object],      # type: ignore[override]
+                  *args: Any,
                   context: contextvars.Context | None = None) -> asyncio.Handle:
         h = asyncio.Handle(callback, args, self, context)
         ev = self._ev
@@ -83,15 +107,17 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             raise RuntimeError("Event loop is closed (the server has shut down)")
         return h
 
-    call_soon_threadsafe = call_soon
+    call_soon_threadsafe = call_soon      # type: ignore[assignment]
 
-    def call_later(self, delay: float, callback: Callable[..., object], *args: Any,
+    def call_later(self, delay: float,      # type: ignore[override]
+                   callback: Callable[..., object], *args: Any,
                    context: contextvars.Context | None = None) -> asyncio.TimerHandle:
         if delay is None:
             raise TypeError("delay must not be None")
         return self.call_at(self.time() + delay, callback, *args, context=context)
 
-    def call_at(self, when: float, callback: Callable[..., object], *args: Any,
+    def call_at(self, when: float,      # type: ignore[override]
+                callback: Callable[..., object], *args: Any,
                 context: contextvars.Context | None = None) -> asyncio.TimerHandle:
         if when is None:
             raise TypeError("when cannot be None")
@@ -137,7 +163,8 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             task = asyncio.Task(coro, loop=self, name=name, context=context)
         return task
 
-    def run_in_executor(self, executor: Any, func: Callable[..., Any],
+    def run_in_executor(self, executor: Any,      # type: ignore[override]
+                        func: Callable[..., Any],
                         *args: Any) -> asyncio.Future[Any]:
         """``executor.submit(func, *args)`` as an asyncio future; with ``executor=None``
         (``asyncio.to_thread`` too) a thread of its own per call, which ends with the call
@@ -236,7 +263,7 @@ class SessionTransport(asyncio.Transport):
         super().__init__({"peername": session.peer})
         self._session = session
         self._loop = loop
-        self._protocol = protocol
+        self._protocol: Any = protocol
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
         self._closing = False
         self._paused_reading = False
@@ -367,7 +394,7 @@ class ProtocolHandler(Handler):
         ev = session._loop
         loop = self._loop
         if loop is None or loop._ev is not ev:
-            loop = self._loop = ProtocolLoop(ev)
+            loop = self._loop = ProtocolLoop(ev)   # type: ignore[abstract]  # (I/O: none)
         return loop
 
     def on_connect(self, session: Session) -> None:
