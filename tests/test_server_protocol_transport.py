@@ -151,28 +151,37 @@ def test_an_exception_in_a_loop_callback_is_logged_and_the_connection_lives(serv
                str(r.exc_info[1])) for r in logs.records if r.levelno >= logging.ERROR)
 
 
-def test_no_running_loop_is_left_behind_on_the_loop_thread(backend):
-    """The running loop is set for each protocol callback only: after one ran, the server's
-    loop thread has no running asyncio loop."""
-    seen = []
+def test_no_running_loop_is_left_behind_on_a_serve_forever_thread(backend, workers):
+    """serve_forever() in a thread of the caller's: the running loop is set for each
+    protocol callback there only, so once the server returns that thread can asyncio.run()."""
+    from aoprim.server.adapters.asyncio_protocol import ProtocolHandler
+    seen, after = [], []
 
     class P(asyncio.Protocol):
         def connection_made(self, transport):
-            seen.append(asyncio.get_running_loop())
-            transport.close()
+            seen.append((threading.get_ident(), asyncio.get_running_loop()))
+            asyncio.get_running_loop().call_soon(transport.close)
 
-    srv = serve_protocol(P, HOST, 0, backend=backend)
+    srv = Server(ProtocolHandler(P), HOST, 0, framing="raw", backend=backend,
+                 workers=workers)
+
+    def serve():
+        srv.serve_forever()
+        after.append(asyncio.events._get_running_loop())
+        after.append(asyncio.run(asyncio.sleep(0, "ran")))
+
+    th = threading.Thread(target=serve)
+    th.start()
     try:
         c = connect(srv)
         assert recv_until_closed(c)[1] == "eof"
         c.close()
         wait_for(lambda: seen)
-        after = []
-        srv._loop.call_soon_threadsafe(lambda: after.append(asyncio.events._get_running_loop()))
-        wait_for(lambda: after)
     finally:
         srv.shutdown(timeout=15)
-    assert seen[0] is not None and after == [None]
+        th.join(15)
+    assert seen[0][0] == th.ident and seen[0][1] is not None
+    assert after == [None, "ran"]
 
 
 # -- write() then abort() -----------------------------------------------------------------

@@ -147,7 +147,7 @@ class Session:
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
-                 "_rest", "_transport", "_limit", "_limit_cause", "_progress_at",
+                 "_rest", "_transport", "_cap", "_limit", "_limit_cause", "_progress_at",
                  "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
@@ -217,6 +217,7 @@ class Session:
         # an asyncio transport's rules (set_transport_rules): close() waits for the backlog,
         # max_pending counts what was pending before each send
         self._transport = False
+        self._cap = 0                       # a transport's max_pending: max(it, high-water)
         # the reason and cause when a server limit (max_pending, a timeout, close_linger)
         # ended the session, else None (see limit_error)
         self._limit: str | None = None
@@ -451,6 +452,11 @@ class Session:
         nothing: check_timeouts), and ``max_pending`` is checked against what was pending
         before each send (:meth:`over_max_pending`), never cutting a single large write."""
         self._transport = True
+        self._set_cap()
+
+    def _set_cap(self) -> None:
+        mp = self._ctx.settings.max_pending
+        self._cap = mp if self._wm is None else max(mp, self._wm[0])
 
     def over_max_pending(self) -> bool:
         """A transport's check before a send (any thread): more than
@@ -460,9 +466,7 @@ class Session:
         returned."""
         # (sends another thread made that the loop has not added yet count too)
         p = self.pending_bytes + self._foreign.queued
-        st = self._ctx.settings
-        wm = self._wm
-        cap = st.max_pending if wm is None else max(st.max_pending, wm[0])
+        cap = self._cap
         if p <= cap:
             return False
         reason = (f"max_pending exceeded ({p} unsent bytes > {cap} before a write): the "
@@ -513,6 +517,7 @@ class Session:
         """Call ``on_high()`` once unsent bytes exceed ``high``, then ``on_low()`` once they
         drop to ``low`` or below (loop thread; used by the asyncio adapter)."""
         self._wm = (high, low, on_high, on_low)
+        self._set_cap()
         self._hw = -1           # every send now takes _over_high, which checks the limits
         self._sync_watch()
         self._check_wm()

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     import contextvars
 
     from ..loop import EventLoop, Timer
+    from ..server import Server
     from ..session import Session
 
 __all__ = ["ProtocolHandler", "SessionTransport"]
@@ -88,8 +89,9 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
     (I/O: ``create_connection``, ``sock_*``, ``add_reader``, ...; ``run_until_complete``,
     ``stop``, ``close``: the server runs and closes it) raises ``NotImplementedError``."""
 
-    def __init__(self, ev: EventLoop) -> None:
+    def __init__(self, ev: EventLoop, server: Server) -> None:
         self._ev = ev
+        self._server = server
         self._exception_handler: Callable[..., object] | None = None
 
     # -- time and callbacks ----------------------------------------------------------------
@@ -133,6 +135,14 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         if not h.cancelled():
             h._ev_timer = self._ev.call_at(h.when(), self._run_handle, h)
 
+    def _owns_this_thread(self) -> bool:
+        """Whether the calling thread is one the server made (start()'s loop thread, a
+        worker): it ends with the server."""
+        srv = self._server
+        t = threading.current_thread()
+        d = getattr(srv, "_dispatch", None)
+        return t is getattr(srv, "_thread", None) or (d is not None and t in d.threads)
+
     def _timer_handle_cancelled(self, handle: asyncio.TimerHandle) -> None:
         t = getattr(handle, "_ev_timer", None)
         if t is not None:
@@ -144,12 +154,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
     def _run_handle(self, h: asyncio.Handle) -> None:
         if h.cancelled():
             return
-        prev = _get_running_loop()
-        _set_running_loop(self)
-        try:
-            h._run()        # (asyncio's: an exception goes to call_exception_handler)
-        finally:
-            _set_running_loop(prev)
+        _call(self, h._run)     # (asyncio's: an exception goes to call_exception_handler)
 
     # -- futures, tasks, executor ----------------------------------------------------------
     def create_future(self) -> asyncio.Future[Any]:
@@ -244,9 +249,23 @@ class _Timer(asyncio.TimerHandle):
         self._ev_timer: Timer | None = None
 
 
+# .loop: the ProtocolLoop set for good as this thread's running loop (a thread of the server's
+# own: its loop thread when it serves in the background, a worker)
+_here = threading.local()
+
+
 def _call(loop: ProtocolLoop, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with ``loop`` as this thread's running loop (the previous one, if
-    any, restored after: calls nest)."""
+    """``fn(*args)`` with ``loop`` as this thread's running loop.  On a thread the server
+    owns (``start()``'s loop thread, a worker: they end with the server) it is set once and
+    stays -- asyncio's C ``_set_running_loop`` costs a microsecond a call on 3.11; on any
+    other (``serve_forever()``'s caller) it is set for the call and the previous one
+    restored after (calls nest), so nothing is left behind once the server returns."""
+    if getattr(_here, "loop", None) is loop:
+        return fn(*args)
+    if loop._owns_this_thread():
+        _set_running_loop(loop)
+        _here.loop = loop
+        return fn(*args)
     prev = _get_running_loop()
     _set_running_loop(loop)
     try:
@@ -394,7 +413,7 @@ class ProtocolHandler(Handler):
         ev = session._loop
         loop = self._loop
         if loop is None or loop._ev is not ev:
-            loop = self._loop = ProtocolLoop(ev)   # type: ignore[abstract]  # (I/O: none)
+            loop = self._loop = ProtocolLoop(ev, session.server)   # type: ignore[abstract]  # (I/O: none)
         return loop
 
     def on_connect(self, session: Session) -> None:
@@ -418,38 +437,43 @@ class ProtocolHandler(Handler):
         tr: SessionTransport = session.user
         if tr._closing:
             return
-        prev = _get_running_loop()
-        _set_running_loop(tr._loop)
-        try:
-            if not tr._buffered:
-                tr._protocol.data_received(bytes(data))
+        lp = tr._loop
+        if getattr(_here, "loop", None) is lp:
+            self._deliver(tr, session, data)
+        else:
+            _call(lp, self._deliver, tr, session, data)
+
+    def _deliver(self, tr: SessionTransport, session: Session,
+                 data: memoryview | bytes) -> None:
+        """The bytes to the current protocol: ``data_received``, or a BufferedProtocol's
+        ``get_buffer``/``buffer_updated`` as many times as its buffers need."""
+        if not tr._buffered:
+            tr._protocol.data_received(bytes(data))
+            return
+        n = len(data)
+        off = 0
+        while off < n:
+            proto: Any = tr._protocol
+            buf = proto.get_buffer(n - off)
+            mv = memoryview(buf).cast("B")
+            k = min(mv.nbytes, n - off)
+            if k <= 0:
+                raise RuntimeError("get_buffer() returned an empty buffer")
+            mv[:k] = data[off:off + k]
+            mv.release()
+            proto.buffer_updated(k)
+            off += k
+            if off < n and (not tr.is_reading() or tr.is_closing()):
+                # as asyncio: nothing more for the protocol in this call.  After close()
+                # or abort() the rest is dropped; after pause_reading() it is handed
+                # back to the session and comes first once reading resumes
+                if not tr.is_closing():
+                    session.unread(data[off:])
                 return
-            n = len(data)
-            off = 0
-            while off < n:
-                proto: Any = tr._protocol
-                buf = proto.get_buffer(n - off)
-                mv = memoryview(buf).cast("B")
-                k = min(mv.nbytes, n - off)
-                if k <= 0:
-                    raise RuntimeError("get_buffer() returned an empty buffer")
-                mv[:k] = data[off:off + k]
-                mv.release()
-                proto.buffer_updated(k)
-                off += k
-                if off < n and (not tr.is_reading() or tr.is_closing()):
-                    # as asyncio: nothing more for the protocol in this call.  After close()
-                    # or abort() the rest is dropped; after pause_reading() it is handed
-                    # back to the session and comes first once reading resumes
-                    if not tr.is_closing():
-                        session.unread(data[off:])
-                    return
-                if not tr._buffered and off < n:
-                    # set_protocol() to a plain Protocol inside buffer_updated
-                    tr._protocol.data_received(bytes(data[off:]))
-                    return
-        finally:
-            _set_running_loop(prev)
+            if not tr._buffered and off < n:
+                # set_protocol() to a plain Protocol inside buffer_updated
+                tr._protocol.data_received(bytes(data[off:]))
+                return
 
     def _on_peer_eof(self, session: Session) -> bool:
         """The peer's EOF (see Session._peer_eof_keeps_open): the protocol's
