@@ -16,7 +16,7 @@ FREE_THREADED = ft.available()
 
 # group id -> (the baseline, aoprim's rows)
 EXPECTED = {
-    "ft-atomic-shared": ("threading.Lock + int", ["AtomicInt.fetch_add"]),
+    "ft-atomic-shared": ("threading.Lock + int", ["AtomicInt.fetch_add", "AtomicInt +="]),
     "ft-atomic-own": ("threading.Lock + int", ["AtomicInt.fetch_add"]),
     "ft-lock-counter": ("threading.Lock + int", ["SpinLock + int"]),
     "ft-slab": ("bytearray(4096)", ["SlabPool.acquire().release()"]),
