@@ -161,7 +161,7 @@ def _counter_shared(kind):
 
     def make(threads, n):
         per = n // threads
-        fresh(per)                       # Unavailable now, when a peer is missing
+        fresh(per)                       # a missing peer raises Unavailable here, at set-up
 
         def run():
             body, final = fresh(per)
