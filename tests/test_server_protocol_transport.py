@@ -570,3 +570,14 @@ def test_a_shutdown_that_drops_the_backlog_resets_and_tells_connection_lost(back
     exc = log[-1][1]
     assert isinstance(exc, ConnectionAbortedError) and "shutdown" in str(exc), exc
     assert_no_leaks(srv, fds)
+
+
+def test_an_idle_timeout_gives_connection_lost_a_timeout_error(serve):
+    log, done = [], threading.Event()
+    srv = serve(lambda: Lost(log, done), idle_timeout=0.2)
+    c = connect(srv)
+    assert done.wait(10)
+    assert recv_until_closed(c)[1] in ("eof", "reset")
+    c.close()
+    exc = log[-1][1]
+    assert isinstance(exc, TimeoutError) and "idle timeout" in str(exc), exc
