@@ -28,9 +28,16 @@ Python frame (as uvloop's sslproto is Cython over the same ``ssl`` objects):
   read from any thread: ``max_pending`` counts it with the plaintext not yet encrypted);
   ``TLSFlush.sends`` / ``bytes_out`` the sends of ciphertext and their bytes.
 
-Threads: everything but ``pending`` runs on the loop thread (the session's Python marks a
-session dirty there only).  No state here relies on the GIL: the one field read elsewhere
-is atomic.
+Threads: everything but ``pending``, ``send_frame`` and ``send_copy`` runs on the loop
+thread (the session's Python marks a session dirty there only).  ``pending`` is an atomic.
+``send_frame``/``send_copy`` may be called from any thread (Session.send): there the batch,
+limited to the loop thread, refuses the add (-1) and nothing is marked; what they read of
+the connection itself is the batch's bound add method, which close() on the loop thread
+drops -- so both read it, and close() drops every field, inside a critical section on the
+connection (a per-object lock on a free-threaded build, nothing with the GIL): a plain load
+then INCREF racing with close()'s DECREF could free it under the caller.  The receive side
+runs inside its Receiver's burst, under the Receiver's one-owner claim (aoprim._receiver),
+which also refuses a second thread calling on_readable().
 
 GC: a ``TLSConn`` and its session reference each other until ``close()`` (the session's
 teardown) drops every reference it holds.  A GC clear that reaches a ``TLSConn`` first sets
@@ -244,13 +251,22 @@ cdef class TLSConn(_RxSource):
 
     def close(self):
         """The session's teardown: drop every reference (breaks the cycle with it)."""
-        self.closed = True
-        self.sess = self.rx = self.batch = None
-        self.fileno = self.inc = self.out = None
-        self._read = self._write = self._pending = self._inc_write = self._out_read = None
-        self._add_frame = self._add_copy = None
-        self.ct = None
+        # critical section: send_frame/send_copy on another thread read _add_frame,
+        # _add_copy and the fields _gone() tests under the same lock (see the module doc).
+        # The old values are dropped after the section: a DECREF may run a finaliser.
+        with cython.critical_section(self):
+            old = (self.sess, self.rx, self.batch, self.fileno, self.inc, self.out,
+                   self._read, self._write, self._pending, self._inc_write,
+                   self._out_read, self._add_frame, self._add_copy, self.ct)
+            self.closed = True
+            self.sess = self.rx = self.batch = None
+            self.fileno = self.inc = self.out = None
+            self._read = self._write = self._pending = self._inc_write = None
+            self._out_read = None
+            self._add_frame = self._add_copy = None
+            self.ct = None
         _set(&self.ct_left, 0)
+        old = None
 
     # -- send, the session's per-message half ---------------------------------------------
     # TLSSession.send's common case in one call (u16 echo: one Python call less per frame,
@@ -261,15 +277,19 @@ cdef class TLSConn(_RxSource):
         add_frame's result (pending bytes; -1 from another thread, nothing added), or -2
         with nothing done for a memoryview of at least ``byref_min`` bytes, or once closed
         (the session's own send path takes those)."""
-        if self._gone() or _byref(self, data):
+        with cython.critical_section(self):     # any thread: see close()
+            add = None if self._gone() or _byref(self, data) else self._add_frame
+        if add is None:
             return -2
-        return _added(self, self._add_frame(data, header_size))
+        return _added(self, add(data, header_size))
 
     def send_copy(self, data):
         """``batch.add_copy(data)`` and, when it added, ``mark()``: as send_frame."""
-        if self._gone() or _byref(self, data):
+        with cython.critical_section(self):     # any thread: see close()
+            add = None if self._gone() or _byref(self, data) else self._add_copy
+        if add is None:
             return -2
-        return _added(self, self._add_copy(data))
+        return _added(self, add(data))
 
     # -- receive ---------------------------------------------------------------------------
     def feed(self, data):

@@ -77,7 +77,7 @@ from aoprim._blocktable import BlockTable
 from aoprim._slab import SlabPool
 pool = SlabPool(64, 4096)
 t = BlockTable(pool)
-N = 4000
+N = 20000
 ok = [dict(app=0, con=0, view=0, fork=0, tail=0, read=0) for _ in range(THREADS)]
 refused = [0] * THREADS
 msgs = set()
