@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from asyncio.events import _get_running_loop, _set_running_loop
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -91,7 +92,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
     def __init__(self, ev: EventLoop, server: Server) -> None:
         self._ev = ev
-        self._server = server
+        self._server = weakref.ref(server)     # (no cycle: the server holds our handler)
         self._exception_handler: Callable[..., object] | None = None
 
     # -- time and callbacks ----------------------------------------------------------------
@@ -138,7 +139,9 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
     def _owns_this_thread(self) -> bool:
         """Whether the calling thread is one the server made (start()'s loop thread, a
         worker): it ends with the server."""
-        srv = self._server
+        srv = self._server()
+        if srv is None:
+            return False
         t = threading.current_thread()
         d = getattr(srv, "_dispatch", None)
         return t is getattr(srv, "_thread", None) or (d is not None and t in d.threads)
