@@ -13,10 +13,14 @@ States: OPEN -> CLOSING -> CLOSED.
   back at once); what was sent is flushed (bounded by ``close_linger``); then the write side
   is shut and unread input drained (a *lingering close*: closing a socket with unread input
   sends an RST that can destroy the reply still in flight), then CLOSED.
+  (An asyncio transport's session -- ``set_transport_rules`` -- flushes with no
+  ``close_linger`` bound: only ``idle_timeout``, if set, cuts a peer that takes nothing.)
 - CLOSED (teardown, also the abort path: reset, send/recv error, timeouts, ``max_pending``):
-  the fd leaves the loop and is closed, every buffer goes back, queued foreign sends are
-  released, ``on_close`` runs exactly once (on the worker, after the last ``on_read``, when
-  there are workers), the loop's reference is dropped.
+  the fd leaves the loop and is closed -- with a reset (RST) when a server limit dropped
+  bytes still owed, so the peer cannot take the cut stream for a whole one -- every buffer
+  goes back, queued foreign sends are released, ``on_close`` runs exactly once (on the
+  worker, after the last ``on_read``, when there are workers), the loop's reference is
+  dropped.
 
 ``on_close`` never runs inside the code that closed the session -- a hook calling ``close()``
 or ``abort()`` included: teardown queues it as a loop callback of its own (asyncio defers
