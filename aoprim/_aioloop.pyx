@@ -566,7 +566,8 @@ def handle_traverse(on=None):
     """Whether asyncio's ``Handle`` and ``TimerHandle`` are traversed by the compiled
     function (on at import where the checks of _traverse_offsets hold; False where they
     do not).  ``on`` True / False installs / restores CPython's own (tests compare the
-    two)."""
+    two).  Switching it writes the types' tp_traverse slots: a test's tool, not to be
+    called while other threads run (free-threaded build); reading it is safe anywhere."""
     global _trav_on
     if on is not None and _trav_ready:
         for i, t in enumerate(_TRAV_TYPES):
@@ -594,7 +595,10 @@ def ready_call_compiled():
     return _FAST_HANDLES
 
 
-# set by configure(): asyncio's _run_once and the loop's selector class
+# set by configure(): asyncio's _run_once and the loop's selector class.  Free-threaded
+# build: configure() runs once, while aoprim.aio.loop is imported (the import lock orders
+# it before any loop of that module runs), and the three are only read afterwards, so no
+# reader can see one replaced under it.
 cdef object _base_run_once = None
 cdef object _selector_type = None
 
