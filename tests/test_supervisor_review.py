@@ -84,6 +84,15 @@ def unread(fd):
     return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
 
 
+def close_pipe(r, out):
+    """The read end first: closing ``out`` then never blocks on a full pipe (it fails)."""
+    os.close(r)
+    try:
+        out.close()
+    except OSError:
+        pass
+
+
 # -- a stdout nobody reads ----------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
@@ -126,8 +135,7 @@ def test_a_stdout_nobody_reads_never_blocks_the_supervisor(child_script, caplog)
     finally:
         done.set()
         t.join(10)
-        out.close()
-        os.close(r)
+        close_pipe(r, out)
 
 
 @pytest.mark.timeout(120)
@@ -166,8 +174,7 @@ def test_a_stdout_read_again_gets_the_lines_in_order_and_the_count_of_the_droppe
         assert len(numbered) + dropped[0] == 2000
         assert lines.count(f"listening on {HOST}:{sup.address[1]}") == 1   # never dropped
     finally:
-        out.close()
-        os.close(r)
+        close_pipe(r, out)
 
 
 STALLED_PRINTER = """
@@ -212,7 +219,10 @@ def test_sigterm_stops_serve_whose_stdout_nobody_reads(tmp_path, procs):
     try:
         first = b""
         while not first.endswith(b"\n"):
-            first += os.read(r, 1)
+            byte = os.read(r, 1)
+            if not byte:                           # it exited
+                break
+            first += byte
         assert first.startswith(b"listening on "), err.text()
         port = int(first.rsplit(b":", 1)[1])
         if procs == 1:
