@@ -172,7 +172,7 @@ class _Output:
         self._file = out
         self._limit = limit
         self._enc = (getattr(out, "encoding", None) or "utf-8") if out is not None else ""
-        self.fd = -1                  # the fd the loop polls while bytes wait, or -1
+        self.fd = -1                  # the fd the loop polls while bytes wait (-1: none)
         self._own = -1                # the reopened fd, ours to close
         self._sock: socket.socket | None = None
         self._text = False            # written through the file object (no fd of its own)
@@ -552,11 +552,17 @@ class Supervisor:
     def _poll(self, timeout: float | None) -> None:
         out = self._output
         if out.fd >= 0 and out.waiting != self._out_watched:   # poll stdout while bytes wait
-            if out.waiting:
-                self._sel.register(out.fd, selectors.EVENT_WRITE, _OUT)
-            else:
+            if not out.waiting:
                 self._sel.unregister(out.fd)
-            self._out_watched = out.waiting
+                self._out_watched = False
+            else:
+                try:
+                    self._sel.register(out.fd, selectors.EVENT_WRITE, _OUT)
+                    self._out_watched = True
+                except OSError:            # a device epoll refuses (EPERM): tried each turn
+                    out.fd = -1
+        if out.fd < 0 and out.waiting:
+            out.flush()
         for key, _ in self._sel.select(timeout):
             if key.data is _OUT:
                 out.flush()
