@@ -266,6 +266,12 @@ def test_writing_on_after_pause_writing_past_max_pending_is_cut_with_an_error(se
     class P(BigWrite):
         size, chunks = 1 << 20, 6
 
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            # (the kernel takes little: what is pending stays in the batch)
+            transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET,
+                                                         socket.SO_SNDBUF, 65536)
+
     srv = serve(lambda: P(log, done), max_pending=2 << 20)
     c = connect(srv, rcvbuf=65536)
     c.sendall(b"GET")
