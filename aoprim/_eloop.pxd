@@ -9,7 +9,7 @@ the :class:`aoprim.server.loop.EventLoop` interface); its invariants are argued 
 The fields are private: a Cython caller uses the Python-visible methods.
 """
 cimport cython
-from aoprim.atomic_h cimport aop_atomic_u32
+from aoprim.atomic_h cimport aop_atomic_u32, aop_atomic_i64
 
 
 cdef extern from "<sys/epoll.h>" nogil:
@@ -41,6 +41,7 @@ cdef class EpollCore:
     cdef aop_atomic_u32 _closed
     cdef aop_atomic_u32 _inflight
     cdef aop_atomic_u32 _running   # 1 while run() or close() runs: the one-runner claim
+    cdef aop_atomic_i64 _loop_tid  # the ident of the thread inside run(), 0 outside it
     cdef bint _stopping
     cdef list _rd
     cdef list _wr
@@ -58,6 +59,7 @@ cdef class EpollCore:
     cdef readonly long long polls
     cdef bint _hot
 
+    cdef int _loop_thread_only(self, str what) except -1
     cdef int _heap_push(self, EpollTimer t) except -1
     cdef EpollTimer _heap_pop(self)
     cdef int _sift_down(self, EpollTimer t, Py_ssize_t i, Py_ssize_t n) except -1

@@ -26,9 +26,14 @@ Invariants
   calling either meanwhile gets RuntimeError -- on a free-threaded build two runners would
   share the epoll array and the timer heap.  A claim, not a critical section: a second
   runner is a bug to report, and a critical section would be suspended while epoll_wait
-  blocks.  The other loop-thread methods (call_soon, call_at, set_callbacks, remove,
-  add_iteration_hook) are the loop thread's alone and are not checked (they read list items
-  borrowed, as the GIL allowed): from any other thread use :meth:`call_soon_threadsafe`.  The thread-safe entries are :meth:`call_soon_threadsafe` and
+  blocks.  The other loop-thread methods (call_soon, call_at, call_later, set_callbacks,
+  remove, add_iteration_hook, EpollTimer.cancel) are the loop thread's alone while it runs:
+  the loop reads the fd table, the heap and the hook list through borrowed pointers, so on a
+  free-threaded build another thread's store there would free an object under it.  They
+  check it: ``run()`` publishes its thread's ident in ``_loop_tid`` and clears it on the way
+  out, and each of them raises RuntimeError (changing nothing) when called from another
+  thread while the loop runs.  Before ``run()`` (set-up) and after it returns, whoever owns
+  the loop may call them.  From any other thread use :meth:`call_soon_threadsafe`.  The thread-safe entries are :meth:`call_soon_threadsafe` and
   :meth:`stop` (built on it): an append to a ``collections.deque`` (atomic with the GIL, and
   internally locked in a free-threaded build) plus, unless a wake-up is already pending, one
   ``write`` to the eventfd.
@@ -91,7 +96,9 @@ from cpython.ref cimport PyObject
 from cpython.number cimport PyNumber_Index
 from aoprim.atomic_h cimport (aop_atomic_u32, aop_load_u32, aop_store_u32, aop_exchange_u32,
                               aop_fetch_add_u32, aop_fetch_sub_u32, aop_yield,
-                              AOP_ACQUIRE, AOP_RELEASE, AOP_SEQ_CST)
+                              aop_load_i64, aop_store_i64,
+                              AOP_ACQUIRE, AOP_RELAXED, AOP_RELEASE, AOP_SEQ_CST)
+from cpython.pythread cimport PyThread_get_thread_ident
 
 import collections
 import logging
@@ -161,7 +168,10 @@ cdef class EpollTimer:
     # heap, or cleared by the GC): declared in _eloop.pxd
 
     def cancel(self):
-        """Do not run the callback (loop thread; harmless after it ran)."""
+        """Do not run the callback (loop thread; harmless after it ran).  From another
+        thread while the loop runs: RuntimeError (cancel through call_soon_threadsafe)."""
+        if self._loop is not None:
+            self._loop._loop_thread_only("EpollTimer.cancel")
         if self.cancelled:
             return
         self.cancelled = True
@@ -206,6 +216,7 @@ cdef class EpollCore:
         aop_store_u32(&self._wake_pending, 0, AOP_RELEASE)
         aop_store_u32(&self._closed, 0, AOP_RELEASE)
         aop_store_u32(&self._inflight, 0, AOP_RELEASE)
+        aop_store_i64(&self._loop_tid, 0, AOP_RELAXED)     # relaxed: as the one above
         self._epfd = epoll_create1(EPOLL_CLOEXEC)
         if self._epfd < 0:
             raise OSError(errno, os.strerror(errno))
@@ -231,6 +242,19 @@ cdef class EpollCore:
             c_close(self._evfd)
             self._evfd = -1
 
+    cdef int _loop_thread_only(self, str what) except -1:
+        """RuntimeError when another thread than the one inside run() calls ``what``."""
+        # relaxed: the ident is the only datum read, and a thread sees its own store; a
+        # thread that is not the loop's reads either 0 (not running: set-up is allowed) or
+        # another thread's ident, never its own
+        cdef int64_t tid = aop_load_i64(&self._loop_tid, AOP_RELAXED)
+        if tid != 0 and tid != <int64_t>PyThread_get_thread_ident():
+            raise RuntimeError(
+                f"{what}() called from a thread other than the event loop's while it runs "
+                "(the loop's fd table, timers and hooks are its thread's alone): use "
+                "call_soon_threadsafe()")
+        return 0
+
     # -- time and timers ------------------------------------------------------------------
     def time(self):
         """The monotonic time cached at the start of this iteration."""
@@ -246,6 +270,7 @@ cdef class EpollCore:
         heap); ``inf`` never fires; a deadline in the past runs in the next timer phase."""
         if when != when:
             raise ValueError("a timer's deadline must not be NaN")
+        self._loop_thread_only("call_at")
         cdef EpollTimer t = EpollTimer.__new__(EpollTimer)
         self._seq += 1
         t.when = when
@@ -339,6 +364,7 @@ cdef class EpollCore:
     # -- callbacks --------------------------------------------------------------------------
     def call_soon(self, callback, *args):
         """Run ``callback(*args)`` in this or the next callback phase (loop thread)."""
+        self._loop_thread_only("call_soon")
         self._ready.append((callback, args))
 
     def call_soon_threadsafe(self, callback, *args):
@@ -375,6 +401,7 @@ cdef class EpollCore:
 
     def add_iteration_hook(self, hook):
         """``hook()`` runs at the end of every iteration; several run in the order added."""
+        self._loop_thread_only("add_iteration_hook")
         self._hooks.append(hook)
 
     # -- file descriptors -------------------------------------------------------------------
@@ -387,6 +414,7 @@ cdef class EpollCore:
         cdef int fd
         if self._epfd < 0:
             raise RuntimeError("the event loop is closed")
+        self._loop_thread_only("set_callbacks")
         fd = PyNumber_Index(fd_number)
         if fd < 0:
             raise ValueError(f"invalid file descriptor {fd}")
@@ -504,9 +532,12 @@ cdef class EpollCore:
                 aop_store_u32(&self._running, 0, AOP_RELEASE)   # release: see below
                 raise
             self._sigfd = r
+        # relaxed, both: the ident is read only to compare it (_loop_thread_only)
+        aop_store_i64(&self._loop_tid, <int64_t>PyThread_get_thread_ident(), AOP_RELAXED)
         try:
             self._run()
         finally:
+            aop_store_i64(&self._loop_tid, 0, AOP_RELAXED)
             # release: the next run()/close() (acquire) sees the state this run left
             aop_store_u32(&self._running, 0, AOP_RELEASE)
             if r >= 0:

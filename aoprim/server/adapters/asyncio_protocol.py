@@ -102,7 +102,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
     def call_soon(self, callback: Callable[..., object],      # type: ignore[override]
                   *args: Any,
                   context: contextvars.Context | None = None) -> asyncio.Handle:
-        h = asyncio.Handle(callback, args, self, context)
+        h = _Handle(callback, args, self, context)
         ev = self._ev
         if _get_ident() == ev.thread_id:
             ev.call_soon(self._run_handle, h)
@@ -154,10 +154,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             if _get_ident() == self._ev.thread_id:
                 t.cancel()
 
-    def _run_handle(self, h: asyncio.Handle) -> None:
+    def _run_handle(self, h: _Handle | _Timer) -> None:
         if h.cancelled():
             return
-        _call(self, h._run)     # (asyncio's: an exception goes to call_exception_handler)
+        _call(self, h.fire)     # (asyncio's: an exception goes to call_exception_handler)
 
     # -- futures, tasks, executor ----------------------------------------------------------
     def create_future(self) -> asyncio.Future[Any]:
@@ -243,6 +243,15 @@ def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) ->
         fut.set_exception(exc)
 
 
+class _Handle(asyncio.Handle):
+    """asyncio's Handle; fire() runs it as a loop does (its context, an exception to the
+    loop's exception handler)."""
+    __slots__ = ()
+
+    def fire(self) -> None:
+        self._run()
+
+
 class _Timer(asyncio.TimerHandle):
     """asyncio's TimerHandle, with the server loop's timer that fires it."""
     __slots__ = ("_ev_timer",)
@@ -250,6 +259,9 @@ class _Timer(asyncio.TimerHandle):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._ev_timer: Timer | None = None
+
+    def fire(self) -> None:
+        self._run()
 
 
 # .loop: the ProtocolLoop set for good as this thread's running loop (a thread of the server's
