@@ -39,7 +39,9 @@ def _wake_future(fut):
 @cython.trashcan(True)
 cdef class MPMCQueue:
     """MPMCQueue(capacity) or MPMCQueue(maxsize=capacity): bounded lock-free queue for any number of producer and consumer
-    threads.  capacity (int >= 1) is rounded up to a power of two; see .capacity."""
+    threads.  capacity (int >= 1) is rounded up to a power of two; see .capacity.
+
+    Free-threaded builds: every method may be called from any number of threads at once."""
 
     def __cinit__(self, *args, **kwargs):
         # MPMCQueue(capacity), MPMCQueue(capacity=n) or queue.Queue's MPMCQueue(maxsize=n), parsed by

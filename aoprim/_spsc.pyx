@@ -35,7 +35,11 @@ from aoprim._mpmc import _wake_future
 @cython.trashcan(True)
 cdef class SPSCQueue:
     """SPSCQueue(capacity) or SPSCQueue(maxsize=capacity): bounded lock-free queue for exactly one producer thread and one
-    consumer thread.  capacity (int >= 1) is rounded up to a power of two; see .capacity."""
+    consumer thread.  capacity (int >= 1) is rounded up to a power of two; see .capacity.
+
+    Free-threaded builds: one producer and one consumer thread at a time; a second thread
+    on a side at the same moment gets RuntimeError and changes nothing.  qsize, close,
+    task_done and join from any thread."""
 
     def __cinit__(self, *args, **kwargs):
         # SPSCQueue(capacity), SPSCQueue(capacity=n) or queue.Queue's SPSCQueue(maxsize=n), parsed by
