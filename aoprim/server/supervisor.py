@@ -55,11 +55,12 @@ Rules
   bounded); their stderr is the supervisor's.  A child's output is never waited for once
   it has exited (what it wrote is in the pipe; a process it started may hold the pipe
   open): the loop never stalls on it, and a stop takes the time of the slowest child.
-- Writing its stdout never blocks the supervisor (:class:`_Output`): what a stdout that is
-  not read (a stalled log shipper) does not take waits, up to 1 MiB, and lines beyond that
-  are dropped, counted, and said on stderr (when dropping begins, and the count once the
-  stdout is read again or the supervisor ends); the children never block printing into
-  the supervisor, and SIGINT/SIGTERM are handled as ever.  When the supervisor's stdout is
+- Writing its stdout never blocks the supervisor (:class:`_Output`): what the stdout does
+  not take waits, up to 1 MiB, then the children's output waits in their pipes (a slow
+  reader loses nothing); a stdout that took nothing for 2 s (a stalled log shipper) has the
+  lines beyond 1 MiB dropped, counted, and said on stderr (when dropping begins, and the
+  count once the stdout is read again or the supervisor ends); SIGINT/SIGTERM are handled
+  as ever.  When the supervisor's stdout is
   gone (closed, or a pipe whose reader exited: ``| head -1``) the lines are dropped --
   logged once -- and everything else goes on: serving, restarts, the exit status.
 
@@ -99,6 +100,7 @@ _STOPPED = b"stopped"
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _MAX_LINE = 65536           # a longer stdout line is passed on in pieces of this size
 _OUT_MAX = 1 << 20          # bytes of output kept for a stdout that is not read, at most
+_STALL = 2.0                # seconds a stdout may take nothing before it counts as stalled
 _FINAL_READS = 64           # reads of an exited child's stdout, at most (64 x 64 KiB)
 _MAX_SECONDS = 86400.0      # the largest start_timeout, stop_timeout and backoff_max
 _OUT = object()             # the selector's mark of the supervisor's own stdout
@@ -162,11 +164,14 @@ class _Output:
     the stream (the shell's terminal, a ``| tee``); a socket (systemd's journal) is written
     with ``MSG_DONTWAIT``; a regular file or ``/dev/null`` never blocks and is written as it
     is; a file object without an fd (``io.StringIO``) too.  What the stream does not take at
-    once waits here, in order, up to ``limit`` bytes, and is written as the stream becomes
-    writable (the supervisor's loop polls it); a line that does not fit is dropped and
-    counted: dropping is logged once when it begins, and how many lines went is logged once
-    the stream takes output again (or when the supervisor ends).  Where the stream cannot
-    be opened again (a terminal of another user), writes block, as any program's do."""
+    once waits here, in order, and is written as the stream becomes writable (the
+    supervisor's loop polls it).  Once ``limit`` bytes wait, the supervisor stops reading
+    its children's output (``blocked``): a slow reader slows the children's printing, as a
+    pipe does, and loses nothing.  A stream that took nothing for ``_STALL`` seconds is
+    stalled: the children's output is read again, and a line that does not fit is dropped
+    and counted -- logged once when dropping begins, and how many lines went once the
+    stream takes output again (or when the supervisor ends).  Where the stream cannot be
+    opened again (a terminal of another user), writes block, as any program's do."""
 
     def __init__(self, out: IO[str] | None, limit: int = _OUT_MAX) -> None:
         self._file = out
@@ -177,6 +182,7 @@ class _Output:
         self._sock: socket.socket | None = None
         self._text = False            # written through the file object (no fd of its own)
         self._pending = bytearray()
+        self._moved = 0.0             # monotonic time the stream last took bytes
         self._dropped = 0             # lines dropped since the stream last took everything
         self._stalled = False         # dropping was logged and its count not yet
         self.lost = False             # the stream is gone: everything is dropped
@@ -184,6 +190,15 @@ class _Output:
     @property
     def waiting(self) -> bool:
         return bool(self._pending) and not self.lost
+
+    def stalled(self) -> bool:
+        """Bytes wait, and the stream took none for ``_STALL`` seconds."""
+        return self.waiting and time.monotonic() - self._moved >= _STALL
+
+    def blocked(self) -> bool:
+        """``limit`` bytes wait and the stream still moves: the children's output is to
+        wait in their pipes."""
+        return self.waiting and len(self._pending) >= self._limit and not self.stalled()
 
     def open(self) -> None:
         out = self._file
@@ -230,12 +245,15 @@ class _Output:
             return
         data = text.encode(self._enc, "replace")
         if self._pending:
-            if len(self._pending) + len(data) > self._limit and not keep:
+            # over the limit only by what was read before reading paused (or an exited
+            # child's last output), unless the stream stalled: then dropped
+            if len(self._pending) + len(data) > self._limit and not keep and self.stalled():
                 self._drop()
                 return
             self._pending += data              # after what waits: order is kept
             return
         self._pending += data
+        self._moved = time.monotonic()         # (the wait starts now)
         self.flush()
 
     def _drop(self) -> None:
@@ -260,6 +278,8 @@ class _Output:
             except OSError as e:
                 self._lose(e)
                 return
+            if n:
+                self._moved = time.monotonic()
             del self._pending[:n]
         if self._stalled and not self._pending:
             log.warning("stdout is read again: %d lines of the server processes' output "
@@ -354,6 +374,7 @@ class Supervisor:
         self._signals: list[int] = []     # stop signals received, not yet handled
         self._announced = False           # "listening on" was printed
         self._out_watched = False         # the stdout's fd is in the selector
+        self._paused = False              # the children's stdout is not read (blocked)
         self.address: tuple[str, int] | None = None     # (host, port) once reserved
         self.spawned: list[tuple[float, int, int]] = []  # (monotonic time, index, pid)
 
@@ -388,7 +409,8 @@ class Supervisor:
             os.close(status_w)          # the child's now: EOF once it (and its heirs) exit
         os.set_blocking(status_r, False)
         os.set_blocking(c.proc.stdout.fileno(), False)
-        self._sel.register(c.proc.stdout.fileno(), selectors.EVENT_READ, c)
+        if not self._paused:
+            self._sel.register(c.proc.stdout.fileno(), selectors.EVENT_READ, c)
         self._sel.register(status_r, selectors.EVENT_READ, (c, status_r))
         c.status = status_r
         c.said = b""
@@ -488,7 +510,8 @@ class Supervisor:
                 if reads > _FINAL_READS:
                     chunk = b""
             if not chunk:
-                self._sel.unregister(fd)
+                if not self._paused:           # (paused: not in the selector)
+                    self._sel.unregister(fd)
                 c.proc.stdout.close()
                 if c.buf:
                     self._line(c, c.buf + b"\n")
@@ -505,6 +528,8 @@ class Supervisor:
                 # number of times
                 self._line(c, c.buf)
                 c.buf = b""
+            if not final and self._output.blocked():
+                return                     # the rest waits in the pipe (see _Output)
 
     def _line(self, c: _Child, line: bytes, final: bool = False) -> None:
         text = c.dec.decode(line, final) if c.dec is not None else line.decode(errors="replace")
@@ -563,6 +588,17 @@ class Supervisor:
                     out.fd = -1
         if out.fd < 0 and out.waiting:
             out.flush()
+        pause = out.blocked()
+        if pause != self._paused:
+            # a full stdout that still moves: the children's output waits in their pipes
+            # (they slow down printing) until it takes more; a stalled one: read and dropped
+            self._paused = pause
+            for c in self._children:
+                if c.proc is not None and not c.proc.stdout.closed:
+                    if pause:
+                        self._sel.unregister(c.proc.stdout.fileno())
+                    else:
+                        self._sel.register(c.proc.stdout.fileno(), selectors.EVENT_READ, c)
         for key, _ in self._sel.select(timeout):
             if key.data is _OUT:
                 out.flush()
