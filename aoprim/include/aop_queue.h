@@ -131,19 +131,6 @@
 #define AOP_Q_LIKELY(x) __builtin_expect(!!(x), 1)
 #define AOP_Q_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
-/* Back-off after a lost claim (a failed CAS of tail / head): another thread just took the
- * counter's cache line for its own claim.  Retrying at once would ask for the line back
- * while that thread still needs it to publish, and two cores bouncing one line on every
- * attempt both slow down; a pause per lost race, doubling up to 16, lets the winner finish.
- * Only the contended path pays it: an uncontended claim succeeds first time. */
-#define AOP_Q_BACKOFF_MAX 16u
-AOP_INLINE void aop_q_backoff(uint32_t *spins)
-{
-    uint32_t i;
-    for (i = 0; i < *spins; i++) aop_cpu_relax();
-    if (*spins < AOP_Q_BACKOFF_MAX) *spins <<= 1;
-}
-
 /* ---- wait sets ------------------------------------------------------------------------- */
 
 typedef struct {
@@ -397,7 +384,7 @@ AOP_INLINE int aop_mpmc_push_(aop_mpmc_t *q, uint64_t v)
 {
     aop_mpmc_cell_t *cell;
     uint64_t seq;
-    uint32_t w, spins = 1;
+    uint32_t w;
     int64_t dif;
     /* relaxed: only a hint of where to start; the cell's seq and the CAS decide */
     uint64_t pos = aop_load_u64p(&q->tail, AOP_RELAXED);
@@ -412,7 +399,6 @@ AOP_INLINE int aop_mpmc_push_(aop_mpmc_t *q, uint64_t v)
             /* seq_cst CAS: the claim (N1 of the wake-up protocol); the data itself is
              * ordered by the cell's seq.  On failure pos receives the current tail. */
             if (aop_cas_weak_u64p(&q->tail, &pos, pos + 1, AOP_SEQ_CST, AOP_RELAXED)) break;
-            aop_q_backoff(&spins);
         } else if (dif < 0) {
             return aop_mpmc_push_fail_(q, pos);
         } else {
@@ -432,7 +418,7 @@ AOP_INLINE int aop_mpmc_pop_(aop_mpmc_t *q, uint64_t *out)
 {
     aop_mpmc_cell_t *cell;
     uint64_t seq;
-    uint32_t w, spins = 1;
+    uint32_t w;
     int64_t dif;
     uint64_t pos = aop_load_u64p(&q->head, AOP_RELAXED);     /* relaxed: a hint, as above */
     for (;;) {
@@ -443,7 +429,6 @@ AOP_INLINE int aop_mpmc_pop_(aop_mpmc_t *q, uint64_t *out)
         if (AOP_Q_LIKELY(dif == 0)) {
             /* seq_cst CAS: the claim (N1 for waiting producers) */
             if (aop_cas_weak_u64p(&q->head, &pos, pos + 1, AOP_SEQ_CST, AOP_RELAXED)) break;
-            aop_q_backoff(&spins);
         } else if (dif < 0) {
             return aop_mpmc_pop_fail_(q, pos);
         } else {
@@ -466,7 +451,7 @@ AOP_INLINE int aop_mpmc_pop_(aop_mpmc_t *q, uint64_t *out)
 AOP_FUNC int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n, uint64_t *pushed)
 {
     uint64_t pos = aop_load_u64p(&q->tail, AOP_RELAXED), k, seq, i;
-    uint32_t w, spins = 1;
+    uint32_t w;
     int64_t dif;
     *pushed = 0;
     if (n == 0) return (pos & AOP_Q_MARK) ? AOP_Q_CLOSED : AOP_Q_OK;
@@ -486,7 +471,6 @@ AOP_FUNC int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n, u
         }
         /* seq_cst CAS: claims positions pos .. pos+k-1 (see "Batches"); N1 */
         if (aop_cas_weak_u64p(&q->tail, &pos, pos + k, AOP_SEQ_CST, AOP_RELAXED)) break;
-        aop_q_backoff(&spins);
     }
     w = aop_load_u32(&q->not_empty.waiters, AOP_SEQ_CST);             /* N2 */
     for (i = 0; i < k; i++) {
@@ -505,7 +489,7 @@ AOP_FUNC int aop_mpmc_push_many_(aop_mpmc_t *q, const uint64_t *v, uint64_t n, u
 AOP_FUNC int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n, uint64_t *popped)
 {
     uint64_t pos = aop_load_u64p(&q->head, AOP_RELAXED), k, seq, i;
-    uint32_t w, spins = 1;
+    uint32_t w;
     int r;
     int64_t dif;
     *popped = 0;
@@ -531,7 +515,6 @@ AOP_FUNC int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n, uint64
         }
         /* seq_cst CAS: claims pos .. pos+k-1; N1 for waiting producers */
         if (aop_cas_weak_u64p(&q->head, &pos, pos + k, AOP_SEQ_CST, AOP_RELAXED)) break;
-        aop_q_backoff(&spins);
     }
     w = aop_load_u32(&q->not_full.waiters, AOP_SEQ_CST);              /* N2 */
     for (i = 0; i < k; i++) {
