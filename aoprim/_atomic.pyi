@@ -20,11 +20,12 @@ class AtomicInt:
     def __format__(self, spec: str) -> str: ...
     # one atomic read-modify-write each; the result is this same object (not the int the
     # binary operator returns: mypy's [misc] check assumes `a += b` may mean `a = a + b`)
-    def __iadd__(self, d: SupportsIndex, /) -> Self: ...  # type: ignore[misc]
-    def __isub__(self, d: SupportsIndex, /) -> Self: ...  # type: ignore[misc]
-    def __iand__(self, m: SupportsIndex, /) -> Self: ...  # type: ignore[misc]
-    def __ior__(self, m: SupportsIndex, /) -> Self: ...  # type: ignore[misc]
-    def __ixor__(self, m: SupportsIndex, /) -> Self: ...  # type: ignore[misc]
+    # (unused-ignore: mypy 1.18 does not make that check; later releases do)
+    def __iadd__(self, d: SupportsIndex, /) -> Self: ...  # type: ignore[misc,unused-ignore]
+    def __isub__(self, d: SupportsIndex, /) -> Self: ...  # type: ignore[misc,unused-ignore]
+    def __iand__(self, m: SupportsIndex, /) -> Self: ...  # type: ignore[misc,unused-ignore]
+    def __ior__(self, m: SupportsIndex, /) -> Self: ...  # type: ignore[misc,unused-ignore]
+    def __ixor__(self, m: SupportsIndex, /) -> Self: ...  # type: ignore[misc,unused-ignore]
     # a load, then Python's int operation
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
