@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -187,12 +188,18 @@ def test_backlog_memory_given_back_once_drained():
     for k, r in res.items():
         if r is not None:
             assert r["intact"], (k, shown)
-    base = max(res["asyncio"]["after"], 0) if "asyncio" in res else 0
-    assert res["aoprim"]["after"] <= base + 0.15 * data, shown
     # the peak: the messages' bytes plus 4 bytes of bookkeeping per message (asyncio: the
     # bytes in one bytearray), 1.25x the data for 16-byte messages (an 8-byte offset per
     # message made it 1.5x)
     assert res["aoprim"]["peak"] <= 1.35 * data + 4 * MiB, shown
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        # a free-threaded CPython allocates every object with mimalloc, which gives freed
+        # pages back to the system only when later allocations purge them (so RSS right
+        # after the drain measures the allocator, not what the transports still hold)
+        pytest.skip("RSS after the drain: mimalloc (free-threaded build) purges freed "
+                    f"pages later; peak and contents checked: {shown}")
+    base = max(res["asyncio"]["after"], 0) if "asyncio" in res else 0
+    assert res["aoprim"]["after"] <= base + 0.15 * data, shown
 
 
 def test_large_bytearray_write_memory():
