@@ -257,7 +257,13 @@ def test_a_write_larger_than_max_pending_is_sent_whole(serve, how):
     c.close()
     assert (len(got), how_closed) == (3 << 20, "eof")
     assert done.wait(10)
-    assert log == ["pause", "resume", ("lost", None)]
+    if how == "one-write":
+        assert log == ["pause", "resume", ("lost", None)]
+    else:
+        # whether the second write finds the first still pending (over the high mark:
+        # pause, then resume) depends on how much the loop sent meanwhile -- with workers
+        # it flushes on another thread, in parallel on a free-threaded build
+        assert log in (["pause", "resume", ("lost", None)], [("lost", None)]), log
 
 
 def test_writing_on_after_pause_writing_past_max_pending_is_cut_with_an_error(serve):
