@@ -74,18 +74,22 @@ def test_descriptive_metadata(meta):
 
 def test_supported_pythons_agree(meta):
     # the version classifiers, requires-python, cibuildwheel's build list and the versions
-    # .ci/run runs the suite on name the same Pythons
+    # .ci/run runs the suite on name the same Pythons; the free-threaded builds (3.13t) are
+    # in cibuildwheel's list (and its enable list) and in .ci/run's, beside their version
     versions = _python_classifiers(meta["project"])
     assert versions == ["3.11", "3.12", "3.13"]
+    free_threaded = ["3.13t"]
     assert meta["project"]["requires-python"] == f">={versions[0]}"
-    wheels = sorted(b.split("-")[0] for b in meta["tool"]["cibuildwheel"]["build"])
-    assert wheels == ["cp" + v.replace(".", "") for v in versions]
+    cibw = meta["tool"]["cibuildwheel"]
+    wheels = sorted(b.split("-")[0] for b in cibw["build"])
+    assert wheels == sorted("cp" + v.replace(".", "") for v in versions + free_threaded)
+    assert "cpython-freethreading" in cibw.get("enable", [])
     ci_run = ROOT / ".ci" / "run"
     if not ci_run.is_file():
         pytest.skip("no .ci/run here (an unpacked sdist ships no CI scripts)")
     ci = ci_run.read_text()
     m = re.search(r"^VERSIONS=\(([^)]*)\)", ci, re.M)
-    assert m and m.group(1).split() == versions
+    assert m and m.group(1).split() == versions + free_threaded
 
 
 # -- what `import aoprim` says where it cannot work -------------------------------------------
