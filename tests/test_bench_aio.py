@@ -171,6 +171,27 @@ def test_callgrind_per_message_is_the_difference_over_n_and_removes_its_files(tm
     assert len(kept) == 3 and not any(f.exists() for f in kept)
 
 
+def test_callgrind_per_message_measures_again_when_the_difference_is_not_positive():
+    """A pair whose 2N run counted fewer instructions than its N run measured noise: the
+    pair is measured again (up to three pairs; the last figure is returned as it is)."""
+    from aoprim.benchmarks import callgrind
+    runs = []
+
+    def count_from(extra_at_n):
+        def count(n, keep):
+            runs.append(n)
+            # the first pair's N run pays for 9000 extra instructions (a collection)
+            extra = extra_at_n.pop(0) if n == 50 and extra_at_n else 0
+            return 1000 + 7 * n + extra, None
+        return count
+
+    assert callgrind.per_message(count_from([9000]), 50) == (7.0, None)
+    assert runs == [50, 100, 50, 100]
+    runs.clear()
+    per, _ = callgrind.per_message(count_from([9000, 9000, 9000]), 50)
+    assert per == 7.0 - 9000 / 50 and runs == [50, 100] * 3
+
+
 def test_callgrind_runs_the_server_with_a_fixed_hash_seed(monkeypatch):
     """``callgrind.run`` starts the measured server with PYTHONHASHSEED=0 (str hashes decide
     type-cache slots: a random seed moved per-message counts by ~2.5k between runs), unless
