@@ -60,8 +60,9 @@ for name in sys.argv[1].split(","):
     print("ok", name)
 """
 
-# modules whose import needs an optional dependency outside the test extra
-OPTIONAL = ["aoprim.benchmarks.plot"]
+# modules whose import needs an optional dependency (matplotlib: the plot extra; gunicorn and
+# uvicorn-worker: aoprim.aio's gunicorn worker, for who runs gunicorn)
+OPTIONAL = ["aoprim.benchmarks.plot", "aoprim.aio.gunicorn"]
 
 
 def test_there_are_extension_modules_to_check():
