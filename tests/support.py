@@ -34,3 +34,29 @@ def run_threads(targets, timeout=60):
     assert not alive, f"{len(alive)} thread(s) still running after {timeout}s"
     if errors:
         raise errors[0]
+
+
+def start_threads(fns):
+    """Start one thread per callable and return (threads, errors) at once, for a test that
+    works (a loop to run, a server to drive) while they run; join them with join_all."""
+    errors = []
+
+    def wrap(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - the test asserts errors is empty
+                errors.append(e)
+        return run
+
+    ts = [threading.Thread(target=wrap(f)) for f in fns]
+    for t in ts:
+        t.start()
+    return ts, errors
+
+
+def join_all(ts, timeout=120):
+    for t in ts:
+        t.join(timeout)
+    alive = [t.name for t in ts if t.is_alive()]
+    assert not alive, f"threads still running: {alive}"

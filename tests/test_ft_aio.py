@@ -18,7 +18,7 @@ import pytest
 
 import aoprim.aio
 
-from support import scaled
+from support import join_all, scaled, start_threads
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,31 +33,6 @@ def loop():
     yield lp
     lp.close()
     assert not unexpected, [(c.get("message"), c.get("exception")) for c in unexpected]
-
-
-def run_threads(fns, timeout=120):
-    """Start one thread per callable; returns (threads, errors) -- join with join_all."""
-    errors = []
-
-    def wrap(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised in the test
-                errors.append(e)
-        return run
-
-    ts = [threading.Thread(target=wrap(f)) for f in fns]
-    for t in ts:
-        t.start()
-    return ts, errors
-
-
-def join_all(ts, timeout=120):
-    for t in ts:
-        t.join(timeout)
-    alive = [t.name for t in ts if t.is_alive()]
-    assert not alive, f"threads still running: {alive}"
 
 
 async def _spin(stop):
@@ -96,7 +71,7 @@ def test_call_soon_threadsafe_from_threads_runs_every_callback_once_in_order(loo
         loop_tid.append(threading.get_ident())
         go.set()
 
-    ts, errs = run_threads([producer(t) for t in range(nthreads)])
+    ts, errs = start_threads([producer(t) for t in range(nthreads)])
     try:
         loop.call_soon(started)
         loop.run_until_complete(asyncio.gather(done, _spin(done)))
@@ -148,7 +123,7 @@ def test_run_coroutine_threadsafe_from_threads_runs_each_coroutine_once(loop, nt
                     loop.call_soon_threadsafe(one_done)
         return run
 
-    ts, errs = run_threads([client(t) for t in range(nthreads)])
+    ts, errs = start_threads([client(t) for t in range(nthreads)])
     try:
         loop.call_soon(go.set)
         loop.run_until_complete(finished)
@@ -244,7 +219,7 @@ def test_a_transport_written_by_the_loop_and_by_threads_through_the_loop(loop, n
                 if i % 16 == 15:
                     await asyncio.sleep(0)      # the threads' callbacks run in between
 
-        ts, errs = run_threads([writer(src) for src in range(1, nthreads + 1)])
+        ts, errs = start_threads([writer(src) for src in range(1, nthreads + 1)])
         try:
             loop.run_until_complete(own_writes())
         finally:

@@ -26,7 +26,7 @@ from aoprim import SlabPool
 from aoprim.server import Handler, Server
 from aoprim.server.loop import BACKENDS
 
-from support import scaled
+from support import join_all, scaled, start_threads
 from test_server_support import HOST, assert_no_leaks, open_fds, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -156,30 +156,6 @@ class Client:
             else:
                 raise AssertionError(f"unexpected frame {f[:16]!r}")
         return echoes, items
-
-
-def start_threads(fns):
-    errors = []
-
-    def wrap(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised in the test
-                errors.append(e)
-        return run
-
-    ts = [threading.Thread(target=wrap(f)) for f in fns]
-    for t in ts:
-        t.start()
-    return ts, errors
-
-
-def join_all(ts, timeout=120):
-    for t in ts:
-        t.join(timeout)
-    alive = [t.name for t in ts if t.is_alive()]
-    assert not alive, f"threads still running: {alive}"
 
 
 @pytest.mark.timeout(300)
