@@ -93,11 +93,14 @@ class UsesTheLoop(Lost):
         self.t.write(b"timer;")
 
     def data_received(self, data):
-        self.task = asyncio.get_running_loop().create_task(self.reply(data))
+        # (with workers=N the task's first step may run on the loop thread before
+        # create_task returns here: the coroutine is published first, the task after)
+        self.coro = self.reply(data)
+        self.task = asyncio.get_running_loop().create_task(self.coro)
 
     async def reply(self, data):
         loop = asyncio.get_running_loop()
-        assert asyncio.current_task() is self.task
+        assert asyncio.current_task().get_coro() is self.coro
         await asyncio.sleep(0.01)
         fut = loop.create_future()
         loop.call_at(loop.time() + 0.01, fut.set_result, data.upper())
