@@ -53,10 +53,12 @@ cdef class EpollCore:
     cdef double _now
     cdef epoll_event _events[64]
     cdef public object thread_id
-    cdef readonly long long iterations
-    cdef readonly long long errors
-    cdef readonly long long sleeps
-    cdef readonly long long polls
+    # the loop's counters: written by the loop thread only, read by any (Server.stats()):
+    # relaxed atomics (see _bump)
+    cdef aop_atomic_i64 _iterations
+    cdef aop_atomic_i64 _errors
+    cdef aop_atomic_i64 _sleeps
+    cdef aop_atomic_i64 _polls
     cdef bint _hot
 
     cdef int _loop_thread_only(self, str what) except -1

@@ -185,6 +185,13 @@ cdef class EpollTimer:
         return f"<EpollTimer when={self.when:.6f} seq={self.seq}{st}>"
 
 
+cdef inline void _bump(aop_atomic_i64 *counter) noexcept nogil:
+    """Add one to a counter only the loop thread writes.  A relaxed load and a relaxed
+    store, not a read-modify-write: with one writer no increment can be lost, and a reader
+    on another thread sees a whole value (never a torn one), perhaps a moment old."""
+    aop_store_i64(counter, aop_load_i64(counter, AOP_RELAXED) + 1, AOP_RELAXED)
+
+
 cdef inline bint _before(EpollTimer a, EpollTimer b) noexcept:
     return a.when < b.when or (a.when == b.when and a.seq < b.seq)
 
@@ -197,9 +204,10 @@ cdef class EpollCore:
     # eventfd write is unconsumed), _closed, _inflight (producers inside
     # call_soon_threadsafe); _rd/_wr: fd -> read / write callback or None; _timers: heap of
     # EpollTimer; _ncancelled: cancelled timers still in it; _seq: last timer seq issued; _ready: deque of (callback, args); _hooks;
-    # _now: the cached time; _events: epoll_wait's array; thread_id; iterations, errors
-    # (callbacks that raised, logged), sleeps (waits that released the GIL and blocked),
-    # polls (zero-timeout waits holding the GIL); _hot: poll first (see Waiting)
+    # _now: the cached time; _events: epoll_wait's array; thread_id; _iterations, _errors
+    # (callbacks that raised, logged), _sleeps (waits that released the GIL and blocked),
+    # _polls (zero-timeout waits holding the GIL), read through the properties of the same
+    # names; _hot: poll first (see Waiting)
 
     def __cinit__(self):
         self._epfd = -1
@@ -472,6 +480,29 @@ cdef class EpollCore:
         if 0 <= fd < len(self._rd) and (self._rd[fd] is not None or self._wr[fd] is not None):
             self.set_callbacks(fd, None, None)
 
+    # -- counters (any thread may read them) ------------------------------------------------
+    # relaxed loads: each is a statistic on its own, ordered with nothing else; the loop
+    # thread's _bump is the only writer
+    @property
+    def iterations(self):
+        """Loop iterations run."""
+        return aop_load_i64(&self._iterations, AOP_RELAXED)
+
+    @property
+    def errors(self):
+        """Callbacks that raised (each logged; the loop went on)."""
+        return aop_load_i64(&self._errors, AOP_RELAXED)
+
+    @property
+    def sleeps(self):
+        """Waits that released the GIL and blocked in ``epoll_wait``."""
+        return aop_load_i64(&self._sleeps, AOP_RELAXED)
+
+    @property
+    def polls(self):
+        """Zero-timeout ``epoll_wait`` calls made without releasing the GIL."""
+        return aop_load_i64(&self._polls, AOP_RELAXED)
+
     # -- running ----------------------------------------------------------------------------
     @property
     def closed(self):
@@ -491,7 +522,7 @@ cdef class EpollCore:
         self._stopping = True
 
     def _report(self, cb, exc):
-        self.errors += 1
+        _bump(&self._errors)
         log.error("event loop: callback %r raised; the loop goes on", cb, exc_info=exc)
 
     def run(self):
@@ -561,7 +592,7 @@ cdef class EpollCore:
         if timeout_ms == 0 or self._hot:
             # busy (the last zero-timeout poll found fds ready, or callbacks are queued):
             # take what is ready without the GIL hand-off
-            self.polls += 1
+            _bump(&self._polls)
             n = epoll_wait(self._epfd, self._events, MAX_EVENTS, 0)
             if n != 0 or timeout_ms == 0:
                 if n < 0:
@@ -573,12 +604,12 @@ cdef class EpollCore:
                 self._hot = n > 0
                 return n
             # nothing ready: an empty poll is a system call spent for nothing -- stop
-            # polling first until a wait comes back full again (issue 20: a ping-pong load
-            # made two epoll_wait per iteration, one syscall per message above asyncio's)
+            # polling first until a wait comes back full again (under a ping-pong load a
+            # poll then a wait would cost one system call per message more than asyncio)
             self._hot = False
         deadline = self._now + timeout_ms * 1e-3
         while True:
-            self.sleeps += 1
+            _bump(&self._sleeps)
             with nogil:
                 n = epoll_wait(self._epfd, self._events, MAX_EVENTS, timeout_ms)
                 err = errno
@@ -623,7 +654,7 @@ cdef class EpollCore:
                 timeout_ms = MAX_WAIT_MS
             n = self._wait(timeout_ms)
             self._now = monotonic()
-            self.iterations += 1
+            _bump(&self._iterations)
             for i in range(n):
                 ev = self._events[i].events
                 fd = self._events[i].data.fd
