@@ -39,6 +39,7 @@ MODES = {"full": dict(rounds=5, scale=1.0),
          "tiny": dict(rounds=1, scale=0.01)}
 N = 1_000_000
 N_QUEUE = 400_000
+N_SERVER = 40_000
 
 
 def skip_reason():
@@ -149,8 +150,16 @@ def _counter_shared(kind):
                     add(1)
                 return per
             return body, c.get
-        lk = SpinLock() if kind == "SpinLock" else threading.Lock()   # a lock around an int
         box = [0]
+        if kind == "no lock":
+            # the floor of the locked rows: the same shared list and int, unprotected
+            # (increments are lost on a free-threaded build: the row counts operations done)
+            def body():
+                for _ in range(per):
+                    box[0] += 1
+                return per
+            return body, lambda: None
+        lk = SpinLock() if kind == "SpinLock" else threading.Lock()   # a lock around an int
 
         def body():
             for _ in range(per):
@@ -167,7 +176,8 @@ def _counter_shared(kind):
             body, final = fresh(per)
             wall, counts = _run_threads([body] * threads)
             got = final()
-            assert got == per * threads == sum(counts), (kind, got, per * threads)
+            if got is not None:         # (None: the unlocked floor, whose count is not exact)
+                assert got == per * threads == sum(counts), (kind, got, per * threads)
             return wall, per * threads
         return run
     return make
@@ -325,8 +335,12 @@ class FtGroup:
     default = True
     unit = "M ops/s"
 
-    def __init__(self, gid, title, entries, n, mode, parallel=2, solo=1, note=None):
+    def __init__(self, gid, title, entries, n, mode, parallel=2, solo=1, note=None,
+                 unit=None, per_unit=1e6):
         self.id = gid
+        if unit is not None:
+            self.unit = unit
+        self.per_unit = per_unit        # operations per unit of the figure
         self.title = title
         self.entries = entries        # [(name, role, make)]
         self.mode = MODES[mode]
@@ -356,15 +370,15 @@ class FtGroup:
             order = live[r % len(live):] + live[:r % len(live)] if live else []
             for e in order:
                 wall, ops = e["solo"]()
-                e["s"].append(ops / wall / 1e6)
+                e["s"].append(ops / wall / self.per_unit)
                 wall, ops = e["par"]()
-                e["p"].append(ops / wall / 1e6)
+                e["p"].append(ops / wall / self.per_unit)
                 if progress:
                     progress.step(1, f"{self.id}: {e['name']}")
         entries = []
         for e in live:
             ent = {"name": e["name"], "role": e["role"], "n": self.n, "calls_per_sample": 1,
-                   "samples": [round(x, 4) for x in e["p"]]}
+                   "samples": [float(f"{x:.6g}") for x in e["p"]]}
             ent.update(runner.summarize(e["p"]))
             solo = runner.summarize(e["s"])
             ent["metrics"] = {"solo_mops": solo,
@@ -373,6 +387,74 @@ class FtGroup:
             entries.append(ent)
         return runner.finish_group(self, entries, skipped, better="higher",
                                    extra={"threads": list(self.threads)})
+
+
+def _server(work):
+    """The server (u16 framing, selectors backend) with ``workers`` = the thread count, and
+    a handler that spends ``work`` iterations of a pure-Python loop on each frame before
+    echoing it.  The client is one thread of this process keeping 16 frames in flight on
+    each of 8 connections (replies read in batches: a few syscalls per 16 frames); a sample
+    is the wall time of ``n`` frames, the server started and connected before the clock."""
+    import selectors
+    import socket
+    import struct
+
+    from aoprim.server import Handler, Server
+
+    payload = b"x" * 16
+    fr = struct.pack(">H", len(payload)) + payload
+    conns_n, window = 8, 16
+
+    class Busy(Handler):
+        def on_read(self, session, data):
+            x = 0
+            for i in range(work):
+                x += i * i
+            session.send(data)
+
+    def make(threads, n):
+        def run():
+            srv = Server(Busy(), "127.0.0.1", 0, framing="u16", workers=threads).start()
+            socks = []
+            try:
+                socks = [socket.create_connection(srv.address) for _ in range(conns_n)]
+                sel = selectors.DefaultSelector()
+                for s in socks:
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sel.register(s, selectors.EVENT_READ)
+                per = max(window, n // conns_n)
+                sent = {s: 0 for s in socks}
+                got = {s: 0 for s in socks}
+                t0 = time.perf_counter()
+                for s in socks:
+                    sent[s] = window
+                    s.sendall(fr * window)
+                left = conns_n
+                while left:
+                    for key, _ in sel.select(30):
+                        s = key.fileobj
+                        b = s.recv(65536)
+                        if not b:
+                            raise RuntimeError("the server closed a benchmark connection")
+                        before = got[s] // len(fr)
+                        got[s] += len(b)
+                        done = got[s] // len(fr) - before
+                        more = min(done, per - sent[s])
+                        if more > 0:
+                            sent[s] += more
+                            s.sendall(fr * more)
+                        if got[s] == per * len(fr):
+                            sel.unregister(s)
+                            left -= 1
+                wall = time.perf_counter() - t0
+                sel.close()
+                return wall, per * conns_n
+            finally:
+                for s in socks:
+                    s.close()
+                srv.shutdown(timeout=10)
+        return run
+    return make
 
 
 def groups(mode):
@@ -394,7 +476,10 @@ def groups(mode):
                  ("ft_utils AtomicInt64.incr", "candidate", co("ft_utils"))], N, mode),
         FtGroup("ft-lock-counter", "`with lock: n += 1` on one shared lock and counter",
                 [("threading.Lock + int", "baseline", cs("Lock")),
-                 ("SpinLock + int", "candidate", cs("SpinLock"))], N, mode),
+                 ("SpinLock + int", "candidate", cs("SpinLock")),
+                 ("no lock (the floor; updates lost)", "reference", cs("no lock"))], N, mode,
+                note="the floor row does the same shared-list increment with no lock: no lock "
+                     "can beat it, so baseline/floor bounds any lock's ratio to the baseline"),
         FtGroup("ft-slab", "a 4096-byte buffer: acquire + release (one shared SlabPool of 16)",
                 [("bytearray(4096)", "baseline", sl("bytearray")),
                  ("SlabPool.acquire().release()", "candidate", sl("SlabPool"))], N, mode),
@@ -417,6 +502,14 @@ def groups(mode):
                 [("queue.Queue(1024)", "baseline", q("Queue", 1, 1)),
                  ("queue.SimpleQueue", "candidate", q("SimpleQueue", 1, 1)),
                  ("SPSCQueue(1024)", "candidate", q("SPSCQueue", 1, 1))], N_QUEUE, mode),
+        FtGroup("ft-server-workers", "the server, u16 echo after a pure-Python loop per frame: "
+                "workers=1 (solo) and workers=2",
+                [("handler: 2000-step Python loop", "candidate", _server(2000)),
+                 ("handler: 400-step Python loop", "candidate", _server(400)),
+                 ("handler: echo only", "candidate", _server(0))], N_SERVER, mode,
+                unit="k frames/s", per_unit=1e3,
+                note="2/1 is workers=2 over workers=1; the client thread, the server's loop "
+                     "thread and its workers share the machine's cores"),
     ]
 
 
