@@ -482,6 +482,8 @@ cdef double _MAX_TIMEOUT = _be.MAXIMUM_SELECT_TIMEOUT
 # asyncio before 3.13 computes the wait's timeout as min(max(0, t), MAX): nan -> 0
 cdef bint _NAN_IS_ZERO = _sys.version_info < (3, 13)
 cdef object _base_process_events = _se.BaseSelectorEventLoop._process_events
+# what asyncio's _process_events calls for each event (the compiled one appends itself)
+cdef object _base_add_callback = _be.BaseEventLoop._add_callback
 # BaseEventLoop.time is 'return time.monotonic()': where a loop's class keeps it, the
 # iteration calls time.monotonic itself (no Python frame), and not at all for the due
 # timers when there are none
@@ -976,11 +978,15 @@ cdef enum:
     _C_SCHED = 8            # call_soon / call_at / call_later's helpers are asyncio's
     _C_FIELDS = 16          # a LoopCore whose class reaches LoopCore's own descriptor for
                             # every field name: self._ready etc. are the C fields
+    _C_CALL_AT = 32         # its call_at is this module's: call_later need not call it
 
 # (version tag << 8) | the _C_ bits of the last loop class checked: one word, so a reader
 # on another thread (free-threaded build, two loops) sees a tag and its own class's bits;
 # relaxed: a stale or torn-free old entry only misses (the class is then checked again)
 cdef uint64_t _class_cache = 0
+# this module's call_at (defined below): a class whose call_at is it gets the compiled
+# call_later, which makes the timer itself
+cdef object _own_call_at = None
 
 
 cdef int _class_bits(object loop) except -1:
@@ -996,8 +1002,14 @@ cdef int _class_bits(object loop) except -1:
     bits = _C_KNOWN
     if isinstance(loop, LoopCore) and _fields_are_loopcores(t):
         bits |= _C_FIELDS
-    if t._process_events is _base_process_events:
+    # a subclass's _process_events or _add_callback is called by asyncio's iteration,
+    # never by the compiled one
+    if t._process_events is _base_process_events and t._add_callback is _base_add_callback:
         bits |= _C_EVENTS
+    # a subclass's call_at sees every timer asyncio's call_later makes (asyncio.sleep,
+    # wait_for on 3.11): call_later goes through it, as BaseEventLoop.call_later does
+    if t.call_at is _own_call_at:
+        bits |= _C_CALL_AT
     if t.time is _base_time:
         bits |= _C_TIME
     if (_FAST_SCHEDULE and t._check_closed is _base_check_closed and
@@ -1277,16 +1289,21 @@ def call_at(self, when, callback, *args, context=None, **kw):
     return _schedule_at(self, when, callback, args, context, bits)
 
 
+_own_call_at = call_at
+
+
 def call_later(self, delay, callback, *args, context=None, **kw):
     """``BaseEventLoop.call_later`` in C: ``time() + delay`` (``time.monotonic()`` where the
     loop keeps BaseEventLoop's time() and time.monotonic is not patched, as the iteration),
-    then call_at's body."""
+    then call_at's body.  Where the loop's class has a call_at of its own, asyncio's
+    call_later, which calls it."""
     if kw:
         _unexpected_keyword('call_later', kw)
     if delay is None:
         raise TypeError('delay must not be None')
     cdef int bits = _class_bits(self)
-    if not bits & _C_SCHED or _debug_of(self, bits):
+    if not bits & _C_SCHED or not bits & _C_CALL_AT or _debug_of(self, bits):
+        # asyncio's: self.call_at(self.time() + delay, ...), a subclass's call_at included
         return _py_call_later(self, delay, callback, *args, context=context)
     # a time() in the instance dict: as _compiled_ok finds it (_dict_bits)
     if bits & _C_TIME and not _clock_patched() and not (

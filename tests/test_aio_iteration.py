@@ -711,6 +711,100 @@ def test_a_subclass_shadowing_the_loop_state_names_runs_as_on_asyncio(i):
     assert got == want
 
 
+_HOOKS = ("call_at", "call_soon", "call_later", "_run_once", "_add_callback")
+
+
+def _hook_scenario(base, hooks):
+    """A subclass of ``base`` overriding ``hooks`` (each counting its calls, then calling
+    the base's) runs timers, sleeps, ``wait_for``, ``asyncio.timeout`` and a readable fd:
+    the calls each override saw."""
+    seen = dict.fromkeys(hooks, 0)
+
+    def counting(name):
+        def method(self, *args, **kwargs):
+            seen[name] += 1
+            return getattr(super(Sub, self), name)(*args, **kwargs)
+        return method
+
+    Sub = type("Sub", (base,), {name: counting(name) for name in hooks})
+    loop = Sub()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+
+    async def main():
+        got = loop.create_future()
+
+        def on_read():
+            loop.remove_reader(a)
+            got.set_result(a.recv(10))
+        loop.add_reader(a, on_read)
+        b.send(b"x")
+        assert await got == b"x"
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.001)
+        fut = loop.create_future()
+        loop.call_later(0.001, fut.set_result, 1)
+        await fut
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.sleep(10), 0.001)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.001):
+                await asyncio.sleep(10)
+        loop.call_at(loop.time(), fut.cancel)
+        await asyncio.sleep(0.001)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+        a.close()
+        b.close()
+    return seen
+
+
+@pytest.mark.parametrize("hooks", [(name,) for name in _HOOKS] + [_HOOKS],
+                         ids=[*_HOOKS, "all"])
+def test_a_subclass_overriding_a_scheduling_hook_sees_what_asyncio_shows_it(hooks):
+    """A Loop subclass overriding ``call_at`` (a test framework's clock, an instrumenting
+    loop), ``call_soon``, ``call_later``, ``_run_once`` or ``_add_callback`` is called
+    wherever asyncio's own loop calls it: ``call_later`` (asyncio.sleep, wait_for on 3.11)
+    goes through ``self.call_at``, a ready fd through ``self._add_callback``.  The same
+    subclass of asyncio.SelectorEventLoop counts the calls to compare with (the iteration
+    count depends on timing: only that it is called)."""
+    want = _hook_scenario(asyncio.SelectorEventLoop, hooks)
+    got = _hook_scenario(aoprim.aio.Loop, hooks)
+    if "_run_once" in hooks:
+        assert got.pop("_run_once") > 0 and want.pop("_run_once") > 0
+    assert got == want
+    assert all(want.values()), want     # each hook is one the scenario reaches
+
+
+def test_a_call_at_override_set_after_the_class_was_used_is_seen_by_call_later():
+    """The class check is remembered by the class's version tag: a call_at assigned to a
+    Loop subclass after its call_later ran compiled is used by the next call_later, and
+    removing it gives the compiled path back."""
+    class Sub(aoprim.aio.Loop):
+        pass
+
+    calls = []
+    loop = Sub()
+    try:
+        loop.call_later(10, print).cancel()
+
+        def call_at(self, when, callback, *args, context=None):
+            calls.append(when)
+            return aoprim.aio.Loop.call_at(self, when, callback, *args, context=context)
+        Sub.call_at = call_at
+        t = loop.call_later(10, print)
+        assert calls == [t.when()]
+        del Sub.call_at
+        loop.call_later(10, print)
+        assert len(calls) == 1
+    finally:
+        loop.close()
+
+
 def _referents_by_identity(o):
     import gc
     return sorted(map(id, gc.get_referents(o)))
