@@ -256,6 +256,7 @@ class Server:
         self._live: set[Session] = set()    # sessions whose RefCount is above zero
         self._next_id = 0
         self._stopping = False
+        self._draining = self._drained = False     # the handler's own shutdown work
         self._workers_left = 0
         self._dispatch: InlineDispatch | WorkerDispatch | None = None
         self._listener: Listener | None = None
@@ -570,7 +571,20 @@ class Server:
 
     def _check_done(self) -> None:
         if self._stopping and not self._workers_left and not self._sessions:
+            # a handler with work of its own on the loop (the asyncio adapter's tasks: they
+            # are cancelled and run their cancellation) finishes it first; _force_stop, at
+            # shutdown_timeout, bounds it
+            drain = getattr(self.handler, "_drain_at_shutdown", None)
+            if drain is not None and not self._drained:
+                if not self._draining:
+                    self._draining = True
+                    drain(self._drain_done)
+                return
             self._loop.stop()
+
+    def _drain_done(self) -> None:
+        self._drained = True
+        self._check_done()
 
     def _cleanup(self) -> None:
         for s in list(self._sessions.values()):
@@ -582,6 +596,14 @@ class Server:
                           "buffers go back when their handlers return",
                           self.settings.shutdown_timeout)
         self._loop.run_ready()      # worker notices, late closes
+        after = getattr(self.handler, "_after_stop", None)
+        if after is not None:
+            # (the asyncio adapter's default executor: its running calls waited for)
+            try:
+                after(self.settings.shutdown_timeout)
+            except Exception:
+                log.exception("the handler's shutdown failed")
+            self._loop.run_ready()
         if self._listener is not None:
             self._listener.close()
         else:

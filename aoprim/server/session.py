@@ -101,6 +101,9 @@ _LINGER_RESET = (1).to_bytes(4, sys.byteorder) + bytes(4)
 _NO_BLOCKING_LINGER = (_LINGER_OFF, _LINGER_RESET)
 # the close causes that are a server limit cutting the session (see Session.limit_error)
 _LIMIT_CAUSES = frozenset(("max_pending", "timeout", "linger"))
+# an asyncio transport's writer told pause_writing() is cut once this many times
+# max(max_pending, high mark) is pending before a write (see Session.over_max_pending)
+_PAUSED_CAP_FACTOR = 16
 # pause reasons under which the server itself keeps a session from being read: its idle and
 # frame clocks stop (rx.Rx.sweep)
 # (PAUSE_EOF: a half-closed peer waits for the replies its frames still queued for a worker)
@@ -453,21 +456,27 @@ class Session:
         """An asyncio transport's rules for this session (the asyncio adapter, loop thread,
         before any send): ``close()`` waits until the backlog is sent, with no
         ``close_linger`` bound (only ``idle_timeout``, if set, cuts a peer that takes
-        nothing: check_timeouts), and ``max_pending`` is checked against what was pending
-        before each send (:meth:`over_max_pending`), never cutting a single large write."""
+        nothing: check_timeouts), and a send is cut for size only once the writer has been
+        told to pause and writes on past a generous cap (:meth:`over_max_pending`)."""
         self._transport = True
         self._set_cap()
 
     def _set_cap(self) -> None:
         mp = self._ctx.settings.max_pending
-        self._cap = mp if self._wm is None else max(mp, self._wm[0])
+        self._cap = _PAUSED_CAP_FACTOR * (mp if self._wm is None else max(mp, self._wm[0]))
 
     def over_max_pending(self) -> bool:
-        """A transport's check before a send (any thread): more than
-        ``max(max_pending, high)`` bytes pending (``high``: the write limits' high-water
-        mark) means the writer ignores ``pause_writing``: the session is dropped (a reset;
-        connection_lost gets a ConnectionAbortedError naming the limit) and True is
-        returned."""
+        """A transport's check before a send (any thread).  Writes are never cut for size
+        while the writer has not been told to pause (``on_high`` of the write limits: the
+        protocol's ``pause_writing()``) -- asyncio buffers them all, and an HTTP response
+        written as a head, a large body and a terminator in one callback must reach the
+        peer whole.  Once told, more than ``16 * max(max_pending, high)`` bytes pending
+        (``high``: the write limits' high-water mark; 64 MiB with the defaults) means the
+        writer ignores ``pause_writing`` and the peer does not read: the session is dropped
+        (a reset; connection_lost gets a ConnectionAbortedError naming the limit) and True
+        is returned."""
+        if not self._wm_paused:
+            return False
         # (sends another thread made that the loop has not added yet count too)
         p = self.pending_bytes + self._foreign.queued
         cap = self._cap
@@ -524,7 +533,12 @@ class Session:
         self._set_cap()
         self._hw = -1           # every send now takes _over_high, which checks the limits
         self._sync_watch()
-        self._check_wm()
+        # as asyncio's set_write_buffer_limits(): pause if the backlog is above the new
+        # high mark, but never resume here -- that waits for the drain to reach low
+        if not self._wm_paused and self.pending_bytes > high:
+            self._wm_paused = True
+            on_high()
+            self._ctx.kick()
 
     # -- sending (slow paths) -----------------------------------------------------------
     def _send_slow(self, data: _SendData) -> None:
@@ -623,12 +637,23 @@ class Session:
             self._rx.pause(PAUSE_BACKPRESSURE)
             self._sync_watch()
         if self._wm is not None:
-            self._check_wm()
+            self._check_wm(True)
 
-    def _check_wm(self) -> None:
+    def _check_wm(self, try_socket: bool = False) -> None:
+        """The write limits against what is pending.  ``try_socket`` (a send just added
+        to the batch): above the high mark, the batch is first handed to the kernel, as
+        asyncio's ``write()`` tries the socket before it counts what is left -- so
+        ``on_high`` (``pause_writing()``) comes only for a backlog the socket did not
+        take.  Not when the socket is known to be full (``_writing``), nor for a TLS
+        batch (encrypted by the iteration's flush): there the unsent plaintext counts."""
         high, low, on_high, on_low = self._wm     # type: ignore[misc]  # (set: caller checked)
         p = self.pending_bytes
         if not self._wm_paused:
+            if p > high and try_socket:
+                self._write_now(self._batch)
+                if self._state == CLOSED:
+                    return
+                p = self.pending_bytes
             if p > high:
                 self._wm_paused = True
                 on_high()
@@ -868,10 +893,12 @@ class Session:
             return
         self._loop.call_soon_threadsafe(self._close, reason, None, level, cause)
 
-    def handler_failed(self, hook: str, exc: BaseException) -> None:
-        """A handler hook raised: log it, close this session only (any thread)."""
-        log.error("session %d %s: handler %s raised; closing this session", self.id,
-                  self.peer, hook, exc_info=exc)
+    def handler_failed(self, hook: str, exc: BaseException, logged: bool = False) -> None:
+        """A handler hook raised: log it (unless the caller has: ``logged``, the asyncio
+        adapter's exception handler), close this session only (any thread)."""
+        if not logged:
+            log.error("session %d %s: handler %s raised; closing this session", self.id,
+                      self.peer, hook, exc_info=exc)
         # the traceback's frames hold the frame (and any view of it) for as long as anyone
         # keeps the exception -- a log record, say: drop their locals
         traceback.clear_frames(exc.__traceback__)

@@ -48,9 +48,13 @@ reset and gives ``connection_lost`` an exception naming it (``ConnectionAbortedE
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import os
 import threading
+import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from asyncio.events import _get_running_loop, _set_running_loop
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -60,8 +64,6 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from typing_extensions import Buffer
-
-    import contextvars
 
     from ..loop import EventLoop, Timer
     from ..server import Server
@@ -75,6 +77,12 @@ _get_ident = threading.get_ident
 # what asyncio's TLS transport answers in get_extra_info (and the session's ALPN name)
 _TLS_NAMES = frozenset(("sslcontext", "ssl_object", "peercert", "cipher", "compression",
                         "selected_alpn_protocol"))
+
+# the transport whose connection's context this is (set in each connection's own context,
+# so also seen in the copies its tasks and callbacks run in): a callback of that connection
+# reached from inside one of them runs in the caller's context, as asyncio's
+_CONN: contextvars.ContextVar[SessionTransport | None] = contextvars.ContextVar(
+    "aoprim_protocol_connection", default=None)
 
 
 class ProtocolLoop(asyncio.AbstractEventLoop):
@@ -94,6 +102,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         self._ev = ev
         self._server = weakref.ref(server)     # (no cycle: the server holds our handler)
         self._exception_handler: Callable[..., object] | None = None
+        # run_in_executor(None, ...): made at the first call, shut down with the server
+        self._default_executor: ThreadPoolExecutor | None = None
+        self._executor_shut = False
+        self._executor_lock = threading.Lock()
 
     # -- time and callbacks ----------------------------------------------------------------
     def time(self) -> float:
@@ -147,12 +159,24 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         return t is getattr(srv, "_thread", None) or (d is not None and t in d.threads)
 
     def _timer_handle_cancelled(self, handle: asyncio.TimerHandle) -> None:
+        ev = self._ev
+        if _get_ident() == ev.thread_id:
+            t = getattr(handle, "_ev_timer", None)
+            if t is not None:
+                t.cancel()
+        else:
+            # the server loop's timers are its thread's: the cancel is handed to it, so a
+            # timer cancelled from a worker (an idle timer reset per request) leaves the
+            # heap now, not at its deadline.  Queued behind this thread's _arm of it, if
+            # that has not run yet (then _arm finds the handle cancelled and arms nothing)
+            ev.call_soon_threadsafe(self._disarm, handle)
+
+    @staticmethod
+    def _disarm(handle: asyncio.TimerHandle) -> None:
         t = getattr(handle, "_ev_timer", None)
         if t is not None:
-            # (the server loop's timers are cancelled on its thread; a cancel from another
-            # thread leaves the timer to fire and find the handle cancelled)
-            if _get_ident() == self._ev.thread_id:
-                t.cancel()
+            handle._ev_timer = None         # type: ignore[attr-defined]
+            t.cancel()
 
     def _run_handle(self, h: _Handle | _Timer) -> None:
         if h.cancelled():
@@ -174,23 +198,71 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
     def run_in_executor(self, executor: Any,      # type: ignore[override]
                         func: Callable[..., Any],
                         *args: Any) -> asyncio.Future[Any]:
-        """``executor.submit(func, *args)`` as an asyncio future; with ``executor=None``
-        (``asyncio.to_thread`` too) a thread of its own per call, which ends with the call
-        (nothing is left running once the server has shut down)."""
-        if executor is not None:
-            return asyncio.wrap_future(executor.submit(func, *args), loop=self)
-        fut = self.create_future()
+        """``executor.submit(func, *args)`` as an asyncio future.  ``executor=None``
+        (``asyncio.to_thread`` too): the default executor -- as asyncio's, one
+        ``ThreadPoolExecutor`` of at most ``min(32, cpu + 4)`` threads, made at the first
+        call, or the one given to :meth:`set_default_executor`; it is shut down with the
+        server, which waits (up to ``shutdown_timeout``) for the calls still running."""
+        if executor is None:
+            with self._executor_lock:
+                if self._ev.closed or self._executor_shut:
+                    raise RuntimeError("Executor shutdown has been called (the server has "
+                                       "shut down)")
+                executor = self._default_executor
+                if executor is None:
+                    executor = self._default_executor = ThreadPoolExecutor(
+                        max_workers=min(32, (os.cpu_count() or 1) + 4),
+                        thread_name_prefix="aoprim-protocol-executor")
+        return asyncio.wrap_future(executor.submit(func, *args), loop=self)
 
-        def work() -> None:
-            try:
-                r = func(*args)
-            except BaseException as e:      # (handed to the awaiting coroutine)
-                self.call_soon_threadsafe(_settle, fut, None, e)
-            else:
-                self.call_soon_threadsafe(_settle, fut, r, None)
+    def set_default_executor(self, executor: Any) -> None:
+        if not isinstance(executor, ThreadPoolExecutor):
+            raise TypeError("executor must be ThreadPoolExecutor")
+        with self._executor_lock:
+            self._default_executor = executor
 
-        threading.Thread(target=work, name="aoprim-protocol-executor", daemon=True).start()
-        return fut
+    # -- shutdown (the server's, loop thread) ----------------------------------------------
+    def _cancel_tasks(self, done: Callable[[], None]) -> None:
+        """Cancel the tasks still pending (as ``asyncio.run`` does at its end) and call
+        ``done()`` once every one has finished its cancellation -- and those it started
+        meanwhile theirs.  The server's ``shutdown_timeout`` bounds the wait: the loop
+        stops then, dropping what is left."""
+        tasks = [t for t in asyncio.all_tasks(self) if not t.done()]
+        if not tasks:
+            done()
+            return
+        left = len(tasks)
+
+        def one_done(t: asyncio.Task[Any]) -> None:
+            nonlocal left
+            if not t.cancelled() and t.exception() is not None:
+                self.call_exception_handler({
+                    "message": "unhandled exception during the server's shutdown",
+                    "exception": t.exception(), "task": t})
+            left -= 1
+            if left == 0:
+                self._cancel_tasks(done)
+
+        for t in tasks:
+            t.cancel()
+            t.add_done_callback(one_done)
+
+    def _shutdown_executor(self, timeout: float) -> None:
+        """The default executor shut down: queued calls dropped, the running ones waited
+        for up to ``timeout`` seconds (after the loop stopped)."""
+        with self._executor_lock:
+            self._executor_shut = True
+            ex, self._default_executor = self._default_executor, None
+        if ex is None:
+            return
+        ex.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout
+        for th in list(getattr(ex, "_threads", ())):
+            th.join(max(0.0, deadline - time.monotonic()))
+            if th.is_alive():
+                log.error("the protocols' default executor did not finish within %.1f s: "
+                          "a call to run_in_executor()/to_thread() is still running", timeout)
+                return
 
     # -- state -----------------------------------------------------------------------------
     def get_debug(self) -> bool:
@@ -232,15 +304,6 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
     def __repr__(self) -> str:
         return f"<ProtocolLoop over {self._ev!r}>"
-
-
-def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    if fut.cancelled():
-        return
-    if exc is None:
-        fut.set_result(result)
-    else:
-        fut.set_exception(exc)
 
 
 class _Handle(asyncio.Handle):
@@ -289,14 +352,25 @@ def _call(loop: ProtocolLoop, fn: Callable[..., Any], *args: Any) -> Any:
         _set_running_loop(prev)
 
 
+def _in_context(tr: SessionTransport, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in the connection's context -- as it is, when called from inside it
+    (a context cannot be entered twice)."""
+    if _CONN.get() is tr:
+        return fn(*args)
+    return tr._ctx.run(fn, *args)
+
+
 class SessionTransport(asyncio.Transport):
     """An ``asyncio.Transport`` over one session."""
 
     def __init__(self, session: Session, protocol: asyncio.BaseProtocol,
-                 loop: ProtocolLoop) -> None:
+                 loop: ProtocolLoop, ctx: contextvars.Context) -> None:
         super().__init__({"peername": session.peer})
         self._session = session
         self._loop = loop
+        self._ctx = ctx             # the connection's own context: its callbacks run in it
+        self._tls = session.get_extra_info("ssl_object") is not None
+        self._stage = "data_received"     # the receive callback running (its error message)
         self._protocol: Any = protocol
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
         self._closing = False
@@ -342,20 +416,32 @@ class SessionTransport(asyncio.Transport):
         self._session.set_write_limits(high, low, self._pause_writing, self._resume_writing)
 
     def _pause_writing(self) -> None:
-        try:
-            _call(self._loop, self._protocol.pause_writing)
-        except Exception:
-            log.exception("protocol pause_writing() failed")
+        self._flow("pause_writing")
 
     def _resume_writing(self) -> None:
+        self._flow("resume_writing")
+
+    def _flow(self, name: str) -> None:
+        """The protocol's ``pause_writing``/``resume_writing``: inside a write (this
+        connection's callback or task) in the caller's context, as asyncio; from the
+        flush, in a copy of the connection's context (asyncio: its writer callback's) --
+        a copy, as with workers the connection's own may be in use on a worker.  An
+        exception goes to the loop's exception handler, as asyncio's."""
+        proto = self._protocol
         try:
-            _call(self._loop, self._protocol.resume_writing)
-        except Exception:
-            log.exception("protocol resume_writing() failed")
+            if _CONN.get() is self:
+                _call(self._loop, getattr(proto, name))
+            else:
+                _call(self._loop, self._ctx.copy().run, getattr(proto, name))
+        except Exception as e:
+            self._loop.call_exception_handler({
+                "message": f"protocol.{name}() failed", "exception": e,
+                "transport": self, "protocol": proto})
 
     # -- reading -------------------------------------------------------------------------
     def is_reading(self) -> bool:
-        return not self._paused_reading and not self._closing
+        # (False once closing, whoever closed: the protocol, the peer's EOF, a limit)
+        return not self._paused_reading and not self._closing and not self._session.closed
 
     def pause_reading(self) -> None:
         if self._closing or self._paused_reading:
@@ -418,11 +504,16 @@ class SessionTransport(asyncio.Transport):
 class ProtocolHandler(Handler):
     """A Handler that drives one asyncio protocol per session (the transport's current
     one: ``set_protocol`` switches), each callback with the server's :class:`ProtocolLoop`
-    as the running loop."""
+    as the running loop and in the connection's own ``contextvars.Context``."""
 
     def __init__(self, protocol_factory: Callable[[], asyncio.BaseProtocol]) -> None:
         self._factory = protocol_factory
         self._loop: ProtocolLoop | None = None
+        # connections whose connection_lost has not run yet, and the server's shutdown
+        # waiting for them (see _drain_at_shutdown); on_connect/on_close may run on workers
+        self._open = 0
+        self._drain: Callable[[], None] | None = None
+        self._open_lock = threading.Lock()
 
     def _loop_of(self, session: Session) -> ProtocolLoop:
         ev = session._loop
@@ -433,11 +524,17 @@ class ProtocolHandler(Handler):
 
     def on_connect(self, session: Session) -> None:
         loop = self._loop_of(session)
-        _call(loop, self._made, session, loop)
+        # the connection's own context, copied at accept (asyncio: its transport's
+        # callbacks'): what one connection's callbacks set, another's never see
+        ctx = contextvars.copy_context()
+        with self._open_lock:
+            self._open += 1
+        _call(loop, ctx.run, self._made, session, loop, ctx)
 
-    def _made(self, session: Session, loop: ProtocolLoop) -> None:
+    def _made(self, session: Session, loop: ProtocolLoop, ctx: contextvars.Context) -> None:
         proto = self._factory()
-        tr = SessionTransport(session, proto, loop)
+        tr = SessionTransport(session, proto, loop, ctx)
+        _CONN.set(tr)
         session.user = tr
         try:
             proto.connection_made(tr)
@@ -453,29 +550,48 @@ class ProtocolHandler(Handler):
         if tr._closing:
             return
         lp = tr._loop
-        if getattr(_here, "loop", None) is lp:
-            self._deliver(tr, session, data)
-        else:
-            _call(lp, self._deliver, tr, session, data)
+        try:
+            if getattr(_here, "loop", None) is lp:
+                tr._ctx.run(self._deliver, tr, session, data)
+            else:
+                _call(lp, tr._ctx.run, self._deliver, tr, session, data)
+        except Exception as e:
+            self._failed(tr, session, e, tr._stage)
+
+    def _failed(self, tr: SessionTransport, session: Session, e: Exception,
+                what: str) -> None:
+        """A protocol callback raised: as asyncio's transport, the loop's exception handler
+        gets it (not for an OSError, which asyncio only logs in debug mode), and the
+        connection closes with ``connection_lost(e)`` (counted in ``handler_errors``)."""
+        if not isinstance(e, OSError):
+            tr._loop.call_exception_handler({
+                "message": f"Fatal error: protocol.{what}() call failed.",
+                "exception": e, "transport": tr, "protocol": tr._protocol})
+        session.handler_failed(what, e, logged=True)
 
     def _deliver(self, tr: SessionTransport, session: Session,
                  data: memoryview | bytes) -> None:
         """The bytes to the current protocol: ``data_received``, or a BufferedProtocol's
-        ``get_buffer``/``buffer_updated`` as many times as its buffers need."""
+        ``get_buffer``/``buffer_updated`` as many times as its buffers need.  ``_stage``
+        names the callback running (for the exception handler's message)."""
         if not tr._buffered:
+            tr._stage = "data_received"
             tr._protocol.data_received(bytes(data))
             return
         n = len(data)
         off = 0
         while off < n:
             proto: Any = tr._protocol
-            buf = proto.get_buffer(n - off)
+            # (asyncio's: -1 over TCP, "any size"; its TLS transport passes a size)
+            tr._stage = "get_buffer"
+            buf = proto.get_buffer(n - off if tr._tls else -1)
             mv = memoryview(buf).cast("B")
-            k = min(mv.nbytes, n - off)
-            if k <= 0:
+            if not mv.nbytes:
                 raise RuntimeError("get_buffer() returned an empty buffer")
+            k = min(mv.nbytes, n - off)
             mv[:k] = data[off:off + k]
             mv.release()
+            tr._stage = "buffer_updated"
             proto.buffer_updated(k)
             off += k
             if off < n and (not tr.is_reading() or tr.is_closing()):
@@ -487,18 +603,40 @@ class ProtocolHandler(Handler):
                 return
             if not tr._buffered and off < n:
                 # set_protocol() to a plain Protocol inside buffer_updated
+                tr._stage = "data_received"
                 tr._protocol.data_received(bytes(data[off:]))
                 return
 
     def _on_peer_eof(self, session: Session) -> bool:
         """The peer's EOF (see Session._peer_eof_keeps_open): the protocol's
-        ``eof_received()``; True keeps the transport open for writing."""
+        ``eof_received()``; True keeps the transport open for writing.  An exception:
+        as in ``data_received`` (the exception handler, then closed)."""
         tr: SessionTransport | None = session.user
         if tr is None or tr._closing:
             return False
-        return bool(_call(tr._loop, tr._protocol.eof_received))
+        try:
+            keep = bool(_call(tr._loop, _in_context, tr, tr._protocol.eof_received))
+        except Exception as e:
+            self._failed(tr, session, e, "eof_received")
+            return True             # (closed by handler_failed)
+        if not keep or tr._tls:
+            # closing from here on, as asyncio's transport closes itself right after (with
+            # workers the session's close follows from the loop thread)
+            tr._closing = True
+        return keep
 
     def on_close(self, session: Session, exc: BaseException | None) -> None:
+        try:
+            self._lost(session, exc)
+        finally:
+            with self._open_lock:
+                self._open -= 1
+                drain = self._drain if self._open == 0 else None
+                self._drain = None if drain is not None else self._drain
+            if drain is not None:
+                drain()
+
+    def _lost(self, session: Session, exc: BaseException | None) -> None:
         tr: SessionTransport | None = session.user
         if tr is None:
             return
@@ -509,4 +647,45 @@ class ProtocolHandler(Handler):
             # (ConnectionResetError for ECONNRESET); a server limit that cut the session
             # (max_pending, a timeout): the error naming it
             exc = session.lost_error() or session.limit_error()
-        _call(tr._loop, tr._protocol.connection_lost, exc)
+        proto = tr._protocol
+        try:
+            _call(tr._loop, _in_context, tr, proto.connection_lost, exc)
+        except Exception as e:
+            # asyncio runs connection_lost as a loop callback: its exception goes to the
+            # loop's exception handler
+            tr._loop.call_exception_handler({
+                "message": f"Exception in callback {proto.connection_lost!r}",
+                "exception": e, "transport": tr, "protocol": proto})
+
+    # -- the server's shutdown -------------------------------------------------------------
+    def _drain_at_shutdown(self, done: Callable[[], None]) -> None:
+        """Every session has closed (loop thread): once every ``connection_lost`` has run
+        (they follow in callbacks of their own, maybe on workers), cancel the protocols'
+        tasks still pending and call ``done()`` once they have run their cancellation --
+        as an asyncio server's connections are lost before ``asyncio.run`` cancels the
+        tasks left."""
+        loop = self._loop
+        if loop is None:
+            done()
+            return
+
+        def cancel() -> None:
+            _call(loop, loop._cancel_tasks, done)
+
+        def start() -> None:        # (any thread: the last on_close's)
+            if _get_ident() == loop._ev.thread_id:
+                cancel()
+            elif not loop._ev.call_soon_threadsafe(cancel):
+                done()
+
+        with self._open_lock:
+            if self._open:
+                self._drain = start
+                return
+        start()
+
+    def _after_stop(self, timeout: float) -> None:
+        """The loop has stopped: shut the default executor down (waiting up to
+        ``timeout`` s for the calls still running)."""
+        if self._loop is not None:
+            self._loop._shutdown_executor(timeout)

@@ -1,0 +1,514 @@
+"""serve_protocol at the edges an asyncio protocol relies on, each checked against what
+asyncio's own loop does: several writes in one callback past ``max_pending`` (sent whole),
+``pause_writing`` only for a backlog the socket did not take, ``set_write_buffer_limits``
+never resuming, one ``contextvars.Context`` per connection, timers cancelled from a worker
+leaving the heap, tasks cancelled at shutdown, a bounded default executor, exceptions
+routed to the loop's exception handler, ``is_reading()`` after a close, ``get_buffer``'s
+size hint.  Both Layer 1 backends, with and without workers."""
+import asyncio
+import contextvars
+import gc
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from aoprim.server import serve_protocol
+from aoprim.server.adapters.asyncio_protocol import _Timer
+from aoprim.server.loop import BACKENDS
+
+from test_server_support import (HOST, assert_no_leaks, open_fds, recv_exact,
+                                 recv_until_closed, wait_for)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture(params=[0, 2], ids=["workers0", "workers2"])
+def workers(request):
+    return request.param
+
+
+@pytest.fixture
+def serve(backend, workers):
+    """serve(factory, **settings): a started serve_protocol server, shut down and checked
+    for leaks after the test."""
+    made = []
+    fds = open_fds()
+
+    def start(factory, **kw):
+        srv = serve_protocol(factory, HOST, 0, backend=backend, workers=workers, **kw)
+        made.append(srv)
+        return srv
+
+    yield start
+    for srv in made:
+        srv.shutdown(timeout=15)
+        assert_no_leaks(srv)
+    assert open_fds() == fds, "file descriptors leaked"
+
+
+def on_asyncio(factory, client):
+    """Run ``client(address)`` against ``factory`` served by asyncio's own loop; returns
+    what the client returned."""
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(factory, HOST, 0)
+        try:
+            return await asyncio.to_thread(client, srv.sockets[0].getsockname())
+        finally:
+            srv.close()
+
+    return asyncio.run(main())
+
+
+# -- writes in one callback are not cut before pause_writing ------------------------------
+
+class Reply(asyncio.Protocol):
+    """Answers the first bytes with ``parts`` written one by one, then closes."""
+    parts = ()
+
+    def __init__(self, log, done):
+        self.log, self.done = log, done
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        for p in self.parts:
+            self.t.write(p)
+        self.t.close()
+
+    def pause_writing(self):
+        self.log.append("pause")
+
+    def resume_writing(self):
+        self.log.append("resume")
+
+    def connection_lost(self, exc):
+        self.log.append(("lost", exc))
+        self.done.set()
+
+
+@pytest.mark.parametrize("shape", ["head-body-end", "chunks"])
+def test_several_writes_past_max_pending_in_one_callback_reach_the_peer_whole(serve, shape):
+    # an HTTP response (head, a large body, its terminator) or a file in 64 KiB chunks,
+    # written in one data_received and closed: asyncio buffers all of it, whatever
+    # pause_writing said meanwhile, and the peer reads every byte
+    log, done = [], threading.Event()
+
+    class P(Reply):
+        if shape == "head-body-end":
+            parts = (b"HEAD", b"x" * (4 << 20), b"END")
+        else:
+            parts = tuple(bytes([65 + i % 26]) * 65536 for i in range(64))
+
+    want = b"".join(P.parts)
+    srv = serve(lambda: P(log, done), max_pending=1 << 20)
+    c = socket.create_connection(srv.address[:2], timeout=10)
+    c.sendall(b"GET")
+    got, how = recv_until_closed(c, limit=len(want) + 1)
+    c.close()
+    assert (len(got), how) == (len(want), "eof") and got == want
+    assert done.wait(10) and log[-1] == ("lost", None), log
+
+
+# -- pause_writing only for what the socket did not take -----------------------------------
+
+class BigReplies(asyncio.Protocol):
+    """One 100 kB reply (above the 64 KiB high-water mark) per request byte."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def connection_made(self, transport):
+        self.t = transport
+        # room for a whole reply in the kernel: the socket takes each one at once
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                     1 << 20)
+
+    def data_received(self, data):
+        for _ in data:
+            self.t.write(b"r" * 100_000)
+
+    def pause_writing(self):
+        self.log.append("pause")
+
+    def resume_writing(self):
+        self.log.append("resume")
+
+
+def _ask_replies(address, n=20):
+    c = socket.create_connection(address[:2], timeout=10)
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    try:
+        for _ in range(n):
+            c.sendall(b"q")
+            assert len(recv_exact(c, 100_000)) == 100_000
+    finally:
+        c.close()
+    return n
+
+
+def test_pause_writing_only_for_a_backlog_the_socket_did_not_take(serve):
+    asyncio_log = []
+    assert on_asyncio(lambda: BigReplies(asyncio_log), _ask_replies) == 20
+    log = []
+    srv = serve(lambda: BigReplies(log))
+    assert _ask_replies(srv.address) == 20
+    assert log == asyncio_log == []
+
+
+def test_set_write_buffer_limits_pauses_but_never_resumes_by_itself(serve, workers):
+    # asyncio's set_write_buffer_limits() may call pause_writing(), never resume_writing():
+    # that waits for the drain to reach the low mark
+    def run(address):
+        c = socket.create_connection(address[:2], timeout=10)
+        c.sendall(b"x")
+        got = recv_exact(c, 8 << 20)
+        c.close()
+        return len(got)
+
+    class P(asyncio.Protocol):
+        def __init__(self, log):
+            self.log = log
+
+        def connection_made(self, transport):
+            self.t = transport
+
+        def pause_writing(self):
+            self.log.append("pause")
+
+        def resume_writing(self):
+            self.log.append("resume")
+
+        def data_received(self, data):
+            self.t.set_write_buffer_limits(high=64 << 20)
+            self.t.write(b"z" * (8 << 20))
+            self.log.append("written")
+            self.t.set_write_buffer_limits(high=1000)
+            self.log.append("lowered")
+            self.t.set_write_buffer_limits(high=64 << 20)
+            self.log.append("raised")
+
+    want = []
+    assert on_asyncio(lambda: P(want), run) == 8 << 20
+    assert want == ["written", "pause", "lowered", "raised", "resume"]
+    log = []
+    srv = serve(lambda: P(log))
+    assert run(srv.address) == 8 << 20
+    if workers == 0:
+        wait_for(lambda: log[-1:] == ["resume"], what=f"resume_writing ({log})")
+        assert log == want
+    else:
+        # a worker's write reaches the loop thread's batch later: whether it is still
+        # there when the limits change is a race, but no change of limits resumes
+        wait_for(lambda: "raised" in log and log.count("pause") == log.count("resume"),
+                 what=f"the drain ({log})")
+        assert log in (want, ["written", "lowered", "raised"],
+                       ["written", "lowered", "raised", "pause", "resume"]), log
+
+
+# -- one contextvars.Context per connection -----------------------------------------------
+
+USER = contextvars.ContextVar("user", default=None)
+
+
+class SetsUser(asyncio.Protocol):
+    """Reports the user it sees before setting it, and what a task it starts sees."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        name = data.decode()
+        before = USER.get()
+        USER.set(name)
+        asyncio.get_running_loop().create_task(self.report(name, before))
+
+    async def report(self, name, before):
+        self.log.append((name, before, USER.get()))
+        self.t.write(b"k")
+
+
+def test_each_connection_has_its_own_context(serve):
+    def run(address):
+        a = socket.create_connection(address[:2], timeout=10)
+        b = socket.create_connection(address[:2], timeout=10)
+        for sock, name in ((a, b"alice"), (b, b"bob"), (a, b"carol"), (b, b"dave")):
+            sock.sendall(name)
+            recv_exact(sock, 1)
+        a.close()
+        b.close()
+        return True
+
+    want = []
+    assert on_asyncio(lambda: SetsUser(want), run)
+    log = []
+    srv = serve(lambda: SetsUser(log))
+    assert run(srv.address)
+    assert log == want == [("alice", None, "alice"), ("bob", None, "bob"),
+                           ("carol", "alice", "carol"), ("dave", "bob", "dave")]
+
+
+# -- a timer cancelled from a worker leaves the heap -----------------------------------------
+
+class IdleTimer(asyncio.Protocol):
+    """The usual idle timer: cancelled and armed again for every request."""
+
+    def connection_made(self, transport):
+        self.t = transport
+        self.h = None
+
+    def data_received(self, data):
+        if self.h is not None:
+            self.h.cancel()
+        self.h = asyncio.get_running_loop().call_later(3600, self.t.close)
+        self.t.write(data)
+
+
+def _timers():
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is _Timer)
+
+
+def test_cancelled_timers_do_not_stay_until_their_deadline(serve):
+    srv = serve(IdleTimer)
+    c = socket.create_connection(srv.address[:2], timeout=10)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    n = 2000
+    for _ in range(n):
+        c.sendall(b"m")
+        assert recv_exact(c, 1) == b"m"
+    # every handle but the last one was cancelled (with workers, on a worker thread)
+    wait_for(lambda: _timers() <= 1, what="the cancelled timers to be dropped")
+    c.close()
+
+
+# -- the server's shutdown cancels the protocols' tasks ------------------------------------
+
+def test_shutdown_cancels_pending_tasks_and_lets_them_finish(serve):
+    log = []
+    started = threading.Event()
+
+    class P(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.t = transport
+            asyncio.get_running_loop().create_task(self.ticker())
+
+        async def ticker(self):
+            try:
+                started.set()
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                log.append("cancelled")
+                await asyncio.sleep(0)      # its cancellation may await
+                log.append("cleaned up")
+                raise
+
+        def connection_lost(self, exc):
+            log.append(("lost", exc))
+
+    srv = serve(P, shutdown_timeout=5)
+    c = socket.create_connection(srv.address[:2], timeout=10)
+    assert started.wait(10)
+    srv.shutdown(timeout=15)
+    c.close()
+    assert log == [("lost", None), "cancelled", "cleaned up"]
+
+
+# -- the default executor is bounded ---------------------------------------------------------
+
+def test_to_thread_runs_on_a_bounded_pool_shut_down_with_the_server(serve):
+    calls = 60
+    cap = min(32, (os.cpu_count() or 1) + 4)
+    release = threading.Event()
+    running, results, lock = [0], [], threading.Lock()
+    peak = [0]
+
+    def work(i):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        release.wait(20)
+        with lock:
+            running[0] -= 1
+        return i
+
+    class P(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.t = transport
+
+        def data_received(self, data):
+            for i in range(calls):
+                asyncio.get_running_loop().create_task(self.call(i))
+
+        async def call(self, i):
+            results.append(await asyncio.to_thread(work, i))
+
+    srv = serve(P)
+    c = socket.create_connection(srv.address[:2], timeout=10)
+    c.sendall(b"go")
+    wait_for(lambda: running[0] == min(cap, calls), what="the pool's threads to start")
+    pool = [t for t in threading.enumerate() if t.name.startswith("aoprim-protocol-executor")]
+    assert len(pool) == min(cap, calls)
+    release.set()
+    wait_for(lambda: len(results) == calls, what="every call to finish")
+    assert sorted(results) == list(range(calls)) and peak[0] == min(cap, calls)
+    c.close()
+    srv.shutdown(timeout=15)
+    assert not any(t.is_alive() for t in pool)
+
+
+def test_set_default_executor_is_used(serve):
+    names = []
+    mine = ThreadPoolExecutor(1, thread_name_prefix="mine")
+
+    class P(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.t = transport
+            asyncio.get_running_loop().set_default_executor(mine)
+
+        def data_received(self, data):
+            asyncio.get_running_loop().create_task(self.call())
+
+        async def call(self):
+            names.append(await asyncio.to_thread(lambda: threading.current_thread().name))
+            self.t.write(b"k")
+
+    srv = serve(P)
+    c = socket.create_connection(srv.address[:2], timeout=10)
+    c.sendall(b"go")
+    assert recv_exact(c, 1) == b"k"
+    c.close()
+    assert len(names) == 1 and names[0].startswith("mine")
+    with pytest.raises(TypeError, match="ThreadPoolExecutor"):
+        srv.handler._loop.set_default_executor(object())
+    mine.shutdown()
+
+
+# -- exceptions go to the loop's exception handler -----------------------------------------
+
+class Raises(asyncio.Protocol):
+    """Sets the loop's exception handler; raises where ``where`` says."""
+
+    def __init__(self, where, seen, done):
+        self.where, self.seen, self.done = where, seen, done
+
+    def connection_made(self, transport):
+        self.t = transport
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, ctx: self.seen.append((ctx["message"], repr(ctx.get("exception")))))
+
+    def data_received(self, data):
+        if self.where == "data_received":
+            raise ValueError("bad request")
+        if self.where == "call_soon":
+            asyncio.get_running_loop().call_soon(self.fail)
+            self.t.close()
+        if self.where == "connection_lost":
+            self.t.close()
+
+    def fail(self):
+        raise ValueError("in a callback")
+
+    def eof_received(self):
+        if self.where == "eof_received":
+            raise ValueError("at eof")
+
+    def connection_lost(self, exc):
+        self.seen.append(("lost", repr(exc)))
+        self.done.set()
+        if self.where == "connection_lost":
+            raise ValueError("in connection_lost")
+
+
+def _poke(address, eof):
+    c = socket.create_connection(address[:2], timeout=10)
+    c.sendall(b"x")
+    if eof:
+        c.shutdown(socket.SHUT_WR)
+    recv_until_closed(c)
+    c.close()
+    return True
+
+
+@pytest.mark.parametrize("where", ["data_received", "eof_received", "call_soon",
+                                   "connection_lost"])
+def test_exceptions_reach_the_loops_exception_handler(serve, where):
+    def normalise(seen):
+        # (asyncio names the callback object in the message: compare its start)
+        return [(m.split(" <")[0].split(" ")[0:3] if m.startswith("Exception in callback")
+                 else m, e) for m, e in seen]
+
+    want, done = [], threading.Event()
+    on_asyncio(lambda: Raises(where, want, done), lambda a: _poke(a, where == "eof_received"))
+    assert done.wait(10)
+    wait_for(lambda: len(want) == 2, what="asyncio's exception handler")
+    seen, done = [], threading.Event()
+    srv = serve(lambda: Raises(where, seen, done))
+    _poke(srv.address, where == "eof_received")
+    assert done.wait(10)
+    wait_for(lambda: len(seen) == 2, what="the exception handler")
+    assert normalise(seen) == normalise(want), (seen, want)
+    assert any(e.startswith("ValueError") for _, e in seen)
+
+
+# -- small things: is_reading() after a close, get_buffer's size hint -----------------------
+
+class Reading(asyncio.BufferedProtocol):
+    def __init__(self, log):
+        self.log = log
+        self.buf = bytearray(8)
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def get_buffer(self, sizehint):
+        self.log.append(("hint", sizehint))
+        return self.buf
+
+    def buffer_updated(self, nbytes):
+        self.log.append(("data", bytes(self.buf[:nbytes])))
+
+    def eof_received(self):
+        # returns None: the transport closes itself after this
+        asyncio.get_running_loop().call_soon(
+            lambda: self.log.append(("after eof", self.t.is_closing(), self.t.is_reading())))
+
+    def connection_lost(self, exc):
+        self.log.append(("lost", self.t.is_reading()))
+
+
+def test_is_reading_after_close_and_get_buffer_size_hint(serve):
+    def run(address):
+        c = socket.create_connection(address[:2], timeout=10)
+        c.sendall(b"0123456789abc")
+        c.shutdown(socket.SHUT_WR)
+        recv_until_closed(c)
+        c.close()
+        return True
+
+    def shape(log):
+        # (how the 13 bytes split between reads is the kernel's)
+        hints = {e[1] for e in log if e[0] == "hint"}
+        data = b"".join(e[1] for e in log if e[0] == "data")
+        return hints, data, [e for e in log if e[0] not in ("hint", "data")]
+
+    want = []
+    on_asyncio(lambda: Reading(want), run)
+    log = []
+    srv = serve(lambda: Reading(log))
+    run(srv.address)
+    wait_for(lambda: log and log[-1][0] == "lost")
+    assert shape(log) == shape(want) == ({-1}, b"0123456789abc",
+                                         [("after eof", True, False), ("lost", False)])
