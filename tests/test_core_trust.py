@@ -96,6 +96,7 @@ def test_refcount_incref_at_max_from_threads_never_wraps():
 # ---- item 17: a failed SendBatch.add_frame adds nothing ----------------------------------
 
 import socket
+import sys
 
 from aoprim import SendBatch
 
@@ -391,8 +392,8 @@ def test_group_does_not_unpin_a_socket_it_could_not_pin(capfd):
 @pytest.mark.timeout(60)
 def test_pins_of_many_batches_on_one_socket_never_lose_an_update():
     """Four threads, each with its own batch on ONE socket, flush concurrently (each flush
-    pins and unpins it) while a fifth thread makes and closes makefile() files on it (the
-    same counter, from Python).  Every byte arrives, and at the end `_io_refs` is 0 and
+    pins and unpins it) while, with the GIL, a fifth thread makes and closes makefile()
+    files on it (the same counter, from Python).  Every byte arrives, and at the end `_io_refs` is 0 and
     close() closes the fd at once: no increment or decrement was lost.  (With the GIL the
     pin was already one step; on a free-threaded build this is what the pin's critical
     section buys.)"""
@@ -420,8 +421,13 @@ def test_pins_of_many_batches_on_one_socket_never_lose_an_update():
             errors.append(e)
 
     def files():
-        while not stop.is_set():
-            a.makefile("wb").close()
+        # makefile()'s `self._io_refs += 1` is a load, then a store, in Python: on a
+        # free-threaded build a pin can land between the two and be overwritten (as a second
+        # makefile() on another thread can be: CPython's socket.py), so there only the four
+        # batches' pins race each other; with the GIL the two steps cannot be split
+        if getattr(sys, "_is_gil_enabled", lambda: True)():
+            while not stop.is_set():
+                a.makefile("wb").close()
 
     ts = [threading.Thread(target=writer) for _ in range(T)]
     rt = threading.Thread(target=reader)

@@ -389,6 +389,34 @@ class FtGroup:
                                    extra={"threads": list(self.threads)})
 
 
+def _spin(work):
+    """The handlers' CPU work: a pure-Python loop of ``work`` steps."""
+    x = 0
+    for i in range(work):
+        x += i * i
+    return x
+
+
+def _bare(work):
+    """The server rows' ceiling: the handler's work alone, ``n`` calls split over the
+    threads, no server, no sockets -- how far this interpreter scales that Python code on
+    this machine."""
+    def make(threads, n):
+        per = n // threads
+
+        def body():
+            for _ in range(per):
+                _spin(work)
+            return per
+
+        def run():
+            wall, counts = _run_threads([body] * threads)
+            assert sum(counts) == per * threads
+            return wall, per * threads
+        return run
+    return make
+
+
 def _server(work):
     """The server (u16 framing, selectors backend) with ``workers`` = the thread count, and
     a handler that spends ``work`` iterations of a pure-Python loop on each frame before
@@ -407,9 +435,7 @@ def _server(work):
 
     class Busy(Handler):
         def on_read(self, session, data):
-            x = 0
-            for i in range(work):
-                x += i * i
+            _spin(work)
             session.send(data)
 
     def make(threads, n):
@@ -502,14 +528,17 @@ def groups(mode):
                 [("queue.Queue(1024)", "baseline", q("Queue", 1, 1)),
                  ("queue.SimpleQueue", "candidate", q("SimpleQueue", 1, 1)),
                  ("SPSCQueue(1024)", "candidate", q("SPSCQueue", 1, 1))], N_QUEUE, mode),
-        FtGroup("ft-server-workers", "the server, u16 echo after a pure-Python loop per frame: "
-                "workers=1 (solo) and workers=2",
-                [("handler: 2000-step Python loop", "candidate", _server(2000)),
-                 ("handler: 400-step Python loop", "candidate", _server(400)),
-                 ("handler: echo only", "candidate", _server(0))], N_SERVER, mode,
+    ] + [
+        FtGroup(gid, f"the server: u16 echo after a {work}-step Python loop a frame; "
+                "workers=1, 2",
+                [("the loop alone, in threads", "baseline", _bare(work)),
+                 ("Server(workers=N)", "candidate", _server(work))], n, mode,
                 unit="k frames/s", per_unit=1e3,
-                note="2/1 is workers=2 over workers=1; the client thread, the server's loop "
-                     "thread and its workers share the machine's cores"),
+                note="the baseline runs the handler's loop in 1 and 2 plain threads (no server: "
+                     "the ceiling); for the server the client thread, the loop thread and the "
+                     "workers share the machine's cores")
+        for gid, work, n in (("ft-server-400", 400, N_SERVER),
+                             ("ft-server-2000", 2000, N_SERVER // 4))
     ]
 
 

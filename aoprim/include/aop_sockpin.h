@@ -24,7 +24,11 @@
  * same ob_mutex), so doing our load + store of `_io_refs` and our load of `_closed` inside
  * ONE Py_BEGIN_CRITICAL_SECTION(sock) makes them one atomic step against every other store:
  *
- *   - the read-modify-write of `_io_refs` cannot interleave with any other store to it;
+ *   - the read-modify-write of `_io_refs` cannot interleave with any other store to it
+ *     (Python code's own `sock._io_refs += 1`, as makefile() does, is a load and then a
+ *     store: on a free-threaded build our section can fall between the two and be
+ *     overwritten, exactly as a second makefile() on another thread can -- CPython's
+ *     socket.py; pins among themselves, and against close(), lose nothing);
  *   - close()'s `_closed = True` is a store under the same mutex, so it is ordered wholly
  *     before or wholly after our section.  Before: we read `_closed` True (the mutex's
  *     release/acquire makes its store visible) and the flush writes nothing.  After: our
