@@ -533,9 +533,11 @@ class Session:
         self._set_cap()
         self._hw = -1           # every send now takes _over_high, which checks the limits
         self._sync_watch()
-        # as asyncio's set_write_buffer_limits(): pause if the backlog is above the new
-        # high mark, but never resume here -- that waits for the drain to reach low
-        if not self._wm_paused and self.pending_bytes > high:
+        if not self._transport:
+            self._check_wm()
+        elif not self._wm_paused and self.pending_bytes > high:
+            # as asyncio's set_write_buffer_limits(): pause if the backlog is above the new
+            # high mark, but never resume here -- that waits for the drain to reach low
             self._wm_paused = True
             on_high()
             self._ctx.kick()
@@ -641,15 +643,15 @@ class Session:
 
     def _check_wm(self, try_socket: bool = False) -> None:
         """The write limits against what is pending.  ``try_socket`` (a send just added
-        to the batch): above the high mark, the batch is first handed to the kernel, as
-        asyncio's ``write()`` tries the socket before it counts what is left -- so
-        ``on_high`` (``pause_writing()``) comes only for a backlog the socket did not
-        take.  Not when the socket is known to be full (``_writing``), nor for a TLS
-        batch (encrypted by the iteration's flush): there the unsent plaintext counts."""
+        to the batch): an asyncio transport's batch above the high mark is first handed to
+        the kernel, as asyncio's ``write()`` tries the socket before it counts what is
+        left -- so ``on_high`` (``pause_writing()``) comes only for a backlog the socket
+        did not take.  Not when the socket is known to be full (``_writing``), nor for a
+        TLS batch (encrypted by the iteration's flush): there the unsent plaintext counts."""
         high, low, on_high, on_low = self._wm     # type: ignore[misc]  # (set: caller checked)
         p = self.pending_bytes
         if not self._wm_paused:
-            if p > high and try_socket:
+            if p > high and try_socket and self._transport:
                 self._write_now(self._batch)
                 if self._state == CLOSED:
                     return

@@ -16,32 +16,51 @@ running loop, so ``asyncio.get_running_loop()``, ``loop.call_later``/``call_at``
 loop; what they schedule runs on the server's loop thread (with ``workers=0`` the thread of
 the protocol's own callbacks, so no lock is needed; with ``workers=N`` the protocol's
 callbacks run on a worker and the loop's on the loop thread: state both touch needs a
-lock).  The loop's I/O methods raise ``NotImplementedError``.
+lock).  The loop's I/O methods raise ``NotImplementedError``.  Each connection has its own
+``contextvars.Context``, copied at accept, in which its callbacks run (what one connection
+sets, another never sees; its tasks and loop callbacks copy it, as asyncio's).  The default
+executor is one bounded pool per server (``min(32, cpu + 4)`` threads, as asyncio's), shut
+down with it.  At shutdown, once every ``connection_lost`` has run, the tasks still pending
+are cancelled and run their cancellation (within ``shutdown_timeout``), as ``asyncio.run``
+does.  Exceptions go where asyncio sends them: to the loop's exception handler
+(``loop.set_exception_handler``).
 
 Writing.  The transport's write buffer is the session's ``SendBatch``:
 ``get_write_buffer_size()`` is its unsent bytes, and the protocol's ``pause_writing`` /
-``resume_writing`` are called when it crosses the limits of ``set_write_buffer_limits``.
-As asyncio, one write is never refused for its size: ``max_pending`` is checked against what
-was pending *before* each write (and against the high-water mark, if set above it), so only
-a protocol that writes on after ``pause_writing()`` to a peer that does not read is cut.
+``resume_writing`` are called when it crosses the limits of ``set_write_buffer_limits``
+-- as asyncio, ``pause_writing`` only for what is left once the socket was tried (over TLS:
+the plaintext not yet encrypted and sent counts), and ``set_write_buffer_limits`` may pause
+but never resumes.  The rule for ``max_pending``: a protocol's writes are never cut for
+size while it has not been told ``pause_writing()`` (asyncio buffers them all: a head, a
+large body and a terminator written in one callback reach the peer whole); once told, a
+write finding more than ``16 * max(max_pending, high-water mark)`` bytes pending (64 MiB by
+default) cuts the connection -- the protocol ignores ``pause_writing`` and the peer does
+not read.
 
 The callbacks come in asyncio's order: ``connection_lost()`` never runs inside the callback
 that caused it (``abort()``, or ``close()`` with nothing left to write, inside
 ``connection_made`` or ``data_received``): it follows in a later loop callback, as asyncio's
 ``call_soon``, and no ``data_received`` comes after ``close()``/``abort()``.  An exception
-in ``connection_made`` is logged and the connection carries on (asyncio runs it as a loop
-callback); one in ``data_received``/``eof_received`` closes it with ``connection_lost(exc)``.
+in ``connection_made`` goes to the exception handler and the connection carries on (asyncio
+runs it as a loop callback); one in ``data_received``/``eof_received`` (or a
+BufferedProtocol's ``get_buffer``/``buffer_updated``) goes to the exception handler, as
+asyncio's "Fatal error: protocol.data_received() call failed.", and closes the connection
+with ``connection_lost(exc)``.
 ``close()`` sends the whole backlog however slowly the peer reads (``close_linger`` does not
 apply; ``idle_timeout``, if set, cuts a peer that takes nothing).  ``abort()`` first makes
 one non-blocking attempt to send what was written (over TLS: encrypted), as asyncio's
 ``write()`` has already tried the socket, then closes.  The peer's EOF calls
 ``eof_received()``; a false return closes the transport (what it wrote first is sent), a
 true one keeps it open for writing until the protocol closes it (over TLS it closes anyway,
-as asyncio's TLS transport).  A reset or another socket error gives ``connection_lost`` the
-``OSError`` (``ConnectionResetError``), as asyncio; a server limit that cuts the session
-(``max_pending``, ``idle_timeout``, a shutdown dropping the backlog) ends the stream with a
-reset and gives ``connection_lost`` an exception naming it (``ConnectionAbortedError``,
-``TimeoutError``), never None.  ``write_eof`` is not supported.  Over TLS
+as asyncio's TLS transport; the peer's close_notify calls it too, but not after the
+protocol's own ``close()``, where asyncio's TLS transport calls it once the peer answers
+the close_notify, which is not waited for here).  A reset or another socket error gives
+``connection_lost`` the ``OSError`` (``ConnectionResetError``), as asyncio; a server limit
+that cuts the session (``max_pending``, ``idle_timeout``, a shutdown dropping the backlog)
+ends the stream with a reset and gives ``connection_lost`` an exception naming it
+(``ConnectionAbortedError``, ``TimeoutError``), never None.  ``write_eof`` is not
+supported.  ``get_buffer``'s size hint is -1, as asyncio's (over TLS, the bytes at hand);
+``is_reading()`` is False once the transport is closing, whoever closed it.  Over TLS
 (``serve_protocol(..., ssl=ctx)``) ``get_extra_info`` answers asyncio's TLS names
 (``sslcontext``, ``ssl_object``, ``peercert``, ``cipher``, ``compression``).
 """
