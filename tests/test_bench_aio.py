@@ -1,4 +1,4 @@
-"""``python -m aoprim bench --only aio`` (issue 23), run as a user runs it: every loop
+"""``python -m aoprim bench --only aio``, run as a user runs it: every loop
 (asyncio, uvloop, rloop, aoprim.aio) in every scenario, at a test-only size, so that no
 scenario of the table the README quotes can rot unnoticed.
 

@@ -165,7 +165,7 @@ def test_plan_selection_rules():
     assert "sendbatch-cutoff-00256B" in [g.id for g in suite.plan("full", ["sendbatch-cutoff"])]
     servers = [g.id for g in suite.plan("full", ["server"])]
     assert "server-raw-1k-1000" in servers and "server-raw-64k-10" in servers
-    # the size curve runs up to 1 MiB (issue 20): 64 B ... 64 KiB, 256 KiB, 1 MiB
+    # the size curve runs up to 1 MiB: 64 B ... 64 KiB, 256 KiB, 1 MiB
     sizes = sorted(g.params["size"] for g in suite.plan("full", ["server"])
                    if "server-sizes" in g.series)
     assert sizes == [64, 1024, 16384, 65536, 262144, 1 << 20]
@@ -211,7 +211,7 @@ def test_per_scenario_settings_name_known_scenarios():
 
 
 def test_u32_large_frame_point_runs_on_asyncio_and_aoprim():
-    # issue 20 item 3: u32 frames of 1 MiB, aoprim served with --max-frame 1 MiB
+    # u32 frames of 1 MiB, aoprim served with --max-frame 1 MiB
     from aoprim.benchmarks import servers
     assert "u32-1m-10" in [g.scenario for g in suite.plan("full", ["server"])]
     cmd = servers.server_cmd("aoprim-epoll", "u32", 1 << 20)
@@ -312,7 +312,7 @@ def test_a_server_that_cannot_start_is_reported_not_fatal():
         servers.run_one("aoprim-nosuchbackend", "raw-1k-10", duration=0.2)
 
 
-# ---- the tls groups (issue 21) -------------------------------------------------------------
+# ---- the tls groups ------------------------------------------------------------------------
 
 def test_tls_groups_are_listed_and_selected_by_family():
     r = bench("--list")
@@ -341,7 +341,7 @@ def test_tls_groups_run_a_tiny_round(tmp_path):
         assert g["baseline"] == "asyncio"
         names = {e["name"] for e in g["entries"]}
         assert "asyncio" in names, (gid, g["skipped"])
-        # aoprim is measured when its server takes ssl= (it does: issue 21), else listed
+        # aoprim is measured when its server takes ssl= (it does), else listed
         # with the reason
         if tls.aoprim_tls_support() is None:
             assert "aoprim" in names, (gid, g["skipped"])

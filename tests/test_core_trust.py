@@ -1,4 +1,4 @@
-"""Issue 19, "Compiled core": hostile offsets, counts and failure paths in the compiled
+"""The compiled core under hostile input: hostile offsets, counts and failure paths in the compiled
 modules change nothing and raise a clear exception (never a crash, a leak or a half-done
 operation)."""
 import pytest
@@ -22,7 +22,7 @@ def table():
 @pytest.mark.parametrize("pos", HUGE)
 @pytest.mark.parametrize("size", [1, 2, 4, 8])
 def test_blocktable_uint_huge_or_negative_pos_raises(table, pos, size):
-    # item 16: p + n > nbytes overflowed for p near 2**63 and read far out of bounds
+    # p + n > nbytes overflows for p near 2**63: the check must not let a read go out of bounds
     with pytest.raises(ValueError):
         table.uint(pos, size)
     assert table.uint(100 - size, size) == int.from_bytes(bytes(range(100 - size, 100)), "big")
@@ -53,7 +53,7 @@ def test_blocktable_view_read_clamp_like_slices(table, a, b):
     assert bytes(table.view(a, b)) == ref
 
 
-# ---- item 23: RefCount at INT64_MAX ------------------------------------------------------
+# ---- RefCount at INT64_MAX ---------------------------------------------------------------
 
 def test_refcount_incref_at_int64_max_changes_nothing():
     from aoprim import RefCount
@@ -93,7 +93,7 @@ def test_refcount_incref_at_max_from_threads_never_wraps():
     assert r.count == 2**63 - 1
 
 
-# ---- item 17: a failed SendBatch.add_frame adds nothing ----------------------------------
+# ---- a failed SendBatch.add_frame adds nothing -------------------------------------------
 
 import socket
 import sys
@@ -191,7 +191,7 @@ def test_add_frame_slot_bad_length_adds_nothing():
     assert isinstance(exc, (ValueError, OverflowError)) and bad.refs == 1
 
 
-# ---- item 18: a socket closed (and its number reused) during the GIL-free write ----------
+# ---- a socket closed (and its number reused) during the GIL-free write -------------------
 
 import select
 import threading
@@ -447,13 +447,13 @@ def test_pins_of_many_batches_on_one_socket_never_lose_an_update():
     b.close()
 
 
-# ---- item 21: the lone-batch fast path must not block with the GIL held ------------------
+# ---- the lone-batch fast path must not block with the GIL held ---------------------------
 
 @pytest.mark.timeout(30, method="thread")     # a deadlock holds the GIL: signals cannot fire
 def test_group_flush_of_a_socket_switched_to_blocking_does_not_hold_the_gil():
     """Attached while non-blocking (the group may then write it alone without releasing the
     GIL), then switched to blocking: the write blocks until the reader thread -- which
-    needs the GIL -- drains the peer.  Holding the GIL across it was a deadlock."""
+    needs the GIL -- drains the peer.  Holding the GIL across it would be a deadlock."""
     from aoprim import FlushGroup
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -545,7 +545,7 @@ def test_lone_group_write_leaves_no_pin_and_a_later_close_is_immediate():
     b.close()
 
 
-# ---- item 24: ReadBuffer never blocks with the GIL held -----------------------------------
+# ---- ReadBuffer never blocks with the GIL held --------------------------------------------
 
 @pytest.mark.timeout(30, method="thread")     # a recv blocking with the GIL held hangs all
 def test_readbuffer_on_a_blocking_socket_does_not_block():
@@ -564,7 +564,7 @@ def test_readbuffer_on_a_blocking_socket_does_not_block():
         a.close()
 
 
-# ---- item 24: a cycle through a pending owner of a SendBatch is collected -----------------
+# ---- a cycle through a pending owner of a SendBatch is collected --------------------------
 
 @pytest.mark.parametrize("target", ["batch", "session"])
 def test_gc_collects_a_cycle_through_a_pending_slot(target):
@@ -648,7 +648,7 @@ def test_slot_release_raising_keyboardinterrupt_is_reported_unraisable():
         b.close()
 
 
-# ---- issue 23: a flush reads the socket's fd and mode from its struct ----------------------
+# ---- a flush reads the socket's fd and mode from its struct --------------------------------
 
 class _SockSub(socket.socket):
     __slots__ = ()

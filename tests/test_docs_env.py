@@ -1,7 +1,7 @@
 """Every ``AOPRIM_*`` environment variable the docs name is one the code reads.
 
-docs/aio-compiled.md once promised an ``AOPRIM_AIO_PURE=1`` pure-Python fallback that no
-code read (issue 23): a promise a user would set and silently get the compiled loop.
+A documented variable that no code reads -- say, an ``AOPRIM_AIO_PURE=1`` pure-Python fallback
+in docs/aio-compiled.md -- is a promise a user would set and silently not get.
 """
 import pathlib
 import re

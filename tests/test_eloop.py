@@ -420,10 +420,10 @@ FAULT_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.timeout(120)
 def test_set_callbacks_growing_the_table_fails_whole_under_memory_faults():
-    """Issue 19 item 24: the fd table grows ``_rd`` and ``_wr`` together or not at all.  A
-    MemoryError injected at each allocation of set_callbacks in turn (``_testcapi``) must
-    leave two tables of one length: before, ``_rd`` could grow while ``_wr`` did not, and the
-    next call read and wrote ``_wr`` past its end (bounds checks are off) -- a crash."""
+    """The fd table grows ``_rd`` and ``_wr`` together or not at all.  A MemoryError
+    injected at each allocation of set_callbacks in turn (``_testcapi``) must leave two
+    tables of one length: were ``_rd`` to grow while ``_wr`` did not, the next call would
+    read and write ``_wr`` past its end (bounds checks are off) -- a crash."""
     pytest.importorskip("_testcapi")
     p = subprocess.run([sys.executable, "-c", FAULT_SCRIPT], capture_output=True, text=True,
                        timeout=100, env={**os.environ, "PYTHONPATH": PKG_PARENT})
@@ -434,9 +434,9 @@ def test_set_callbacks_growing_the_table_fails_whole_under_memory_faults():
 
 @pytest.mark.timeout(60)
 def test_a_ping_pong_load_makes_one_epoll_wait_per_iteration(loop):
-    """Issue 20: each iteration polled epoll with a zero timeout before it slept, so a loop
+    """An iteration that polled epoll with a zero timeout before it slept would make a loop
     that waits for its peer (a ping-pong load: nothing is ready when the iteration starts)
-    made two epoll_wait per iteration -- one syscall per message above asyncio's.  Once a
+    do two epoll_wait per iteration -- one syscall per message above asyncio's.  Once a
     poll finds nothing, the loop blocks directly (one wait, GIL released) until it is busy
     again.  Counted: every zero-timeout poll (``polls``) and every blocking wait
     (``sleeps``) over 300 round trips, against the iterations."""

@@ -499,7 +499,7 @@ def test_release_callbacks_may_use_the_group_and_its_batches(pairs, unraisable):
 
 
 def test_no_write_to_an_fd_number_reused_by_a_release_callback(pairs, unraisable):
-    """issue 11 in the group: every fd is read before the one GIL release, every write
+    """The fd rule in the group: every fd is read before the one GIL release, every write
     happens before any release callback runs; a socket closed (and its number reused) by
     a callback reads as closed at the next flush: -EBADF, nothing to the newcomer."""
     (a, pa), (c, pc), (x, px) = pairs(3)

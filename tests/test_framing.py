@@ -189,7 +189,7 @@ def test_random_streams_against_a_model():
         assert out == payloads
 
 
-# -- the one cutter (issue 19): Framing.scan is the compiled Receiver's step -------------------
+# -- the one cutter: Framing.scan is the compiled Receiver's step ------------------------------
 
 @settings(max_examples=300, deadline=None)
 @given(kind=st.sampled_from(KINDS),
@@ -233,7 +233,7 @@ def test_scan_of_a_u32_header_at_the_limits():
     assert ei.value.length == 2**32 - 1
 
 
-# -- the one encoder (issue 19): the compiled SendBatch.add_frame against a Python model ---------
+# -- the one encoder: the compiled SendBatch.add_frame against a Python model --------------------
 # The server builds every frame header in add_frame: on the loop thread directly, and for a
 # send from another thread after tx.foreign_item copied/validated the payload there;
 # Framing.header/encode use the same compiled code (_frame_header).  All must agree with the

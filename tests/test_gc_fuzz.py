@@ -27,14 +27,14 @@ dropped and collected, every pool's ``in_use`` is exactly 0.
 Scale: AOPRIM_FUZZ_EXAMPLES (default 300: about 5 s).  Long run, under the sanitizers:
     AOPRIM_FUZZ_EXAMPLES=5000 .ci/sanitize tests/test_gc_fuzz.py
 
-A defect this fuzzer found (issue 11, fixed): BlockTable's Cython-generated tp_clear emptied
-``_tail`` and ``_blocks`` before ``__dealloc__`` ran.  A table that the collector cleared (it
-sat in a cycle) then (a) left its tail() exporter with a dangling pointer to the freed table
--- the next len() or memoryview() of it read freed memory -- and (b) did not return its
-blocks: they came back only through Slot.__del__, with a ResourceWarning.  BlockTable is no
-longer GC-tracked (nothing it holds can refer back to it), so the fuzzer lets the collector
-meet tables in cycles; test_known_* below keep both shapes fixed.  AOPRIM_FUZZ_SAFE=1 keeps
-every table alive until released (the mode the fuzzer ran in while the defect was open).
+The defect shape it guards: were BlockTable's Cython-generated tp_clear to empty ``_tail``
+and ``_blocks`` before ``__dealloc__`` runs, a table that the collector cleared (it sat in a
+cycle) would (a) leave its tail() exporter with a dangling pointer to the freed table -- the
+next len() or memoryview() of it reads freed memory -- and (b) not return its blocks: they
+would come back only through Slot.__del__, with a ResourceWarning.  BlockTable is not
+GC-tracked (nothing it holds can refer back to it), so the fuzzer lets the collector meet
+tables in cycles; test_known_* below keep both shapes fixed.  AOPRIM_FUZZ_SAFE=1 keeps every
+table alive until released (a run that looks past a defect of this kind for others).
 """
 import gc
 import os
@@ -575,7 +575,8 @@ def _run_child(code):
 
 
 def test_known_tail_exporter_outlives_table_cleared_in_cycle():
-    """Was a use after free (issue 11): the table's tp_clear ran before __dealloc__."""
+    """A use after free if the table's tp_clear runs before __dealloc__: the tail exporter
+    must stay valid after its table is cleared in a cycle."""
     r = _run_child("""
         import gc
         from aoprim import SlabPool, BlockTable

@@ -1,4 +1,4 @@
-"""Hostile clients against the real server on loopback (issue 11).
+"""Hostile clients against the real server on loopback.
 
 The attackers run in their own process (tests/hostile_clients.py) so that they load the
 server, not this process's GIL; the server and one well-behaved client run here.  After every
@@ -298,9 +298,9 @@ def test_reader_that_never_reads_is_cut_and_the_tx_pool_stays_available(make_ser
 
 
 def test_sloth_under_default_limits_does_not_drain_the_tx_pool(make_server, logs):
-    """Under the default max_pending (4 MiB) a peer that never reads used to pin one send
-    slot per pending broadcast until the pool ran dry; small broadcasts are now copied into
-    each batch, so it pins none."""
+    """Under the default max_pending (4 MiB) a peer that never reads must not drain the send
+    pool: were each pending broadcast to pin one send slot, it would pin them until the pool
+    ran dry; small broadcasts are copied into each batch, so it pins none."""
     srv = make_server(Chat(), framing="u16")
     fds = open_fds()
     _chat_with_sloth(srv, 20000, 1000)

@@ -204,8 +204,8 @@ def test_an_exception_in_a_callback_is_logged_and_the_loop_goes_on(loop, caplog)
 
 
 def test_a_timer_that_schedules_now_runs_it_next_iteration(loop):
-    """call_at(now) from a timer used to run in the same pass: a timer re-arming itself for
-    'now' livelocked the loop (no I/O, no hooks, no stop)."""
+    """call_at(now) from a timer runs in the next pass, not the same one: otherwise a timer
+    re-arming itself for 'now' livelocks the loop (no I/O, no hooks, no stop)."""
     hooks = []
     fired = []
 
@@ -236,7 +236,7 @@ def test_cancelled_timers_are_compacted(loop):
 
 @pytest.mark.timeout(30)
 def test_stop_after_run_ready_still_wakes_the_loop(loop):
-    """Issue 19 item 20: a call_soon_threadsafe before run() leaves a wake-up pending;
+    """A call_soon_threadsafe before run() leaves a wake-up pending;
     run_ready() drains its queue, so it must clear that flag too (before draining, as the
     loop does) -- otherwise every later call_soon_threadsafe, stop() included, believes a
     wake-up is on its way and skips the write, and run() sleeps for a day."""
@@ -260,7 +260,7 @@ def test_stop_after_run_ready_still_wakes_the_loop(loop):
 
 @pytest.mark.timeout(30)
 def test_selectors_call_soon_threadsafe_racing_close_never_writes_into_a_reused_fd():
-    """Issue 19 item 7: a producer that passed the closed test and is about to write the
+    """A producer that passed the closed test and is about to write the
     eventfd is held there (a trace hook) while another thread closes the loop and a new
     socket takes the eventfd's number.  The write must not reach that socket: close() waits
     for a producer inside call_soon_threadsafe (the epoll backend counts them in _inflight;
@@ -325,8 +325,8 @@ def test_selectors_call_soon_threadsafe_racing_close_never_writes_into_a_reused_
 
 
 def test_nan_deadlines_are_refused_inf_never_fires_negative_runs_next(loop):
-    """Issue 19 item 8: NaN compares false with every deadline -- selectors ran it at once,
-    epoll parked it on top of the heap and no later timer ever fired.  The contract (loop.py):
+    """NaN compares false with every deadline -- a heap may run it at once, or park it on
+    top where it keeps every later timer from firing.  The contract (loop.py):
     NaN raises ValueError on both; -inf / negative run like 0; inf never fires."""
     nan, inf = float("nan"), float("inf")
     with pytest.raises(ValueError):
@@ -349,7 +349,7 @@ def test_nan_deadlines_are_refused_inf_never_fires_negative_runs_next(loop):
 
 @pytest.mark.timeout(30)
 def test_a_signal_delivered_to_another_thread_wakes_run_on_the_main_thread(loop):
-    """Issue 19 item 8: both backends set Python's signal wake-up fd while run() runs on the
+    """Both backends set Python's signal wake-up fd while run() runs on the
     main thread.  The signal lands on another thread, so the main thread's wait gets no
     EINTR: only the wake-up fd can end it (a 5 s timer bounds the test without one)."""
     import signal
@@ -413,11 +413,11 @@ def test_a_callback_that_grows_the_fd_table_and_unregisters_a_ready_fd(loop):
             s.close()
 
 
-# -- adversarial review (issue 19): each test failed on one backend before its fix ----------
+# -- defects of one backend only: the contract both must keep -------------------------------
 
 def test_a_read_callback_that_drops_the_writer_stops_it_in_the_same_dispatch(loop):
     # fd both readable and writable; the read callback forgets the fd (a session closing):
-    # selectors still called the writer it had read before (epoll re-reads it)
+    # the writer looked up before the read callback ran must not be called (look it up again)
     a, b = socket.socketpair()
     a.setblocking(False)
     b.send(b"x")

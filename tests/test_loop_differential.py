@@ -1,4 +1,4 @@
-"""Layer 1 differential test (issue 19): one random schedule runs on both backends
+"""Layer 1 differential test: one random schedule runs on both backends
 ("selectors" and "epoll"); the observable traces must be identical.
 
 A schedule is a list of rounds.  Each round does some actions on the loop thread before
@@ -280,11 +280,11 @@ rounds = st.lists(
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(rounds)
-# regression cases, one per divergence the test found (issue 19)
+# pinned cases: schedules where the two backends can diverge, tried on every run
 @example([([("timer", "nan", [])], "none")])                         # NaN delay
 @example([([("timer", "nan_at", []), ("timer", "zero", [])], "none")])  # NaN deadline
 @example([([("timer", "inf", []), ("timer", "future", [("stop",)])], "none")])
-@example([([("threadsafe", [])], "run_ready"), ([], "none")])        # item 20
+@example([([("threadsafe", [])], "run_ready"), ([], "none")])        # run_ready clears wake-up
 @example([([], "close"), ([("add_reader", 0), ("soon", [])], "none")])
 def test_both_backends_leave_the_same_trace(rounds):
     a = run_schedule("selectors", rounds)

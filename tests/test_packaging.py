@@ -1,4 +1,4 @@
-"""The package metadata says what is true (issue 22): the licence is the LICENSE file's, and
+"""The package metadata says what is true: the licence is the LICENSE file's, and
 the Pythons it claims are the ones requires-python admits, the release wheels are built for
 and CI runs the suite on."""
 import glob

@@ -1,4 +1,4 @@
-"""PROXY protocol (issue 14): the parser (sans I/O: whole, byte by byte, with trailing data,
+"""PROXY protocol: the parser (sans I/O: whole, byte by byte, with trailing data,
 fuzzed), the compiled receive path (Receiver(proxy=...)), the server (peer / proxy_peer,
 every malformed form closed and counted, untrusted peers refused, the header timeout,
 resources back), the CLI, and the real thing: HAProxy with send-proxy-v2 in front of two
@@ -742,7 +742,7 @@ def test_server_untrusted_peer_is_closed_before_reading(make_server, caplog):
 @pytest.mark.parametrize("frame_timeout", [None, 30.0])
 def test_server_header_timeout_partial_and_silent(make_server, frame_timeout):
     # the header has its own deadline (proxy_header_timeout), whatever frame_timeout is:
-    # with frame_timeout=None a silent connection was kept forever (issue 19 item 13)
+    # with frame_timeout=None a silent connection would otherwise be kept forever
     h = Who()
     srv = make_server(h, framing="u16", proxy_protocol="any", frame_timeout=frame_timeout,
                       proxy_header_timeout=0.2)

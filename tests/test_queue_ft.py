@@ -1,4 +1,4 @@
-"""MPMCQueue and SPSCQueue from 2-8 real threads at once: what the GIL used to serialise.
+"""MPMCQueue and SPSCQueue from 2-8 real threads at once: what a GIL would serialise.
 
 These run on every build and matter most on a free-threaded one (3.13t), where the threads
 really run in parallel: objects created by one thread and got by another (their reference

@@ -1112,9 +1112,9 @@ def test_max_reads_is_checked(rigs):
 
 @pytest.mark.timeout(30)
 def test_arena_closed_while_delivering_pending_frames_reads_nothing(rigs):
-    """Issue 19 item 19: frames left pending (a handler raised) are delivered by the next
-    on_readable; a handler there closes the arena.  The read that used to follow went into
-    the closed arena's scratch (None, cast to a buffer: a crash)."""
+    """Frames left pending (a handler raised) are delivered by the next on_readable; a
+    handler there closes the arena.  No read may follow: it would go into the closed
+    arena's scratch (None, cast to a buffer: a crash)."""
     def on_frame(owner, data):
         b = bytes(data)
         if b == b"bad":
@@ -1160,8 +1160,8 @@ def test_arena_closed_by_a_frame_from_the_own_slot(rigs):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("copy", [False, True])
 def test_memory_error_while_cutting_frames_loses_no_frame(rigs, copy):
-    """Issue 19 item 24: a MemoryError while a frame is being built (its view, the copy)
-    must not drop it: the frame counted and consumed before its object existed was lost.
+    """A MemoryError while a frame is being built (its view, the copy) must not drop it: a
+    frame counted and consumed before its object exists would be lost.
     Every allocation of one on_readable is made to fail in turn (_testcapi.set_nomemory);
     afterwards every frame arrives exactly once, in order, and frames_in counts them."""
     _testcapi = pytest.importorskip("_testcapi")
@@ -1239,7 +1239,7 @@ def test_hold_set_by_the_handler_stops_delivery_between_frames(rigs, hs, copy):
     r.close()
 
 
-# ---- raw_pool: raw receivers read into large pool slots (issue 20) ----------------------
+# ---- raw_pool: raw receivers read into large pool slots ---------------------------------
 
 def test_raw_large_message_is_one_recv_into_a_raw_pool_slot(rigs):
     pool = SlabPool(1024, 4)
@@ -1399,7 +1399,7 @@ def test_is_frame_view_tells_receive_memory_from_any_other_buffer(rigs):
     g.close()
 
 
-# ---- frame_cache: large frame buffers kept resident for reuse (issue 20) -------------------
+# ---- frame_cache: large frame buffers kept resident for reuse ------------------------------
 
 def test_large_frame_buffers_are_reused_not_freed(rigs):
     pool = SlabPool(1024, 4)

@@ -289,7 +289,7 @@ def test_slot_bad_length_and_failed_retain(pair):
     assert len(sb) == 0 and not s._exported()   # the export taken for add() was released
 
 
-@pytest.mark.skipif(not hasattr(aoprim, "SlabPool"), reason="SlabPool (issue 4) not merged")
+@pytest.mark.skipif(not hasattr(aoprim, "SlabPool"), reason="aoprim has no SlabPool")
 def test_real_slot_returns_to_pool_after_send(pair):
     a, b = pair
     pool = aoprim.SlabPool(slot_size=4096, slots=4)
@@ -1098,7 +1098,7 @@ def test_uninitialised_and_reinitialised(pair):
         sb.__init__(a)
 
 
-# ---- issue 11: a flush never writes to an fd number read before the GIL was re-taken -------
+# ---- a flush never writes to an fd number read before the GIL was re-taken -----------------
 
 class _SwapOnRelease(FakeSlot):
     """A slot whose release (run by the batch, GIL held, between two system calls of one

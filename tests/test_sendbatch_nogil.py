@@ -239,7 +239,7 @@ def test_python_entry_refused_while_c_thread_inside(mod):
 
 
 def test_c_flush_rereads_the_fd_after_taking_the_gil(mod):
-    """issue 11: c_flush takes the GIL to release sent objects; a release that closes the
+    """c_flush takes the GIL to release sent objects; a release that closes the
     socket and reuses its number must end the flush with -EBADF, not write to the newcomer."""
     import errno
     import aoprim

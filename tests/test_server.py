@@ -108,7 +108,7 @@ def test_frames_larger_than_a_slot(make_server, connect):
 
 
 def test_raw_large_message_is_one_read_not_one_per_slot(make_server, connect):
-    # issue 20: raw sessions read into rx_read_size slots, so a 64 KiB message takes about
+    # raw sessions read into rx_read_size slots, so a 64 KiB message takes about
     # one recv (16 KiB slots alone: at least four)
     srv = make_server(Echo(), framing="raw")
     s = connect(srv)
@@ -126,7 +126,7 @@ def test_raw_large_message_is_one_read_not_one_per_slot(make_server, connect):
 
 
 def test_raw_large_echoes_by_reference_every_byte_and_every_slot_back(make_server, connect):
-    # large echoes go out by reference from the read slot (issue 20): with 8 clients each
+    # large echoes go out by reference from the read slot: with 8 clients each
     # sending distinct 256 KiB messages, no reply may show another read's bytes; clients
     # that vanish with replies unsent give their slots back
     srv = make_server(Echo(), framing="raw", rx_read_slots=4)     # few: the heap fallback too
@@ -158,9 +158,9 @@ def test_raw_large_echoes_by_reference_every_byte_and_every_slot_back(make_serve
 
 
 def test_a_backlog_the_same_flush_drains_costs_no_registration_change():
-    # issue 20: a large echo crosses high_water on most read bursts; when the iteration's
-    # flush takes the backlog to low_water, reading resumes without unregistering and
-    # re-registering the fd (two epoll_ctl calls per burst before)
+    # a large echo crosses high_water on most read bursts; when the iteration's flush takes
+    # the backlog to low_water, reading resumes without unregistering and re-registering
+    # the fd (which would cost two epoll_ctl calls per burst)
     srv = Server(Echo(), HOST, 0, framing="raw", backend="selectors", high_water=32 << 10,
                  low_water=8 << 10)
     calls = []
@@ -321,7 +321,7 @@ def test_half_closing_client_gets_the_replies_workers_still_owe(make_server, con
                                                                 framing):
     # The client sends its requests and shuts down its write side; the server reads the EOF
     # while a worker is still busy with the requests.  Their replies must still be sent
-    # before the session closes (they used to be dropped: the EOF closed the session at once).
+    # before the session closes (an EOF that closed the session at once would drop them).
     gate = threading.Event()
 
     class Slow(Handler):

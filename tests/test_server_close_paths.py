@@ -159,9 +159,9 @@ def test_shutdown_with_frames_in_flight_returns_everything(make_server, connect,
     # make_server's teardown asserts rx/tx slots 0, no live sessions, fds back
 
 
-def test_issue_scenario_50_resets_mid_frame_hold_nothing_back(make_server, connect, logs):
-    """The report: 50 clients send a header for 3000 bytes plus 1000, then reset; the
-    receive pool used to show 51 slots in use and log 'a frame view outlived' 50 times."""
+def test_50_resets_mid_frame_hold_nothing_back(make_server, connect, logs):
+    """50 clients send a header for 3000 bytes plus 1000, then reset: every receive slot
+    comes back (not 51 in use) and no 'a frame view outlived' line is logged."""
     srv = make_server(Recorder(), framing="u16")
     assert srv.stats()["rx_slots_in_use"] == IDLE_RX
     socks = [connect(srv) for _ in range(50)]
@@ -233,7 +233,7 @@ def test_a_closed_session_is_freed_without_the_cyclic_gc(make_server, connect, w
         gc.enable()
 
 
-# ---- a large frame's buffer on every close path (issue 20 item 3) -------------------------
+# ---- a large frame's buffer on every close path -------------------------------------------
 
 class Holder(Handler):
     """Echo, and keeps each session (for session.close() from the test)."""

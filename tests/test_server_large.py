@@ -1,4 +1,4 @@
-"""Large messages (issue 20): what a session's receive memory may hold while its by-reference
+"""Large messages: what a session's receive memory may hold while its by-reference
 echoes wait for a peer that does not read."""
 import random
 import socket

@@ -49,9 +49,9 @@ def run_threads(fns, timeout=60):
 
 @pytest.mark.timeout(120)
 def test_slots_sent_from_several_threads_keep_u16_framing(make_server, connect, fast_switching):
-    """A Slot sent off the loop thread with u16/u32 framing used to be queued as two items,
-    header then payload: two threads could interleave them and corrupt the stream (this
-    test fails on that code: a header followed by another thread's header)."""
+    """A Slot sent off the loop thread with u16/u32 framing is queued as one item: queued as
+    two, header then payload, two threads could interleave them and corrupt the stream
+    (this test then sees a header followed by another thread's header)."""
     pool = SlabPool(64, 4096)
     srv = make_server(Ignore(), framing="u16")
     s = connect(srv)

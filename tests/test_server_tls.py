@@ -1,4 +1,4 @@
-"""TLS on aoprim.server (issue 21): echo over TLS 1.2 and 1.3 (framed and raw), the handshake
+"""TLS on aoprim.server: echo over TLS 1.2 and 1.3 (framed and raw), the handshake
 before on_connect, get_extra_info, client certificates, handshake_timeout, close_notify on
 close(), back-pressure, PROXY header before the ClientHello, workers, broadcast -- on both
 backends, every slot and fd back after every test (make_server's teardown checks).

@@ -1,6 +1,6 @@
-"""TLS on aoprim.server, broken on purpose (issue 21): each test here is a scenario a hostile
-review found to misbehave (it failed before its fix), against the real server on loopback,
-both backends, every slot and fd back to idle after each test (make_server's teardown)."""
+"""TLS on aoprim.server, broken on purpose: each test here is a hostile or racy scenario
+the server must survive unharmed, against the real server on loopback, both backends, every
+slot and fd back to idle after each test (make_server's teardown)."""
 import socket
 import ssl
 import struct

@@ -1,6 +1,6 @@
-"""TLS on aoprim.server, broken on purpose -- the second review (issue 21): each test here is
-a scenario that misbehaved before its fix (it failed first), against the real server on
-loopback, both backends, every slot and fd back to idle after each test (make_server's
+"""TLS on aoprim.server, broken on purpose (more scenarios than test_server_tls_break.py):
+each test here is a hostile or racy scenario, against the real server on loopback, both
+backends, every slot and fd back to idle after each test (make_server's
 teardown), no ERROR log line."""
 import asyncio
 import gc
@@ -547,7 +547,7 @@ def test_closes_from_every_thread_while_workers_send_and_a_thread_broadcasts(
 
 class _SlowSet(threading.Event):
     """An Event whose set() returns late: widens the window between the loop's "done" and
-    its thread's exit (where a second shutdown() used to return)."""
+    its thread's exit (where a second shutdown() must not return yet)."""
 
     def set(self):
         super().set()
@@ -584,12 +584,12 @@ class OneBigReply(Handler):
 @pytest.mark.parametrize("tls", [True, False])
 def test_a_peer_reading_one_large_reply_steadily_is_not_cut_by_the_idle_timeout(
         make_server, tls_certs, logs, tls):
-    """A peer taking a reply we owe is not idle.  Over TLS the progress measure was the
-    plaintext handed to OpenSSL: one large send is encrypted in one go, and while its
-    ciphertext drained to a peer reading it steadily that figure stood still -- the session
-    was cut by idle_timeout mid-reply (the break-it review of session 17: 5 of 6 MiB
-    arrived).  Over plain TCP, once the reply's tail sat in the kernel's send queue (no
-    back-pressure any more) nothing counted it either, and this slower reader was cut too."""
+    """A peer taking a reply we owe is not idle.  Over TLS, with the plaintext handed to
+    OpenSSL as the progress measure, one large send is encrypted in one go, and while its
+    ciphertext drains to a peer reading it steadily that figure stands still -- the session
+    would be cut by idle_timeout mid-reply (5 of 6 MiB arriving).  Over plain TCP, once the
+    reply's tail sits in the kernel's send queue (no back-pressure any more), something must
+    count it too, or this slower reader is cut as well."""
     kw = {"ssl": tls_certs.server_ctx()} if tls else {}
     srv = make_server(OneBigReply(), framing="raw", idle_timeout=0.4, max_pending=64 << 20,
                       **kw)

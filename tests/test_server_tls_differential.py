@@ -1,4 +1,4 @@
-"""TLS vs plain TCP, a differential test over random input (issue 21): the same scenario --
+"""TLS vs plain TCP, a differential test over random input: the same scenario --
 a sequence of client writes (random sizes and split points, several frames per write, frames
 split across TCP writes and, over TLS, across TLS records and record headers split across TCP
 writes; frames near and above ``max_frame``) against the same handler (echo, several sends

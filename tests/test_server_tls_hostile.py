@@ -1,4 +1,4 @@
-"""Hostile and broken TLS peers against the real server on loopback (issue 21), on every
+"""Hostile and broken TLS peers against the real server on loopback, on every
 Layer 1 backend.
 
 Scenarios: plain-text bytes where a ClientHello belongs; a ClientHello trickled a byte at a

@@ -1,5 +1,5 @@
-"""Issue 21: "a Slot broadcast to N TLS sessions is encrypted once per session (it must be),
-but never copied more than that".
+"""A Slot broadcast to N TLS sessions is encrypted once per session (it must be), but never
+copied more than that.
 
 What is proven here, through the real server: the buffer each session's TLS object encrypts
 a broadcast payload from (the pointer ``SSLObject.write`` is given) is the SAME memory for

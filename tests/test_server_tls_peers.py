@@ -1,4 +1,4 @@
-"""Real TLS clients against the server (issue 21), on every Layer 1 backend: Python's ``ssl``
+"""Real TLS clients against the server, on every Layer 1 backend: Python's ``ssl``
 client and Debian's ``openssl s_client``, TLS 1.2 and 1.3, with and without client
 certificates; and HAProxy in TCP mode with PROXY v2 in front (the PROXY header comes first,
 then the ClientHello), where ``Session.peer`` must be the client's address.

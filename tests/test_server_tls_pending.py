@@ -1,4 +1,4 @@
-"""Issue 21: ``max_pending`` on a TLS session counts the plaintext not yet encrypted as well
+"""``max_pending`` on a TLS session counts the plaintext not yet encrypted as well
 as the ciphertext not yet sent.  test_server_tls.py's max_pending tests reach the limit with
 ciphertext left unsent by an earlier flush; these reach it with plaintext alone, queued in
 one ``on_read`` before any flush encrypts it -- and show that a burst under the limit is

@@ -1,5 +1,7 @@
-"""Issue 19 ("Trust"): each server defect a review found, with the test that failed before its
-fix.  Ordered by the issue's item numbers."""
+"""The server at its trust boundaries: what a caller passes (ports, seconds, a listening
+socket), what a hook raises on a worker, and the promises a worker's sends keep (one frame
+encoder, order, the clocks, max_pending, nothing leaked when a session cannot register).
+Each test reproduces one defect scenario and fails if the server falls back into it."""
 import array
 import logging
 import math
@@ -29,7 +31,7 @@ def backend(request):
     return request.param
 
 
-# -- item 9: ports out of range ---------------------------------------------------------------
+# -- ports out of range -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("port", [99999, 65536, -1])
 def test_port_out_of_range_is_refused(port):
@@ -54,7 +56,7 @@ def test_cli_port_out_of_range_is_a_usage_error():
     assert "65535" in r.stderr and "Traceback" not in r.stderr
 
 
-# -- item 10: shutdown() while serve_forever() runs in a caller's thread ----------------------
+# -- shutdown() while serve_forever() runs in a caller's thread -------------------------------
 
 def test_shutdown_stops_and_waits_for_serve_forever_in_a_caller_thread(backend):
     srv = Server(Echo(), HOST, 0, backend=backend)
@@ -73,7 +75,7 @@ def test_shutdown_stops_and_waits_for_serve_forever_in_a_caller_thread(backend):
     assert_no_leaks(srv)
 
 
-# -- item 11: a listening AF_UNIX socket passed as sock= --------------------------------------
+# -- a listening AF_UNIX socket passed as sock= -----------------------------------------------
 
 def test_unix_listener_reports_its_path(tmp_path, caplog):
     path = str(tmp_path / "t")
@@ -98,7 +100,7 @@ def test_unix_listener_reports_its_path(tmp_path, caplog):
     assert_no_leaks(srv)
 
 
-# -- item 12: non-finite seconds ----------------------------------------------------------------
+# -- non-finite seconds -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["shutdown_timeout", "close_linger", "idle_timeout",
                                   "frame_timeout"])
@@ -108,7 +110,7 @@ def test_non_finite_seconds_are_refused(name, value):
         Server(Echo(), HOST, 0, **{name: value})
 
 
-# -- items 1 and 3: what a hook raises on a worker ----------------------------------------------
+# -- what a hook raises on a worker -------------------------------------------------------------
 
 class Raiser(Handler):
     """Frame b"boom": wait until more frames of this session are queued behind it, then do
@@ -181,7 +183,7 @@ def test_worker_failure_closes_that_session_only_and_stops_its_delivery(make_ser
     assert_no_leaks(srv)
 
 
-# -- item 2: one encoder -- a worker's frame header counts bytes, not items -----------------
+# -- one encoder -- a worker's frame header counts bytes, not items -------------------------
 
 class SendWhat(Handler):
     """On any frame, send each payload of ``payloads`` (from wherever on_read runs)."""
@@ -213,7 +215,7 @@ def test_worker_and_loop_thread_frame_typed_payloads_alike(make_server, workers,
     c.close()
 
 
-# -- item 4: send, broadcast, send from one thread leave in that order ------------------------
+# -- send, broadcast, send from one thread leave in that order --------------------------------
 
 class Interleave(Handler):
     def __init__(self):
@@ -292,7 +294,7 @@ def test_too_long_payload_raises_in_the_sending_thread(make_server, workers):
     c.close()
 
 
-# -- item 5: the frame and idle clocks stop while the server holds a session ------------------
+# -- the frame and idle clocks stop while the server holds a session --------------------------
 
 class Gate(Handler):
     """Frame b"hold": pause_reading (inline) or block the worker until ``release`` is set
@@ -360,7 +362,7 @@ def test_a_peer_that_reads_nothing_is_still_cut_under_back_pressure(make_server)
     c.close()
 
 
-# -- item 15: a session that cannot register with the loop leaks nothing ---------------------
+# -- a session that cannot register with the loop leaks nothing ------------------------------
 
 class Counting(Echo):
     def __init__(self):
@@ -409,7 +411,7 @@ def test_registration_failure_at_accept_leaks_nothing(make_server, workers):
         del loop.set_callbacks
 
 
-# -- item 6: max_pending is checked where a worker's send is queued ---------------------------
+# -- max_pending is checked where a worker's send is queued -----------------------------------
 
 def test_max_pending_bounds_a_workers_sends_while_the_loop_is_busy(make_server):
     loop_busy = threading.Event()
