@@ -52,22 +52,22 @@ from aoprim.errors import Closed, Empty, Full, PoolExhausted, RefCountError
 from aoprim._atomic import AtomicInt, RefCount
 from aoprim._spinlock import SpinLock
 
-# queues (issue 3)
+# queues
 from aoprim._mpmc import MPMCQueue
 from aoprim._spsc import SPSCQueue
 
-# buffers (issue 4)
+# buffers
 from aoprim._slab import SlabPool, Slot
 from aoprim._blocktable import BlockTable
 
-# send batching (issue 5); FlushGroup: every dirty batch flushed at once
+# send batching; FlushGroup: every dirty batch flushed at once
 from aoprim._sendbatch import SendBatch
 from aoprim._flushgroup import FlushGroup
 
 # receive path
 from aoprim._receiver import (Receiver, RxArena, RX_EOF, RX_ERROR, RX_TOO_LARGE,
                               RX_HANDLER, RX_PROXY, RX_PROXY_ERROR)
-# PROXY protocol header parser (issue 14): what Receiver(proxy=...) runs
+# PROXY protocol header parser: what Receiver(proxy=...) runs
 from aoprim._proxyproto import ProxyParser
 # the compiled Layer 1 event loop core (the server's "epoll" backend)
 from aoprim._eloop import EpollCore, EpollTimer

@@ -13,7 +13,7 @@ Scenarios:
                writer.drain() per read                            (python -m aoprim loadgen)
   raw-1k       raw 1 KiB ping-pong on 10 connections              (python -m aoprim loadgen)
   raw-64k, raw-256k, raw-1m
-               raw 64 KiB / 256 KiB / 1 MiB ping-pong on 10 connections (issue 20)
+               raw 64 KiB / 256 KiB / 1 MiB ping-pong on 10 connections
   http         aiohttp, GET / "Hello, World!", HTTP/1.1 keep-alive, 50 connections  (wrk)
 
 Method (the package's harness, ``aoprim.benchmarks.aio.run_one``, which ``python -m aoprim
@@ -63,7 +63,7 @@ SCENARIOS = {
     "raw-1m": dict(kind="echo", app="raw", framing="raw", size=1 << 20, conns=10, pipeline=1),
     "http": dict(kind="http", app="aiohttp", conns=50),
 }
-TARGETS = {   # aoprim's CPU per message at most this times the other loop's (issue 12)
+TARGETS = {   # aoprim's CPU per message at most this times the other loop's
     "proto-u16": {"asyncio": 0.4, "uvloop": 0.4},
     "streams-u16": {"asyncio": 0.4, "uvloop": 0.4},
     "raw-1k": {"asyncio": 1.0},

@@ -5,7 +5,7 @@
                                  [--json out.json]
     pytest bench/bench_echo.py --benchmark-enable -s      (the same, as a pytest run)
 
-Scenarios (issue 6):
+Scenarios:
   raw-1k-10     raw echo, 1 KiB ping-pong, 10 connections
   raw-1k-100    raw echo, 1 KiB ping-pong, 100 connections
   u16-64x16-10  u16-framed 64 B messages pipelined 16 deep on 10 connections; every frame
@@ -130,7 +130,7 @@ def report(scenario, res, log=print):
 
 
 def check_targets(results):
-    """The server issue's targets (issue 10), as (name, met, detail) tuples, for each aoprim
+    """The server's targets, as (name, met, detail) tuples, for each aoprim
     backend measured."""
     t = []
     for cand in CANDIDATES:

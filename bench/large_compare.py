@@ -1,4 +1,4 @@
-"""Issue 20's same-run comparison: raw/u32 echo of large messages, every server side by side,
+"""A same-run comparison: raw/u32 echo of large messages, every server side by side,
 optionally aoprim from two checkouts (before -> after) in the same run.
 
     python bench/large_compare.py [--scenarios raw-64k-10,raw-256k-10,raw-1m-10,u32-1m-10]

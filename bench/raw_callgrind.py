@@ -1,4 +1,4 @@
-"""Deterministic user-space cost per message of the raw echo servers at any size (issue 20):
+"""Deterministic user-space cost per message of the raw echo servers at any size:
 instructions counted by valgrind's callgrind in the server process, immune to the noise of a
 shared machine -- the part of a large echo's CPU that is not the kernel's copies.
 

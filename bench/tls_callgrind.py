@@ -1,4 +1,4 @@
-"""Deterministic user-space cost per message of the TLS echo servers (issue 21): instructions
+"""Deterministic user-space cost per message of the TLS echo servers: instructions
 counted by valgrind's callgrind in the server process, immune to the machine's noise.
 
     python bench/tls_callgrind.py [--server aoprim|aoprim-epoll|uvloop|asyncio ...]

@@ -380,7 +380,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         the caller's buffer is not sent), a view of the caller's buffer on 3.12+ (changes
         made before it is sent are sent, and resizing a bytearray raises BufferError until
         then: asyncio keeps a memoryview when its buffer was empty, the bytearray itself,
-        resizable, when data was already waiting).  docs/aio.md, differences, item 4."""
+        resizable, when data was already waiting); docs/aio.md lists it among the differences."""
         batch = self._batch
         batch.add(data)                     # by reference: the export is held until sent
         try:

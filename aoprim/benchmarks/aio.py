@@ -1,4 +1,4 @@
-"""The aio groups (``python -m aoprim bench --only aio``, issue 23): asyncio's loop, uvloop,
+"""The aio groups (``python -m aoprim bench --only aio``): asyncio's loop, uvloop,
 rloop and aoprim.aio side by side, the same application code on each.
 
 Scenarios (``SCENARIOS``), every server in its own fresh process, warmed first:
@@ -27,7 +27,7 @@ Loop microbenchmarks (in-process, kind ``python``, CPU ns/op of the measuring th
                         reverse order: the heap orders them), run to completion
   aio-loop-future       n futures: ``add_done_callback`` + ``set_result``, callbacks run
 
-``TARGETS`` holds issue 23's goals; ``markdown(doc)`` the README's table (``--markdown``).
+``TARGETS`` holds the goals aoprim.aio is measured against; ``markdown(doc)`` the README's table (``--markdown``).
 """
 import contextlib
 import gc
@@ -82,7 +82,7 @@ TITLES = {
     "aio-sse-400": "uvicorn + Starlette SSE, 400 streams, a token per stream per 20 ms step",
 }
 UNITS = {"echo": "CPU us/msg", "http": "CPU us/req", "sse": "CPU us/token"}
-# issue 23: aoprim.aio's figure at most LIMIT times uvloop's (lower is better), or, for the
+# the goal: aoprim.aio's figure at most LIMIT times uvloop's (lower is better), or, for the
 # loop microbenchmarks (ns/op), at most uvloop's time per operation (= ops/s >= uvloop's)
 TARGETS = {
     "aio-raw-1k-10": 1.0, "aio-raw-1k-100": 1.0, "aio-u16-64x16-10": 0.2,

@@ -6,7 +6,7 @@
 ``raw``: ``data_received`` -> ``transport.write(data)``.
 ``u16``: ``data_received`` appends to a buffer, cuts out every complete u16-framed message
 and calls ``transport.write`` once per frame (as game servers do).  ``u32``: the same with a
-4-byte length (the large-frame echo of issue 20).
+4-byte length (the large-frame echo).
 ``--loop``: the event loop it runs on -- asyncio's default, uvloop, or aoprim's asyncio loop
 (``aoprim.aio.new_event_loop()``); ``--uvloop`` is ``--loop uvloop``.
 ``--certfile/--keyfile``: serve TLS (``create_server(ssl=ctx)``, ``ctx`` from

@@ -133,7 +133,7 @@ def _backend_of(server):
 def _tree_of(server):
     """The checkout ``server`` is imported from (None: this process's aoprim): a backend
     variant and aoprim.aio are the same package as "aoprim" unless TREES names them, so
-    large_compare's --baseline-tree swaps aoprim.aio too (issue 20)."""
+    large_compare's --baseline-tree swaps aoprim.aio too."""
     if server in TREES:
         return TREES[server]
     return TREES.get("aoprim") if _backend_of(server) or server == "aoprim.aio" else None

@@ -9,7 +9,7 @@ Layer 2 (sessions, listener, dispatch, flush) uses a loop only through the metho
   compiled (:class:`aoprim._eloop.EpollCore`) -- the wait, the per-fd dispatch, the timer heap
   and the hooks run in C, so Layer 1 adds no bytecode to a read burst.
 
-**Two implementations, on purpose** (issue 19's decision).  Both write the whole contract --
+**Two implementations, on purpose.**  Both write the whole contract --
 timer heap, cancellation and compaction, the wake-up protocol, ``run_ready``, ``close``, the
 signal wake-up fd -- once each; only the wait and the dispatch differ in kind.  The selectors
 backend does *not* become a thin "portable fallback" over the compiled core's heap, queue and
@@ -18,11 +18,11 @@ wake-up, because: (1) there is nothing to fall back to -- aoprim is Linux-only, 
 leave one implementation with two names; (2) its independence is what makes it useful: it
 is the readable statement of the contract, and :file:`tests/test_loop_differential.py` runs
 random schedules on both and demands identical traces -- an oracle only while the two do not
-share the code under test (it found two divergences, and the review after it found two more
-that were each in one backend only: a stale writer called after its read callback dropped
-it, and a deadlock of the non-reentrant lock under a signal handler; a shared core would
-have put any such bug in both, where no differential test sees it); (3) the public contract
-(API.md) names it the default, pure-Python backend.  What keeps two implementations from
+share the code under test (the defects it exists to catch are in one backend only -- say, a
+stale writer called after its read callback dropped it, or a deadlock of a non-reentrant
+lock under a signal handler; a shared core would put any such bug in both, where no
+differential test sees it); (3) the public contract names it the default, pure-Python
+backend.  What keeps two implementations from
 drifting is this docstring (the one contract), :file:`tests/test_loop.py` (every contract
 test on every backend) and the differential test (hypothesis; a short run in CI).  The cost
 is the selectors backend's CPU per message (docs/server.md gives the measured ratios).

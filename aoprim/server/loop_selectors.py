@@ -9,8 +9,8 @@ Invariants:
   thread-safe entry is :meth:`SelectorsLoop.call_soon_threadsafe` (and ``stop``, built on
   it): under ``_lock`` it checks ``_closed``, appends to a ``collections.deque`` and, unless
   a wake-up is already pending, writes to an eventfd.  ``close()`` sets ``_closed`` under
-  the same lock before it closes the eventfd, so no write reaches an fd number reused since
-  (issue 19 item 7).  The lock is re-entrant: a Python signal handler runs on the main
+  the same lock before it closes the eventfd, so no write reaches an fd number reused since.
+  The lock is re-entrant: a Python signal handler runs on the main
   thread between any two bytecodes, also inside one of that thread's own sections, and the
   server's SIGINT/SIGTERM handler calls ``call_soon_threadsafe``.
 - No lost wake-up: ``_wake_pending`` is cleared (under ``_lock``) by the loop *before* it
@@ -211,7 +211,7 @@ class SelectorsLoop(EventLoop):
         # and close() sets _closed under the same lock before it closes the eventfd: so a
         # producer either sees the loop closed and queues nothing, or finishes its write
         # before the fd is closed -- never writes into an fd number the process has since
-        # reused (issue 19 item 7; the epoll backend's _inflight count does the same).
+        # reused (the epoll backend's _inflight count does the same).
         with self._lock:
             if self._closed:
                 return False
@@ -475,7 +475,7 @@ class SelectorsLoop(EventLoop):
         ready = self._ready
         # cleared before draining, as in the loop's callback phase: left set, every later
         # call_soon_threadsafe -- stop() included -- would skip the eventfd write and the
-        # next run() sleep (issue 19 item 20)
+        # next run() sleep
         with self._lock:
             self._wake_pending = False
         while ready:

@@ -1,5 +1,5 @@
 """Layer 2 -- TLS sessions: Python's ``ssl`` module over a ``MemoryBIO`` pair per connection,
-batched (issue 21).
+batched.
 
 Why this mechanism: no new build dependency (the ``ssl`` module's OpenSSL does the record
 work; asyncio and uvloop use the same ``SSLObject``), and what matters for CPU per message is
