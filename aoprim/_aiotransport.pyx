@@ -1,6 +1,6 @@
 # cython: language_level=3, freethreading_compatible=True
-"""TransportReader: the compiled read side of aoprim.aio's stream transport (issue 23 step 3,
-docs/aio-compiled.md).
+"""TransportReader: the compiled read side of aoprim.aio's stream transport
+(docs/aio-compiled.md).
 
 ``aoprim.aio.transport.SocketTransport`` makes one per transport and registers it as its
 fd's reader (``transport._read_ready`` is the reader itself): the loop's ready queue calls

@@ -17,7 +17,7 @@ abort / a fatal error, not during sendfile) and ``data`` is exactly ``bytes``:
 2. above ``high`` (the transport's high-water mark) -- or at ``SEND_NOW`` pending bytes
    (64 KiB) or more, whatever the mark -- as ``transport._over_high()`` does it
    but without a Python frame when the kernel takes everything (a large message echoed
-   whole: issue 20): unless ``blocked`` (the transport's ``_blocked``: its writer sends,
+   whole): unless ``blocked`` (the transport's ``_blocked``: its writer sends,
    in order), the batch is flushed here -- what is left then goes to
    ``transport._block()`` and ``transport._maybe_pause_protocol()``; a flush error (not
    KeyboardInterrupt / SystemExit, which propagate) to ``transport._write_error(exc)``,
@@ -31,7 +31,7 @@ Why ``SEND_NOW``: batching pays per syscall saved, and from 64 KiB on a send cos
 what its copy costs whatever else rides with it; meanwhile a large message left for the
 iteration's end is copied out to the kernel after the iteration's other reads have pushed
 it out of the cache (ten 64 KiB echoes per wake-up: 3 us more kernel time per message than
-asyncio's write, which sends at once; issue 20).  Flushing early never reorders: the batch
+asyncio's write, which sends at once).  Flushing early never reorders: the batch
 goes out whole, in order.
 
 Anything else (another type, ``fast`` unset) is ``transport._write_slow(data)``: asyncio's

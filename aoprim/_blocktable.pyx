@@ -66,7 +66,8 @@ cdef inline Py_ssize_t _as_index(object v, str what) except? -1:
     integer beyond Py_ssize_t is clamped to PY_SSIZE_T_MIN/MAX (as slicing does), so it
     fails the caller's range check with the same ValueError as any other bad offset.
     Every range check below is written so that no sum can overflow: p > nbytes - n with
-    0 <= n <= 8 and nbytes >= 0, never p + n > nbytes (issue 19 item 16)."""
+    0 <= n <= 8 and nbytes >= 0, never p + n > nbytes (which
+    overflows for p near 2**63 and would let a read go far out of bounds)."""
     if not PyLong_CheckExact(v):
         if isinstance(v, float) or not hasattr(type(v), "__index__"):
             raise TypeError(f"{what} must be an integer, not {type(v).__name__}")

@@ -71,7 +71,7 @@ epoll for ready fds with a zero timeout, holding the GIL: something is ready and
 hand-off (a mutex and a condition variable each way) is saved.  Once such a poll finds
 nothing, the loop stops polling first: it releases the GIL and blocks in one epoll_wait
 (which returns at once when fds are ready), as asyncio does -- an empty poll before every
-sleep was a system call per iteration for nothing (issue 20: two epoll_wait per iteration
+sleep would be a system call per iteration for nothing (two epoll_wait per iteration
 under a ping-pong load).  ``polls`` counts the zero-timeout polls, ``sleeps`` the waits
 that released the GIL.  EINTR runs the signal handlers (PyErr_CheckSignals): a handler that raises -- SIGINT's
 KeyboardInterrupt -- ends run(); otherwise the wait is retried with a recomputed timeout.
@@ -743,7 +743,7 @@ cdef class EpollCore:
         ready = self._ready
         # seq_cst: the same clear-before-drain as the loop's callback phase (Dekker pair with
         # call_soon_threadsafe).  Left set, every later call_soon_threadsafe -- stop()
-        # included -- would skip the eventfd write and the next run() sleep (issue 19 item 20)
+        # included -- would skip the eventfd write and the next run() sleep
         aop_store_u32(&self._wake_pending, 0, AOP_SEQ_CST)
         while ready:
             cb, args = ready.popleft()

@@ -2,7 +2,7 @@
 # cython: boundscheck=False, wraparound=False, initializedcheck=False
 """FlushGroup: flush every dirty SendBatch once per loop iteration, one GIL release for all.
 
-Moved out of _sendbatch.pyx (issue 19); it drives the batches' internals through
+A module of its own beside _sendbatch.pyx; it drives the batches' internals through
 aoprim/_sendbatch.pxd.  The design notes follow.
 """
 from libc.stdint cimport uint32_t, uint64_t, int64_t
@@ -49,7 +49,8 @@ sockfd_setup()      # the fd / timeout read from the socket's struct, layout che
 #
 #   A  (GIL held, no Python code runs)  take the whole queue (swap q and w under qlock),
 #      claim each batch (`busy`), mark it unqueued, take its owner, pin its socket (a
-#      close() from any thread is deferred until C: item 18), then read its fd;
+#      close() from any thread is deferred until C, so its number cannot be reused under
+#      B's write), then read its fd;
 #   B  (GIL released ONCE -- or not at all when exactly one batch is to be written and its
 #      socket is non-blocking now: that write uses MSG_DONTWAIT)  write every batch: one
 #      system call each (more only beyond
@@ -59,7 +60,7 @@ sockfd_setup()      # the fd / timeout read from the socket's struct, layout che
 #   C  (GIL held)  compute each status, unclaim each batch, unpin the sockets (a deferred
 #      close() runs there), and only then release `rel` (with the unpins, the place
 #      arbitrary Python code runs: a slot's release(), a __del__) and build
-#      the report.  No system call follows: issue 11's rule -- never write to an fd number
+#      the report.  No system call follows: the rule -- never write to an fd number
 #      read before a GIL re-acquisition -- holds because the fds are read in A, with no
 #      Python code between the first read and the writes (fileno() is socket.socket's own C
 #      method, and an int object is not a GC allocation, so no collection can run either).
@@ -168,9 +169,10 @@ cdef object _sock_gettimeout = _socket.socket.gettimeout   # the C method: no ov
 
 cdef inline bint _nonblocking_now(SendBatch b) noexcept:
     """b's socket is non-blocking NOW (re-read, not trusted from attach: it may have been
-    switched to blocking since -- issue 19 item 21).  Runs no Python code: the timeout
-    field of the socket's struct (aop_sockfd.h), or socket.socket's own C gettimeout (its
-    float result is not a GC allocation) where that layout check failed."""
+    switched to blocking since, and a blocking write with the GIL held would stall every
+    thread).  Runs no Python code: the timeout field of the socket's struct (aop_sockfd.h),
+    or socket.socket's own C gettimeout (its float result is not a GC allocation) where that
+    layout check failed."""
     if not b.nonblocking or not b.has_sock or b.sock is None:
         return False
     if aop_sockfd_fast(b.sock):
@@ -184,7 +186,7 @@ cdef inline bint _nonblocking_now(SendBatch b) noexcept:
 cdef inline bint _lone_nonblocking(aop_fg_item *w, Py_ssize_t n) noexcept:
     """The one entry to write (pass A found exactly one) targets a socket that is
     non-blocking NOW (re-read here, not trusted from attach: it may have been switched to
-    blocking since -- issue 19 item 21).  Runs no Python code (socket.socket's own C
+    blocking since).  Runs no Python code (socket.socket's own C
     gettimeout).  The write then also uses MSG_DONTWAIT, so it cannot block even if the
     mode changes after this check (another thread, free-threaded build)."""
     cdef Py_ssize_t i
@@ -461,7 +463,7 @@ cdef class FlushGroup(_GroupBase):
                 fd = -1 if _sock_closing(b.sock) else _fd_of(b)
             elif b.has_sock and b.sock is not None:
                 # pin before the fd is read: a close() from any thread is deferred until
-                # pass C, so the number cannot be reused under pass B's write (item 18)
+                # pass C, so the number cannot be reused under pass B's write
                 try:
                     pr = _sock_pin(b.sock)
                 except BaseException:

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """One-owner claims for the compiled types that belong to one thread at a time.
 
-The GIL used to make every method of such a type run alone; on a free-threaded build two
+With the GIL, every method of such a type runs alone; on a free-threaded build two
 threads can be inside one object at once, and its C fields, its buffers and the Python
 objects it holds (read with a plain load, then an INCREF) would be raced on.  A claim
 keeps that from crashing: each entry point claims the object's word with one atomic

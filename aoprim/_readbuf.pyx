@@ -33,7 +33,7 @@ and frees it with a release store, so two threads can never receive into it at o
 second one gets RuntimeError and reads nothing); the GIL is not what protects it.  The GIL is
 not released during the call: the recv() uses MSG_DONTWAIT, so it never waits, whatever the
 socket's mode -- on a blocking socket with nothing to read it raises BlockingIOError instead
-of blocking every thread (issue 19 item 24).
+of blocking every thread.
 """
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset

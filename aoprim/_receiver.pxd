@@ -43,7 +43,7 @@ cdef enum:
 
 
 cdef class _FrameCache:
-    # Large frame buffers kept resident for reuse (issue 20): the memory of a dead
+    # Large frame buffers kept resident for reuse: the memory of a dead
     # _HeapBuf whose home this is comes back here instead of to free() -- from any thread
     # (the last frame view may die anywhere), hence the spin lock.  Bounded by count and
     # bytes; close() frees what it holds and refuses later returns.
@@ -95,14 +95,14 @@ cdef class RxArena:
                                  #   of another receiver must swap before reading)
 
     # Replace the scratch (the old one goes back when its last view dies).
-    cdef SlabPool raw_pool       # raw receivers' read slots (issue 20), or None
+    cdef SlabPool raw_pool       # raw receivers' read slots, or None
     cdef object big              # the raw_pool slot raw receivers read into (a _HeapBuf of
                                  # bsize when raw_pool was exhausted), one reference of
                                  # ours; None without raw_pool or once closed
     cdef char *bptr              # first byte of big (NULL when none)
     cdef Py_ssize_t bsize        # raw_pool.slot_size (0: raw receivers read into scratch)
     cdef bint bbusy              # as busy, for big
-    cdef _FrameCache frames      # large frame buffers for reuse (issue 20), or None
+    cdef _FrameCache frames      # large frame buffers for reuse, or None
     cdef object _frame_buf(self, Py_ssize_t need, Py_ssize_t most)
     cdef int _swap(self) except -1
     cdef int _swap_big(self) except -1

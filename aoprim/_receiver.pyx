@@ -12,7 +12,7 @@ Who owns which buffer
   was exhausted).  A receiver with no unfinished frame reads into it, cuts every complete
   frame out of it, and moves an unfinished tail into a buffer of its own.  So between calls
   the scratch holds nothing anybody needs: the next read of any receiver may overwrite it.
-- With a ``raw_pool`` (issue 20: a SlabPool of large slots -- pool memory the project owns,
+- With a ``raw_pool`` (a SlabPool of large slots -- pool memory the project owns,
   never handed back to the kernel, so no page is faulted in again), the arena also holds
   one slot of it, the *big* buffer.  Raw receivers (header_size 0) read into it instead of
   the scratch -- one recv takes a whole large message, as asyncio's 256 KiB recv does --
@@ -27,7 +27,7 @@ Who owns which buffer
   than a slot, a heap buffer of exactly that frame (reserved only after its header passed
   max_frame; reads into it ask only for the bytes still missing).  When the kept bytes are
   delivered, the buffer goes back at once.
-- With a ``frame_cache`` (issue 20), a frame buffer (larger than a slot) is not freed when
+- With a ``frame_cache``, a frame buffer (larger than a slot) is not freed when
   it dies -- after our reference and its last view are gone, in whatever thread -- but kept
   by the arena (up to frame_cache bytes, 16 buffers) and handed to the next large frame of
   need..min(max_frame + header, 2 x need) bytes (a buffer is at most twice its frame, so a
@@ -195,7 +195,7 @@ cdef enum:
 
 cdef inline int _frame_at(const unsigned char *q, Py_ssize_t avail, Py_ssize_t hs,
                           uint64_t max_frame, uint64_t *n, Py_ssize_t *need) noexcept nogil:
-    """THE frame cutter's step (issue 19: one cutter): the Receiver and _scan_frames (behind
+    """THE frame cutter's step (one cutter, so the two cannot disagree): the Receiver and _scan_frames (behind
     aoprim.server.framing) both call it.  q[0:avail) is where a frame starts; hs is 2 or 4
     (a big-endian length, then that many payload bytes).  Returns FRAME_OK with *n the
     payload length when the whole frame is there; CUT_MORE with *need its total size once
@@ -623,7 +623,7 @@ cdef class RxArena:
 
     @property
     def frame_cache(self):
-        """Frame buffer reuse (issue 20): {"cap": bytes it may keep, "kept": buffers kept
+        """Frame buffer reuse: {"cap": bytes it may keep, "kept": buffers kept
         now, "kept_bytes", "in_use": large frame buffers alive now (held by receivers or
         frame views), "reuses": buffers handed out again}; None without a frame cache."""
         cdef _FrameCache fc = self.frames
@@ -737,7 +737,7 @@ cdef class Receiver:
     def is_frame_view(obj):
         """True if ``obj`` is a frame view a Receiver handed out (or one made from it): a
         read-only memoryview whose memory is never written while any export of it lives --
-        so a sender may hold an export of it instead of copying it (issue 20)."""
+        so a sender may hold an export of it instead of copying it."""
         return type(obj) is memoryview and type(obj.obj) is _RxExporter
 
     def __cinit__(self, RxArena arena not None, fd, header_size, max_frame, on_frame,
@@ -958,10 +958,10 @@ cdef class Receiver:
                 return 0
             if arena.closed:
                 # closed by a handler earlier in this on_readable (its scratch is None):
-                # read nothing, take nothing for it (issue 19 item 19)
+                # read nothing, take nothing for it
                 return 0
             if self.hs == 0 and arena.bsize:
-                # raw: one recv of up to raw_read_size bytes into the big buffer (issue 20),
+                # raw: one recv of up to raw_read_size bytes into the big buffer,
                 # under the scratch's rules
                 in_big = True
                 buf = arena.big
@@ -1138,7 +1138,7 @@ cdef class Receiver:
             if self.hold:
                 # the owner paused reading (in on_frame, or in the RX_PROXY handler): no
                 # further frame of these bytes is delivered; they stay pending until an
-                # on_readable() after hold is cleared (issue 19, for the server's pause)
+                # on_readable() after hold is cleared (the server's pause)
                 return CUT_STOP
             r = _frame_at(<const unsigned char *>p + pos, end - pos, hs, self.max_frame, &n,
                           &self.need)
@@ -1216,7 +1216,7 @@ cdef class Receiver:
                     # unless an export of it is alive (a send holding it by reference):
                     # then release() would only raise BufferError, and it stays valid
                     # (and pinned).  Tested first: raising and catching that error cost
-                    # about a microsecond per large echo (issue 20)
+                    # about a microsecond per large echo
                     if (<PyMemoryViewObject *>data).exports == 0:
                         try:
                             data.release()
@@ -1286,7 +1286,7 @@ cdef class Receiver:
                     if need > arena.size:
                         # one frame's buffer (its header passed max_frame): exactly need
                         # bytes, or a kept one of at most max_frame + header and at most
-                        # twice need (issue 20): a frame view sent by reference pins its
+                        # twice need: a frame view sent by reference pins its
                         # whole buffer while the send is pending, so a 40 KiB frame must
                         # not pin a kept 1 MiB one
                         nb = arena._frame_buf(need, min(<Py_ssize_t>self.max_frame + self.hs,

@@ -24,7 +24,7 @@ intact).  c_flush retries EINTR without checking Python signal handlers.  When a
 completes messages added from Python that own objects (bytes, buffer exports, slots), it
 takes the GIL briefly to release them; a release may close the socket (and the number be
 reused), so before any further system call it re-reads the socket's fd and stops with
--EBADF if it changed (issue 11; an int-fd target is the caller's to keep open).  Unlike
+-EBADF if it changed (an int-fd target is the caller's to keep open).  Unlike
 flush() and FlushGroup.flush(), c_flush does not pin the socket (that needs the GIL): a
 socket.close() from another thread during a c_flush is the caller's to prevent.
 

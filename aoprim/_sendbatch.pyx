@@ -121,7 +121,7 @@ cdef int _c_queue(SendBatch b, int r) noexcept nogil:
     return 1 if q < 0 else r
 
 
-# ---- the one frame-header encoder (issue 19) ----------------------------------------------
+# ---- the one frame-header encoder ---------------------------------------------------------
 # add_frame builds every header the server sends; SendBatch.frame_header gives the same
 # bytes to Python callers (aoprim.server.framing.Framing).  Both go through _put_header.
 
@@ -156,7 +156,7 @@ cdef int _raise_busy() except -1:
                        "at a time)")
 
 
-# ---- pinning a socket across a GIL-free write (issue 19 items 18, 21) ----------------------
+# ---- pinning a socket across a GIL-free write ----------------------------------------------
 # socket.socket.close() closes the fd at once unless `_io_refs` > 0 (makefile()'s files):
 # then it only sets `_closed` and the last _decref_socketios() closes it.  A flush takes such
 # a reference before it reads the fd and drops it after its last write, so a close() from
@@ -214,7 +214,7 @@ cdef bint _pin_on = True
 
 def _set_pinning(bint on):
     """Benchmark hook: turn the pin off (True: on, the default).  Off, a close() from
-    another thread during a flush is NOT deferred (the behaviour before issue 19 item 18).
+    another thread during a flush is NOT deferred (the fd may be reused under the write).
     A plain global: switch it only while no flush runs."""
     global _pin_on
     _pin_on = on
@@ -284,7 +284,7 @@ cdef inline bint _is_slot_like(object o):
     cdef type t = type(o)
     if t is memoryview or t is bytes or t is bytearray:
         return False        # no attribute can be added to these: three failed hasattr()
-                            # lookups less per frame (~90 instructions, issue 21)
+                            # lookups less per frame (~90 instructions)
     return hasattr(o, "retain") and hasattr(o, "release") and hasattr(o, "length")
 
 
@@ -882,7 +882,7 @@ cdef class SendBatch:
         fd = self._target_fd()
         while self.head < self.nseg:
             if again:
-                # issue 11: the GIL was re-taken since fd was read (after the last syscall),
+                # the GIL was re-taken since fd was read (after the last syscall),
                 # and what ran meanwhile -- releases of sent objects, signal handlers, other
                 # threads -- may have closed the socket and reused its number.  Never write
                 # to a number read before that: re-read it, stop with EBADF if it moved.
@@ -1454,7 +1454,7 @@ cdef class SendBatch:
             fd = self.fd
         while self.head < self.nseg:
             if regil:
-                # issue 11: the GIL was taken to release sent objects, and their release may
+                # the GIL was taken to release sent objects, and their release may
                 # have closed the socket and reused its number: re-read it before writing
                 regil = False
                 with gil:
@@ -1505,10 +1505,10 @@ cdef class _GroupBase:
         return -1
 
 
-# ---- SendBatch's tp_traverse also visits its pending owners (issue 19 item 24) -----------
+# ---- SendBatch's tp_traverse also visits its pending owners ------------------------------
 # Cython generates traverse only for object fields; the slots (and buffer exporters) held by
 # pending segments are strong references in a C array, so a cycle through one -- a slot-like
-# object that refers back to its batch or session -- was never found.  The owners are read
+# object that refers back to its batch or session -- would never be found.  The owners are read
 # under the batch's claim: a thread inside the batch may be reallocating the array (c_add_*
 # run without the GIL); when it is busy they are skipped, which only makes the GC see them
 # as referenced from outside (never collect anything live).  A FlushGroup's GIL-free pass

@@ -1,5 +1,5 @@
 # cython: language_level=3, freethreading_compatible=True
-"""The server's per-message TLS path, compiled (issue 21): ``TLSConn`` and ``TLSFlush``.
+"""The server's per-message TLS path, compiled: ``TLSConn`` and ``TLSFlush``.
 
 ``aoprim.server.tls`` owns the TLS policy -- the handshake, ``close_notify``, timeouts,
 errors and what they close -- in Python; what runs once per message is here, without a

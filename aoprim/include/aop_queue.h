@@ -1,5 +1,5 @@
 /*
- * aop_queue.h -- the C core of MPMCQueue and SPSCQueue (issue 3), shared by both and by any
+ * aop_queue.h -- the C core of MPMCQueue and SPSCQueue, shared by both and by any
  * cimporting extension (declared for Cython in aoprim/_qwait.pxd).
  *
  * Both queues move 64-bit words.  The Python classes store PyObject* in them (a strong

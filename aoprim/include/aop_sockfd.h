@@ -1,5 +1,5 @@
 /*
- * aop_sockfd.h -- a socket object's fd and timeout read from its C struct (issue 23).
+ * aop_sockfd.h -- a socket object's fd and timeout read from its C struct.
  *
  * `sock.fileno()` and `sock.gettimeout() == 0.0`, as FlushGroup and ReadBuffer ask them once
  * per flush / per read, cost a vectorcall, an int or float object and its conversion each

@@ -1,6 +1,5 @@
 /*
- * aop_sockpin.h -- pin a socket.socket across a GIL-free write (issue 19 items 18 and 21;
- * used by aoprim/_sendbatch.pyx's _sock_pin/_sock_unpin, which FlushGroup shares).
+ * aop_sockpin.h -- pin a socket.socket across a GIL-free write (used by aoprim/_sendbatch.pyx's _sock_pin/_sock_unpin, which FlushGroup shares).
  *
  * socket.socket.close() (Lib/socket.py) is
  *
