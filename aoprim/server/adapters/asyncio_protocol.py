@@ -546,8 +546,6 @@ class ProtocolHandler(Handler):
         # the connection's own context, copied at accept (asyncio: its transport's
         # callbacks'): what one connection's callbacks set, another's never see
         ctx = contextvars.copy_context()
-        with self._open_lock:
-            self._open += 1
         _call(loop, ctx.run, self._made, session, loop, ctx)
 
     def _made(self, session: Session, loop: ProtocolLoop, ctx: contextvars.Context) -> None:
@@ -555,6 +553,9 @@ class ProtocolHandler(Handler):
         tr = SessionTransport(session, proto, loop, ctx)
         _CONN.set(tr)
         session.user = tr
+        with self._open_lock:
+            self._open += 1         # (on_close counts it down; not reached if the factory
+                                    # raised: the handler never met the session then)
         try:
             proto.connection_made(tr)
         except Exception as e:
@@ -645,6 +646,8 @@ class ProtocolHandler(Handler):
         return keep
 
     def on_close(self, session: Session, exc: BaseException | None) -> None:
+        if session.user is None:
+            return                  # (no transport was made: not counted)
         try:
             self._lost(session, exc)
         finally:
