@@ -529,3 +529,56 @@ def test_is_reading_after_close_and_get_buffer_size_hint(serve):
     wait_for(lambda: log and log[-1][0] == "lost")
     assert shape(log) == shape(want) == ({-1}, b"0123456789abc",
                                          [("after eof", True, False), ("lost", False)])
+
+
+# -- over TLS: the peer's close_notify is its EOF ---------------------------------------------
+
+class TLSEof(asyncio.Protocol):
+    def __init__(self, log, done):
+        self.log, self.done = log, done
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        self.log.append(("data", data))
+        self.t.write(b"k")
+
+    def eof_received(self):
+        self.log.append("eof")
+
+    def connection_lost(self, exc):
+        self.log.append(("lost", exc))
+        self.done.set()
+
+
+def test_a_tls_peers_close_notify_calls_eof_received(serve, tls_certs):
+    def run(address):
+        c = tls_certs.client_ctx().wrap_socket(
+            socket.create_connection(address[:2], timeout=10), server_hostname="localhost")
+        try:
+            c.sendall(b"go")
+            # (after the answer: the close_notify comes in a read of its own)
+            assert c.recv(1) == b"k"
+            c.unwrap().close()      # close_notify; returns once the server's answers it
+        finally:
+            c.close()
+        return True
+
+    async def main():
+        log, done = [], threading.Event()
+        srv = await asyncio.get_running_loop().create_server(
+            lambda: TLSEof(log, done), HOST, 0, ssl=tls_certs.server_ctx())
+        try:
+            await asyncio.to_thread(run, srv.sockets[0].getsockname())
+            await asyncio.to_thread(done.wait, 10)
+        finally:
+            srv.close()
+        return log
+
+    want = asyncio.run(main())
+    log, done = [], threading.Event()
+    srv = serve(lambda: TLSEof(log, done), ssl=tls_certs.server_ctx())
+    assert run(srv.address)
+    assert done.wait(10)
+    assert log == want == [("data", b"go"), "eof", ("lost", None)]
