@@ -355,8 +355,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     o.add("--start-timeout", type=_seconds_bounded(True), default=None, metavar="S",
           text=_seconds_text,
           help="--procs: seconds the server processes have to start and listen before the "
-               "supervisor gives up (exit 1); 'none' waits as long as they are alive, as "
-               "serve alone does (default: none)")
+               "supervisor gives up (exit 1); a restarted one that takes longer is killed "
+               "and restarted again after the back-off; 'none' waits as long as they are "
+               "alive, as serve alone does (default: none)")
     o.add("--stop-timeout", type=_seconds_bounded(False), default=15.0, metavar="S",
           help="seconds a stop (SIGINT/SIGTERM) may take; then what has not stopped is "
                "killed (--procs) or the process exits (alone), with status 1 "

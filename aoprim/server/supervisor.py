@@ -39,11 +39,23 @@ Rules
       while the other children serve.  Only such failures before ``ready`` count toward
       giving up, and only while no other child serves: a place that failed more than
       ``give_up_after`` times in a row then stops every child and the supervisor exits 1.
+      A restart that has not said ``ready`` within ``start_timeout`` (an import that
+      blocks, a bind that never comes) is such a failure too: it is killed with its
+      process group, logged, and retried after the back-off.  With no ``start_timeout`` a
+      restart is waited for as long as it lives, and logged once when it has not said
+      ``ready`` after 30 s.
       A crash while serving (a handler's ``os._exit``, a request that kills the process)
       is restarted for as long as the supervisor runs: no request can end the service.
-- SIGINT/SIGTERM are forwarded (once) to every child; the supervisor waits up to
-  ``stop_timeout`` seconds, kills what is left, and exits 0 if every child exited 0, else 1.
-  A second signal kills the children at once.
+- SIGINT/SIGTERM are forwarded (once) to every child's process group; the supervisor waits
+  up to ``stop_timeout`` seconds, kills what is left, and exits 0 if every child exited 0,
+  else 1.  A second signal kills the children at once.
+- What a child started (a handler's subprocess, a process it forked) is in the child's
+  process group and does not outlive the service: at a stop it gets the child's signal and
+  the same ``stop_timeout``, then SIGKILL if still there -- also what a child that exited
+  earlier left running (a crash does not end the processes its handlers started; they are
+  stopped with the service).  A restart killed at ``start_timeout`` is killed with its
+  group.  (A process that leaves the group -- ``setsid``, ``start_new_session=True`` -- is
+  its own.)
 - Children die with the supervisor, even if it is killed with SIGKILL: each child asks the
   kernel for SIGTERM when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, set between fork
   and exec), then checks that its parent is still the supervisor, which closes the race of a
@@ -63,6 +75,11 @@ Rules
   as ever.  When the supervisor's stdout is
   gone (closed, or a pipe whose reader exited: ``| head -1``) the lines are dropped --
   logged once -- and everything else goes on: serving, restarts, the exit status.
+- Its own log lines never block it either: while it runs, the logging handlers that write
+  to its stderr write through a second :class:`_Output` (256 KiB kept; a stderr that took
+  nothing for 2 s has the lines beyond that dropped and counted).  When it ends it waits
+  for a stderr that still takes bytes, never more than 2 s after the last it took.  The
+  children write that stderr themselves (blocking, as any program's writes do).
 
 The status pipe
 ---------------
@@ -80,6 +97,7 @@ import errno
 import logging
 import math
 import os
+import select
 import selectors
 import signal
 import socket
@@ -103,7 +121,12 @@ _OUT_MAX = 1 << 20          # bytes of output kept for a stdout that is not read
 _STALL = 2.0                # seconds a stdout may take nothing before it counts as stalled
 _FINAL_READS = 64           # reads of an exited child's stdout, at most (64 x 64 KiB)
 _MAX_SECONDS = 86400.0      # the largest start_timeout, stop_timeout and backoff_max
-_OUT = object()             # the selector's mark of the supervisor's own stdout
+_ERR_MAX = 1 << 18          # bytes of log lines kept for a stderr that is not read, at most
+_SLOW_START = 30.0          # seconds after which a restart not yet listening is logged (once)
+_GROUP_CHECK = 0.2          # seconds between two looks at the leftover process groups
+                            # while they are being stopped
+_GROUP_IDLE = 5.0           # ... while they are not (a look forgets the empty ones: a
+                            # group's number is reused once it is empty)
 
 
 def _find_prctl() -> Any:
@@ -171,11 +194,19 @@ class _Output:
     stalled: the children's output is read again, and a line that does not fit is dropped
     and counted -- logged once when dropping begins, and how many lines went once the
     stream takes output again (or when the supervisor ends).  Where the stream cannot be
-    opened again (a terminal of another user), writes block, as any program's do."""
+    opened again (a terminal of another user), writes block, as any program's do.
 
-    def __init__(self, out: IO[str] | None, limit: int = _OUT_MAX) -> None:
+    The supervisor's stderr is one too (``name`` "stderr", what it carries: the
+    supervisor's log lines); nothing waits on it (``blocked()`` is for stdout only)."""
+
+    def __init__(self, out: IO[str] | None, limit: int = _OUT_MAX, name: str = "stdout",
+                 carries: str = "the server processes' output") -> None:
         self._file = out
         self._limit = limit
+        self._name = name
+        self._carries = carries
+        self.watched = False          # self.fd is in the supervisor's selector
+        self.source = -1              # the stream's own fd, once open() found one
         self._enc = (getattr(out, "encoding", None) or "utf-8") if out is not None else ""
         self.fd = -1                  # the fd the loop polls while bytes wait (-1: none)
         self._own = -1                # the reopened fd, ours to close
@@ -190,6 +221,11 @@ class _Output:
     @property
     def waiting(self) -> bool:
         return bool(self._pending) and not self.lost
+
+    @property
+    def direct(self) -> bool:
+        """Written through an fd of its own (never blocking), not the file object."""
+        return not self._text and not self.lost and (self._own >= 0 or self._sock is not None)
 
     def stalled(self) -> bool:
         """Bytes wait, and the stream took none for ``_STALL`` seconds."""
@@ -216,6 +252,7 @@ class _Output:
         except (OSError, ValueError) as e:
             self._lose(e)
             return
+        self.source = fd
         if stat.S_ISREG(mode) or stat.S_ISBLK(mode):
             self._own = os.dup(fd)             # a file's writes do not wait for a reader
         elif stat.S_ISSOCK(mode):
@@ -246,7 +283,7 @@ class _Output:
         data = text.encode(self._enc, "replace")
         if self._pending:
             # over the limit only by what was read before reading paused (or an exited
-            # child's last output), unless the stream stalled: then dropped
+            # child's last output, or a log line), unless the stream stalled: then dropped
             if len(self._pending) + len(data) > self._limit and not keep and self.stalled():
                 self._drop()
                 return
@@ -260,8 +297,8 @@ class _Output:
         self._dropped += 1
         if not self._stalled:
             self._stalled = True
-            log.warning("stdout is not being read (%d bytes waiting): the server processes' "
-                        "output is dropped until it is; serving goes on", len(self._pending))
+            log.warning("%s is not being read (%d bytes waiting): %s is dropped until it "
+                        "is; serving goes on", self._name, len(self._pending), self._carries)
 
     def flush(self) -> None:
         """Write what waits, as much as the stream takes now."""
@@ -282,17 +319,36 @@ class _Output:
                 self._moved = time.monotonic()
             del self._pending[:n]
         if self._stalled and not self._pending:
-            log.warning("stdout is read again: %d lines of the server processes' output "
-                        "were dropped meanwhile", self._dropped)
-            self._stalled = False
+            dropped = self._dropped
+            self._stalled = False          # (first: the line below may be written here)
             self._dropped = 0
+            log.warning("%s is read again: %d lines of %s were dropped meanwhile",
+                        self._name, dropped, self._carries)
 
-    def close(self) -> None:
-        """Write what the stream takes now (never waiting), say what was dropped, let go."""
+    def drain(self, seconds: float) -> None:
+        """Write what waits, waiting for the stream while it takes some within ``seconds``
+        of its last progress (a log shipper that is slow, not stalled, gets the last
+        lines)."""
         self.flush()
-        if self._stalled or (self._pending and not self.lost):
-            log.warning("stdout was not read to the end: %d lines of the server processes' "
-                        "output were dropped and %d bytes not written", self._dropped,
+        while self.waiting and self.fd >= 0:
+            left = self._moved + seconds - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                select.select([], [self.fd], [], left)
+            except InterruptedError:
+                pass
+            except (OSError, ValueError):
+                return
+            self.flush()
+
+    def close(self, report: bool = True) -> None:
+        """Write what the stream takes now (never waiting), say what was dropped (``report``:
+        not for the stream the log itself goes to), let go."""
+        self.flush()
+        if report and (self._stalled or (self._pending and not self.lost)):
+            log.warning("%s was not read to the end: %d lines of %s were dropped and %d "
+                        "bytes not written", self._name, self._dropped, self._carries,
                         len(self._pending))
         self._pending.clear()
         if self._sock is not None:
@@ -307,8 +363,8 @@ class _Output:
             why = why.strerror
         self.lost = True
         self._pending.clear()
-        log.warning("stdout is unusable (%s): the server processes' output is dropped "
-                    "from now on; serving goes on", why)
+        log.warning("%s is unusable (%s): %s is dropped from now on; serving goes on",
+                    self._name, why, self._carries)
         out = self._file
         if self._text and out is not None and out is sys.stdout:
             # the interpreter's own flush at exit would fail again, with a traceback-like
@@ -324,10 +380,42 @@ class _Output:
                 pass
 
 
+class _LogStream:
+    """The stream a logging handler writes the supervisor's stderr through while the
+    supervisor runs: an :class:`_Output`, so that a log line never blocks it."""
+
+    def __init__(self, out: _Output) -> None:
+        self._out = out
+
+    def write(self, text: str) -> int:
+        self._out.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+
+def _stderr_handlers(logger: logging.Logger, fd: int) -> list[logging.StreamHandler[Any]]:
+    """The stream handlers that ``logger``'s records reach (its own and its ancestors', as
+    far as they propagate) and that write to file descriptor ``fd``."""
+    found = []
+    lg: logging.Logger | None = logger
+    while lg is not None:
+        for h in lg.handlers:
+            if isinstance(h, logging.StreamHandler):
+                try:
+                    if h.stream.fileno() == fd:
+                        found.append(h)
+                except (AttributeError, OSError, ValueError):
+                    pass
+        lg = lg.parent if lg.propagate else None
+    return found
+
+
 class _Child:
     """One of the N places: the process filling it now, and its history."""
     __slots__ = ("index", "proc", "buf", "status", "said", "started", "ready", "listened",
-                 "crashes", "early", "respawn_at", "dec")
+                 "crashes", "early", "respawn_at", "dec", "timed_out", "slow_noted")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -342,6 +430,8 @@ class _Child:
         self.early = 0            # exits in a row before "ready" (the crash-loop count)
         self.respawn_at: float | None = None    # monotonic time of the pending restart
         self.dec: Any = None      # its stdout's UTF-8 decoder (a character may span reads)
+        self.timed_out = False    # the current process was killed for not saying "ready"
+        self.slow_noted = False   # ... or logged once as slow to say it
 
 
 class Supervisor:
@@ -361,6 +451,7 @@ class Supervisor:
         self._host = host
         self._port = port
         self._output = _Output(stdout if stdout is not None else sys.stdout)
+        self._err = _Output(sys.stderr, _ERR_MAX, "stderr", "the supervisor's log")
         self._start_timeout = (None if start_timeout is None
                                else check_seconds("start_timeout", start_timeout))
         self._stop_timeout = check_seconds("stop_timeout", stop_timeout)
@@ -373,7 +464,10 @@ class Supervisor:
         self._sel: selectors.BaseSelector = None    # type: ignore[assignment]  # (run() makes it)
         self._signals: list[int] = []     # stop signals received, not yet handled
         self._announced = False           # "listening on" was printed
-        self._out_watched = False         # the stdout's fd is in the selector
+        # process groups of exited children that still have processes (what a child
+        # started): pgid -> monotonic time they are killed at if still there
+        self._groups: dict[int, float] = {}
+        self._groups_checked = 0.0        # monotonic time of the last look at them
         self._paused = False              # the children's stdout is not read (blocked)
         self.address: tuple[str, int] | None = None     # (host, port) once reserved
         self.spawned: list[tuple[float, int, int]] = []  # (monotonic time, index, pid)
@@ -418,6 +512,7 @@ class Supervisor:
         c.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         c.started = time.monotonic()
         c.ready = False
+        c.timed_out = c.slow_noted = False
         c.respawn_at = None
         self.spawned.append((c.started, c.index, c.proc.pid))
         log.debug("started server process %d (place %d)", c.proc.pid, c.index)
@@ -445,6 +540,29 @@ class Supervisor:
             c.respawn_at = now + self._next_delay(c, now)
             log.error("%s: retrying in %.2g s", what, c.respawn_at - now)
         return True
+
+    def _starting(self, c: _Child, now: float) -> float | None:
+        """A restart of place ``c`` that has not said "ready": killed (with its process
+        group) once it is ``start_timeout`` old -- its exit is then a failed start -- or,
+        with no start_timeout, logged once when it is _SLOW_START old.  Returns the time
+        left until that, or None."""
+        age = now - c.started
+        if self._start_timeout is not None:
+            if c.timed_out:
+                return None
+            if age >= self._start_timeout:
+                c.timed_out = True
+                _signal(c.proc, signal.SIGKILL)     # type: ignore[arg-type]
+                return None
+            return self._start_timeout - age
+        if c.slow_noted:
+            return None
+        if age >= _SLOW_START:
+            c.slow_noted = True
+            log.warning("server process %d (restarted) has not listened after %.0f s; "
+                        "waiting for it (no start timeout)", c.proc.pid, age)  # type: ignore[union-attr]
+            return None
+        return _SLOW_START - age
 
     def _serving(self, but: _Child) -> bool:
         """Some place other than ``but`` has a process that serves."""
@@ -537,8 +655,11 @@ class Supervisor:
             self._output.write(text)
 
     def _stop_all(self, sig: int = signal.SIGTERM) -> bool:
-        """Signal every live child, wait for them (bounded by stop_timeout, or not at all for
-        SIGKILL), kill the rest.  Returns True if every child that was running exited 0.
+        """Signal every live child's process group (the child and the processes it started),
+        wait for them (bounded by stop_timeout, or not at all for SIGKILL), kill the rest.
+        Returns True if every child that was running exited 0.  What the children started
+        (and what exited children left) gets the same signal and the same time, then is
+        killed if still there; that does not change the result.
 
         A child still starting (it has not said "listening on") may not have its handlers
         yet: it gets SIGTERM, whose default action ends it, and ending so counts as a clean
@@ -550,12 +671,19 @@ class Supervisor:
         for c in self._children:
             c.respawn_at = None
         deadline = time.monotonic() + (0.0 if sig == signal.SIGKILL else self._stop_timeout)
+        stop_at = deadline                     # for what the children started
+        for pgid in self._groups:
+            _signal_group(pgid, sig)
+            self._groups[pgid] = min(self._groups[pgid], stop_at)
         ok = True
-        while live:
-            self._poll(max(0.0, min(0.2, deadline - time.monotonic())))
+        while live or self._groups:
+            self._poll(max(0.0, min(0.2, deadline - time.monotonic())) if live
+                       else _GROUP_CHECK)
             if self._signals:                  # a second signal: no more waiting
                 self._signals.clear()
-                deadline = 0.0
+                deadline = stop_at = 0.0
+                for pgid in self._groups:
+                    self._groups[pgid] = 0.0
             still = []
             for c in live:
                 rc = c.proc.poll()
@@ -564,30 +692,60 @@ class Supervisor:
                     continue
                 self._read(c, final=True)
                 ok = ok and (rc == 0 or (rc == -signal.SIGTERM and not was_ready[c]))
+                self._left_behind(c.proc.pid, stop_at)    # (signalled with it)
                 c.proc = None
             live = still
-            if live and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if live and now >= deadline:
                 for c in live:
                     log.error("server process %d did not stop: killing it", c.proc.pid)
                     _signal(c.proc, signal.SIGKILL)
                 deadline = float("inf")
                 ok = False
+            self._tend_groups(now)
         return ok
 
+    def _left_behind(self, pgid: int, kill_at: float) -> None:
+        """Child ``pgid`` (its process group's number) was reaped: the processes it started
+        and left in its group (a handler's subprocess, a worker it forked), if any, are
+        killed at ``kill_at`` if still there (inf: at the stop)."""
+        if _group_alive(pgid):
+            self._groups[pgid] = kill_at
+
+    def _tend_groups(self, now: float) -> None:
+        """Forget the leftover process groups that are empty, kill those past their time
+        (a look may read /proc: at most every _GROUP_CHECK seconds while some are being
+        stopped, every _GROUP_IDLE seconds otherwise)."""
+        if not self._groups:
+            return
+        every = (_GROUP_CHECK if min(self._groups.values()) < math.inf else _GROUP_IDLE)
+        if now - self._groups_checked < every:
+            return
+        self._groups_checked = now
+        for pgid, kill_at in list(self._groups.items()):
+            if not _group_alive(pgid):
+                del self._groups[pgid]
+            elif now >= kill_at:
+                log.warning("processes started by server process %d did not stop: killing "
+                            "them", pgid)
+                _signal_group(pgid, signal.SIGKILL)
+                del self._groups[pgid]          # (SIGKILL: not waited for)
+
     def _poll(self, timeout: float | None) -> None:
+        for out in (self._output, self._err):
+            if out.fd >= 0 and out.waiting != out.watched:   # polled while bytes wait
+                if not out.waiting:
+                    self._sel.unregister(out.fd)
+                    out.watched = False
+                else:
+                    try:
+                        self._sel.register(out.fd, selectors.EVENT_WRITE, out)
+                        out.watched = True
+                    except OSError:        # a device epoll refuses (EPERM): tried each turn
+                        out.fd = -1
+            if out.fd < 0 and out.waiting:
+                out.flush()
         out = self._output
-        if out.fd >= 0 and out.waiting != self._out_watched:   # poll stdout while bytes wait
-            if not out.waiting:
-                self._sel.unregister(out.fd)
-                self._out_watched = False
-            else:
-                try:
-                    self._sel.register(out.fd, selectors.EVENT_WRITE, _OUT)
-                    self._out_watched = True
-                except OSError:            # a device epoll refuses (EPERM): tried each turn
-                    out.fd = -1
-        if out.fd < 0 and out.waiting:
-            out.flush()
         pause = out.blocked()
         if pause != self._paused:
             # a full stdout that still moves: the children's output waits in their pipes
@@ -600,8 +758,8 @@ class Supervisor:
                     else:
                         self._sel.register(c.proc.stdout.fileno(), selectors.EVENT_READ, c)
         for key, _ in self._sel.select(timeout):
-            if key.data is _OUT:
-                out.flush()
+            if isinstance(key.data, _Output):
+                key.data.flush()
             elif key.data is None:             # the signal wake-up pipe
                 try:
                     while os.read(key.fd, 512):
@@ -621,7 +779,7 @@ class Supervisor:
             self._signals.append(signum)
 
     def _fail(self, message: str, status: int) -> int:
-        print(f"aoprim: {message}", file=sys.stderr, flush=True)
+        self._err.write(f"aoprim: {message}\n", keep=True)
         self._stop_all()
         return status
 
@@ -632,6 +790,8 @@ class Supervisor:
         pid = c.proc.pid
         self._read(c, final=True)          # it may have said "ready" just before
         c.proc = None
+        # what it started goes on, and is stopped with the service
+        self._left_behind(pid, math.inf)
         words = c.said.split(b"\n")[:-1]
         if not self._announced and not c.listened:
             # the first start: what a restart would only repeat
@@ -650,24 +810,28 @@ class Supervisor:
                         "replacing it in %.2g s", pid, _how(rc), delay)
             c.respawn_at = now + delay
             return None
-        how = _how(rc)
+        how = f"exited with {_how(rc)}"
         if not c.ready:
             # a restart that failed before "ready": its start-up (a handler file half-way
-            # through a deploy exits 2), which the back-off retries while other processes
-            # serve; with none serving, a start-up that fails every time ends the service
+            # through a deploy exits 2; an import that hangs, killed at start_timeout),
+            # which the back-off retries while other processes serve; with none serving, a
+            # start-up that fails every time ends the service
             c.early += 1
-            how += " before it listened"
+            if c.timed_out:
+                how = (f"did not listen within {self._start_timeout:g} s and was killed, "
+                       "with the processes it started")
+            else:
+                how += " before it listened"
             if c.early > self._give_up_after and not self._serving(c):
-                return self._fail(f"server process {pid} exited with {how}; {c.early} "
-                                  "crashes in a row, each before it listened: giving up", 1)
+                return self._fail(f"server process {pid} {how}; {c.early} crashes in a "
+                                  "row, each before it listened: giving up", 1)
         else:
             # a crash while serving (a handler's bad request, os._exit, a signal): restarted
             # after the back-off for as long as the supervisor runs; requests must never be
             # able to end the service
             if rc in (0, 2):               # a status a handler chose (sys.exit, os._exit)
                 how += " while serving, not told to stop (a crash)"
-        log.error("server process %d exited with %s: restarting it in %.2g s", pid, how,
-                  delay)
+        log.error("server process %d %s: restarting it in %.2g s", pid, how, delay)
         c.respawn_at = now + delay
         return None
 
@@ -680,8 +844,16 @@ class Supervisor:
         old = {s: signal.signal(s, self.on_signal) for s in _STOP_SIGNALS + (signal.SIGCHLD,)}
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         reserve = None
+        moved: list[tuple[logging.StreamHandler[Any], Any]] = []
         try:
             self._output.open()
+            self._err.open()
+            if self._err.direct:
+                # the log's handlers on stderr write through self._err while this runs: a
+                # stalled stderr must not block the supervisor
+                stream = _LogStream(self._err)
+                for handler in _stderr_handlers(log, self._err.source):
+                    moved.append((handler, handler.setStream(stream)))
             reserve = reserve_port(self._host, self._port)
             self.address = reserve.getsockname()[:2]
             return self._supervise()
@@ -695,7 +867,14 @@ class Supervisor:
                 if c.status is not None:
                     os.close(c.status)
                     c.status = None
+            for pgid in self._groups:           # (only after an error of our own)
+                _signal_group(pgid, signal.SIGKILL)
+            self._groups.clear()
             self._output.close()
+            self._err.drain(_STALL)            # the last lines, to a slow reader too
+            for handler, was in moved:
+                handler.setStream(was)
+            self._err.close(report=False)
             signal.set_wakeup_fd(old_wake)
             for s, h in old.items():
                 signal.signal(s, h)
@@ -719,6 +898,7 @@ class Supervisor:
                          signal.Signals(sig).name, self._procs)
                 return 0 if self._stop_all(sig) else 1
             now = time.monotonic()
+            waits = []
             for c in self._children:
                 if c.proc is not None:
                     rc = c.proc.poll()
@@ -726,9 +906,14 @@ class Supervisor:
                         status = self._reaped(c, rc, now)
                         if status is not None:
                             return status
+                    elif self._announced and not c.ready:
+                        left = self._starting(c, now)
+                        if left is not None:
+                            waits.append(left)
                 elif c.respawn_at is not None and now >= c.respawn_at:
                     if not self._start(c, now):
                         return self._fail("cannot restart a server process: stopping", 1)
+            self._tend_groups(now)
             if not self._announced:
                 if all(c.listened for c in self._children):
                     self._announced = True
@@ -739,7 +924,7 @@ class Supervisor:
                 elif now >= deadline:
                     return self._fail(f"the server processes did not all listen within "
                                       f"{self._start_timeout:g} s: stopping", 1)
-            waits = [c.respawn_at - now for c in self._children if c.respawn_at is not None]
+            waits += [c.respawn_at - now for c in self._children if c.respawn_at is not None]
             if not self._announced:
                 waits.append(deadline - now)
             self._poll(max(0.0, min([0.5] + waits)))
@@ -768,7 +953,58 @@ def _how(rc: int) -> str:
 
 
 def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal child ``proc``'s process group: the child and what it started (each child
+    leads a group of its own, numbered by its pid).  Not once it was reaped: its number may
+    be another process's by then; until then (a zombie too) the number is the group's."""
+    if proc.returncode is not None:
+        return
     try:
-        proc.send_signal(sig)
+        os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+    except PermissionError:            # a member of another user (setuid): the child alone
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` (an exited child's: its leader was reaped) still has a
+    process that is not a zombie.  The supervisor first reaps those that are its own to
+    reap (it runs as init, or as a subreaper); a zombie whose parent does not reap it (an
+    init that never does) stays in the group for ever, and is not waited for."""
+    try:
+        while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:            # another user's process: not ours to stop
+        return False
+    try:
+        names = os.listdir("/proc")
+    except OSError:                    # no /proc: the kernel's word
+        return True
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rindex(b")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
