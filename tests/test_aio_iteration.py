@@ -682,13 +682,15 @@ def _shadow_scenario(cls):
     out = []
     try:
         loop.call_soon(out.append, "soon")
-        h = loop.call_later(0.001, out.append, "later")
-        loop.call_later(0.002, out.append, "cancelled").cancel()
+        # (due well after the first iterations, however slow a busy machine makes them:
+        # the order of "later" and "fut" is then the same on both loops)
+        h = loop.call_later(0.05, out.append, "later")
+        loop.call_later(0.06, out.append, "cancelled").cancel()
         loop.call_at(loop.time() - 1, out.append, "past")
         fut = loop.create_future()
         fut.add_done_callback(lambda f: out.append(f.result()))
         loop.call_soon(fut.set_result, "fut")
-        loop.run_until_complete(asyncio.sleep(0.005))
+        loop.run_until_complete(asyncio.sleep(0.1))
         out.append(("debug", loop.get_debug(), h._scheduled, len(loop._ready)))
         loop.set_debug(True)
         out.append(("debug", loop.get_debug()))
