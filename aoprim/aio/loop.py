@@ -8,7 +8,7 @@ Iteration (``_run_once``)::
     select(), then run the ready callbacks        -- asyncio's _run_once, compiled
               (aoprim._aioloop.run_once: the wait and _process_events in C, asyncio's
               data and order kept; asyncio's Python _run_once in debug mode, with a
-              caller's selector or an overridden _process_events)
+              caller's selector or an overridden _process_events or _add_callback)
     flush     FlushGroup.flush(): every dirty batch, one sendmsg each, one GIL release;
               notify(transport, status) for the few that need attention.  A notification
               (resume_writing()) may write again: the flush is repeated while batches are
@@ -166,6 +166,7 @@ class Loop(_aioloop.LoopCore, asyncio.SelectorEventLoop, metaclass=_NoPatch):
     # asyncio's call_soon / call_at / call_later / create_future with the handles built in
     # C (aoprim._aioloop: asyncio.Handle / TimerHandle, the timer heap by heapq's algorithm);
     # asyncio's own in debug mode or where a subclass overrides the helpers they call
+    # (call_later's: a subclass's call_at, which it then calls, as asyncio's does)
     call_soon = _aioloop.call_soon
     call_at = _aioloop.call_at
     call_later = _aioloop.call_later
