@@ -328,3 +328,10 @@ def test_an_openssh_key_in_the_certfile_is_named_too(keys, ssh_keys, tmp_path):
     assert str(info.value).startswith(
         f"--certfile {str(both)!r} holds an OpenSSH private key, not a PEM one: "), \
         info.value
+
+
+@pytest.mark.parametrize("mode", ["bogus", "REQUIRED", ""])
+def test_an_unknown_client_cert_mode_is_a_value_error_naming_it(tls_certs, mode):  # noqa: F811
+    with pytest.raises(ValueError, match=r"--client-cert .*none, optional, required") as e:
+        server_context(tls_certs.server_cert, tls_certs.server_key, client_cert=mode)
+    assert repr(mode) in str(e.value)

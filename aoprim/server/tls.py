@@ -211,6 +211,11 @@ class _PEMFile:
             self.fd = -1
 
 
+# server_context's client_cert -> the context's verify_mode
+_CLIENT_CERT_MODES = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL,
+                      "required": ssl.CERT_REQUIRED}
+
+
 def server_context(certfile: str | bytes | os.PathLike[str] | os.PathLike[bytes],
                    keyfile: str | bytes | os.PathLike[str] | os.PathLike[bytes] | None = None,
                    ca_certs: str | bytes | os.PathLike[str] | os.PathLike[bytes] | None = None,
@@ -231,6 +236,9 @@ def server_context(certfile: str | bytes | os.PathLike[str] | os.PathLike[bytes]
     PEM certificate, no private key (and no ``--keyfile``), an OpenSSH key, an encrypted key
     (the server cannot ask for a passphrase), a key that does not match the certificate
     (whatever the two algorithms), CA certificates that do not load."""
+    if client_cert not in _CLIENT_CERT_MODES:
+        raise ValueError(f"--client-cert {client_cert!r}: give one of "
+                         f"{', '.join(_CLIENT_CERT_MODES)}")
     certfile = _as_path("certfile", certfile)
     keyfile = _as_path("keyfile", keyfile) if keyfile is not None else None
     ca_certs = _as_path("ca_certs", ca_certs) if ca_certs is not None else None
@@ -309,8 +317,7 @@ def _server_context(files: list[_PEMFile], certfile: str, keyfile: str | None,
         except ssl.SSLError as e:
             raise ValueError(f"--ca-certs {ca_certs!r}: cannot load its CA certificates: "
                              f"{e.reason or e}") from None
-    ctx.verify_mode = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL,
-                       "required": ssl.CERT_REQUIRED}[client_cert]
+    ctx.verify_mode = _CLIENT_CERT_MODES[client_cert]
     return check_context(ctx)
 
 
