@@ -125,6 +125,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         self._default_executor: ThreadPoolExecutor | None = None
         self._executor_shut = False
         self._executor_lock = threading.Lock()
+        # timer arms and cancels from other threads, for the loop thread (see _post)
+        self._xq: list[tuple[bool, asyncio.TimerHandle]] = []
+        self._xq_posted = False
+        self._xlock = threading.Lock()
 
     # -- time and callbacks ----------------------------------------------------------------
     def time(self) -> float:
@@ -156,12 +160,38 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         if when is None:
             raise TypeError("when cannot be None")
         h = _Timer(when, callback, args, self, context)
-        ev = self._ev
-        if _get_ident() == ev.thread_id:
+        if _get_ident() == self._ev.thread_id:
             self._arm(h)
-        elif not ev.call_soon_threadsafe(self._arm, h):
+        elif not self._post(True, h):
             raise RuntimeError("Event loop is closed (the server has shut down)")
         return h
+
+    def _post(self, arm: bool, h: asyncio.TimerHandle) -> bool:
+        """Another thread's timer arm (``arm``) or cancel, handed to the loop thread, which
+        owns the timer heap.  Batched: one wakeup for all those posted before the loop
+        takes them -- a worker's data_received that cancels an idle timer and arms the
+        next costs one, as the arm alone did.  False once the loop is closed."""
+        with self._xlock:
+            self._xq.append((arm, h))
+            if self._xq_posted:
+                return True
+            self._xq_posted = True
+        if self._ev.call_soon_threadsafe(self._run_posted):
+            return True
+        with self._xlock:
+            self._xq.clear()
+            self._xq_posted = False
+        return False
+
+    def _run_posted(self) -> None:
+        with self._xlock:
+            items, self._xq = self._xq, []
+            self._xq_posted = False
+        for arm, h in items:        # (in the order posted: an arm before its cancel)
+            if arm:
+                self._arm(h)        # type: ignore[arg-type]
+            else:
+                self._disarm(h)
 
     def _arm(self, h: _Timer) -> None:
         if not h.cancelled():
@@ -186,9 +216,9 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         else:
             # the server loop's timers are its thread's: the cancel is handed to it, so a
             # timer cancelled from a worker (an idle timer reset per request) leaves the
-            # heap now, not at its deadline.  Queued behind this thread's _arm of it, if
+            # heap now, not at its deadline.  Queued behind this thread's arm of it, if
             # that has not run yet (then _arm finds the handle cancelled and arms nothing)
-            ev.call_soon_threadsafe(self._disarm, handle)
+            self._post(False, handle)
 
     @staticmethod
     def _disarm(handle: asyncio.TimerHandle) -> None:
