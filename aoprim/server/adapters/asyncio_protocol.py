@@ -216,7 +216,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         else:
             # the server loop's timers are its thread's: the cancel is handed to it, so a
             # timer cancelled from a worker (an idle timer reset per request) leaves the
-            # heap now, not at its deadline.  Queued behind this thread's arm of it, if
+            # heap at once, not at its deadline.  Queued behind this thread's arm of it, if
             # that has not run yet (then _arm finds the handle cancelled and arms nothing)
             self._post(False, handle)
 
