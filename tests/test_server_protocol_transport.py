@@ -11,42 +11,15 @@ import threading
 import pytest
 
 from aoprim.server import Handler, Server, serve_protocol
-from aoprim.server.loop import BACKENDS
 
 from test_server_support import (HOST, assert_no_leaks, logs, open_fds,  # noqa: F401
                                  recv_exact, recv_until_closed, wait_for)
+from protocol_support import backend, serve, workers  # noqa: F401  (fixtures)
 from tlscerts import tls_certs  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    return request.param
-
-
-@pytest.fixture(params=[0, 2], ids=["workers0", "workers2"])
-def workers(request):
-    return request.param
-
-
-@pytest.fixture
-def serve(backend, workers):
-    """serve(factory, **settings): a started serve_protocol server, shut down and checked
-    for leaks after the test."""
-    made = []
-    fds = open_fds()
-
-    def start(factory, **kw):
-        srv = serve_protocol(factory, HOST, 0, backend=backend, workers=workers, **kw)
-        made.append(srv)
-        return srv
-
-    yield start
-    for srv in made:
-        srv.shutdown(timeout=15)
-        assert_no_leaks(srv)
-    assert open_fds() == fds, "file descriptors leaked"
 
 
 def connect(srv, certs=None, rcvbuf=None):
