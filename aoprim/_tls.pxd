@@ -58,7 +58,9 @@ cdef class TLSConn(_RxSource):
     cdef Py_ssize_t budget           # plaintext encrypted per flush, at most
     cdef public bint app             # application data may be encrypted
     cdef readonly bint dirty         # in tls.dirty
-    cdef readonly bint more          # the last read filled its room: more may wait
+    cdef readonly bint more          # the next read has something no readiness event
+                                     #   announces: the last read filled its room (more
+                                     #   may wait), or met the end after its data
     cdef bint idle                   # the BIO and OpenSSL are known to hold no input
     cdef bint drained                # this readiness event's recv found the socket empty
     cdef bint has_end                # c_read returns `end` from now on

@@ -14,7 +14,10 @@ Python frame (as uvloop's sslproto is Cython over the same ``ssl`` objects):
   incoming ``MemoryBIO``.  No second ``recv`` in a readiness event after a short one (the
   socket is empty then).  The ciphertext's record boundaries are followed (``rec_begun``:
   a begun record is a begun frame for the frame clock).  ``on_readable`` is the session's
-  read callback once the handshake is done.
+  read callback once the handshake is done.  A read that meets the end of the stream after
+  data (the peer's ``close_notify`` or a fatal alert in the same ciphertext as its last
+  records) returns the data; the end, which no readiness event will announce (the socket
+  is empty), is read again by ``on_readable`` in the same call.
 - **Send.** ``TLSFlush.flush`` is the loop's iteration hook: for each session marked dirty
   (``mark``), ``c_flush`` sends the ciphertext still owed, and only once it all left encrypts
   the batch's pending plaintext segment by segment (``SendBatch.c_peek``/``c_consume``: a
@@ -374,6 +377,7 @@ cdef class TLSConn(_RxSource):
             self.has_end = True
             self.end = 0
         if self.has_end:
+            self.more = False
             if self.end == 0:
                 return 0
             err[0] = -self.end
@@ -409,7 +413,11 @@ cdef class TLSConn(_RxSource):
                 break
             short = got < room - k
             k += got
-        self.more = k == room
+        # more: a next read has something to return that no readiness event will announce --
+        # decrypted bytes held in OpenSSL (the room was filled), or the end this read met
+        # after its data (a close_notify or a fatal alert read with the last records leaves
+        # the socket empty: the end is returned by the next read)
+        self.more = k == room or (k != 0 and self.has_end)
         if k:
             return k
         if self.has_end:
@@ -429,10 +437,20 @@ cdef class TLSConn(_RxSource):
         rx.c_on_readable()
         if self._gone():
             return
+        if self.more and self.has_end:
+            # the end came with the data just delivered: the next read returns it, made in
+            # this call, so the session acts on it (the peer's EOF, a TLS error) before
+            # this iteration's flush tries to answer a peer that ended the TLS session.
+            # (A Receiver held by its owner reads nothing: then `more` stays set and the
+            # session's _reading_resumed reads it.)
+            rx.c_on_readable()
+            if self._gone():
+                return
         if not self.dirty and self.out.pending:
             self.mark()                 # a read made the TLS layer write (KeyUpdate, alert)
         if self.more:
-            self.sess._tls_more()       # decrypted bytes still wait (no readiness event)
+            self.sess._tls_more()       # decrypted bytes or the end still wait (no readiness
+                                        # event will come for them)
 
     # -- send ------------------------------------------------------------------------------
     cdef Py_ssize_t c_flush(self) except? -1:

@@ -419,11 +419,23 @@ class TLSSession(Session):
 
     def _reading_resumed(self) -> None:
         Session._reading_resumed(self)
-        # decrypted bytes held in OpenSSL, or whole records waiting in the incoming BIO (the
-        # request that came with the handshake's last flight while on_connect paused): no
-        # readiness event will announce them
+        # decrypted bytes held in OpenSSL, the end read with the last data (``more``), or
+        # whole records waiting in the incoming BIO (the request that came with the
+        # handshake's last flight while on_connect paused): no readiness event will
+        # announce them
         if self._t.more or (self._hs_done and (self._inc.pending or self._sslobj.pending())):
             self._loop.call_soon(self._deliver_held)
+
+    def lost_error(self) -> OSError | None:
+        """As ``Session.lost_error``; after a TLS error (a record that does not decrypt, the
+        peer's fatal alert) an ``ssl.SSLError`` naming it (``reason`` set), as asyncio's TLS
+        transport hands ``connection_lost``."""
+        reason = self._t.tls_reason
+        if reason is None:
+            return Session.lost_error(self)
+        e = ssl.SSLError(errno.EPROTO, f"TLS error: {reason}")
+        e.reason = reason
+        return e
 
     def _rx_event(self, owner: object, code: int, arg: Any) -> None:
         reason = self._t.tls_reason
@@ -542,7 +554,8 @@ class TLSSession(Session):
 
     # -- receive (loop thread; the per-message work is TLSConn's) -------------------------
     def _tls_more(self) -> None:
-        """The last read filled its room: decrypted bytes may wait inside OpenSSL, which no
+        """The last read filled its room, or met the end of the stream after its data:
+        decrypted bytes may wait inside OpenSSL, or the end is still to be read, which no
         readiness event will announce."""
         if self._state == OPEN and not self._rx.paused:
             self._loop.call_soon(self._deliver_held)
