@@ -2,7 +2,8 @@
 a TCP FIN, a reset, a fatal alert -- is acted on at once, with no further readiness event
 (the socket holds nothing more, so none comes).  The client writes its last records and the
 end in ONE write (records made with ``ssl.MemoryBIO``; the FIN carried by the same TCP
-segment through ``TCP_CORK``), so the server's first read after the handshake meets both.
+segment through ``TCP_CORK``; a reset sent while the loop is held in ``on_connect``), so
+the server's first read after the handshake meets both.
 The native API (``on_read`` then ``on_close``) and ``serve_protocol`` (``data_received``
 then ``eof_received``, checked against asyncio's own TLS transport), both backends, with and
 without workers; every slot and fd back to idle after each test."""
@@ -214,17 +215,13 @@ class Proto(asyncio.Protocol):
         self.done.set()
 
 
-def reads(log, tag):
-    return b"".join(e[1] for e in log if e[0] == tag)
-
-
-def on_asyncio(server_ctx, client):
-    """``client(address)`` against Proto served by asyncio's own TLS transport: returns
-    (client's result, the protocol's log)."""
+def on_asyncio(server_ctx, client, factory=Proto):
+    """``client(address)`` against ``factory(log, done)`` (a Proto) served by asyncio's own
+    TLS transport: returns (client's result, the protocol's log)."""
     async def main():
         log, done = [], threading.Event()
         srv = await asyncio.get_running_loop().create_server(
-            lambda: Proto(log, done), HOST, 0, ssl=server_ctx)
+            lambda: factory(log, done), HOST, 0, ssl=server_ctx)
         try:
             got = await asyncio.to_thread(client, srv.sockets[0].getsockname())
             assert await asyncio.to_thread(done.wait, CLIENT_TIMEOUT)
@@ -327,27 +324,73 @@ def test_native_end_held_while_paused_comes_after_resume(start, tls_certs):
 
 # -- the stream cut: a reset, or a fatal alert -------------------------------------------------
 
-def test_native_reset_with_the_last_data_closes_as_reset(start, tls_certs):
-    """A reset right after the data: on_close once, counted as a reset.  (The data itself
-    is delivered or not, as the reset overtakes it or not, as over plain TCP.)"""
-    h = Native()
-    address = start("native", h, tls_certs.server_ctx())
-    assert run_client(address, tls_certs.client_ctx(), "rst")[2] == "reset sent"
+class GatedNative(Native):
+    """on_connect (on the loop thread) waits for ``gate``: the loop reads nothing more
+    until the client has written everything."""
+
+    def __init__(self, gate):
+        super().__init__()
+        self.gate = gate
+
+    def on_connect(self, session):
+        self.gate.wait(CLIENT_TIMEOUT)
+
+
+class GatedProto(Proto):
+    """connection_made (on the loop thread, with workers too) waits for ``gate``."""
+
+    def __init__(self, log, done, gate):
+        super().__init__(log, done)
+        self.gate = gate
+
+    def connection_made(self, transport):
+        Proto.connection_made(self, transport)
+        self.gate.wait(CLIENT_TIMEOUT)
+
+
+def reset_client(address, ctx, gate):
+    """The client's Finished, the data and a reset, all at the server before its first read
+    after the handshake (the loop is held in on_connect until the reset was sent)."""
+    try:
+        return run_client(address, ctx, "rst", hold_last_flight=True)
+    finally:
+        gate.set()
+
+
+def test_native_reset_with_the_last_data_is_a_recv_reset(start, tls_certs, caplog):
+    """A reset right behind the data: the data is delivered, then the session is closed
+    for the reset the read met (not for the reply's send failing later, on a socket whose
+    error that read had taken)."""
+    caplog.set_level("INFO", logger="aoprim.server")
+    gate = threading.Event()
+    h = GatedNative(gate)
+    address = start("native", h, tls_certs.server_ctx(version="1.3"))
+    assert reset_client(address, tls_certs.client_ctx(version="1.3"), gate)[2] == "reset sent"
     assert h.closed.wait(CLIENT_TIMEOUT)
-    assert h.log in ([("read", PAYLOAD), ("close", None)], [("close", None)])
+    assert h.log == [("read", PAYLOAD), ("close", None)]
     wait_for(lambda: start.server.stats()["connections"] == 0, what="the session to close")
     assert start.server.stats()["closes"] == {"reset": 1}
+    closed = [r.getMessage() for r in caplog.records if " closed: " in r.getMessage()]
+    assert len(closed) == 1 and closed[0].endswith("recv failed: Connection reset by peer")
 
 
-def test_protocol_reset_with_the_last_data_loses_the_connection(start, tls_certs):
-    """A reset right after the data: connection_lost with an error, as asyncio's TLS
-    transport, which may deliver the data or not (as the reset overtakes it or not)."""
+def test_protocol_reset_with_the_last_data_gives_connection_reset(start, tls_certs):
+    """A reset right behind the data: data_received, then connection_lost with a
+    ConnectionResetError, as asyncio's TLS transport."""
+    ctx = tls_certs.client_ctx(version="1.3")
+    gate = threading.Event()
+    sent, want = on_asyncio(tls_certs.server_ctx(version="1.3"),
+                            lambda address: reset_client(address, ctx, gate),
+                            lambda log, done: GatedProto(log, done, gate))
+    assert sent[2] == "reset sent"
+    assert want == [("data", PAYLOAD), ("lost", "ConnectionResetError")]
+    gate = threading.Event()
     log, done = [], threading.Event()
-    address = start("protocol", lambda: Proto(log, done), tls_certs.server_ctx())
-    assert run_client(address, tls_certs.client_ctx(), "rst")[2] == "reset sent"
+    address = start("protocol", lambda: GatedProto(log, done, gate),
+                    tls_certs.server_ctx(version="1.3"))
+    assert reset_client(address, ctx, gate)[2] == "reset sent"
     assert done.wait(CLIENT_TIMEOUT)
-    assert log[:-1] in ([("data", PAYLOAD)], [])
-    assert log[-1][0] == "lost" and log[-1][1] in ("ConnectionResetError", "BrokenPipeError")
+    assert log == want
     assert start.server.stats()["closes"] == {"reset": 1}
 
 
