@@ -42,6 +42,7 @@ import fcntl
 import importlib
 import json
 import logging
+import math
 import os
 import signal
 import stat
@@ -61,7 +62,7 @@ from .framing import FRAMINGS
 from .listener import check_port, describe_address, listen_error
 from .proxy import PROXY_MODES
 from .server import as_handler
-from .supervisor import Supervisor, check_seconds
+from .supervisor import STOP_SIGNALS, Supervisor, check_seconds
 
 if TYPE_CHECKING:
     import ssl
@@ -577,10 +578,13 @@ class _StopWatchdog:
     def __init__(self, seconds: float) -> None:
         self._seconds = seconds
         self._armed = False
+        self.deadline = math.inf          # monotonic time it ends the process at, once armed
+        self.before_exit: Callable[[], None] | None = None   # run just before it does
 
     def arm(self, why: str) -> None:
         if not self._armed:
             self._armed = True
+            self.deadline = time.monotonic() + self._seconds
             threading.Thread(target=self._run, args=(why,), name="aoprim-stop-watchdog",
                              daemon=True).start()
 
@@ -592,6 +596,8 @@ class _StopWatchdog:
         say = threading.Thread(target=_write_all, args=(2, msg), daemon=True)
         say.start()
         say.join(1.0)
+        if self.before_exit is not None:
+            self.before_exit()
         os._exit(1)
 
 
@@ -603,9 +609,84 @@ def _write_all(fd: int, data: bytes) -> None:
         pass
 
 
-def _watch_stop_signals(watchdog: _StopWatchdog) -> None:
+class _Heirs:
+    """What a supervised child started -- its process group, which the supervisor made it
+    the leader of -- when the supervisor is gone (killed, even with SIGKILL: the child got
+    its death signal, SIGTERM).  The supervisor would have signalled the group, waited
+    ``--stop-timeout`` and killed what was left; with no supervisor the child does it: its
+    stop signal is passed on to the group (``stop()``), and before the child exits what is
+    still there is waited for until ``deadline`` and then killed (``finish()``)."""
+
+    def __init__(self, supervisor: int) -> None:
+        self._supervisor = supervisor      # the parent's pid at start: the supervisor
+        self._signalled = False
+
+    def _orphaned(self) -> bool:
+        # a group of its own only: a ``serve --status-fd`` started by hand is no leader,
+        # and its process group is not its to stop
+        return os.getppid() != self._supervisor and os.getpgrp() == os.getpid()
+
+    def stop(self, sig: int) -> None:
+        """Pass ``sig`` on to the rest of the group if the supervisor is gone (in the main
+        thread: a signal handler, or after serving)."""
+        if self._signalled or not self._orphaned():
+            return
+        self._signalled = True
+        # ignored here while it is sent: this process is stopping already, and a second
+        # stop signal is not to reach it (an ignored signal is discarded when sent)
+        prev = signal.signal(sig, signal.SIG_IGN)
+        try:
+            os.killpg(0, sig)
+        except OSError:
+            pass
+        finally:
+            signal.signal(sig, prev)
+
+    def others(self) -> list[int]:
+        """The live processes of the group other than this one (from /proc)."""
+        me = os.getpid()
+        found = []
+        try:
+            names = os.listdir("/proc")
+        except OSError:
+            return found
+        for name in names:
+            if not name.isdigit() or int(name) == me:
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            fields = data[data.rindex(b")") + 2:].split()
+            if int(fields[2]) == me and fields[0] not in (b"Z", b"X"):
+                found.append(int(name))
+        return found
+
+    def kill_rest(self) -> None:
+        if self._signalled:
+            for pid in self.others():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def finish(self, deadline: float) -> None:
+        """Before the child exits: with the supervisor gone, the group gets SIGTERM (if it
+        got no stop signal yet), is waited for until ``deadline``, and what is left is
+        killed."""
+        self.stop(signal.SIGTERM)
+        if not self._signalled:
+            return
+        while self.others() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.kill_rest()
+
+
+def _watch_stop_signals(watchdog: _StopWatchdog, heirs: _Heirs | None = None) -> None:
     """Arm ``watchdog`` when SIGINT/SIGTERM arrives, before the handler in place (the
-    server's, which starts the shutdown) runs."""
+    server's, which starts the shutdown) runs; pass the signal on to ``heirs`` (what a
+    supervised child started) if its supervisor is gone."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         prev = signal.getsignal(sig)
         if not callable(prev):
@@ -614,12 +695,16 @@ def _watch_stop_signals(watchdog: _StopWatchdog) -> None:
         def on_stop(signum: int, frame: FrameType | None, prev: Callable[..., Any] = prev
                     ) -> None:
             watchdog.arm(signal.Signals(signum).name)
+            if heirs is not None:
+                heirs.stop(signum)
             prev(signum, frame)
         signal.signal(sig, on_stop)
 
 
 def _serve_one(a: argparse.Namespace) -> int:
     status = _StatusPipe(a.status_fd) if a.status_fd is not None else None
+    # a supervised child: what it starts is stopped with it if the supervisor dies
+    heirs = _Heirs(os.getppid()) if status is not None else None
     if a.handler is not None:
         _put_on_path(a.app_dir)
         handler = load_handler(a.handler)
@@ -633,6 +718,8 @@ def _serve_one(a: argparse.Namespace) -> int:
     host, port = srv.address[:2]
     failed = []
     watchdog = _StopWatchdog(a.stop_timeout)
+    if heirs is not None:
+        watchdog.before_exit = heirs.kill_rest
 
     def announce() -> None:
         # run by the loop's first callback, before any accept (so before any handler code):
@@ -642,7 +729,7 @@ def _serve_one(a: argparse.Namespace) -> int:
             # the server's fds (listening socket, loop) and the pipe, before handler code
             _hide_in_forks((_fds() - before) | {status.fd})
         # (serve_forever has put its signal handlers in place by now: the loop runs)
-        _watch_stop_signals(watchdog)
+        _watch_stop_signals(watchdog, heirs)
         try:
             if status is None:
                 print(f"listening on {describe_address((host, port))}", flush=True)
@@ -673,6 +760,8 @@ def _serve_one(a: argparse.Namespace) -> int:
         # what is left -- the stats line, what handlers printed without flushing -- goes
         # to a stdout that may not be read: bounded too
         watchdog.arm("the end of serving")
+    if heirs is not None:
+        heirs.finish(watchdog.deadline)
     if not failed:
         _tell(status, b"stopped")    # told to stop, and done: not to be restarted
     if a.stats_json:
@@ -700,7 +789,7 @@ def _serve_procs(a: argparse.Namespace) -> int:
     # from here on a stop signal is the supervisor's (noted, never raised): _raise_stop,
     # which run() would put back when it returns, could raise a pending one anywhere on the
     # way out, even in a finalizer ("Exception ignored ... _Stop" on stderr)
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, sup.on_signal)
     try:
         return sup.run()
@@ -712,8 +801,8 @@ def _serve_procs(a: argparse.Namespace) -> int:
         raise UsageError(_reason(listen_error(a.host, a.port, e))) from None
     finally:
         # every child is gone: a late signal must not kill the supervisor as it finalizes
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:

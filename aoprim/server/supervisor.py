@@ -48,7 +48,10 @@ Rules
       is restarted for as long as the supervisor runs: no request can end the service.
 - SIGINT/SIGTERM are forwarded (once) to every child's process group; the supervisor waits
   up to ``stop_timeout`` seconds, kills what is left, and exits 0 if every child exited 0,
-  else 1.  A second signal kills the children at once.
+  else 1.  A second signal kills the children at once.  SIGHUP (its terminal hung up) and
+  SIGQUIT stop the service the same way, the children getting SIGTERM: their default
+  action would end the supervisor alone, and a supervisor that ends leaves no service
+  behind (no core file either: a supervisor's is of no use).
 - What a child started (a handler's subprocess, a process it forked) is in the child's
   process group and does not outlive the service: at a stop it gets the child's signal and
   the same ``stop_timeout``, then SIGKILL if still there -- also what a child that exited
@@ -60,11 +63,15 @@ Rules
   kernel for SIGTERM when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, set between fork
   and exec), then checks that its parent is still the supervisor, which closes the race of a
   supervisor that died before the request was made.  The death signal follows the *thread*
-  that forked the child, so the supervisor runs in one thread: the caller's.
+  that forked the child, so the supervisor runs in one thread: the caller's.  A child that
+  gets its stop signal after its supervisor died passes it on to its own process group
+  (what its handlers started) and, before it exits, kills what is left of the group after
+  ``stop_timeout`` (cli.py): what a child started goes with it, as at any stop.
 - Children run in their own process group: a Ctrl-C at the terminal reaches the supervisor
   only, which forwards it once.  Their stdout is read by the supervisor and passed on line by
   line (a line longer than 64 KiB in pieces of that size: the supervisor's memory stays
-  bounded); their stderr is the supervisor's.  A child's output is never waited for once
+  bounded), as bytes: never decoded, so what reaches the supervisor's stdout is what the
+  child wrote, whatever its encoding; their stderr is the supervisor's.  A child's output is never waited for once
   it has exited (what it wrote is in the pipe; a process it started may hold the pipe
   open): the loop never stalls on it, and a stop takes the time of the slowest child.
 - Writing its stdout never blocks the supervisor (:class:`_Output`): what the stdout does
@@ -91,7 +98,6 @@ matters only when the supervisor asked for the stop: said on its own, the child 
 """
 from __future__ import annotations
 
-import codecs
 import ctypes
 import errno
 import logging
@@ -115,7 +121,9 @@ log = logging.getLogger("aoprim.server")
 _PR_SET_PDEATHSIG = 1
 _READY = b"ready"           # the child's status messages (see "The status pipe")
 _STOPPED = b"stopped"
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# the signals that stop the service; the children get the first two as they came, the
+# others as SIGTERM (a child's own handlers are for SIGINT/SIGTERM only)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _MAX_LINE = 65536           # a longer stdout line is passed on in pieces of this size
 _OUT_MAX = 1 << 20          # bytes of output kept for a stdout that is not read, at most
 _STALL = 2.0                # seconds a stdout may take nothing before it counts as stalled
@@ -268,19 +276,20 @@ class _Output:
                 else:                          # blocking writes on the file object
                     self._text = True
 
-    def write(self, text: str, keep: bool = False) -> None:
+    def write(self, text: str | bytes, keep: bool = False) -> None:
         """Write ``text`` (whole lines, or a piece of a line too long to keep) or keep it to
-        be written; ``keep``: never dropped (the supervisor's own ``listening on`` line)."""
+        be written; ``keep``: never dropped (the supervisor's own ``listening on`` line).
+        Bytes (a child's output) are written as they are; a str (the supervisor's own
+        lines) is encoded in the stream's encoding."""
         if self.lost:
             return
         if self._text:
             try:
-                self._file.write(text)         # type: ignore[union-attr]
-                self._file.flush()             # type: ignore[union-attr]
+                self._write_file(text)
             except (OSError, ValueError) as e:     # EPIPE, EBADF; ValueError: closed file
                 self._lose(e)
             return
-        data = text.encode(self._enc, "replace")
+        data = text if isinstance(text, bytes) else text.encode(self._enc, "replace")
         if self._pending:
             # over the limit only by what was read before reading paused (or an exited
             # child's last output, or a log line), unless the stream stalled: then dropped
@@ -292,6 +301,21 @@ class _Output:
         self._pending += data
         self._moved = time.monotonic()         # (the wait starts now)
         self.flush()
+
+    def _write_file(self, text: str | bytes) -> None:
+        """Write through the file object (blocking): bytes to its binary buffer where it has
+        one (``sys.stdout``), else decoded as UTF-8 (an ``io.StringIO``: text only)."""
+        out = self._file
+        if isinstance(text, bytes):
+            raw = getattr(out, "buffer", None)
+            if raw is not None:
+                out.flush()                    # type: ignore[union-attr]  # (order kept)
+                raw.write(text)
+                raw.flush()
+                return
+            text = text.decode("utf-8", "replace")
+        out.write(text)                        # type: ignore[union-attr]
+        out.flush()                            # type: ignore[union-attr]
 
     def _drop(self) -> None:
         self._dropped += 1
@@ -415,7 +439,7 @@ def _stderr_handlers(logger: logging.Logger, fd: int) -> list[logging.StreamHand
 class _Child:
     """One of the N places: the process filling it now, and its history."""
     __slots__ = ("index", "proc", "buf", "status", "said", "started", "ready", "listened",
-                 "crashes", "early", "respawn_at", "dec", "timed_out", "slow_noted")
+                 "crashes", "early", "respawn_at", "timed_out", "slow_noted")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -429,7 +453,6 @@ class _Child:
         self.crashes = 0          # exits in a row, each soon after its start (the back-off)
         self.early = 0            # exits in a row before "ready" (the crash-loop count)
         self.respawn_at: float | None = None    # monotonic time of the pending restart
-        self.dec: Any = None      # its stdout's UTF-8 decoder (a character may span reads)
         self.timed_out = False    # the current process was killed for not saying "ready"
         self.slow_noted = False   # ... or logged once as slow to say it
 
@@ -509,7 +532,6 @@ class Supervisor:
         c.status = status_r
         c.said = b""
         c.buf = b""
-        c.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         c.started = time.monotonic()
         c.ready = False
         c.timed_out = c.slow_noted = False
@@ -634,7 +656,6 @@ class Supervisor:
                 if c.buf:
                     self._line(c, c.buf + b"\n")
                     c.buf = b""
-                self._line(c, b"", final=True)
                 return
             *lines, c.buf = (c.buf + chunk).split(b"\n")
             for line in lines:
@@ -649,10 +670,9 @@ class Supervisor:
             if not final and self._output.blocked():
                 return                     # the rest waits in the pipe (see _Output)
 
-    def _line(self, c: _Child, line: bytes, final: bool = False) -> None:
-        text = c.dec.decode(line, final) if c.dec is not None else line.decode(errors="replace")
-        if text:
-            self._output.write(text)
+    def _line(self, c: _Child, line: bytes) -> None:
+        if line:
+            self._output.write(line)
 
     def _stop_all(self, sig: int = signal.SIGTERM) -> bool:
         """Signal every live child's process group (the child and the processes it started),
@@ -841,7 +861,7 @@ class Supervisor:
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
         self._sel.register(wake_r, selectors.EVENT_READ, None)
-        old = {s: signal.signal(s, self.on_signal) for s in _STOP_SIGNALS + (signal.SIGCHLD,)}
+        old = {s: signal.signal(s, self.on_signal) for s in STOP_SIGNALS + (signal.SIGCHLD,)}
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         reserve = None
         moved: list[tuple[logging.StreamHandler[Any], Any]] = []
@@ -896,7 +916,10 @@ class Supervisor:
                 sig = self._signals.pop(0)
                 log.info("received %s: stopping %d server processes",
                          signal.Signals(sig).name, self._procs)
-                return 0 if self._stop_all(sig) else 1
+                # a child's handlers stop it on SIGINT/SIGTERM only: SIGHUP's default action
+                # would end it without a clean stop
+                forward = sig if sig in (signal.SIGINT, signal.SIGTERM) else signal.SIGTERM
+                return 0 if self._stop_all(forward) else 1
             now = time.monotonic()
             waits = []
             for c in self._children:

@@ -1,0 +1,127 @@
+"""--procs N: the supervisor's end by any signal, and its children's output passed on as
+bytes (aoprim/server/supervisor.py, docs/server.md "--procs N").
+
+- SIGHUP (a hang-up of its terminal, ``kill -HUP``) and SIGQUIT stop the service as SIGTERM
+  does: the children and what their handlers started stop, and the supervisor exits 0.
+- A supervisor killed with SIGKILL takes its children with it (``PR_SET_PDEATHSIG``), and
+  each child stops its own process group before it exits: what a handler started does not
+  outlive the service, also when it ignores SIGTERM (then it is killed after
+  ``--stop-timeout``).
+- What a child writes on its stdout reaches the supervisor's stdout byte for byte, as with
+  ``--procs 1``: never decoded and encoded again.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from proc_support import child_env
+from test_server_support import HOST, wait_for
+from test_supervisor import alive, cleanup
+
+SPAWNER = """
+import subprocess
+from aoprim.server import Handler
+
+class Spawner(Handler):
+    # each connection starts a process that would run for 5 minutes and says its pid
+    def on_connect(self, session):
+        p = subprocess.Popen(COMMAND)
+        print("spawned", p.pid, flush=True)
+
+    def on_read(self, session, data):
+        session.send(data)
+"""
+
+SLEEPS = ["sleep", "300"]
+IGNORES_TERM = ["sh", "-c", "trap '' TERM; exec sleep 300"]   # (exec keeps the ignore)
+
+BYTES = """
+import sys
+from aoprim.server import Handler
+
+class Bytes(Handler):
+    # a line in the process's own encoding, then bytes that are no UTF-8 at all
+    def on_connect(self, session):
+        print("caf\\u00e9", flush=True)
+        sys.stdout.buffer.write(b"raw:\\xff\\xfe\\x80\\n")
+        sys.stdout.flush()
+        session.send(b"done")
+
+    def on_read(self, session, data):
+        session.send(data)
+"""
+
+
+def start(tmp_path, source, spec, *extra, **env):
+    (tmp_path / (spec.split(":")[0] + ".py")).write_text(source)
+    return subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST,
+                             "--port", "0", "--procs", "2", "--log-level", "WARNING",
+                             *extra, spec], stdout=subprocess.PIPE,
+                            cwd=str(tmp_path), env=child_env(**env))
+
+
+def spawned_pid(tmp_path, command, *extra):
+    """A supervisor whose handler started a process: (supervisor, that process's pid)."""
+    p = start(tmp_path, SPAWNER.replace("COMMAND", repr(command)), "spawner:Spawner", *extra)
+    line = p.stdout.readline()
+    assert line.startswith(b"listening on "), line
+    port = int(line.rsplit(b":", 1)[1])
+    with socket.create_connection((HOST, port), timeout=30):
+        said = p.stdout.readline()
+    assert said.startswith(b"spawned "), said
+    return p, int(said.split()[1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGHUP", "SIGQUIT"])
+def test_a_hang_up_or_quit_stops_the_service_with_what_handlers_started(tmp_path, sig):
+    """The supervisor had no handler for either: it died of the signal's default action
+    without stopping its children, and a handler's subprocess lived on (ppid 1)."""
+    p, pid = spawned_pid(tmp_path, SLEEPS)
+    try:
+        assert alive(pid)
+        p.send_signal(getattr(signal, sig))
+        assert p.wait(60) == 0                  # a stop, as SIGTERM's
+        wait_for(lambda: not alive(pid), timeout=30, what=f"process {pid} gone")
+    finally:
+        cleanup(p, [pid])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", [SLEEPS, IGNORES_TERM], ids=["stops", "ignores-term"])
+def test_what_handlers_started_dies_with_a_killed_supervisor(tmp_path, command):
+    """The children died of their death signal but left their process group running."""
+    p, pid = spawned_pid(tmp_path, command, "--stop-timeout", "2")
+    try:
+        assert alive(pid)
+        p.kill()
+        p.wait(30)
+        # a child stops on its death signal; what it started gets SIGTERM with it, and
+        # SIGKILL at --stop-timeout if still there
+        wait_for(lambda: not alive(pid), timeout=30, what=f"process {pid} gone")
+    finally:
+        cleanup(p, [pid])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
+def test_the_children_s_stdout_bytes_are_passed_on_as_written(tmp_path, encoding):
+    """The supervisor decoded each child's stdout as UTF-8 (errors replaced) and encoded it
+    again: bytes that were not UTF-8 came out as U+FFFD."""
+    p = start(tmp_path, BYTES, "bytes:Bytes", PYTHONIOENCODING=encoding)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith(b"listening on "), line
+        port = int(line.rsplit(b":", 1)[1])
+        with socket.create_connection((HOST, port), timeout=30) as s:
+            assert s.recv(4) == b"done"
+        assert p.stdout.readline() == "caf\u00e9\n".encode(encoding)
+        assert p.stdout.readline() == b"raw:\xff\xfe\x80\n"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        cleanup(p)
