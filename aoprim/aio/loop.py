@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.constants as _aconst
+import os
 import selectors
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
 import asyncio.sslproto as _sslproto
 
@@ -81,6 +83,38 @@ FLUSH_ROUNDS = 8
 
 def _noop() -> None:
     pass
+
+
+#: every aoprim.aio loop not yet garbage-collected, for the fork hook below
+_LOOPS: weakref.WeakSet[Loop] = weakref.WeakSet()
+
+
+def _drop_inherited_writes() -> None:
+    """In a process forked from one running aoprim.aio loops (``os.fork()`` in a callback):
+    drop, unsent, what every loop's transports had batched at the fork.  Those bytes are the
+    parent's, which sends them; the child would send them a second time at its next flush
+    (an iteration's end, a ``SystemExit`` out of the loop, ``close()``), where asyncio's
+    ``write()`` had sent them before the fork.  What the child writes afterwards is its
+    own.  Runs only in the child (``os.register_at_fork``): the write path costs nothing."""
+    for loop in list(_LOOPS):
+        group = loop._aio_group
+        for transport in list(loop._transports.values()):
+            if not isinstance(transport, SocketTransport):
+                continue
+            batch = transport._batch
+            if not batch.pending_bytes:
+                continue
+            try:
+                batch.clear()
+                if group.detach(batch):             # out of the group's dirty queue,
+                    group.attach(batch, transport)  # attached again (nothing pending)
+            except RuntimeError:
+                # busy: the fork came while another thread was inside this batch (a write
+                # from outside the loop's thread); that thread does not exist in the child
+                pass
+
+
+os.register_at_fork(after_in_child=_drop_inherited_writes)
 
 
 class _Selector(selectors.DefaultSelector):
@@ -147,6 +181,7 @@ class Loop(_aioloop.LoopCore, asyncio.SelectorEventLoop, metaclass=_NoPatch):
         # in one of its pooled bytes slots (large reads); the loop runs one callback at a
         # time, so one ReadBuffer serves all its transports
         self._aio_rbuf = ReadBuffer(READ_BUFFER_SIZE)
+        _LOOPS.add(self)
 
     # ---- aoprim's public extras -----------------------------------------------------------
 
