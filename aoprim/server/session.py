@@ -140,6 +140,15 @@ class SessionContext:
     kick: Callable[[], None]
 
 
+class _WriteLimits:
+    """A ``set_write_limits`` made on another thread, queued with its sends (ForeignSends:
+    it carries no bytes and retains nothing)."""
+    __slots__ = ("args",)
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+
 class Session:
     """One connection.  Public: ``send``, ``close``, ``abort``, ``peer``, ``proxy_peer``,
     ``id``, ``closed``, ``close_reason``, ``server``, ``user`` (free for the application),
@@ -528,7 +537,14 @@ class Session:
     def set_write_limits(self, high: int, low: int, on_high: Callable[[], object],
                          on_low: Callable[[], object]) -> None:
         """Call ``on_high()`` once unsent bytes exceed ``high``, then ``on_low()`` once they
-        drop to ``low`` or below (loop thread; used by the asyncio adapter)."""
+        drop to ``low`` or below (used by the asyncio adapter).  Any thread: from another
+        one the change is queued with that thread's sends and applied by the loop thread
+        between them, in order (the writes before it checked against the old limits, those
+        after against the new); after close it is dropped."""
+        if _get_ident() != self._loop.thread_id:
+            if not (self._state or self._close_requested):
+                self._foreign.push(_WriteLimits(high, low, on_high, on_low))
+            return
         self._wm = (high, low, on_high, on_low)
         self._set_cap()
         self._hw = -1           # every send now takes _over_high, which checks the limits
@@ -589,6 +605,15 @@ class Session:
         for item in items:
             if self._state == CLOSED:
                 release_item(item)
+                continue
+            if type(item) is _WriteLimits:
+                # a write-limit change made on that thread between its sends: the sends
+                # before it are checked against the old limits first
+                if b.pending_bytes > self._hw:
+                    self._over_high()
+                    if self._state == CLOSED:
+                        continue
+                self.set_write_limits(*item.args)
                 continue
             try:
                 if hs:

@@ -1,0 +1,92 @@
+"""serve_protocol against asyncio's own loop where a protocol leans on the loop itself:
+``set_write_buffer_limits`` called from a worker's callback, async generators finalized
+(``aclose`` after a broken ``async for``, those alive at shutdown), the contextvars context
+of the code that started the server, callbacks queued by one delivery running before the
+next, and the loop's debug mode.  Both Layer 1 backends, with and without workers."""
+import asyncio
+import contextvars
+import decimal
+import logging
+import socket
+import threading
+
+import pytest
+
+from test_server_support import HOST, recv_exact, recv_until_closed, wait_for
+from protocol_support import backend, serve, workers  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def on_asyncio(factory, client):
+    """Run ``client(address)`` against ``factory`` served by asyncio's own loop; returns
+    what the client returned."""
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(factory, HOST, 0)
+        try:
+            return await asyncio.to_thread(client, srv.sockets[0].getsockname())
+        finally:
+            srv.close()
+
+    return asyncio.run(main())
+
+
+# -- set_write_buffer_limits from any thread ----------------------------------------------
+
+class BulkReplies(asyncio.Protocol):
+    """Each request line raises the high-water mark, then answers 50000 bytes; the peer's
+    EOF is answered with b"END".  Exceptions the loop reports are collected."""
+    REPLY = 50000
+    HIGH = 1 << 20
+
+    def __init__(self, errors):
+        self.errors = errors
+
+    def connection_made(self, transport):
+        self.t = transport
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, ctx: self.errors.append(ctx.get("exception") or ctx["message"]))
+
+    def data_received(self, data):
+        for _ in range(data.count(b"\n")):
+            self.t.set_write_buffer_limits(high=self.HIGH)
+            self.t.write(b"y" * self.REPLY)
+
+    def eof_received(self):
+        self.t.write(b"END")
+        return False
+
+
+def _ask_bulk(address, n, got):
+    # one request at a time, each sent once part of the earlier replies arrived: each is
+    # a callback of its own, made while the server still flushes what came before
+    c = socket.create_connection(address)
+    with c:
+        n_read = 0
+        for i in range(n):
+            c.sendall(b"r\n")
+            n_read += len(recv_exact(c, 10000, timeout=30))
+        c.shutdown(socket.SHUT_WR)
+        data, how = recv_until_closed(c, timeout=30)
+        got.append((n_read + len(data), how))
+
+
+@pytest.mark.parametrize("high", [1 << 20, 1000], ids=["above", "below"])
+def test_set_write_buffer_limits_inside_callbacks_while_a_reply_is_flushing(serve, high):
+    # (with workers the callbacks run on a worker while the loop thread flushes the earlier
+    # replies: the limits reach the loop thread in order with the writes)
+    errors, got = [], []
+    class P(BulkReplies):
+        HIGH = high
+
+    srv = serve(lambda: P(errors))
+    n, clients = 60, 6
+    ths = [threading.Thread(target=_ask_bulk, args=(srv.address, n, got))
+           for _ in range(clients)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60)
+    assert not any(t.is_alive() for t in ths)
+    assert errors == []
+    assert got == [(n * BulkReplies.REPLY + 3, "eof")] * clients
