@@ -107,6 +107,39 @@ def test_what_handlers_started_dies_with_a_killed_supervisor(tmp_path, command):
         cleanup(p, [pid])
 
 
+SLOW_IMPORT = """
+import subprocess, time
+from aoprim.server import Handler
+
+p = subprocess.Popen(["sleep", "300"])      # a helper started at import
+print("spawned", p.pid, flush=True)
+time.sleep(300)                             # a module that loads for minutes
+
+class Slow(Handler):
+    def on_read(self, session, data):
+        session.send(data)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_what_an_import_started_dies_with_a_supervisor_killed_during_the_start(tmp_path):
+    """The child is stopped while its handler's module loads: its group goes with it."""
+    p = start(tmp_path, SLOW_IMPORT, "slow:Slow")
+    pids = []
+    try:
+        for _ in range(2):                      # each child's import says its helper
+            said = p.stdout.readline()
+            assert said.startswith(b"spawned "), said
+            pids.append(int(said.split()[1]))
+        assert all(alive(pid) for pid in pids)
+        p.kill()
+        p.wait(30)
+        wait_for(lambda: not any(alive(pid) for pid in pids), timeout=30,
+                 what=f"processes {pids} gone")
+    finally:
+        cleanup(p, pids)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
 def test_the_children_s_stdout_bytes_are_passed_on_as_written(tmp_path, encoding):

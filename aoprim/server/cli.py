@@ -705,11 +705,17 @@ def _serve_one(a: argparse.Namespace) -> int:
     status = _StatusPipe(a.status_fd) if a.status_fd is not None else None
     # a supervised child: what it starts is stopped with it if the supervisor dies
     heirs = _Heirs(os.getppid()) if status is not None else None
-    if a.handler is not None:
-        _put_on_path(a.app_dir)
-        handler = load_handler(a.handler)
-    else:
-        handler = load_handler(BUILTIN_APPS[a.app or "echo"])
+    try:
+        if a.handler is not None:
+            _put_on_path(a.app_dir)
+            handler = load_handler(a.handler)
+        else:
+            handler = load_handler(BUILTIN_APPS[a.app or "echo"])
+    except _Stop:
+        # stopped while the handler's module loads: what its import started goes too
+        if heirs is not None:
+            heirs.finish(time.monotonic() + a.stop_timeout)
+        raise
     before = _fds()                     # the process's fds before the server's
     try:
         srv = Server(handler, a.host, a.port, **_settings(a))
@@ -760,8 +766,8 @@ def _serve_one(a: argparse.Namespace) -> int:
         # what is left -- the stats line, what handlers printed without flushing -- goes
         # to a stdout that may not be read: bounded too
         watchdog.arm("the end of serving")
-    if heirs is not None:
-        heirs.finish(watchdog.deadline)
+        if heirs is not None:
+            heirs.finish(watchdog.deadline)
     if not failed:
         _tell(status, b"stopped")    # told to stop, and done: not to be restarted
     if a.stats_json:
