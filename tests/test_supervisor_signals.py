@@ -10,7 +10,6 @@ bytes (aoprim/server/supervisor.py, docs/server.md "--procs N").
 - What a child writes on its stdout reaches the supervisor's stdout byte for byte, as with
   ``--procs 1``: never decoded and encoded again.
 """
-import os
 import signal
 import socket
 import subprocess

@@ -98,7 +98,7 @@ def _drop_inherited_writes() -> None:
     own.  Runs only in the child (``os.register_at_fork``): the write path costs nothing."""
     for loop in list(_LOOPS):
         group = loop._aio_group
-        for transport in list(loop._transports.values()):
+        for transport in list(loop._transports.values()):  # type: ignore[attr-defined]
             if not isinstance(transport, SocketTransport):
                 continue
             batch = transport._batch

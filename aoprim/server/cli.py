@@ -645,7 +645,7 @@ class _Heirs:
     def others(self) -> list[int]:
         """The live processes of the group other than this one (from /proc)."""
         me = os.getpid()
-        found = []
+        found: list[int] = []
         try:
             names = os.listdir("/proc")
         except OSError:
