@@ -90,3 +90,65 @@ def test_set_write_buffer_limits_inside_callbacks_while_a_reply_is_flushing(serv
     assert not any(t.is_alive() for t in ths)
     assert errors == []
     assert got == [(n * BulkReplies.REPLY + 3, "eof")] * clients
+
+
+# -- async generators are finalized as asyncio's loop does --------------------------------
+
+class AbandonsGenerator(asyncio.Protocol):
+    """A task reads an async generator until 2, breaks out and drops it, then closes; the
+    generator's finally awaits, then writes a trailer.  Another generator, kept by the
+    protocol and left suspended, is for the shutdown to close."""
+
+    def __init__(self, log, kept):
+        self.log, self.kept = log, kept
+
+    def connection_made(self, transport):
+        self.t = transport
+        asyncio.get_running_loop().create_task(self.run())
+
+    async def chunks(self):
+        try:
+            for i in range(10):
+                yield i
+                await asyncio.sleep(0)
+        finally:
+            await asyncio.sleep(0)
+            self.log.append("dropped generator closed")
+            self.t.write(b"trailer")
+
+    async def kept_alive(self):
+        try:
+            yield 1
+            yield 2
+        finally:
+            await asyncio.sleep(0)
+            self.log.append("kept generator closed")
+
+    async def run(self):
+        async for i in self.chunks():
+            if i == 2:
+                break       # (CPython frees the generator here: its finalizer hook runs)
+        g = self.kept_alive()
+        self.kept.append(g)
+        await g.__anext__()
+        await asyncio.sleep(0.05)   # (a loop round-trip or two: the aclose task runs)
+        self.t.close()
+
+
+def _read_all(address):
+    with socket.create_connection(address) as c:
+        return recv_until_closed(c)
+
+
+def test_async_generators_are_closed_when_dropped_and_at_shutdown(serve):
+    log, kept = [], []
+    assert on_asyncio(lambda: AbandonsGenerator(log, kept), _read_all) == (b"trailer", "eof")
+    # (asyncio.run closed the kept one at its end)
+    assert log == ["dropped generator closed", "kept generator closed"]
+    log.clear()
+    kept.clear()
+    srv = serve(lambda: AbandonsGenerator(log, kept))
+    assert _read_all(srv.address) == (b"trailer", "eof")
+    assert log == ["dropped generator closed"]
+    srv.shutdown(timeout=15)
+    assert log == ["dropped generator closed", "kept generator closed"]

@@ -21,8 +21,10 @@ lock).  The loop's I/O methods raise ``NotImplementedError``.  Each connection h
 sets, another never sees; its tasks and loop callbacks copy it, as asyncio's).  The default
 executor is one bounded pool per server (``min(32, cpu + 4)`` threads, as asyncio's), shut
 down with it.  At shutdown, once every ``connection_lost`` has run, the tasks still pending
-are cancelled and run their cancellation (within ``shutdown_timeout``), as ``asyncio.run``
-does.  Exceptions go where asyncio sends them: to the loop's exception handler
+are cancelled and run their cancellation, then the async generators still alive are
+closed (within ``shutdown_timeout``), as ``asyncio.run`` does; the loop's async generator
+hooks are installed while its callbacks run (a generator dropped unfinished is closed with
+``aclose()`` in a task, as asyncio's).  Exceptions go where asyncio sends them: to the loop's exception handler
 (``loop.set_exception_handler``).
 
 Writing.  The transport's write buffer is the session's ``SendBatch``:
@@ -68,10 +70,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import os
+import sys
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from asyncio.events import _get_running_loop, _set_running_loop
@@ -129,6 +134,13 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         self._xq: list[tuple[bool, asyncio.TimerHandle]] = []
         self._xq_posted = False
         self._xlock = threading.Lock()
+        # async generators first iterated in its callbacks (sys.set_asyncgen_hooks, as
+        # asyncio's loop): one dropped unfinished is closed with aclose() in a task, those
+        # alive at the server's shutdown are closed then (see _shutdown_asyncgens)
+        self._asyncgens: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._asyncgens_shut = False
+        self._agen_lock = threading.Lock()      # (the finalizer runs on any thread: GC)
+        self._agen_hooks = (self._asyncgen_firstiter_hook, self._asyncgen_finalizer_hook)
 
     # -- time and callbacks ----------------------------------------------------------------
     def time(self) -> float:
@@ -270,6 +282,53 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         with self._executor_lock:
             self._default_executor = executor
 
+    # -- async generators (asyncio's hooks) ------------------------------------------------
+    def _asyncgen_firstiter_hook(self, agen: Any) -> None:
+        if self._asyncgens_shut:
+            warnings.warn(f"asynchronous generator {agen!r} was scheduled after "
+                          f"loop.shutdown_asyncgens() call", ResourceWarning, source=self)
+        with self._agen_lock:
+            self._asyncgens.add(agen)
+
+    def _asyncgen_finalizer_hook(self, agen: Any) -> None:
+        # (any thread: the one whose GC dropped the generator) its aclose() as a task
+        with self._agen_lock:
+            self._asyncgens.discard(agen)
+        if not self.is_closed():
+            try:
+                self.call_soon_threadsafe(self.create_task, agen.aclose())
+            except RuntimeError:
+                pass                # (the loop closed meanwhile: as a closed asyncio loop)
+
+    def _shutdown_asyncgens(self, done: Callable[[], None]) -> None:
+        """Close the async generators still alive (as asyncio's ``shutdown_asyncgens``, which
+        ``asyncio.run`` calls once the tasks are cancelled): each one's ``aclose()`` in a
+        task; ``done()`` once all finished (the server's ``shutdown_timeout`` bounds the
+        wait, as for the tasks)."""
+        with self._agen_lock:
+            self._asyncgens_shut = True
+            gens = list(self._asyncgens)
+            self._asyncgens.clear()
+        if not gens:
+            done()
+            return
+        left = len(gens)
+
+        def one_done(t: asyncio.Task[Any], agen: Any) -> None:
+            nonlocal left
+            if not t.cancelled() and t.exception() is not None:
+                self.call_exception_handler({
+                    "message": f"an error occurred during closing of asynchronous "
+                               f"generator {agen!r}",
+                    "exception": t.exception(), "asyncgen": agen})
+            left -= 1
+            if left == 0:
+                done()
+
+        for agen in gens:
+            t = self.create_task(agen.aclose())
+            t.add_done_callback(functools.partial(one_done, agen=agen))
+
     # -- shutdown (the server's, loop thread) ----------------------------------------------
     def _cancel_tasks(self, done: Callable[[], None]) -> None:
         """Cancel the tasks still pending (as ``asyncio.run`` does at its end) and call
@@ -382,7 +441,8 @@ _here = threading.local()
 
 
 def _call(loop: ProtocolLoop, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with ``loop`` as this thread's running loop.  On a thread the server
+    """``fn(*args)`` with ``loop`` as this thread's running loop (and its async generator
+    hooks installed, as asyncio's loop does while it runs).  On a thread the server
     owns (``start()``'s loop thread, a worker: they end with the server) it is set once and
     stays -- asyncio's C ``_set_running_loop`` costs a microsecond a call on 3.11; on any
     other (``serve_forever()``'s caller) it is set for the call and the previous one
@@ -391,13 +451,17 @@ def _call(loop: ProtocolLoop, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     if loop._owns_this_thread():
         _set_running_loop(loop)
+        sys.set_asyncgen_hooks(*loop._agen_hooks)
         _here.loop = loop
         return fn(*args)
     prev = _get_running_loop()
+    prev_hooks = sys.get_asyncgen_hooks()
     _set_running_loop(loop)
+    sys.set_asyncgen_hooks(*loop._agen_hooks)
     try:
         return fn(*args)
     finally:
+        sys.set_asyncgen_hooks(*prev_hooks)
         _set_running_loop(prev)
 
 
@@ -722,7 +786,9 @@ class ProtocolHandler(Handler):
             return
 
         def cancel() -> None:
-            _call(loop, loop._cancel_tasks, done)
+            # the tasks, then the async generators left (as asyncio.run)
+            _call(loop, loop._cancel_tasks,
+                  lambda: _call(loop, loop._shutdown_asyncgens, done))
 
         def start() -> None:        # (any thread: the last on_close's)
             if _get_ident() == loop._ev.thread_id:
