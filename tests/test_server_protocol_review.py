@@ -152,3 +152,44 @@ def test_async_generators_are_closed_when_dropped_and_at_shutdown(serve):
     assert log == ["dropped generator closed"]
     srv.shutdown(timeout=15)
     assert log == ["dropped generator closed", "kept generator closed"]
+
+
+# -- the context of the code that starts the server ---------------------------------------
+
+SERVICE = contextvars.ContextVar("SERVICE", default="<unset>")
+
+
+class SeesContext(asyncio.Protocol):
+    def __init__(self, seen):
+        self.seen = seen
+
+    def connection_made(self, transport):
+        self.seen.append((SERVICE.get(), decimal.getcontext().prec))
+        transport.close()
+
+
+def test_protocols_run_in_a_copy_of_the_starters_context(serve):
+    seen = []
+
+    def start_here(start):
+        # (in a context of its own: nothing is left set for the other tests)
+        SERVICE.set("billing")
+        decimal.getcontext().prec = 50
+        return start()
+
+    def client(address):
+        with socket.create_connection(address) as c:
+            return recv_until_closed(c)
+
+    async def on_asyncio_loop():
+        srv = await asyncio.get_running_loop().create_server(lambda: SeesContext(seen),
+                                                             HOST, 0)
+        await asyncio.to_thread(client, srv.sockets[0].getsockname())
+        srv.close()
+
+    contextvars.copy_context().run(start_here, lambda: asyncio.run(on_asyncio_loop()))
+    srv = contextvars.copy_context().run(start_here, lambda: serve(lambda: SeesContext(seen)))
+    client(srv.address)
+    wait_for(lambda: len(seen) == 2)
+    assert seen == [("billing", 50)] * 2
+    assert SERVICE.get() == "<unset>"

@@ -17,7 +17,8 @@ loop; what they schedule runs on the server's loop thread (with ``workers=0`` th
 the protocol's own callbacks, so no lock is needed; with ``workers=N`` the protocol's
 callbacks run on a worker and the loop's on the loop thread: state both touch needs a
 lock).  The loop's I/O methods raise ``NotImplementedError``.  Each connection has its own
-``contextvars.Context``, copied at accept, in which its callbacks run (what one connection
+``contextvars.Context``, copied at accept from the context of the code that made the
+server (``serve_protocol()``'s caller), in which its callbacks run (what one connection
 sets, another never sees; its tasks and loop callbacks copy it, as asyncio's).  The default
 executor is one bounded pool per server (``min(32, cpu + 4)`` threads, as asyncio's), shut
 down with it.  At shutdown, once every ``connection_lost`` has run, the tasks still pending
@@ -622,6 +623,11 @@ class ProtocolHandler(Handler):
     def __init__(self, protocol_factory: Callable[[], asyncio.BaseProtocol]) -> None:
         self._factory = protocol_factory
         self._loop: ProtocolLoop | None = None
+        # the context of the code that made the server (serve_protocol()'s caller, before
+        # start()): each connection's context is a copy of it, as asyncio's protocols run
+        # in copies of the context that created the server (a ContextVar set before, the
+        # decimal context) -- the server's own threads start with an empty one
+        self._base_ctx = contextvars.copy_context()
         # connections whose connection_lost has not run yet, and the server's shutdown
         # waiting for them (see _drain_at_shutdown); on_connect/on_close may run on workers
         self._open = 0
@@ -637,9 +643,10 @@ class ProtocolHandler(Handler):
 
     def on_connect(self, session: Session) -> None:
         loop = self._loop_of(session)
-        # the connection's own context, copied at accept (asyncio: its transport's
-        # callbacks'): what one connection's callbacks set, another's never see
-        ctx = contextvars.copy_context()
+        # the connection's own context, copied at accept from the server's maker's
+        # (asyncio: its transport's callbacks'): what one connection's callbacks set,
+        # another's never see
+        ctx = self._base_ctx.copy()
         _call(loop, ctx.run, self._made, session, loop, ctx)
 
     def _made(self, session: Session, loop: ProtocolLoop, ctx: contextvars.Context) -> None:
