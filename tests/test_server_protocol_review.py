@@ -193,3 +193,113 @@ def test_protocols_run_in_a_copy_of_the_starters_context(serve):
     wait_for(lambda: len(seen) == 2)
     assert seen == [("billing", 50)] * 2
     assert SERVICE.get() == "<unset>"
+
+
+# -- what one delivery queued runs before the next (workers=0) ----------------------------
+
+NO_ORDER_WITH_WORKERS = ("with workers the protocol's callbacks run on a worker and the "
+                         "loop's on the loop thread: no order between them (docs/server.md)")
+
+
+class CountsLate(asyncio.Protocol):
+    """Each data_received queues a call_soon; counts the calls made while the previous
+    one's callback had not run yet."""
+
+    def __init__(self, result):
+        self.result = result
+        self.pending = self.late = self.n = 0
+
+    def data_received(self, data):
+        self.n += len(data)
+        self.late += self.pending > 0
+        self.pending += 1
+        asyncio.get_running_loop().call_soon(self.done)
+
+    def done(self):
+        self.pending -= 1
+
+    def eof_received(self):
+        self.result.set_result((self.n, self.late))
+
+
+class ParsesLater(asyncio.BufferedProtocol):
+    """Hands out one 1000-byte buffer and processes it in a loop callback or a woken task:
+    the buffer must not be asked for again before that ran."""
+    via = "call_soon"
+
+    def __init__(self, result):
+        self.result = result
+        self.buf = bytearray(1000)
+        self.out = bytearray()
+        self.late = 0
+        self.pending = 0
+        self.waiter = None
+
+    def connection_made(self, transport):
+        if self.via == "task":
+            asyncio.get_running_loop().create_task(self.consumer())
+
+    def get_buffer(self, hint):
+        self.late += self.pending > 0
+        return self.buf
+
+    def buffer_updated(self, n):
+        self.pending += 1
+        if self.via == "call_soon":
+            asyncio.get_running_loop().call_soon(self.parse, n)
+        else:
+            self.waiter.set_result(n)       # (InvalidStateError if the consumer lags)
+
+    def parse(self, n):
+        self.pending -= 1
+        self.out += self.buf[:n]
+
+    async def consumer(self):
+        while True:
+            self.waiter = asyncio.get_running_loop().create_future()
+            self.parse(await self.waiter)
+
+    def eof_received(self):
+        asyncio.get_running_loop().call_soon(
+            self.result.set_result, (bytes(self.out), self.late))
+
+
+def _send_all_at_once(address, data):
+    with socket.create_connection(address) as c:
+        c.sendall(data)
+        c.shutdown(socket.SHUT_WR)
+        recv_until_closed(c)
+
+
+def _run_until_eof(serve, factory, data):
+    import concurrent.futures
+    on_aio = concurrent.futures.Future()
+    on_asyncio(lambda: factory(on_aio), lambda a: _send_all_at_once(a, data))
+    on_aoprim = concurrent.futures.Future()
+    srv = serve(lambda: factory(on_aoprim))
+    _send_all_at_once(srv.address, data)
+    return on_aio.result(10), on_aoprim.result(10)
+
+
+def test_call_soon_in_data_received_runs_before_the_next(serve, workers):
+    if workers:
+        pytest.skip(NO_ORDER_WITH_WORKERS)
+    data = b"x" * (4 << 20)
+    on_aio, on_aoprim = _run_until_eof(serve, CountsLate, data)
+    assert on_aio == (len(data), 0)
+    assert on_aoprim == (len(data), 0)
+
+
+@pytest.mark.parametrize("via", ["call_soon", "task"])
+def test_buffer_is_processed_before_get_buffer_is_called_again(serve, workers, via):
+    if workers:
+        pytest.skip(NO_ORDER_WITH_WORKERS)
+    data = bytes(range(256)) * 256
+
+    class P(ParsesLater):
+        pass
+
+    P.via = via
+    on_aio, on_aoprim = _run_until_eof(serve, P, data)
+    assert on_aio == (data, 0)
+    assert on_aoprim == (data, 0)

@@ -163,7 +163,7 @@ class Session:
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
-                 "_rest", "_transport", "_cap", "_limit", "_limit_cause", "_progress_at",
+                 "_rest", "_cb_hold", "_transport", "_cap", "_limit", "_limit_cause", "_progress_at",
                  "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
@@ -230,6 +230,7 @@ class Session:
         # workers=0: the rest of a frame that on_read handed back with unread() after pausing
         # reading; delivered first once reading resumes
         self._rest: bytes | None = None
+        self._cb_hold = False               # hold_for_callbacks: its release is queued
         # an asyncio transport's rules (set_transport_rules): close() waits for the backlog,
         # max_pending counts what was pending before each send
         self._transport = False
@@ -779,6 +780,27 @@ class Session:
             # frames read before the pause and held back (the receiver stops between frames
             # once held): no readiness event will come for them
             self._loop.call_soon(self._deliver_held)
+
+    def hold_for_callbacks(self) -> None:
+        """Inside on_read (loop thread, no workers): deliver nothing more -- neither the rest
+        of this read burst nor a later read -- until the loop callbacks queued so far have
+        run (an asyncio protocol's ``call_soon``, a task it woke: on asyncio's loop each
+        read is a loop callback of its own, so those run before the next delivery).  The
+        bytes are kept by the receiver (and ``unread``), as for a pause; no syscall: the
+        fd's read interest is not changed."""
+        if self._rx.paused or self._cb_hold:
+            return          # (a pause holds already; its resume delivers)
+        self._cb_hold = True
+        self._rx.receiver.hold = True
+        self._loop.call_soon(self._release_cb_hold)
+
+    def _release_cb_hold(self) -> None:
+        self._cb_hold = False
+        if self._state != OPEN or self._rx.paused:
+            return          # (closing: nothing more is delivered; paused: resume does it)
+        self._rx.receiver.hold = False
+        if self._rx.receiver.pending or self._rest is not None:
+            self._deliver_held()
 
     def _deliver_held(self) -> None:
         if self._state != OPEN or self._rx.paused:

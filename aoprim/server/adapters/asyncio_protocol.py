@@ -63,7 +63,9 @@ that cuts the session (``max_pending``, ``idle_timeout``, a shutdown dropping th
 ends the stream with a reset and gives ``connection_lost`` an exception naming it
 (``ConnectionAbortedError``, ``TimeoutError``), never None.  ``write_eof`` is not
 supported.  ``get_buffer``'s size hint is -1, as asyncio's (over TLS, the bytes at hand);
-``is_reading()`` is False once the transport is closing, whoever closed it.  Over TLS
+``is_reading()`` is False once the transport is closing, whoever closed it.  With
+``workers=0`` over TCP, the loop callbacks one delivery queued (``call_soon``, a task woken)
+run before the next, as asyncio's loop, where each read is a callback of its own.  Over TLS
 (``serve_protocol(..., ssl=ctx)``) ``get_extra_info`` answers asyncio's TLS names
 (``sslcontext``, ``ssl_object``, ``peercert``, ``cipher``, ``compression``).
 """
@@ -135,6 +137,9 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         self._xq: list[tuple[bool, asyncio.TimerHandle]] = []
         self._xq_posted = False
         self._xlock = threading.Lock()
+        # loop-thread call_soon calls so far: a delivery that queued some (a call_soon, a
+        # task woken) is followed by those callbacks before the next (see on_read)
+        self._nsoon = 0
         # async generators first iterated in its callbacks (sys.set_asyncgen_hooks, as
         # asyncio's loop): one dropped unfinished is closed with aclose() in a task, those
         # alive at the server's shutdown are closed then (see _shutdown_asyncgens)
@@ -153,6 +158,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         h = _Handle(callback, args, self, context)
         ev = self._ev
         if _get_ident() == ev.thread_id:
+            self._nsoon += 1
             ev.call_soon(self._run_handle, h)
         elif not ev.call_soon_threadsafe(self._run_handle, h):
             raise RuntimeError("Event loop is closed (the server has shut down)")
@@ -671,6 +677,7 @@ class ProtocolHandler(Handler):
         if tr._closing:
             return
         lp = tr._loop
+        n0 = lp._nsoon
         try:
             if getattr(_here, "loop", None) is lp:
                 tr._ctx.run(self._deliver, tr, session, data)
@@ -678,6 +685,12 @@ class ProtocolHandler(Handler):
                 _call(lp, tr._ctx.run, self._deliver, tr, session, data)
         except Exception as e:
             self._failed(tr, session, e, tr._stage)
+            return
+        if lp._nsoon != n0 and session.work is None and not tr._tls:
+            # the protocol queued loop callbacks (workers=0: this is the loop thread): as on
+            # asyncio's loop, where each read is a callback of its own, they run before the
+            # next delivery -- the rest of this read burst waits in the receiver
+            session.hold_for_callbacks()
 
     def _failed(self, tr: SessionTransport, session: Session, e: Exception,
                 what: str) -> None:
@@ -713,8 +726,17 @@ class ProtocolHandler(Handler):
             mv[:k] = data[off:off + k]
             mv.release()
             tr._stage = "buffer_updated"
+            n0 = tr._loop._nsoon
             proto.buffer_updated(k)
             off += k
+            if (off < n and tr._loop._nsoon != n0 and session.work is None
+                    and not tr._tls and not tr.is_closing()):
+                # it queued loop callbacks (a call_soon, a task woken to process the
+                # buffer): as asyncio's loop, where each recv_into is a callback of its
+                # own, they run before the buffer is asked for again -- the rest waits
+                session.unread(data[off:])
+                session.hold_for_callbacks()
+                return
             if off < n and (not tr.is_reading() or tr.is_closing()):
                 # as asyncio: nothing more for the protocol in this call.  After close()
                 # or abort() the rest is dropped; after pause_reading() it is handed
