@@ -303,3 +303,71 @@ def test_buffer_is_processed_before_get_buffer_is_called_again(serve, workers, v
     on_aio, on_aoprim = _run_until_eof(serve, P, data)
     assert on_aio == (data, 0)
     assert on_aoprim == (data, 0)
+
+
+# -- asyncio's debug mode ------------------------------------------------------------------
+
+class Debugged(asyncio.Protocol):
+    """Reports get_debug(); with ``turn_on`` switches debug mode on with a zero slow-callback
+    threshold (so every callback counts as slow), queues a loop callback, answers, closes."""
+    turn_on = True
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def connection_made(self, transport):
+        self.t = transport
+        loop = asyncio.get_running_loop()
+        self.seen.append(loop.get_debug())
+        if self.turn_on:
+            loop.set_debug(True)
+            loop.slow_callback_duration = 0.0
+            self.seen.append(loop.get_debug())
+
+    def data_received(self, data):
+        asyncio.get_running_loop().call_soon(self.queued_callback)
+
+    def queued_callback(self):
+        self.t.write(b"ok")
+        self.t.close()
+
+
+def _poke(address):
+    with socket.create_connection(address) as c:
+        c.sendall(b"x")
+        return recv_until_closed(c)
+
+
+def _slow_logs(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.name == "asyncio" and r.getMessage().startswith("Executing ")]
+
+
+def test_set_debug_logs_slow_callbacks(serve, caplog):
+    caplog.set_level(logging.WARNING, logger="asyncio")
+    seen = []
+    assert on_asyncio(lambda: Debugged(seen), _poke) == (b"ok", "eof")
+    assert seen == [False, True]
+    on_aio = _slow_logs(caplog)
+    assert any("queued_callback" in m for m in on_aio)
+    caplog.clear()
+    seen.clear()
+    srv = serve(lambda: Debugged(seen))
+    assert _poke(srv.address) == (b"ok", "eof")
+    assert seen == [False, True]
+    logged = _slow_logs(caplog)
+    assert any("queued_callback" in m and " took " in m for m in logged), logged
+    assert any("data_received()" in m and " took " in m for m in logged), logged
+
+
+def test_pythonasynciodebug_turns_debug_mode_on(serve, monkeypatch):
+    monkeypatch.setenv("PYTHONASYNCIODEBUG", "1")
+
+    class P(Debugged):
+        turn_on = False
+
+    seen = []
+    assert on_asyncio(lambda: P(seen), _poke) == (b"ok", "eof")
+    srv = serve(lambda: P(seen))
+    assert _poke(srv.address) == (b"ok", "eof")
+    assert seen == [True, True]

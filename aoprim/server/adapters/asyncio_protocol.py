@@ -13,7 +13,8 @@ The loop.  Every protocol callback runs with the server's :class:`ProtocolLoop` 
 running loop, so ``asyncio.get_running_loop()``, ``loop.call_later``/``call_at``/
 ``call_soon``, ``create_future``, ``create_task``, ``asyncio.sleep``, ``wait_for``,
 ``asyncio.timeout`` and ``run_in_executor``/``asyncio.to_thread`` work as on asyncio's
-loop; what they schedule runs on the server's loop thread (with ``workers=0`` the thread of
+loop, and so does its debug mode (``PYTHONASYNCIODEBUG``, ``set_debug``: slow callbacks
+logged); what they schedule runs on the server's loop thread (with ``workers=0`` the thread of
 the protocol's own callbacks, so no lock is needed; with ``workers=N`` the protocol's
 callbacks run on a worker and the loop's on the loop thread: state both touch needs a
 lock).  The loop's I/O methods raise ``NotImplementedError``.  Each connection has its own
@@ -119,8 +120,8 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
     Offered: ``time``, ``call_soon``, ``call_later``, ``call_at``, ``call_soon_threadsafe``
     (asyncio ``Handle``/``TimerHandle`` objects, cancellable), ``create_future``,
-    ``create_task``, ``run_in_executor``, ``get_debug``, ``is_running``/``is_closed``,
-    the exception handler methods.  What runs through them runs on the server's loop
+    ``create_task``, ``run_in_executor``, ``get_debug``/``set_debug``,
+    ``is_running``/``is_closed``, the exception handler methods.  What runs through them runs on the server's loop
     thread, with this loop set as the running loop.  Everything else asyncio's loops do
     (I/O: ``create_connection``, ``sock_*``, ``add_reader``, ...; ``run_until_complete``,
     ``stop``, ``close``: the server runs and closes it) raises ``NotImplementedError``."""
@@ -140,6 +141,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         # loop-thread call_soon calls so far: a delivery that queued some (a call_soon, a
         # task woken) is followed by those callbacks before the next (see on_read)
         self._nsoon = 0
+        # asyncio's debug mode (PYTHONASYNCIODEBUG, -X dev, set_debug): a callback that takes
+        # slow_callback_duration or longer is logged, as asyncio's "Executing ... took"
+        self._debug = asyncio.coroutines._is_debug_mode()
+        self.slow_callback_duration = 0.1
         # async generators first iterated in its callbacks (sys.set_asyncgen_hooks, as
         # asyncio's loop): one dropped unfinished is closed with aclose() in a task, those
         # alive at the server's shutdown are closed then (see _shutdown_asyncgens)
@@ -249,7 +254,21 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
     def _run_handle(self, h: _Handle | _Timer) -> None:
         if h.cancelled():
             return
+        if self._debug:
+            t0 = self.time()
+            _call(self, h.fire)
+            self._check_slow(t0, h)
+            return
         _call(self, h.fire)     # (asyncio's: an exception goes to call_exception_handler)
+
+    def _check_slow(self, t0: float, what: object) -> None:
+        """Debug mode: log a callback that ran ``slow_callback_duration`` or longer, with
+        asyncio's words and logger."""
+        dt = self.time() - t0
+        if dt >= self.slow_callback_duration:
+            asyncio.log.logger.warning("Executing %s took %.3f seconds",
+                                       asyncio.base_events._format_handle(what)
+                                       if isinstance(what, asyncio.Handle) else what, dt)
 
     # -- futures, tasks, executor ----------------------------------------------------------
     def create_future(self) -> asyncio.Future[Any]:
@@ -381,7 +400,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
     # -- state -----------------------------------------------------------------------------
     def get_debug(self) -> bool:
-        return False
+        return self._debug
+
+    def set_debug(self, enabled: bool) -> None:
+        self._debug = bool(enabled)
 
     def is_running(self) -> bool:
         return not self._ev.closed
@@ -649,6 +671,14 @@ class ProtocolHandler(Handler):
 
     def on_connect(self, session: Session) -> None:
         loop = self._loop_of(session)
+        if loop._debug:
+            t0 = loop.time()
+            self._connect(session, loop)
+            loop._check_slow(t0, f"connection_made() of session {session.id}")
+            return
+        self._connect(session, loop)
+
+    def _connect(self, session: Session, loop: ProtocolLoop) -> None:
         # the connection's own context, copied at accept from the server's maker's
         # (asyncio: its transport's callbacks'): what one connection's callbacks set,
         # another's never see
@@ -678,6 +708,8 @@ class ProtocolHandler(Handler):
             return
         lp = tr._loop
         n0 = lp._nsoon
+        if lp._debug:
+            t0 = lp.time()
         try:
             if getattr(_here, "loop", None) is lp:
                 tr._ctx.run(self._deliver, tr, session, data)
@@ -686,6 +718,9 @@ class ProtocolHandler(Handler):
         except Exception as e:
             self._failed(tr, session, e, tr._stage)
             return
+        finally:
+            if lp._debug:
+                lp._check_slow(t0, f"{tr._protocol!r}.{tr._stage}()")
         if lp._nsoon != n0 and session.work is None and not tr._tls:
             # the protocol queued loop callbacks (workers=0: this is the loop thread): as on
             # asyncio's loop, where each read is a callback of its own, they run before the
