@@ -163,8 +163,8 @@ class Session:
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
-                 "_rest", "_cb_hold", "_transport", "_cap", "_limit", "_limit_cause", "_progress_at",
-                 "__weakref__")
+                 "_rest", "_cb_hold", "_transport", "_cap", "_limit", "_limit_cause",
+                 "_progress_at", "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
     #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
@@ -544,7 +544,8 @@ class Session:
         after against the new); after close it is dropped."""
         if _get_ident() != self._loop.thread_id:
             if not (self._state or self._close_requested):
-                self._foreign.push(_WriteLimits(high, low, on_high, on_low))
+                limits = _WriteLimits(high, low, on_high, on_low)
+                self._foreign.push(limits)      # type: ignore[arg-type]  # (see _drain_foreign)
             return
         self._wm = (high, low, on_high, on_low)
         self._set_cap()

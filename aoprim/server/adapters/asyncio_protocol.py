@@ -26,8 +26,8 @@ down with it.  At shutdown, once every ``connection_lost`` has run, the tasks st
 are cancelled and run their cancellation, then the async generators still alive are
 closed (within ``shutdown_timeout``), as ``asyncio.run`` does; the loop's async generator
 hooks are installed while its callbacks run (a generator dropped unfinished is closed with
-``aclose()`` in a task, as asyncio's).  Exceptions go where asyncio sends them: to the loop's exception handler
-(``loop.set_exception_handler``).
+``aclose()`` in a task, as asyncio's).  Exceptions go where asyncio sends them: to the
+loop's exception handler (``loop.set_exception_handler``).
 
 Writing.  The transport's write buffer is the session's ``SendBatch``:
 ``get_write_buffer_size()`` is its unsent bytes, and the protocol's ``pause_writing`` /
@@ -83,7 +83,12 @@ import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+# (asyncio's own helpers for its debug mode: the same test of PYTHONASYNCIODEBUG/-X dev
+# and the same handle format as its loop's "Executing ... took"; not in typeshed)
+from asyncio.base_events import _format_handle  # type: ignore[attr-defined]
+from asyncio.coroutines import _is_debug_mode  # type: ignore[attr-defined]
 from asyncio.events import _get_running_loop, _set_running_loop
+from asyncio.log import logger as _asyncio_log
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..handler import Handler
@@ -121,10 +126,11 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
     Offered: ``time``, ``call_soon``, ``call_later``, ``call_at``, ``call_soon_threadsafe``
     (asyncio ``Handle``/``TimerHandle`` objects, cancellable), ``create_future``,
     ``create_task``, ``run_in_executor``, ``get_debug``/``set_debug``,
-    ``is_running``/``is_closed``, the exception handler methods.  What runs through them runs on the server's loop
-    thread, with this loop set as the running loop.  Everything else asyncio's loops do
-    (I/O: ``create_connection``, ``sock_*``, ``add_reader``, ...; ``run_until_complete``,
-    ``stop``, ``close``: the server runs and closes it) raises ``NotImplementedError``."""
+    ``is_running``/``is_closed``, the exception handler methods.  What runs through them
+    runs on the server's loop thread, with this loop set as the running loop.  Everything
+    else asyncio's loops do (I/O: ``create_connection``, ``sock_*``, ``add_reader``, ...;
+    ``run_until_complete``, ``stop``, ``close``: the server runs and closes it) raises
+    ``NotImplementedError``."""
 
     def __init__(self, ev: EventLoop, server: Server) -> None:
         self._ev = ev
@@ -143,7 +149,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         self._nsoon = 0
         # asyncio's debug mode (PYTHONASYNCIODEBUG, -X dev, set_debug): a callback that takes
         # slow_callback_duration or longer is logged, as asyncio's "Executing ... took"
-        self._debug = asyncio.coroutines._is_debug_mode()
+        self._debug = _is_debug_mode()
         self.slow_callback_duration = 0.1
         # async generators first iterated in its callbacks (sys.set_asyncgen_hooks, as
         # asyncio's loop): one dropped unfinished is closed with aclose() in a task, those
@@ -266,9 +272,9 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         asyncio's words and logger."""
         dt = self.time() - t0
         if dt >= self.slow_callback_duration:
-            asyncio.log.logger.warning("Executing %s took %.3f seconds",
-                                       asyncio.base_events._format_handle(what)
-                                       if isinstance(what, asyncio.Handle) else what, dt)
+            _asyncio_log.warning("Executing %s took %.3f seconds",
+                                 _format_handle(what) if isinstance(what, asyncio.Handle)
+                                 else what, dt)
 
     # -- futures, tasks, executor ----------------------------------------------------------
     def create_future(self) -> asyncio.Future[Any]:
