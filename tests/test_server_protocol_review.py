@@ -7,6 +7,7 @@ import asyncio
 import contextvars
 import decimal
 import logging
+import os
 import socket
 import threading
 
@@ -357,6 +358,12 @@ def test_set_debug_logs_slow_callbacks(serve, caplog):
     assert seen == [False, True]
     logged = _slow_logs(caplog)
     assert any("queued_callback" in m and " took " in m for m in logged), logged
+    # (the handle's source traceback ends at the protocol's own call_soon, as asyncio's)
+    here = os.path.basename(__file__)
+    assert any("queued_callback" in m and f"created at {here}" in m.replace(
+        os.path.dirname(__file__) + os.sep, "") for m in on_aio), on_aio
+    assert any("queued_callback" in m and f"created at {here}" in m.replace(
+        os.path.dirname(__file__) + os.sep, "") for m in logged), logged
     assert any("data_received()" in m and " took " in m for m in logged), logged
 
 

@@ -167,6 +167,8 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
                   *args: Any,
                   context: contextvars.Context | None = None) -> asyncio.Handle:
         h = _Handle(callback, args, self, context)
+        if h._source_traceback:     # (debug mode: the caller's line is where it was made)
+            del h._source_traceback[-1]
         ev = self._ev
         if _get_ident() == ev.thread_id:
             self._nsoon += 1
@@ -182,7 +184,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
                    context: contextvars.Context | None = None) -> asyncio.TimerHandle:
         if delay is None:
             raise TypeError("delay must not be None")
-        return self.call_at(self.time() + delay, callback, *args, context=context)
+        h = self.call_at(self.time() + delay, callback, *args, context=context)
+        if h._source_traceback:     # (debug mode: the caller's line is where it was made)
+            del h._source_traceback[-1]
+        return h
 
     def call_at(self, when: float,      # type: ignore[override]
                 callback: Callable[..., object], *args: Any,
@@ -190,6 +195,8 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         if when is None:
             raise TypeError("when cannot be None")
         h = _Timer(when, callback, args, self, context)
+        if h._source_traceback:     # (debug mode: the caller's line is where it was made)
+            del h._source_traceback[-1]
         if _get_ident() == self._ev.thread_id:
             self._arm(h)
         elif not self._post(True, h):
@@ -464,6 +471,8 @@ class _Timer(asyncio.TimerHandle):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        if self._source_traceback:      # (this __init__'s frame)
+            del self._source_traceback[-1]
         self._ev_timer: Timer | None = None
 
     def fire(self) -> None:
