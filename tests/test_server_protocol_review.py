@@ -378,3 +378,26 @@ def test_pythonasynciodebug_turns_debug_mode_on(serve, monkeypatch):
     srv = serve(lambda: P(seen))
     assert _poke(srv.address) == (b"ok", "eof")
     assert seen == [True, True]
+
+
+# -- write() after close() while the backlog is sent ---------------------------------------
+
+class WritesAfterClose(asyncio.Protocol):
+    """Writes 8 MiB (more than the socket takes at once), closes, then writes a trailer."""
+
+    def connection_made(self, transport):
+        transport.write(b"a" * (8 << 20))
+        transport.close()
+        transport.write(b"TRAILER")
+
+
+def test_write_after_close_joins_the_backlog_still_being_sent(serve):
+    def client(address):
+        with socket.create_connection(address) as c:
+            data, how = recv_until_closed(c, timeout=30)
+            return len(data), data[-7:], how
+
+    want = (8 << 20) + 7, b"TRAILER", "eof"
+    assert on_asyncio(WritesAfterClose, client) == want
+    srv = serve(WritesAfterClose)
+    assert client(srv.address) == want

@@ -414,6 +414,20 @@ class Session:
             self._close_requested = True
             self._loop.call_soon_threadsafe(self._close, "closed by the application")
 
+    def send_after_close(self, data: Buffer) -> None:
+        """An asyncio transport's ``write()`` after its ``close()`` while the backlog from
+        before is still being sent (loop thread): added to it, as asyncio's selector
+        transport still queues and sends such a write.  Dropped once the backlog is out
+        (the write side is shut or about to be), after an abort, and from another thread
+        (a worker's close is not seen here in order with its writes)."""
+        if (self._state != CLOSING or self._lingering or not self._transport
+                or _get_ident() != self._loop.thread_id or not self._batch.pending_msgs):
+            return
+        b = self._batch
+        p = b.add_frame(data, self._hs) if self._hs else b.add_copy(data)
+        if p >= 0:                      # (-1: the batch is another thread's; not here)
+            self._nout += 1
+
     def abort(self) -> None:
         """Close at once, dropping what is unsent.  Thread-safe."""
         if self._state == CLOSED:

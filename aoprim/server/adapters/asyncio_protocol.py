@@ -51,7 +51,9 @@ BufferedProtocol's ``get_buffer``/``buffer_updated``) goes to the exception hand
 asyncio's "Fatal error: protocol.data_received() call failed.", and closes the connection
 with ``connection_lost(exc)``.
 ``close()`` sends the whole backlog however slowly the peer reads (``close_linger`` does not
-apply; ``idle_timeout``, if set, cuts a peer that takes nothing).  ``abort()`` first makes
+apply; ``idle_timeout``, if set, cuts a peer that takes nothing); a ``write()`` after it
+while that backlog is still being sent joins it, as asyncio's TCP transport (plain TCP, on
+the loop thread).  ``abort()`` first makes
 one non-blocking attempt to send what was written (over TLS: encrypted), as asyncio's
 ``write()`` has already tried the socket, then closes.  The peer's EOF calls
 ``eof_received()``; a false return closes the transport (what it wrote first is sent), a
@@ -541,9 +543,15 @@ class SessionTransport(asyncio.Transport):
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data argument must be a bytes-like object, "
                             f"not {type(data).__name__!r}")
-        if self._closing or not data:
+        if not data:
             return
         s = self._session
+        if self._closing:
+            # while the backlog from before close() is still being sent, asyncio's TCP
+            # transport queues it too (plain TCP, the loop thread); otherwise dropped
+            if not self._tls and not s.over_max_pending():
+                s.send_after_close(data)
+            return
         if s.over_max_pending():
             return          # (dropped: connection_lost gets the error naming max_pending)
         s.send(data)
