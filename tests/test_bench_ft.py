@@ -85,3 +85,23 @@ def test_under_the_gil_the_ft_groups_are_skipped_with_one_line(tmp_path):
     assert skip["reason"] == ft.skip_reason()
     flat = " ".join(r.stdout.split())
     assert "ft (free-threaded scaling) groups: " + skip["reason"] in flat
+
+
+@pytest.mark.parametrize("kind", ["MPMCQueue", "SPSCQueue", "SimpleQueue", "Queue"])
+def test_a_queue_groups_solo_run_is_one_thread_putting_then_getting(monkeypatch, kind):
+    """The 1-thread column of the queue groups is one thread doing put then get (their
+    title says so), the parallel one the producer and consumer threads."""
+    started = []
+    real = ft._run_threads
+    monkeypatch.setattr(ft, "_run_threads", lambda bodies: started.append(len(bodies))
+                        or real(bodies))
+    for producers in (1, 2):
+        make = ft._queue(kind, producers, producers) if kind != "SPSCQueue" or producers == 1 \
+            else None
+        if make is None:
+            continue
+        wall, ops = make(1, 512)()
+        assert ops == 512 and wall > 0 and started == []
+        wall, ops = make(2 * producers, 512)()
+        assert ops == 512 and started == [2 * producers]
+        started.clear()

@@ -263,8 +263,8 @@ def _slab(kind):
 
 def _queue(kind, producers, consumers):
     """``producers`` threads put n items in all, ``consumers`` threads get them (blocking
-    gets); every item is got exactly once.  With producers == consumers == 0: the solo run,
-    one thread putting then getting each item."""
+    gets); every item is got exactly once.  The solo run (``threads`` 1): one thread putting
+    then getting each item."""
     def new():
         if kind == "MPMCQueue":
             return MPMCQueue(1024)
@@ -282,7 +282,7 @@ def _queue(kind, producers, consumers):
         return q.put, q.get
 
     def make(threads, n):
-        if producers == 0:
+        if threads == 1:
             def run():
                 q = new()
                 put, get = names(q)
