@@ -169,8 +169,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
                   *args: Any,
                   context: contextvars.Context | None = None) -> asyncio.Handle:
         h = _Handle(callback, args, self, context)
-        if h._source_traceback:     # (debug mode: the caller's line is where it was made)
-            del h._source_traceback[-1]
+        h.drop_frame()              # (debug mode: the caller's line is where it was made)
         ev = self._ev
         if _get_ident() == ev.thread_id:
             self._nsoon += 1
@@ -187,8 +186,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         if delay is None:
             raise TypeError("delay must not be None")
         h = self.call_at(self.time() + delay, callback, *args, context=context)
-        if h._source_traceback:     # (debug mode: the caller's line is where it was made)
-            del h._source_traceback[-1]
+        h.drop_frame()              # (debug mode: the caller's line is where it was made)
         return h
 
     def call_at(self, when: float,      # type: ignore[override]
@@ -197,8 +195,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         if when is None:
             raise TypeError("when cannot be None")
         h = _Timer(when, callback, args, self, context)
-        if h._source_traceback:     # (debug mode: the caller's line is where it was made)
-            del h._source_traceback[-1]
+        h.drop_frame()              # (debug mode: the caller's line is where it was made)
         if _get_ident() == self._ev.thread_id:
             self._arm(h)
         elif not self._post(True, h):
@@ -466,6 +463,12 @@ class _Handle(asyncio.Handle):
     def fire(self) -> None:
         self._run()
 
+    def drop_frame(self) -> None:
+        """Debug mode: drop the innermost frame of the creation traceback (the adapter's
+        call), so it ends at the protocol's own line."""
+        if self._source_traceback:
+            del self._source_traceback[-1]
+
 
 class _Timer(asyncio.TimerHandle):
     """asyncio's TimerHandle, with the server loop's timer that fires it."""
@@ -479,6 +482,12 @@ class _Timer(asyncio.TimerHandle):
 
     def fire(self) -> None:
         self._run()
+
+    def drop_frame(self) -> None:
+        """Debug mode: drop the innermost frame of the creation traceback (the adapter's
+        call), so it ends at the protocol's own line."""
+        if self._source_traceback:
+            del self._source_traceback[-1]
 
 
 # .loop: the ProtocolLoop set for good as this thread's running loop (a thread of the server's
