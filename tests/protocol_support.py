@@ -1,12 +1,28 @@
 """Fixtures of the serve_protocol tests: every test runs on both Layer 1 backends, with and
 without workers, and ``serve`` starts a server that is shut down and checked for leaks
-(gauges, file descriptors) after the test."""
+(gauges, file descriptors) after the test; ``on_asyncio`` runs the same protocol on asyncio's
+own loop, to compare."""
+import asyncio
+
 import pytest
 
 from aoprim.server import serve_protocol
 from aoprim.server.loop import BACKENDS
 
 from test_server_support import HOST, assert_no_leaks, open_fds
+
+
+def on_asyncio(factory, client):
+    """Run ``client(address)`` against ``factory`` served by asyncio's own loop; returns
+    what the client returned."""
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(factory, HOST, 0)
+        try:
+            return await asyncio.to_thread(client, srv.sockets[0].getsockname())
+        finally:
+            srv.close()
+
+    return asyncio.run(main())
 
 
 @pytest.fixture(params=BACKENDS)

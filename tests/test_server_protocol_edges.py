@@ -18,25 +18,12 @@ import pytest
 from aoprim.server.adapters.asyncio_protocol import _Timer
 
 from test_server_support import HOST, recv_exact, recv_until_closed, wait_for
-from protocol_support import backend, serve, workers  # noqa: F401  (fixtures)
+from protocol_support import backend, on_asyncio, serve, workers  # noqa: F401
 from tlscerts import tls_certs  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
 
-
-
-def on_asyncio(factory, client):
-    """Run ``client(address)`` against ``factory`` served by asyncio's own loop; returns
-    what the client returned."""
-    async def main():
-        srv = await asyncio.get_running_loop().create_server(factory, HOST, 0)
-        try:
-            return await asyncio.to_thread(client, srv.sockets[0].getsockname())
-        finally:
-            srv.close()
-
-    return asyncio.run(main())
 
 
 # -- writes in one callback are not cut before pause_writing ------------------------------

@@ -16,9 +16,9 @@ import threading
 import pytest
 
 from aoprim.server import Server, serve_protocol
-from aoprim.server.loop import BACKENDS
 
 from test_server_support import HOST, assert_no_leaks, open_fds, wait_for
+from protocol_support import backend, workers  # noqa: F401  (fixtures)
 from tlscerts import tls_certs  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,16 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 CLIENT_TIMEOUT = 10.0
 
 PAYLOAD = b"the last request"
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    return request.param
-
-
-@pytest.fixture(params=[0, 2], ids=["workers0", "workers2"])
-def workers(request):
-    return request.param
 
 
 @pytest.fixture
