@@ -62,7 +62,7 @@ from .framing import FRAMINGS
 from .listener import check_port, describe_address, listen_error
 from .proxy import PROXY_MODES
 from .server import as_handler
-from .supervisor import STOP_SIGNALS, Supervisor, check_seconds
+from .supervisor import STOP_SIGNALS, Supervisor, check_seconds, group_members
 
 if TYPE_CHECKING:
     import ssl
@@ -645,23 +645,7 @@ class _Heirs:
     def others(self) -> list[int]:
         """The live processes of the group other than this one (from /proc)."""
         me = os.getpid()
-        found: list[int] = []
-        try:
-            names = os.listdir("/proc")
-        except OSError:
-            return found
-        for name in names:
-            if not name.isdigit() or int(name) == me:
-                continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    data = f.read()
-            except OSError:
-                continue
-            fields = data[data.rindex(b")") + 2:].split()
-            if int(fields[2]) == me and fields[0] not in (b"Z", b"X"):
-                found.append(int(name))
-        return found
+        return [pid for pid in group_members(me) or () if pid != me]
 
     def kill_rest(self) -> None:
         if self._signalled:

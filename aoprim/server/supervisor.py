@@ -1015,10 +1015,18 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:            # another user's process: not ours to stop
         return False
+    members = group_members(pgid)
+    return True if members is None else bool(members)    # (no /proc: the kernel's word)
+
+
+def group_members(pgid: int) -> list[int] | None:
+    """The live (not zombie) processes of process group ``pgid``, from /proc; None when
+    /proc cannot be read."""
     try:
         names = os.listdir("/proc")
-    except OSError:                    # no /proc: the kernel's word
-        return True
+    except OSError:
+        return None
+    found: list[int] = []
     for name in names:
         if not name.isdigit():
             continue
@@ -1027,7 +1035,8 @@ def _group_alive(pgid: int) -> bool:
                 data = f.read()
         except OSError:
             continue
+        # after the command's ")": state, ppid, pgrp, ...
         fields = data[data.rindex(b")") + 2:].split()
         if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
+            found.append(int(name))
+    return found
