@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from aoprim.server import Handler, Server  # noqa: E402
 from aoprim.server.loop import BACKENDS  # noqa: E402
 
-from tlscerts import have_openssl, make_certs  # noqa: E402
+from tlscerts import bio_handshake, have_openssl, make_certs  # noqa: E402
 from test_server_support import HOST, assert_no_leaks, open_fds, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -184,20 +184,7 @@ class Peer:
         self.reader.start()
 
     def _handshake(self):
-        while True:
-            try:
-                self.obj.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                pass
-            if self.out.pending:
-                self.sock.sendall(self.out.read())
-            data = self.sock.recv(65536)
-            if not data:
-                raise ConnectionError("EOF during the handshake")
-            self.inc.write(data)
-        if self.out.pending:
-            self.sock.sendall(self.out.read())
+        bio_handshake(self.sock, self.obj, self.inc, self.out)
 
     def _read(self):
         while True:

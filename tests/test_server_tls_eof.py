@@ -19,7 +19,7 @@ from aoprim.server import Server, serve_protocol
 
 from test_server_support import HOST, assert_no_leaks, open_fds, wait_for
 from protocol_support import backend, workers  # noqa: F401  (fixtures)
-from tlscerts import tls_certs  # noqa: F401  (fixture)
+from tlscerts import bio_handshake, tls_certs  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,20 +72,7 @@ class Client:
     def handshake(self, hold_last_flight=False):
         """Run the handshake; ``hold_last_flight``: keep the client's last flight (TLS 1.3:
         its Finished) unsent, to go out with the next write."""
-        while True:
-            try:
-                self.obj.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                pass
-            if self.out.pending:
-                self.sock.sendall(self.out.read())
-            data = self.sock.recv(65536)
-            if not data:
-                raise ConnectionError("EOF during the handshake")
-            self.inc.write(data)
-        if not hold_last_flight and self.out.pending:
-            self.sock.sendall(self.out.read())
+        bio_handshake(self.sock, self.obj, self.inc, self.out, hold_last_flight)
 
     def send_last(self, data, end):
         """``data`` and then ``end`` -- "close_notify", "fin" (a FIN without close_notify),

@@ -141,3 +141,23 @@ def tls_certs(tmp_path_factory):
     if not have_openssl():
         pytest.skip("no openssl binary")
     return make_certs(tmp_path_factory.mktemp("tlscerts"))
+
+
+def bio_handshake(sock, obj, inc, out, hold_last_flight=False):
+    """A TLS client's handshake over memory BIOs (``obj`` from ``ctx.wrap_bio(inc, out)``) on
+    the blocking socket ``sock``; ``hold_last_flight``: keep the client's last flight (TLS
+    1.3: its Finished) in ``out``, to go out with the next write."""
+    while True:
+        try:
+            obj.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            pass
+        if out.pending:
+            sock.sendall(out.read())
+        data = sock.recv(65536)
+        if not data:
+            raise ConnectionError("EOF during the handshake")
+        inc.write(data)
+    if not hold_last_flight and out.pending:
+        sock.sendall(out.read())
