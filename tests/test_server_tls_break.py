@@ -10,7 +10,7 @@ import pytest
 from aoprim.server.apps import Echo
 from aoprim.server.loop import BACKENDS
 
-from tlscerts import tls_certs  # noqa: F401  (fixture)
+from tlscerts import bio_handshake, tls_certs  # noqa: F401  (a fixture)
 from test_server_support import make_server, wait_for  # noqa: F401
 from test_server_tls_differential import Peer, split_frames
 
@@ -119,23 +119,15 @@ class PauseOnConnect(Echo):
 def test_request_in_the_handshakes_last_flight_is_read_after_resume(make_server, tls_certs):
     """The client's request arrives in the same TCP write as its handshake Finished, and
     on_connect pauses reading (say, to check something first); once reading resumes the
-    request is answered -- as over plain TCP, where it waits in the socket.  Before: the
-    request's record sat in the incoming BIO, no readiness event was to come for it, and
-    resume_reading() did not look there: the session stalled for good."""
+    request is answered -- as over plain TCP, where it waits in the socket.  The request's
+    record waits in the incoming BIO, where no readiness event will come for it:
+    resume_reading() must look there, or the session stalls for good."""
     h = PauseOnConnect()
     srv = make_server(h, framing="u16", ssl=tls_certs.server_ctx())
     inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
     obj = tls_certs.client_ctx().wrap_bio(inc, out, server_hostname="localhost")
     with socket.create_connection(srv.address, timeout=10) as s:
-        while True:
-            try:
-                obj.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                pass
-            if out.pending:
-                s.sendall(out.read())
-            inc.write(s.recv(65536))
+        bio_handshake(s, obj, inc, out, hold_last_flight=True)
         obj.write(struct.pack(">H", 5) + b"hello")
         s.sendall(out.read())           # Finished + the request: one write
         wait_for(lambda: h.sessions, what="on_connect")
