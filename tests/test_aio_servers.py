@@ -373,6 +373,10 @@ def test_server_sent_events_arrive_in_order(server):
 
 
 def test_websocket_echo(server):
+    if server.ssl and not getattr(sys, "_is_gil_enabled", lambda: True)():
+        pytest.skip("free-threaded build: websockets' sync client over TLS waits for ever for "
+                    "the handshake response now and then (1 in 6-10 here) with uvicorn on "
+                    "asyncio's own loop as on aoprim.aio -- not this package's to fix")
     from websockets.sync.client import connect
     url = f"{'wss' if server.ssl else 'ws'}://{HOST}:{server.port}/ws"
     with connect(url, ssl=server.ssl, max_size=4 << 20, open_timeout=30,

@@ -171,11 +171,17 @@ def test_set_write_buffer_limits_pauses_but_never_resumes_by_itself(serve, worke
         assert log == want
     else:
         # a worker's write reaches the loop thread's batch later: whether it is still
-        # there when the limits change is a race, but no change of limits resumes
+        # there when the limits change is a race, and the drain's resume_writing comes from
+        # the loop thread any time after the pause (even while data_received still runs on
+        # the worker: with workers the two threads' callbacks are not ordered, as
+        # docs/server.md says); at most one pause, and its resume after it
         wait_for(lambda: "raised" in log and log.count("pause") == log.count("resume"),
                  what=f"the drain ({log})")
-        assert log in (want, ["written", "lowered", "raised"],
-                       ["written", "lowered", "raised", "pause", "resume"]), log
+        assert [e for e in log if e not in ("pause", "resume")] == \
+            ["written", "lowered", "raised"], log
+        assert log.count("pause") <= 1, log
+        if "pause" in log:
+            assert log.index("pause") < log.index("resume"), log
 
 
 # -- one contextvars.Context per connection -----------------------------------------------
