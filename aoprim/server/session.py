@@ -557,7 +557,7 @@ class Session:
         between them, in order (the writes before it checked against the old limits, those
         after against the new); after close it is dropped."""
         if _get_ident() != self._loop.thread_id:
-            if not (self._state or self._close_requested):
+            if self._state == OPEN and not self._close_requested:
                 limits = _WriteLimits(high, low, on_high, on_low)
                 self._foreign.push(limits)      # type: ignore[arg-type]  # (see _drain_foreign)
             return
