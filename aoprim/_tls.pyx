@@ -473,6 +473,23 @@ cdef class TLSConn(_RxSource):
             status = 1          # the budget was used up: go on when writable
         return status
 
+    def write_now(self):
+        """Encrypt the pending plaintext and send it now, until the socket would block
+        (loop thread, the batch's owner): a transport's ``write()`` above its high mark,
+        as asyncio's TLS transport encrypts a write and hands it to the socket inside
+        ``write()``, so that ``pause_writing()`` comes only for a backlog the socket did
+        not take.  No flush budget: the caller asked for this write to go out.  0 all
+        sent, 1 some left, -errno."""
+        cdef Py_ssize_t status
+        if self._gone():
+            return 0
+        while True:
+            status = self.c_flush()
+            # 1 with no ciphertext left over: the budget was used up, the socket still
+            # takes more (c_flush consumed a budget of plaintext, so this ends)
+            if status != 1 or self.ct is not None:
+                return status
+
     def send_ct(self):
         """What the outgoing BIO holds (and what is left), sent with one send: 0 all sent,
         1 some left, -errno.  (The session's close_notify and alerts.)"""

@@ -12,11 +12,11 @@ from aoprim.server.loop import BACKENDS
 from test_server_support import HOST, assert_no_leaks, open_fds
 
 
-def on_asyncio(factory, client):
-    """Run ``client(address)`` against ``factory`` served by asyncio's own loop; returns
-    what the client returned."""
+def on_asyncio(factory, client, **kw):
+    """Run ``client(address)`` against ``factory`` served by asyncio's own loop
+    (``create_server``'s keywords: ``ssl=``); returns what the client returned."""
     async def main():
-        srv = await asyncio.get_running_loop().create_server(factory, HOST, 0)
+        srv = await asyncio.get_running_loop().create_server(factory, HOST, 0, **kw)
         try:
             return await asyncio.to_thread(client, srv.sockets[0].getsockname())
         finally:

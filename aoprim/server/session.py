@@ -687,8 +687,8 @@ class Session:
         to the batch): an asyncio transport's batch above the high mark is first handed to
         the kernel, as asyncio's ``write()`` tries the socket before it counts what is
         left -- so ``on_high`` (``pause_writing()``) comes only for a backlog the socket
-        did not take.  Not when the socket is known to be full (``_writing``), nor for a
-        TLS batch (encrypted by the iteration's flush): there the unsent plaintext counts."""
+        did not take (a TLS session encrypts first: its ``_write_now``).  Not when the
+        socket is known to be full (``_writing``)."""
         high, low, on_high, on_low = self._wm     # type: ignore[misc]  # (set: caller checked)
         p = self.pending_bytes
         if not self._wm_paused:

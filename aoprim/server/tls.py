@@ -64,7 +64,7 @@ from .session import OPEN, CLOSED, Session, _BYREF_MIN
 if TYPE_CHECKING:
     import socket
 
-    from aoprim import Slot
+    from aoprim import SendBatch, Slot
 
     from .loop import Timer
     from .session import SessionContext, _SendData
@@ -463,6 +463,23 @@ class TLSSession(Session):
         t = self._t
         return (t.raw_in, self._rx.receiver.buffered + t.rec_begun + self._inc.pending +
                 self._sslobj.pending())
+
+    def _write_now(self, b: SendBatch) -> int:
+        """Session._write_now for a TLS batch (a transport's write above its high mark,
+        loop thread): encrypted and handed to the socket now, unless the socket is known
+        to be full (the writer sends, in order) or no application data may be encrypted
+        yet (handshake) or any more (close_notify written)."""
+        if self._writing or not self._hs_done or self._notified:
+            return self.pending_bytes
+        try:
+            status = self._t.write_now()
+        except Exception as e:      # OpenSSL refused (as the iteration's flush reports it)
+            self._tls_failed(e)
+            return 0
+        if status < 0:
+            self.flushed(status)    # the session is aborted, as after a failed flush
+            return 0
+        return self.pending_bytes
 
     def _bytes_written(self) -> int:
         """Ciphertext written to the socket (check_timeouts' progress: the batch's own
