@@ -1,6 +1,6 @@
 """aoprim: compiled concurrency primitives for Python servers, and a server built from them.
 
-Public names are listed in API.md; everything here is importable as ``from aoprim import X``
+Public names are listed in docs/api.md; everything here is importable as ``from aoprim import X``
 (the server lives in ``aoprim.server``).
 """
 import os as _os

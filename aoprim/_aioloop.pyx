@@ -1,5 +1,5 @@
 # cython: language_level=3, freethreading_compatible=True, binding=True
-"""The compiled iteration of aoprim.aio's loop (issue 23 step 1, docs/aio-compiled.md).
+"""The compiled iteration of aoprim.aio's loop (design: docs/aio-compiled.md).
 
 ``run_once(loop)`` is ``aoprim.aio.Loop._run_once``: asyncio's ``BaseEventLoop._run_once``
 (as CPython 3.11-3.13 have it) with the loop's own selector wait and asyncio's

@@ -8,7 +8,7 @@
     with nogil:
         aop_fetch_add_i64(&a.cell, 1, AOP_SEQ_CST)
 
-AtomicInt's Python methods use sequentially consistent order throughout (API.md); RefCount's
+AtomicInt's Python methods use sequentially consistent order throughout (docs/atomics-and-lock.md); RefCount's
 use Rust Arc's orders (relaxed increments, acq_rel decrements: see _atomic.pyx); C callers
 of the aop_* calls choose.
 """

@@ -281,7 +281,7 @@ cdef class BlockTable:
         b[0] = y
         return 0
 
-    # ---- API.md ----------------------------------------------------------------------------
+    # ---- public API ----------------------------------------------------------------------
 
     def append(self, data):
         """Append the bytes of ``data`` (any C-contiguous bytes-like object).
@@ -399,7 +399,7 @@ cdef class BlockTable:
         finally:
             unclaim(&self.busy)
 
-    # ---- receive fast path (beyond API.md) -------------------------------------------------
+    # ---- receive fast path (beyond the public API) ---------------------------------------
 
     def tail(self):
         """The free tail of the last block, as a writable bytes-like object to receive into:

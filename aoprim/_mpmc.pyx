@@ -1,7 +1,7 @@
 # cython: language_level=3, freethreading_compatible=True
 # cython: boundscheck=False, wraparound=False, initializedcheck=False
 """MPMCQueue: a bounded lock-free multi-producer multi-consumer queue of Python objects
-(API.md, "Queues").
+(docs/queues.md).
 
 The queue itself is aop_mpmc_t in aoprim/include/aop_queue.h, where the algorithm (Vyukov's
 bounded queue: a sequence number per cell, CAS-claimed tail/head counters padded 128 bytes

@@ -63,7 +63,7 @@ cdef inline uint64_t q_word(object o) noexcept:
 
 
 cdef inline uint64_t q_capacity(object capacity) except 0:
-    """Validate a capacity argument (API.md): int >= 1, else TypeError / ValueError."""
+    """Validate a capacity argument (docs/queues.md): int >= 1, else TypeError / ValueError."""
     if isinstance(capacity, float) or not hasattr(type(capacity), "__index__"):
         raise TypeError(f"capacity must be an int, not {type(capacity).__name__}")
     n = PyNumber_Index(capacity)

@@ -1,7 +1,7 @@
 # cython: language_level=3, freethreading_compatible=True
 # cython: boundscheck=False, wraparound=False, initializedcheck=False
 """SPSCQueue: a bounded lock-free single-producer single-consumer queue of Python objects
-(API.md, "Queues").  Correct only with ONE producer thread and ONE consumer thread.
+(docs/queues.md).  Correct only with ONE producer thread and ONE consumer thread.
 
 The queue itself is aop_spsc_t in aoprim/include/aop_queue.h, where the algorithm (a
 power-of-two ring; producer-owned tail and consumer-owned head on separate 128-byte blocks,

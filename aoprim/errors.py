@@ -1,4 +1,4 @@
-"""aoprim's exceptions, in one place (API.md)."""
+"""aoprim's exceptions, in one place (docs/api.md)."""
 import queue as _queue
 
 __all__ = ["Full", "Empty", "PoolExhausted", "RefCountError", "Closed"]

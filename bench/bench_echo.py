@@ -37,6 +37,6 @@ def test_echo(scenario):
 def test_echo_targets():
     if not _RESULTS:
         pytest.skip("no scenario ran")
-    print("\ntargets (issue 6), same run:")
+    print("\nthe echo targets, same run:")
     for name, ok, detail in ec.check_targets(_RESULTS):
         print(f"  [{'met' if ok else 'MISSED'}] {name}: {detail}")

@@ -69,7 +69,7 @@ _T = TypeVar("_T")
 __all__ = ["Loop", "new_event_loop", "EventLoopPolicy", "run", "install", "READ_BUFFER_SIZE"]
 
 #: bytes of the loop's reusable read buffer: one recv reads at most this much (twice
-#: asyncio's ``max_size``: a 1 MiB message is two reads and two sends, not four -- issue 20;
+#: asyncio's ``max_size``: a 1 MiB message is two reads and two sends, not four;
 #: a read of 64 KiB or more is still handed out as a pooled slot, see aoprim._readbuf)
 READ_BUFFER_SIZE = 512 * 1024
 

@@ -155,14 +155,14 @@ def aoprim_tls_support():
         except (ImportError, TypeError):
             has_ssl = False
         if not has_ssl:
-            return "aoprim.server.Server has no ssl= parameter yet (issue 21)"
+            return "aoprim.server.Server has no ssl= parameter (a build without the TLS server)"
     try:
         serve = build_parser("serve")._subparsers._group_actions[0].choices["serve"]
         ok = any("--certfile" in a.option_strings for a in serve._actions)
     except (AttributeError, IndexError, KeyError, TypeError):
         ok = False
     if not ok:
-        return "python -m aoprim serve has no --certfile option yet (issue 21)"
+        return "python -m aoprim serve has no --certfile option (a build without the TLS server)"
     return None
 
 

@@ -530,7 +530,7 @@ AOP_FUNC int aop_mpmc_pop_many_(aop_mpmc_t *q, uint64_t *out, uint64_t n, uint64
 
 AOP_INLINE uint64_t aop_mpmc_size(aop_mpmc_t *q)
 {
-    /* relaxed snapshots: approximate by contract (API.md) */
+    /* relaxed snapshots: approximate by contract (docs/queues.md) */
     uint64_t h = aop_load_u64p(&q->head, AOP_RELAXED);
     uint64_t t = aop_load_u64p(&q->tail, AOP_RELAXED) & ~AOP_Q_MARK;
     int64_t n = (int64_t)(t - h);

@@ -332,7 +332,7 @@ class Server:
         else:
             self._dispatch = InlineDispatch(self.handler)
         # u16/u32: a frame larger than a slot gets a buffer of its own; up to rx_frame_cache
-        # bytes of them are kept resident for the next large frame (issue 20)
+        # bytes of them are kept resident for the next large frame
         self._arena = RxArena(self._rx_pool, self._raw_pool,
                               st.rx_frame_cache if st.framing != "raw" else 0)
         self._flusher = Flusher(st, Session.flushed)

@@ -85,7 +85,7 @@ except ImportError:
     fcntl = None    # type: ignore[assignment]
 # Linux's SIOCOUTQNSD (linux/sockios.h): bytes in a socket's send queue not sent yet
 _SIOCOUTQNSD = 0x894B if fcntl is not None and sys.platform.startswith("linux") else None
-# sends of a receive frame view at least this long go by reference (issue 20): see
+# sends of a receive frame view at least this long go by reference: see
 # Session._send_raw and Session._send_frame_view
 _BYREF_MIN = 32768
 _is_frame_view = Receiver.is_frame_view
@@ -329,7 +329,7 @@ class Session:
     def _send_frame_view(self, data: memoryview) -> int:
         """send() of a large receive frame view with u16/u32 framing (loop thread): its
         header, then the view by reference -- an export the batch holds until it is sent,
-        as in _send_raw (issue 20).  The header is built first (ValueError: nothing
+        as in _send_raw.  The header is built first (ValueError: nothing
         added); if the view cannot be added after it, the stream is broken and the
         session is aborted."""
         b = self._batch
@@ -348,7 +348,7 @@ class Session:
         every session served in the iteration kept its own read slot (or frame buffer)
         pinned until the flush, so a burst of 10 x 512 KiB echoes copied 5 MiB in and out
         of memory that had left the CPU's cache, where writing at once frees the slot for
-        the next read while its bytes are still cached (issue 20).  Not while the socket is
+        the next read while its bytes are still cached.  Not while the socket is
         waiting to be writable (the writer sends, in order), nor for a batch outside the
         FlushGroup (TLS: it holds plaintext, encrypted by its own flush).  A write error is
         handled as the iteration's flush reports one: the session is aborted."""
@@ -375,7 +375,7 @@ class Session:
             return
         if (type(data) is memoryview and data.nbytes >= _BYREF_MIN and _is_frame_view(data)
                 and _get_ident() == self._loop.thread_id):
-            # a large frame view of receive memory (issue 20): read-only, and its memory
+            # a large frame view of receive memory: read-only, and its memory
             # is pinned -- never read over -- while any export of it lives, so the batch
             # holds an export of it (add()) instead of a copy; the receiver swaps in a
             # fresh read slot, and this one goes back to its pool once the send is done.
@@ -676,7 +676,7 @@ class Session:
             # this iteration's flush report (flushed(), watched from here) decide about the
             # fd's read interest: a flush that takes the backlog to low_water resumes with
             # no epoll_ctl at all -- a large echo crosses the mark on most read bursts, and
-            # unregistering and re-registering cost two syscalls each time (issue 20)
+            # unregistering and re-registering cost two syscalls each time
             self._rx.pause(PAUSE_BACKPRESSURE)
             self._sync_watch()
         if self._wm is not None:
