@@ -25,8 +25,20 @@ if _pkg.parent == ROOT and not os.environ.get("AOPRIM_ALLOW_CHECKOUT"):
                 "package: run `pip install '.[test]'` and `pytest` (not `python -m pytest`)",
                 returncode=4)
 
-# tests/ (never the checkout root) goes on sys.path so that tests can import support.py.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+# The shared helpers (tests/support/: support.py, server_support.py, tlscerts.py, ...) are
+# imported by name from there; the checkout root never goes on sys.path.  The subject folders
+# go on it too, for the test modules that take helpers and fixtures from a neighbour
+# (``from test_supervisor import Lines``).  A name must then mean one file: every test module
+# and helper has a basename no other one has.
+TESTS = pathlib.Path(__file__).resolve().parent
+_folders = [TESTS / "support", *sorted({p.parent for p in TESTS.rglob("test_*.py")})]
+_names = {}
+for _f in [*(TESTS / "support").glob("*.py"), *TESTS.rglob("test_*.py")]:
+    if _names.setdefault(_f.name, _f) != _f:
+        pytest.exit(f"two test modules named {_f.name}: {_names[_f.name]} and {_f} (they are "
+                    "imported by basename: rename one)", returncode=4)
+for _d in reversed(_folders):
+    sys.path.insert(0, str(_d))
 
 # Hypothesis profiles: "sanitize" (set by .ci/sanitize through AOPRIM_HYPOTHESIS_PROFILE)
 # drops the per-example deadline, which sanitized code (2-10x slower) would trip at random.
@@ -42,18 +54,20 @@ else:
 
 
 # Tests that cause a ResourceWarning on purpose (pyproject.toml makes it an error otherwise),
-# with why.  Tests written from now on say so themselves (pytest.warns / a filterwarnings mark).
+# with why, keyed by the path under tests/.  Other tests say so themselves (pytest.warns / a
+# filterwarnings mark).
 EXPECTED_RESOURCE_WARNINGS = {
-    "test_slab.py::test_length_resets_on_acquire":
+    "primitives/test_slab.py::test_length_resets_on_acquire":
         "drops the held Slot that `p.acquire().length` returns; the pool takes it back with a "
-        "ResourceWarning (API.md: a held Slot that is garbage-collected)",
+        "ResourceWarning (docs/buffers.md: a Slot garbage-collected while held)",
 }
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         name = getattr(item, "originalname", item.name)
-        if f"{item.path.name}::{name}" in EXPECTED_RESOURCE_WARNINGS:
+        where = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
+        if f"{where}::{name}" in EXPECTED_RESOURCE_WARNINGS:
             item.add_marker(pytest.mark.filterwarnings(
                 "ignore:Slot .* was garbage-collected:ResourceWarning"))
 

@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the venv
 import aoprim.aio
 
 KINDS = ("asyncio", "uvloop", "aoprim")
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "aio.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "aio.md"
 # asyncio 3.12+'s selector transport has its own writelines() (its own messages)
 OWN_WRITELINES = "writelines" in vars(asyncio.selector_events._SelectorSocketTransport)
 

@@ -1,6 +1,6 @@
 """aoprim.aio.gunicorn without what it needs, and its typing.
 
-Served by a real gunicorn in ``tests/test_aio_servers.py`` (``-k aoprim.aio.gunicorn.Worker``).
+Served by a real gunicorn in ``tests/aio/test_aio_servers.py`` (``-k aoprim.aio.gunicorn.Worker``).
 Here: importing it without uvicorn-worker, with a uvicorn older than 0.36 (whose loop option
 takes no ``module:function`` factory) or a uvicorn-worker older than 0.4 (which builds its loop
 with ``Config.setup_event_loop()``, gone in uvicorn 0.36), raises ``ImportError`` saying what

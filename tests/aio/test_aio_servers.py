@@ -13,7 +13,7 @@
   ``aoprim.aio.run(serve(app, config))`` (a loop factory: no policy); and the CLI
   (``hypercorn app_installed:app``) with ``aoprim.aio.install()`` at the top of the app
   module, which hypercorn imports before it makes its loop through asyncio's policy.
-- granian (a Rust server) is covered by ``tests/test_aio_granian.py``.
+- granian (a Rust server) is covered by ``tests/aio/test_aio_granian.py``.
 
 The application is a small Starlette app written into ``tmp_path``; each server runs with
 ``cwd=tmp_path`` (the checkout's ``aoprim/`` folder, which has no compiled extensions, can

@@ -257,7 +257,7 @@ def test_without_cython_the_error_names_the_extra(monkeypatch, tmp_path):
 def test_the_cython_extra_brings_the_test_extras_build_tools():
     import tomllib
 
-    pyproject = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
+    pyproject = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
     if not pyproject.is_file():
         pytest.skip(f"no pyproject.toml beside the tests ({pyproject})")
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]

@@ -23,7 +23,7 @@ from aoprim.server.config import Settings
 
 from proc_support import NEUTRAL_CWD, child_env
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIELDS = {f.name for f in dataclasses.fields(Settings)}
 DEFAULTS = Settings()
 UNITS = {"": 1, "bytes": 1, "frames": 1, "s": 1, "KiB": 1 << 10, "MiB": 1 << 20,

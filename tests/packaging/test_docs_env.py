@@ -6,7 +6,7 @@ in docs/aio-compiled.md -- is a promise a user would set and silently not get.
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\bAOPRIM_[A-Z0-9_]+\b")
 # Where a variable may be read: the package, the build, CI scripts, benchmarks, tests.
 READERS = ("aoprim", "bench", "tests", ".ci")

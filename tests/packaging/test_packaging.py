@@ -12,7 +12,7 @@ import tomllib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PYPROJECT = ROOT / "pyproject.toml"
 
 pytestmark = pytest.mark.skipif(not PYPROJECT.is_file(), reason="no pyproject.toml beside tests/")

@@ -30,7 +30,7 @@ import pytest
 
 import aoprim
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 MARKER = re.compile(r"^<!--\s*runnable(?::\s*(?P<opts>.*?))?\s*-->\s*$")
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
 PRINT = re.compile(r"^\s*print\(.*\)\s*#\s?(?P<expect>.*?)\s*$")

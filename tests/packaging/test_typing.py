@@ -3,7 +3,7 @@ user's script over every public name of aoprim, aoprim.server and aoprim.aio, an
 wrong uses -- wrong argument types, an unknown keyword, a result used as what it is not --
 with the expected error codes.
 
-The scripts are test data in ``tests/typing_cases/`` (never run): ``ok_public_api.py`` must
+The scripts are test data in ``tests/packaging/typing_cases/`` (never run): ``ok_public_api.py`` must
 type-check clean; in each ``bad_*.py`` every line marked ``# E: code[, code]`` must be
 reported with exactly those codes, and no other line may be.  mypy runs on copies of them in
 a temporary folder, against the INSTALLED aoprim: from a wheel it is found in site-packages;

@@ -25,7 +25,7 @@ blocks of live tables) are distinct tenures and fit in ``in_use``; once everythi
 dropped and collected, every pool's ``in_use`` is exactly 0.
 
 Scale: AOPRIM_FUZZ_EXAMPLES (default 300: about 5 s).  Long run, under the sanitizers:
-    AOPRIM_FUZZ_EXAMPLES=5000 .ci/sanitize tests/test_gc_fuzz.py
+    AOPRIM_FUZZ_EXAMPLES=5000 .ci/sanitize tests/primitives/test_gc_fuzz.py
 
 The defect shape it guards: were BlockTable's Cython-generated tp_clear to empty ``_tail``
 and ``_blocks`` before ``__dealloc__`` runs, a table that the collector cleared (it sat in a

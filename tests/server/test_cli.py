@@ -13,12 +13,12 @@ import pytest
 
 from aoprim.server import Handler, Server
 
-from test_server_support import HOST, frame, read_frame, recv_exact
+from server_support import HOST, frame, read_frame, recv_exact
 
 # A neutral working directory by default; test_serve_from_the_checkout_root covers the
 # README's own command, run where the README is.
 CWD = tempfile.gettempdir()
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def start_server(*args, cwd=CWD):

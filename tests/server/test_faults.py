@@ -1,4 +1,4 @@
-"""Faults under Layer 2: a server subprocess runs under tests/faultinject.c (LD_PRELOAD),
+"""Faults under Layer 2: a server subprocess runs under tests/support/faultinject.c (LD_PRELOAD),
 which makes its socket calls fail with EINTR/EAGAIN, move fewer bytes than asked, and now
 and then fail with ECONNRESET/EPIPE/ENOBUFS (see the C file for the knobs).
 

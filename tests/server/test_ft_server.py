@@ -27,9 +27,9 @@ from aoprim.server import Handler, Server
 from aoprim.server.loop import BACKENDS
 
 from support import join_all, scaled, start_threads
-from test_server_support import HOST, assert_no_leaks, open_fds, wait_for
+from server_support import HOST, assert_no_leaks, open_fds, wait_for
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 

@@ -17,7 +17,7 @@ import pytest
 from aoprim.server import Handler, Server, serve_protocol
 from aoprim.server.loop import BACKENDS
 
-from test_server_support import HOST, make_server, recv_exact  # noqa: F401
+from server_support import HOST, make_server, recv_exact  # noqa: F401
 
 
 @pytest.fixture(params=BACKENDS)

@@ -1,6 +1,6 @@
 """Hostile clients against the real server on loopback.
 
-The attackers run in their own process (tests/hostile_clients.py) so that they load the
+The attackers run in their own process (tests/support/hostile_clients.py) so that they load the
 server, not this process's GIL; the server and one well-behaved client run here.  After every
 scenario: no session left, the receive pool back to its idle value (1: the shared scratch
 slot), no send slot held, this process's fd count back to its start, no ERROR log line.
@@ -24,7 +24,7 @@ import pytest
 from aoprim.server.apps import Chat, Echo
 
 from proc_support import NEUTRAL_CWD, TESTS, child_env, rss_kib
-from test_server_support import (connect, error_lines, fd_limit, frame, logs,  # noqa: F401
+from server_support import (connect, error_lines, fd_limit, frame, logs,  # noqa: F401
                                  make_server, open_fds, read_frame, wait_for)
 
 IDLE_RX = 1                 # the scratch slot every session reads into

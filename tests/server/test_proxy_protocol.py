@@ -26,7 +26,7 @@ from aoprim.server.cli import build_parser
 from haproxy_support import haproxy_v2, needs_haproxy
 from support import run_threads
 from tlscerts import tls_certs  # noqa: F401  (fixture)
-from test_server_support import (HOST, frame, make_server, read_frame, recv_exact,  # noqa: F401
+from server_support import (HOST, frame, make_server, read_frame, recv_exact,  # noqa: F401
                                  recv_until_closed, wait_for)
 
 IDLE_RX = 1     # the arena's scratch slot

@@ -14,7 +14,7 @@ from aoprim.server import BackendUnavailable, Handler, Server
 from aoprim.server.apps import Chat, Echo
 
 from support import run_threads
-from test_server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
+from server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
                                  read_frame, recv_exact, recv_until_closed, wait_for)
 from aoprim.server.loop import BACKENDS
 

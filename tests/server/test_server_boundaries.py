@@ -19,7 +19,7 @@ from aoprim.server import Handler, Server
 from aoprim.server.apps import Echo
 from aoprim.server.loop import BACKENDS
 
-from test_server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
+from server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
                                  open_fds, read_frame, recv_exact, recv_until_closed,
                                  wait_for)
 
@@ -506,7 +506,7 @@ def test_a_start_that_fails_leaves_a_stopped_server(monkeypatch):
                                         (5.0, 1e300)])
 def test_huge_finite_shutdown_timeouts_wait_instead_of_overflowing(st, timeout):
     """The largest shutdown_timeout a thread join takes (larger ones are refused when the
-    Settings are built: tests/test_settings.py), and any shutdown(timeout=) however large."""
+    Settings are built: tests/server/test_settings.py), and any shutdown(timeout=) however large."""
     srv = Server(Echo(), HOST, 0, shutdown_timeout=st).start()
     srv.shutdown(timeout=timeout)
     assert_no_leaks(srv)

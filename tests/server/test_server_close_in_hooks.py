@@ -12,7 +12,7 @@ import pytest
 from aoprim.server import Handler
 from aoprim.server.loop import BACKENDS
 
-from test_server_support import (connect, frame, make_server, open_fds,  # noqa: F401
+from server_support import (connect, frame, make_server, open_fds,  # noqa: F401
                                  read_frame, recv_until_closed, wait_for)
 
 pytestmark = pytest.mark.timeout(60)

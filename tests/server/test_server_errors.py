@@ -15,7 +15,7 @@ from aoprim.server import Server
 from aoprim.server.apps import Echo
 from aoprim.server.loop import BACKENDS
 
-from test_server_support import HOST
+from server_support import HOST
 from tlscerts import tls_certs  # noqa: F401  (a fixture)
 
 CWD = tempfile.gettempdir()

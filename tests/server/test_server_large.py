@@ -10,7 +10,7 @@ import pytest
 from aoprim.server import Handler
 from aoprim.server.loop import BACKENDS
 
-from test_server_support import connect, frame, make_server, read_frame, recv_exact, wait_for  # noqa: F401
+from server_support import connect, frame, make_server, read_frame, recv_exact, wait_for  # noqa: F401
 
 
 @pytest.fixture(params=BACKENDS)

@@ -23,7 +23,7 @@ from aoprim.server.loop import BACKENDS
 from tls_clients import RawTLS
 from tlscerts import tls_certs  # noqa: F401  (fixture)
 
-from test_server_support import (HOST, connect, frame, make_server, read_frame,  # noqa: F401
+from server_support import (HOST, connect, frame, make_server, read_frame,  # noqa: F401
                                  recv_exact, recv_until_closed, wait_for)
 
 

@@ -12,7 +12,7 @@ import pytest
 from aoprim import SlabPool
 from aoprim.server import Handler, Server
 
-from test_server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
+from server_support import (HOST, assert_no_leaks, connect, frame, make_server,  # noqa: F401
                                  read_frame, wait_for)
 from aoprim.server.loop import BACKENDS
 

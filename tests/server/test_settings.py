@@ -14,7 +14,7 @@ from aoprim.server import Server
 from aoprim.server.apps import Echo
 from aoprim.server.config import Settings
 
-from test_server_support import HOST, read_frame, frame, make_server  # noqa: F401
+from server_support import HOST, read_frame, frame, make_server  # noqa: F401
 
 
 def physical_memory():

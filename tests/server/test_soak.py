@@ -1,4 +1,4 @@
-"""The soak (tests/soak.py, also ``.ci/soak [SECONDS]``) for AOP_SOAK_SECONDS (default 5):
+"""The soak (tests/support/soak.py, also ``.ci/soak [SECONDS]``) for AOP_SOAK_SECONDS (default 5):
 echo and chat, u16, workers=0 and 2, under mixed load; flat resources, zero mismatches."""
 import io
 import os

@@ -12,7 +12,7 @@ from aoprim.server.apps import Echo
 from aoprim.server.loop import BACKENDS
 from aoprim.server.stats import summary
 
-from test_server_support import HOST, make_server, recv_exact, wait_for  # noqa: F401
+from server_support import HOST, make_server, recv_exact, wait_for  # noqa: F401
 
 
 @pytest.fixture(params=BACKENDS)

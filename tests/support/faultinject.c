@@ -1,6 +1,6 @@
 /* faultinject.c -- an LD_PRELOAD shim that injects socket faults under the server's Layer 2.
  *
- * Built at test time by tests/test_faults.py:
+ * Built at test time by tests/server/test_faults.py:
  *     gcc -shared -fPIC -O2 -o faultinject.so faultinject.c -ldl
  * and loaded into a server subprocess with LD_PRELOAD.  Never committed as a binary.
  *

@@ -9,7 +9,7 @@ import pytest
 from aoprim.server import serve_protocol
 from aoprim.server.loop import BACKENDS
 
-from test_server_support import HOST, assert_no_leaks, open_fds
+from server_support import HOST, assert_no_leaks, open_fds
 
 
 def on_asyncio(factory, client, **kw):

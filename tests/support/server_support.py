@@ -1,6 +1,6 @@
 """Helpers shared by the server tests (no tests in here).
 
-Import as ``from test_server_support import ...`` (conftest puts tests/ on sys.path).
+Import as ``from server_support import ...`` (conftest puts tests/ on sys.path).
 """
 import contextlib
 import gc

@@ -1,9 +1,9 @@
 """Soak: the echo and chat apps (u16) with workers=0 and workers=2, under mixed load, with
 their resources sampled once per second.  Run by ``.ci/soak [SECONDS]`` (default 60) and,
-for 5 s, by tests/test_soak.py.
+for 5 s, by tests/server/test_soak.py.
 
-    python tests/soak.py [SECONDS]                 # the whole soak; exit 0 when it passed
-    python tests/soak.py --load echo|chat PORT SECONDS SEED     # one load process
+    python tests/support/soak.py [SECONDS]                 # the whole soak; exit 0 when it passed
+    python tests/support/soak.py --load echo|chat PORT SECONDS SEED     # one load process
 
 Each server is a subprocess (``python -m aoprim serve probe_app:ProbeEcho|ProbeChat``)
 driven by its own load process (threads):

@@ -1,5 +1,5 @@
 """Wrong arguments to aoprim.server: each line marked ``# E: <code>`` must be reported by
-``mypy --strict`` with that error code, and nothing else may be (tests/test_typing.py)."""
+``mypy --strict`` with that error code, and nothing else may be (tests/packaging/test_typing.py)."""
 from __future__ import annotations
 
 from aoprim.server import FrameDecoder, Handler, Server, Session, serve_protocol

@@ -1,6 +1,6 @@
 """A user's script over aoprim's whole public surface: ``mypy --strict`` must report nothing.
 
-tests/test_typing.py runs mypy on it against the installed package; it is never executed.
+tests/packaging/test_typing.py runs mypy on it against the installed package; it is never executed.
 Assignments to annotated names check that a result fits the type a user expects;
 ``assert_type`` checks the exact type of the promised ones (an ``Any`` fits every annotation,
 so only ``assert_type`` tells it from the promised type).

@@ -7,7 +7,7 @@ import pytest
 
 from aoprim.server import serve_protocol
 
-from test_server_support import (HOST, assert_no_leaks, recv_exact, recv_until_closed,  # noqa: F401
+from server_support import (HOST, assert_no_leaks, recv_exact, recv_until_closed,  # noqa: F401
                                  wait_for)
 import socket
 

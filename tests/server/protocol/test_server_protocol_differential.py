@@ -14,7 +14,7 @@ import pytest
 from aoprim.server import serve_protocol
 from aoprim.server.loop import BACKENDS
 
-from test_server_support import HOST, assert_no_leaks, open_fds, recv_until_closed, wait_for
+from server_support import HOST, assert_no_leaks, open_fds, recv_until_closed, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

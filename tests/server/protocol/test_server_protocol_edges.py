@@ -17,7 +17,7 @@ import pytest
 
 from aoprim.server.adapters.asyncio_protocol import _Timer
 
-from test_server_support import HOST, recv_exact, recv_until_closed, wait_for
+from server_support import HOST, recv_exact, recv_until_closed, wait_for
 from protocol_support import backend, on_asyncio, serve, workers  # noqa: F401
 from tlscerts import tls_certs  # noqa: F401  (fixture)
 

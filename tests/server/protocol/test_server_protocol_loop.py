@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from test_server_support import HOST, recv_exact, recv_until_closed, wait_for
+from server_support import HOST, recv_exact, recv_until_closed, wait_for
 from protocol_support import backend, on_asyncio, serve, workers  # noqa: F401
 
 pytestmark = pytest.mark.timeout(90)

@@ -18,7 +18,7 @@ import pytest
 from aoprim.server import Handler, Server, serve_protocol
 from aoprim.server.loop import BACKENDS
 
-from test_server_support import HOST, wait_for
+from server_support import HOST, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

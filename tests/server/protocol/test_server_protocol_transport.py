@@ -12,7 +12,7 @@ import pytest
 
 from aoprim.server import Handler, Server, serve_protocol
 
-from test_server_support import (HOST, assert_no_leaks, logs, open_fds,  # noqa: F401
+from server_support import (HOST, assert_no_leaks, logs, open_fds,  # noqa: F401
                                  recv_exact, recv_until_closed, wait_for)
 from protocol_support import backend, serve, workers  # noqa: F401  (fixtures)
 from tlscerts import tls_certs  # noqa: F401  (fixture)

@@ -25,7 +25,7 @@ from aoprim.server.loop import BACKENDS
 from aoprim.server.supervisor import Supervisor, reserve_port
 
 from proc_support import child_env
-from test_server_support import HOST, recv_exact, wait_for
+from server_support import HOST, recv_exact, wait_for
 
 CWD = tempfile.gettempdir()
 

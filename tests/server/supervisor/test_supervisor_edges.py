@@ -24,7 +24,7 @@ from aoprim.server import supervisor as supervisor_module
 from aoprim.server.supervisor import Supervisor
 
 from proc_support import child_env
-from test_server_support import HOST, recv_exact, wait_for
+from server_support import HOST, recv_exact, wait_for
 from test_supervisor import (Lines, SignalWhen, alive, children_of, cleanup, echo_once,
                              run_supervisor)
 

@@ -22,7 +22,7 @@ from aoprim.server import supervisor as supervisor_mod
 from aoprim.server.supervisor import Supervisor
 
 from proc_support import child_env
-from test_server_support import HOST, wait_for
+from server_support import HOST, wait_for
 from test_supervisor import Lines, alive, argv_of, run_supervisor
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ import pytest
 from aoprim.server.supervisor import reserve_port
 
 from proc_support import NEUTRAL_CWD, child_env
-from test_server_support import HOST, recv_exact, wait_for
+from server_support import HOST, recv_exact, wait_for
 
 TIME_WAIT = "06"        # the st column of /proc/net/tcp
 

@@ -15,7 +15,7 @@ import pytest
 from aoprim.server.loop import BACKENDS
 
 from proc_support import child_env
-from test_server_support import HOST, recv_exact, wait_for
+from server_support import HOST, recv_exact, wait_for
 from test_supervisor import Lines, alive, children_of, cleanup, echo_once, serve
 
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from proc_support import child_env
-from test_server_support import HOST, wait_for
+from server_support import HOST, wait_for
 from test_supervisor import alive, cleanup
 
 SPAWNER = """

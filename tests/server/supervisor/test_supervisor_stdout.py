@@ -13,7 +13,7 @@ import pytest
 from aoprim.server.loop import BACKENDS
 
 from proc_support import child_env
-from test_server_support import HOST, recv_exact
+from server_support import HOST, recv_exact
 from test_supervisor import Lines
 
 PRINTER = """

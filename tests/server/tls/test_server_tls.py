@@ -16,7 +16,7 @@ from aoprim.server.apps import Echo
 from aoprim.server.loop import BACKENDS
 
 from tlscerts import CLIENT_CN, tls_certs  # noqa: F401  (fixture)
-from test_server_support import (HOST, assert_no_leaks, frame, make_server,  # noqa: F401
+from server_support import (HOST, assert_no_leaks, frame, make_server,  # noqa: F401
                                  open_fds, recv_exact, wait_for)
 
 pytestmark = pytest.mark.timeout(60)

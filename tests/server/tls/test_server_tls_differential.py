@@ -30,7 +30,7 @@ from aoprim.server import Handler, Server  # noqa: E402
 from aoprim.server.loop import BACKENDS  # noqa: E402
 
 from tlscerts import bio_handshake, have_openssl, make_certs  # noqa: E402
-from test_server_support import HOST, assert_no_leaks, open_fds, wait_for  # noqa: E402
+from server_support import HOST, assert_no_leaks, open_fds, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,7 +17,7 @@ import pytest
 
 from aoprim.server import Server, serve_protocol
 
-from test_server_support import HOST, assert_no_leaks, open_fds, wait_for
+from server_support import HOST, assert_no_leaks, open_fds, wait_for
 from protocol_support import backend, workers  # noqa: F401  (fixtures)
 from tlscerts import bio_handshake, tls_certs  # noqa: F401  (a fixture)
 

@@ -39,7 +39,7 @@ from aoprim.server import Handler
 from aoprim.server.loop import BACKENDS
 
 from proc_support import NEUTRAL_CWD, child_env, rss_kib
-from test_server_support import (error_lines, fd_limit, frame, logs,  # noqa: F401
+from server_support import (error_lines, fd_limit, frame, logs,  # noqa: F401
                                  make_server, open_fds, read_frame, recv_until_closed,
                                  wait_for)
 from tls_clients import RawTLS, SClient, client_hello

@@ -19,7 +19,7 @@ from aoprim.server.loop import BACKENDS
 
 from tls_clients import RawTLS, client_hello
 from tlscerts import tls_certs  # noqa: F401  (fixture)
-from test_server_support import (error_lines, frame, logs, make_server,  # noqa: F401
+from server_support import (error_lines, frame, logs, make_server,  # noqa: F401
                                  open_fds, read_frame, wait_for)
 
 pytestmark = pytest.mark.timeout(60)

@@ -24,7 +24,7 @@ from aoprim.server.apps import Echo
 from aoprim.server.loop import BACKENDS
 
 from tlscerts import tls_certs  # noqa: F401  (fixture)
-from test_server_support import HOST, make_server, recv_exact, wait_for  # noqa: F401
+from server_support import HOST, make_server, recv_exact, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,7 +23,7 @@ from aoprim.server.loop import BACKENDS
 
 from haproxy_support import haproxy_v2, needs_haproxy
 from support import run_threads
-from test_server_support import (HOST, frame, make_server, open_fds, read_frame,  # noqa: F401
+from server_support import (HOST, frame, make_server, open_fds, read_frame,  # noqa: F401
                                  wait_for)
 from tls_clients import SClient
 from tlscerts import CLIENT_CN, tls_certs  # noqa: F401

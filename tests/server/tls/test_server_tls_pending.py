@@ -12,7 +12,7 @@ from aoprim.server import Handler
 from aoprim.server.loop import BACKENDS
 
 from tlscerts import tls_certs  # noqa: F401  (fixture)
-from test_server_support import make_server, recv_exact, wait_for  # noqa: F401
+from server_support import make_server, recv_exact, wait_for  # noqa: F401
 from test_server_tls import tls_connect
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ from aoprim.server.apps import Echo
 from aoprim.server.loop import BACKENDS
 
 from tlscerts import bio_handshake, tls_certs  # noqa: F401  (a fixture)
-from test_server_support import make_server, wait_for  # noqa: F401
+from server_support import make_server, wait_for  # noqa: F401
 from test_server_tls_differential import Peer, split_frames
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""tests/tlscerts.py makes a working CA, server and client certificate."""
+"""tests/support/tlscerts.py makes a working CA, server and client certificate."""
 import socket
 import ssl
 import threading
