@@ -245,7 +245,7 @@ def test_read_buffer_is_one_thread_at_a_time():
         ReadBuffer(0)
 
 
-# ---- issue 20: large reads land in the buffer's pooled, resident bytes objects -----------
+# ---- large reads land in the buffer's pooled, resident bytes objects -----------------------
 
 def _pool_max():
     from aoprim._readbuf import POOL_MAX
@@ -288,7 +288,7 @@ def test_the_read_pool_is_off_without_the_gil():
 def test_large_reads_allocate_nothing_in_the_steady_state():
     """A read of at least size/4 bytes is handed out as a pooled slot: once the slot exists,
     reading (and dropping) large messages allocates no new memory for them (asyncio's
-    recv(), and this buffer before issue 20, allocate one bytes object per read)."""
+    recv() allocates one bytes object per read)."""
     import tracemalloc
     from aoprim._readbuf import ReadBuffer
     rb = ReadBuffer(256 * 1024)
@@ -533,8 +533,8 @@ def test_backpressure_pause_resume_at_limits_with_partial_writes(loop):
 
 
 def test_write_above_high_water_taken_whole_runs_no_python_of_the_transport(loop):
-    """A bytes write above the high-water mark that the kernel takes whole (a large echo,
-    issue 20): sent inside write(), as asyncio's write() sends at once, by the compiled
+    """A bytes write above the high-water mark that the kernel takes whole (a large
+    echo): sent inside write(), as asyncio's write() sends at once, by the compiled
     writer alone -- no transport._over_high() frame, no pause; a write while the writer is
     registered (blocked) still goes through _over_high(), which only pauses."""
     p = Rec(loop)
@@ -574,8 +574,8 @@ def test_write_above_high_water_taken_whole_runs_no_python_of_the_transport(loop
 
 def test_a_batch_of_64k_goes_to_the_kernel_at_once_whatever_the_high_water_mark(loop):
     """From aoprim._aiowrite.SEND_NOW (64 KiB) pending bytes on, write() hands the batch to
-    the kernel inside the call, below a high-water mark too (issue 20: a large echo left
-    for the iteration's end is copied out of a cold cache); below it, batched.  The same in
+    the kernel inside the call, below a high-water mark too (a large echo left
+    for the iteration's end would be copied out of a cold cache); below it, batched.  The same in
     the compiled write, the Python one (a bytearray) and writelines; in order."""
     from aoprim._aiowrite import SEND_NOW
     assert SEND_NOW == 65536
@@ -1021,7 +1021,7 @@ def test_an_unknown_python_version_imports_with_a_warning_a_known_one_silently()
             assert r.returncode == 0, r.stderr
 
 
-# ---- issue 18 findings 1-10: each against the behaviour of asyncio's own loop -------------
+# ---- writes, flushes and flow control, each against the behaviour of asyncio's own loop ----
 
 class Producer(asyncio.Protocol):
     """The classic producer: writes chunks until pause_writing(), goes on in
@@ -1065,7 +1065,7 @@ def _reader_thread(sock, n):
 
 @pytest.mark.timeout(60)
 def test_producer_writing_from_resume_writing_does_not_stall(loop):
-    # finding 1: a write from resume_writing() during a flush must not sit in the batch
+    # a write from resume_writing() during a flush must not sit in the batch
     # while select() sleeps (asyncio: 40 x 70 kB in well under a second)
     chunk = b"p" * 70000
     pr = Producer(loop, 40, chunk)
@@ -1117,7 +1117,7 @@ def test_tls_producer_writing_from_resume_writing_does_not_stall(loop):
 
 @pytest.mark.parametrize("how", ["abort", "raise"])
 def test_write_then_abort_or_fatal_error_delivers_the_write(loop, how):
-    # finding 2: asyncio's write() hands the bytes to the kernel before abort() / the fatal
+    # asyncio's write() hands the bytes to the kernel before abort() / the fatal
     # error, so the peer gets them
     def on_data(tr, data):
         tr.write(b"ERR bad command\r\n")
@@ -1135,7 +1135,7 @@ def test_write_then_abort_or_fatal_error_delivers_the_write(loop, how):
 
 
 def test_abort_during_a_flush_notification_leaves_no_writer(loop):
-    # finding 3: a transport aborted by an earlier notification of the same flush gets no
+    # a transport aborted by an earlier notification of the same flush gets no
     # writer registered; the next connection on the same fd number works
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p, socket.AF_UNIX, sndbuf=4096)
@@ -1178,7 +1178,7 @@ def test_abort_during_a_flush_notification_leaves_no_writer(loop):
 
 
 def test_loop_close_delivers_pending_writes():
-    # finding 4a
+    # loop.close() flushes what the transports still hold, as asyncio's write() sent it at once
     lp = aoprim.aio.new_event_loop()
     p = Rec(lp)
     tr, _, peer = connect_pair(lp, p)
@@ -1192,7 +1192,7 @@ def test_loop_close_delivers_pending_writes():
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
 def test_keyboardinterrupt_after_a_write_delivers_it(loop, exc):
-    # finding 4b: the end-of-iteration flush runs when a callback raises out of the loop
+    # the end-of-iteration flush runs when a callback raises out of the loop
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p)
 
@@ -1209,7 +1209,7 @@ def test_keyboardinterrupt_after_a_write_delivers_it(loop, exc):
 
 
 def test_no_resume_writing_after_abort(loop):
-    # finding 5: asyncio: pause_writing, then connection_lost, never a resume
+    # asyncio: pause_writing, then connection_lost, never a resume
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p, socket.AF_UNIX, sndbuf=4096)
 
@@ -1226,7 +1226,7 @@ def test_no_resume_writing_after_abort(loop):
 
 
 def test_socket_shutdown_after_write_does_not_overtake_it(loop):
-    # finding 6: get_extra_info("socket").shutdown(SHUT_WR) right after write()
+    # get_extra_info("socket").shutdown(SHUT_WR) right after write()
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p)
 
@@ -1243,7 +1243,7 @@ def test_socket_shutdown_after_write_does_not_overtake_it(loop):
 
 @pytest.mark.timeout(60)
 def test_high_water_zero_pauses_about_as_often_as_asyncio():
-    # finding 7: flow control counts what the kernel has not taken
+    # flow control counts what the kernel has not taken
     def run(lp):
         async def main():
             a, b = socket.socketpair()
@@ -1281,7 +1281,7 @@ def test_high_water_zero_pauses_about_as_often_as_asyncio():
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("source", ["signal", "thread"])
 def test_write_while_the_loop_sleeps_wakes_it(loop, source):
-    # finding 8: a write from a signal.signal handler or another thread while the loop
+    # a write from a signal.signal handler or another thread while the loop
     # sleeps in select() is delivered at once (asyncio sends it from write())
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p)
@@ -1317,7 +1317,7 @@ def test_write_while_the_loop_sleeps_wakes_it(loop, source):
 
 
 def test_nest_asyncio_style_patching_is_refused(loop, tmp_path):
-    # finding 9: nest_asyncio replaces _run_once on the loop's class (no flush would ever
+    # nest_asyncio replaces _run_once on the loop's class (no flush would ever
     # run again); refused with uvloop's message
     with pytest.raises(ValueError, match="Can't patch loop of type"):
         type(loop)._run_once = lambda self: None
@@ -1342,7 +1342,8 @@ def test_nest_asyncio_style_patching_is_refused(loop, tmp_path):
 
 
 def test_run_sets_the_policys_current_loop_like_asyncio_run():
-    # finding 10
+    # aoprim.aio.run() makes its loop the policy's current loop while main() runs, as
+    # asyncio.run() does (get_event_loop() inside a coroutine is the running loop)
     async def main():
         return asyncio.get_event_loop_policy().get_event_loop() is asyncio.get_running_loop()
     assert asyncio.run(main()) is True

@@ -1,4 +1,4 @@
-"""Differential drop-in suite for issue 18: aoprim.aio must behave as asyncio's own loop and
+"""Differential drop-in suite: aoprim.aio must behave as asyncio's own loop and
 uvloop do, as a peer observes it (bytes, order, callbacks).
 
 Every scenario runs on a fresh loop of each kind ("asyncio" is the baseline and is asserted
@@ -44,12 +44,12 @@ def new_loop(kind):
 
 
 def kinds(**xfail):
-    """The three loop kinds; ``aoprim="item K"`` marks aoprim's run a strict xfail."""
+    """The three loop kinds; ``aoprim="why"`` marks aoprim's run a strict xfail (why)."""
     out = []
     for kind in ("asyncio", "uvloop", "aoprim"):
         if kind in xfail:
             out.append(pytest.param(kind, marks=pytest.mark.xfail(
-                strict=True, reason=f"issue 18 {xfail[kind]}")))
+                strict=True, reason=f"documented difference: {xfail[kind]}")))
         else:
             out.append(kind)
     return out
@@ -403,9 +403,9 @@ def test_base_exception_after_write_delivers(loop_of, kind, exc_type):
     assert data == b"bye"
 
 
-# -- the adversarial review's scenarios: every callback source, ways a transport ends --------
-# (issue 18, "review the loop adversarially": each ran on the three loops and agreed; kept
-# here so that they go on agreeing)
+# -- every callback source, and the ways a transport ends ----------------------------------
+# (scenarios where a loop's write path could differ: each runs on the three loops, which
+# must agree)
 
 def run_on(loop, coro, timeout=20):
     loop.set_exception_handler(lambda lp, ctx: None)

@@ -1,4 +1,4 @@
-"""aoprim.aio's compiled iteration (aoprim._aioloop.run_once, issue 23 step 1) against
+"""aoprim.aio's compiled iteration (aoprim._aioloop.run_once) against
 asyncio's own ``_run_once``: the same scenarios on both loops must record the same order of
 callbacks, timers and fd events, the same clean-up of cancelled timers and reader handles;
 debug mode, a mocked ``_process_events`` and a caller's selector take asyncio's path."""
@@ -76,7 +76,7 @@ def test_same_order_as_asyncio():
 
 def test_iteration_is_compiled():
     """No Python frame of the selector or of _process_events runs per iteration (asyncio's
-    _run_once + selectors' select + _process_events ran before issue 23 step 1)."""
+    _run_once runs selectors' select and _process_events in Python each time)."""
     loop = aoprim.aio.new_event_loop()
     seen = set()
 
@@ -99,8 +99,8 @@ def test_iteration_is_compiled():
 
 
 def test_ready_queue_call_is_compiled():
-    """asyncio.Handle / TimerHandle run from C (issue 23 step 2): no Handle._run frame and
-    no Context.run call per callback (step 1 ran both); the callback still runs in its own
+    """asyncio.Handle / TimerHandle run from C: no Handle._run frame and no Context.run call
+    per callback (asyncio's iteration makes both); the callback still runs in its own
     Context.  A Handle subclass still runs through its _run()."""
     import contextvars
     loop = aoprim.aio.new_event_loop()

@@ -1,5 +1,5 @@
 """aoprim.aio's compiled iteration against asyncio's own ``_run_once``, over random
-operation sequences (hypothesis; issue 23, docs/aio-compiled.md steps 1-2).
+operation sequences (hypothesis; docs/aio-compiled.md, parts 1 and 2).
 
 One random program -- loop operations done before the loop runs and by the callbacks it
 runs: call_soon, call_later / call_at with equal and distinct deadlines, cancel (before the

@@ -1,4 +1,4 @@
-"""The stream transport's read path (issue 23 step 3: aoprim.aio's reader is compiled,
+"""The stream transport's read path (aoprim.aio's reader is compiled,
 ``aoprim._aiotransport.TransportReader``) against asyncio's selector transport and uvloop.
 
 Every scenario runs on a fresh loop of each kind ("asyncio" is the baseline and is asserted

@@ -1,4 +1,4 @@
-"""aoprim.aio's compiled call_soon / call_at / call_later (issue 23) against asyncio's own
+"""aoprim.aio's compiled call_soon / call_at / call_later against asyncio's own
 selector loop, on the same script: odd callbacks and deadlines (what raises, with what
 message), equal deadlines scheduled from a timer, mass cancellation (the cancelled-handle
 cleanup), a raising callback (the exception handler's context keys), use after close."""

@@ -468,7 +468,8 @@ def test_bytearray_resized_after_write_behind_a_backlog(kind):
     # a 100 kB bytearray written while 2 MB already wait for a peer that reads nothing yet,
     # then resized by its owner: asyncio 3.11 copied it, asyncio 3.12+ appended the object
     # itself (no export), so clear() works on asyncio; uvloop and aoprim.aio 3.12+ keep a
-    # view (docs/aio.md, differences, item 4) until the bytes are sent
+    # view (docs/aio.md, "What a peer or a caller can observe that differs from asyncio": a
+    # bytearray changed after write() returns) until the bytes are sent
     loop = new_loop(kind)
     a, b = socket.socketpair()
     try:

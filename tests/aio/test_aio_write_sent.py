@@ -1,6 +1,7 @@
-"""Adversarial review of aoprim.aio (issue 18, second pass): scenarios where aoprim.aio
-differed from asyncio's loop and uvloop as a peer observes it.  Each runs on the three loops
-(asyncio is the baseline and is asserted too); the helpers are test_aio_dropin's.
+"""When a write leaves: one made in resume_writing() and followed by loop.stop() or a raise,
+and one made while the loop is not running, reach the peer as on asyncio's loop and uvloop.
+Each runs on the three loops (asyncio is the baseline and is asserted too); the helpers are
+test_aio_dropin's.
 """
 import asyncio
 import socket

@@ -1,4 +1,4 @@
-"""AtomicInt and RefCount: every semantic and error case of API.md, plus threaded stress."""
+"""AtomicInt and RefCount: every semantic and error case of docs/api.md, plus threaded stress."""
 import operator
 import re
 import threading

@@ -60,7 +60,7 @@ def test_refcount_incref_at_int64_max_changes_nothing():
     r = RefCount(2**63 - 1)
     with pytest.raises(OverflowError):
         r.incref()
-    assert r.count == 2**63 - 1            # was stored as -2**63 before the fix
+    assert r.count == 2**63 - 1            # unchanged: one more would wrap to -2**63
     with pytest.raises(OverflowError):
         r.try_incref()
     assert r.count == 2**63 - 1

@@ -501,7 +501,7 @@ def run_program(program):
     try:
         with warnings.catch_warnings():
             # Deliberate: the program drops held Slots; the collector gives them back with a
-            # ResourceWarning (API.md).  That warning is the documented outcome, not a fault.
+            # ResourceWarning (docs/api.md, `Slot`): the documented outcome, not a fault.
             warnings.filterwarnings("ignore", category=ResourceWarning,
                                     message="Slot .* was garbage-collected")
             for op, a, b, c in program:
@@ -560,7 +560,7 @@ def test_fuzzer_sees_a_slot_leak():
     leaked.release()
 
 
-# ---- the known defect, pinned in a subprocess (it crashes) ---------------------------------
+# ---- the tp_clear shapes, each in a subprocess (a dangling exporter crashes it) ------------
 
 def _run_child(code):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

@@ -1,4 +1,4 @@
-"""MPMCQueue (and, for the shared API.md semantics, SPSCQueue): every documented behaviour
+"""MPMCQueue (and, for the semantics docs/api.md gives both, SPSCQueue): every documented behaviour
 and error, close() waking blocked threads, timeouts, reference counts, and a 4 x 4 stress
 run with every item checked."""
 import gc

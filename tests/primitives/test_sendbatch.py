@@ -1,4 +1,4 @@
-"""SendBatch (API.md "Send batching"): order and integrity, one syscall per flush, auto-flush
+"""SendBatch (docs/sendbatch.md): order and integrity, one syscall per flush, auto-flush
 thresholds, clear(), partial writes (real kernel and a write-limit hook), would-block,
 EINTR, errors, bad input, slot-like objects, mutation rules, and a hypothesis model test."""
 import array

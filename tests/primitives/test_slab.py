@@ -1,4 +1,4 @@
-"""SlabPool and Slot: every semantic and error case of API.md "Buffers", threaded stress,
+"""SlabPool and Slot: every semantic and error case of docs/buffers.md, threaded stress,
 and the no-allocation steady state."""
 import ctypes
 import gc

@@ -1,6 +1,6 @@
 """SPSCQueue under one producer thread and one consumer thread: 1 x 1 x 1M with every item
 checked, the blocking paths with a tiny ring, close() from the producer side, references.
-(The API.md semantics shared with MPMCQueue are tested for both in test_mpmc.py.)"""
+(The docs/api.md semantics shared with MPMCQueue are tested for both in test_mpmc.py.)"""
 import gc
 import sys
 import threading

@@ -420,7 +420,7 @@ def test_the_load_generator_is_a_tool_not_part_of_the_server():
     assert importlib.util.find_spec("aoprim.server.loadgen") is None
 
 
-# -- issue 19: the supervisor validates once; a killed supervisor; what serve imports --------
+# -- the supervisor validates once; a killed supervisor; what serve imports -----------------
 
 def test_procs_bad_setting_is_printed_once_and_no_child_starts():
     r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port", "0",

@@ -142,7 +142,7 @@ def test_backends():
     with pytest.raises(BackendUnavailable, match="io_uring"):
         create_loop("uring")
     assert BACKENDS == ("selectors", "epoll")
-    assert create_loop().backend == "selectors"         # the default (API.md)
+    assert create_loop().backend == "selectors"         # the default (docs/server.md)
     for name in BACKENDS:
         lp = create_loop(name)
         assert lp.backend == name

@@ -451,7 +451,7 @@ def test_backend_accepts_only_what_works():
     with pytest.raises(ValueError, match="selectors"):
         Server(Echo(), HOST, 0, backend="auto")
     srv = Server(Echo(), HOST, 0)
-    assert srv.backend == "selectors"      # the default (API.md)
+    assert srv.backend == "selectors"      # the default (docs/server.md)
     srv.shutdown()
     for name in BACKENDS:
         srv = Server(Echo(), HOST, 0, backend=name)

@@ -1,7 +1,7 @@
 """The server at its trust boundaries: what a caller passes (ports, seconds, a listening
 socket), what a hook raises on a worker, and the promises a worker's sends keep (one frame
 encoder, order, the clocks, max_pending, nothing leaked when a session cannot register).
-Each test reproduces one defect scenario and fails if the server falls back into it."""
+Each test sets up one scenario the server could get wrong and fails if it does."""
 import array
 import logging
 import math
@@ -445,7 +445,7 @@ def test_max_pending_bounds_a_workers_sends_while_the_loop_is_busy(make_server):
     c.close()
 
 
-# -- found by the adversarial review -----------------------------------------------------------
+# -- shutdown from a handler, a start that fails, back-pressure and a worker's backlog ---------
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_shutdown_from_a_handler_starts_it_without_waiting_for_itself(make_server, workers):

@@ -1,7 +1,7 @@
 """--procs: the supervisor (aoprim/server/supervisor.py).
 
 Two kinds of tests: the command line (`python -m aoprim serve --procs N`, real server
-children), for the defects the supervisor used to have, and the Supervisor class with small
+children), for how it treats its children and its port, and the Supervisor class with small
 stand-in children (a script that prints "listening on" and exits as told), for its rules
 with short back-offs.
 """
@@ -119,9 +119,9 @@ def cleanup(p, pids=()):
 # -- the command line: each test failed on the supervisor before supervisor.py ---------------
 
 def test_a_child_exiting_2_stops_the_supervisor_with_2():
-    """Bad settings made every child exit 2, and the supervisor respawned them every 0.5 s
-    forever (after printing "listening on")."""
-    # (bad settings are refused by the supervisor itself now, before any child starts: a
+    """A child that exits 2 (a usage error: it would fail the same way again) stops the
+    supervisor with 2, without "listening on" and without respawning it."""
+    # (bad settings are refused by the supervisor itself, before any child starts: a
     # handler that cannot be imported is what only a child finds out)
     r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port", "0",
                         "--procs", "2", "no_such_module_for_this_test:Handler"],
@@ -181,8 +181,8 @@ class Echo(Handler):
 
 
 def test_listening_is_printed_only_once_every_child_listens(tmp_path):
-    """"listening on" was printed even when children had failed to start; now a child that
-    fails to start stops the others and the supervisor exits non-zero."""
+    """"listening on" is printed once every child listens: a child that fails to start
+    stops the others and the supervisor exits non-zero, without printing it."""
     (tmp_path / "startonce.py").write_text(START_ONCE)
     p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
                           "0", "--procs", "2", "startonce:Echo"], stdout=subprocess.PIPE,
@@ -220,12 +220,11 @@ class Echo(Handler):
 
 @pytest.mark.timeout(60)
 def test_a_stop_signal_during_start_up_is_not_swallowed(tmp_path):
-    """The race behind test_listening_is_printed_only_once_every_child_listens's flake: the
-    supervisor stops a sibling with SIGTERM while it is still starting (before
-    serve_forever's own handlers).  The start-up handler raised an Exception subclass, so
-    any `except Exception` it landed in -- logging's emit, here -- swallowed it: a "Logging
-    error" traceback, and the child served on until the supervisor killed it 15 s later.
-    Now the stop is a BaseException: the child exits 0 at once, quietly."""
+    """The supervisor stops a sibling with SIGTERM while it is still starting (before
+    serve_forever's own handlers), here while it logs.  The start-up handler's stop must be
+    a BaseException: an Exception subclass would be swallowed by any `except Exception` it
+    lands in -- logging's emit, here -- with a "Logging error" traceback, and the child would
+    serve on until the supervisor killed it 15 s later.  The child exits 0 at once, quietly."""
     (tmp_path / "stoplog.py").write_text(STOP_WHILE_LOGGING)
     p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
                           "0", "stoplog:Echo"], stdout=subprocess.PIPE,

@@ -1,7 +1,9 @@
-"""TLS on aoprim.server, broken on purpose (more scenarios than test_server_tls_break.py):
-each test here is a hostile or racy scenario, against the real server on loopback, both
-backends, every slot and fd back to idle after each test (make_server's
-teardown), no ERROR log line."""
+"""A TLS session's life on aoprim.server, broken on purpose: what on_close sends, asyncio's
+TLS names, writes from resume_writing, a close during the handshake, a flush report that
+raises, the PROXY header's deadline, freeing, closes and shutdowns from threads, the idle
+clock.  Each test here is a hostile or racy scenario, against the real server on loopback,
+both backends, every slot and fd back to idle after each test (make_server's teardown), no
+ERROR log line."""
 import asyncio
 import gc
 import logging
