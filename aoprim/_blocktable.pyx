@@ -21,12 +21,14 @@ table drops a block that still has views, the block goes back to the pool when t
 is released (Slot.c_release_deferred), so a frame view stays valid as long as it is held and
 no view ever sees a reused slot.
 
-Threads: one owner at a time (a receive buffer belongs to one session), enforced rather
-than assumed.  Every method and property claims the table (``busy``, an atomic exchange with
-acquire; a release store gives it back: aoprim/_owner.pxd), so a second thread entering
-meanwhile gets RuntimeError and changes nothing -- on a free-threaded build two threads
-inside one table would otherwise race on ``_blocks`` and the block reference counts and
-free a slot twice.  A claim rather than a critical section: the type is documented as one
+Threads: reads from any threads at once (``len``, ``bytes``, ``read``, ``blocks``,
+``tail_room``); anything else by one owner at a time (a receive buffer belongs to one
+session), enforced rather than assumed.  ``busy`` is a readers-writer claim
+(aoprim/_owner.pxd: ``rclaim`` counts readers, ``wclaim`` takes it for one writer with a
+compare-exchange from 0; acquire to take, release to give back), so a writer meeting
+anyone, or a reader meeting a writer, gets RuntimeError and changes nothing -- on a
+free-threaded build a reader beside a writer would otherwise race on ``_blocks`` and the
+block reference counts, and two writers would free a slot twice.  A claim rather than a critical section: the type is documented as one
 owner's, a second thread is a bug to report, not to serialise, and the claim costs one
 exchange per call and never waits.  Arguments are converted (``__index__``, the buffer
 export of ``append``'s data) before the claim, so a callback they run can use the table.
@@ -52,7 +54,7 @@ from libc.stdint cimport int64_t
 
 from aoprim.atomic_h cimport (AOP_ACQUIRE, AOP_ACQ_REL, AOP_RELAXED, aop_load_i64,
                              aop_store_i64, aop_fetch_add_i64, aop_fetch_sub_i64)
-from aoprim._owner cimport claim, unclaim, owner_busy
+from aoprim._owner cimport wclaim, rclaim, runclaim, unclaim, owner_busy
 from aoprim._slab cimport SlabPool, Slot, aop_slab_take, AOP_SLOT_REF_MASK
 from aoprim.errors import PoolExhausted
 
@@ -86,8 +88,17 @@ cdef inline object _pre_index(object v, str what):
 
 
 cdef inline int _enter(BlockTable t) except -1:
-    if not claim(&t.busy):
+    # a method that changes the table (or exports its memory): one owner, nobody reading
+    if not wclaim(&t.busy):
         owner_busy("BlockTable")
+    return 0
+
+
+cdef inline int _enter_read(BlockTable t) except -1:
+    # a read: shared with other readers, refused only beside a writer; runclaim() after
+    if not rclaim(&t.busy):
+        raise RuntimeError("BlockTable is being changed by another thread (reads may be "
+                           "shared; a change needs the table to itself)")
     return 0
 
 
@@ -301,42 +312,42 @@ cdef class BlockTable:
             PyBuffer_Release(&buf)
 
     def __len__(self):
-        _enter(self)
+        _enter_read(self)
         n = self.nbytes
-        unclaim(&self.busy)
+        runclaim(&self.busy)
         return n
 
     def __bytes__(self):
-        _enter(self)
+        _enter_read(self)
         try:
             out = PyBytes_FromStringAndSize(NULL, self.nbytes)
             self._copy_out(PyBytes_AS_STRING(out), 0, self.nbytes)
             return out
         finally:
-            unclaim(&self.busy)
+            runclaim(&self.busy)
 
     def read(self, start=0, stop=None):
         """bytes of the range [start:stop), with Python slice semantics."""
         cdef Py_ssize_t a, b
         start = _pre_index(start, "start")
         stop = _pre_index(stop, "stop")
-        _enter(self)
+        _enter_read(self)
         try:
             self._range(start, stop, &a, &b)
             out = PyBytes_FromStringAndSize(NULL, b - a)
             self._copy_out(PyBytes_AS_STRING(out), a, b - a)
             return out
         finally:
-            unclaim(&self.busy)
+            runclaim(&self.busy)
 
     @property
     def blocks(self):
         """Physical slot indices of the blocks, in logical order."""
-        _enter(self)
+        _enter_read(self)
         try:
             return self._indices()
         finally:
-            unclaim(&self.busy)
+            runclaim(&self.busy)
 
     cdef tuple _indices(self):
         cdef Slot s
@@ -423,11 +434,11 @@ cdef class BlockTable:
     @property
     def tail_room(self):
         """Free bytes at the end of the last block (0 when there is no block or it is full)."""
-        _enter(self)
+        _enter_read(self)
         try:
             return self._tail_room()
         finally:
-            unclaim(&self.busy)
+            runclaim(&self.busy)
 
     cdef Py_ssize_t _tail_room(self):
         if not self._blocks:

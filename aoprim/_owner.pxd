@@ -14,6 +14,12 @@ Two kinds, as SendBatch's ``busy``:
 - ``claim``/``unclaim`` on an ``aop_atomic_u32``: not re-entrant.  For types whose methods
   never call back into Python while claimed (BlockTable, ProxyParser): convert arguments
   (``__index__``, buffer exports) before claiming.
+- ``wclaim``/``rclaim`` on an ``aop_atomic_u32``: a readers-writer claim (BlockTable), for a
+  type whose reads may be shared: any number of readers at once (the word counts them), or
+  one writer (the word is RW_WRITER).  A writer meeting a reader, or a reader meeting a
+  writer, is refused as above; readers never refuse each other.  A writer claims with a
+  compare-exchange from 0 (an exchange would overwrite the readers' count) and gives the
+  word back with ``unclaim``; a reader gives its share back with ``runclaim``.
 - ``tclaim``/``tunclaim`` on an ``aop_atomic_i64`` holding the owner's thread ident: a
   nested call from the owning thread (a handler that calls back into its own object, as a
   Receiver's on_frame calling close()) is let through, and only the outermost entry gives
@@ -24,9 +30,11 @@ Cost: one locked exchange (or compare-exchange) and one plain store per call, un
 """
 from libc.stdint cimport int64_t
 from cpython.pythread cimport PyThread_get_thread_ident
+from libc.stdint cimport uint32_t
 from aoprim.atomic_h cimport (
     AOP_ACQUIRE, AOP_RELAXED, AOP_RELEASE, aop_atomic_i64, aop_atomic_u32, aop_cas_i64,
-    aop_exchange_u32, aop_store_i64, aop_store_u32,
+    aop_cas_u32, aop_exchange_u32, aop_fetch_sub_u32, aop_load_u32, aop_store_i64,
+    aop_store_u32,
 )
 
 
@@ -39,6 +47,39 @@ cdef inline bint claim(aop_atomic_u32 *w) noexcept nogil:
 cdef inline void unclaim(aop_atomic_u32 *w) noexcept nogil:
     # release: our writes to the object happen-before the next owner's acquire in claim()
     aop_store_u32(w, 0, AOP_RELEASE)
+
+
+cdef enum:
+    RW_WRITER = 0x80000000     # a readers-writer word held by its writer (else: readers)
+
+
+cdef inline bint wclaim(aop_atomic_u32 *w) noexcept nogil:
+    """Claim a readers-writer word for writing: only when nobody (reader or writer) holds it."""
+    cdef uint32_t seen = 0
+    # acquire on success: pairs with the release in unclaim()/runclaim() of the previous
+    # holders, so what a previous writer wrote is visible, and no reader still reads what we
+    # are about to change.  relaxed on failure: we only refuse.
+    return aop_cas_u32(w, &seen, RW_WRITER, AOP_ACQUIRE, AOP_RELAXED)
+
+
+cdef inline bint rclaim(aop_atomic_u32 *w) noexcept nogil:
+    """Claim a readers-writer word for reading: refused only while a writer holds it."""
+    # relaxed first read: the compare-exchange below re-checks it
+    cdef uint32_t seen = aop_load_u32(w, AOP_RELAXED)
+    while True:
+        if seen & RW_WRITER:
+            return False
+        # acquire on success: pairs with the last writer's release in unclaim(), so every
+        # field and buffer byte it wrote is visible before we read them.  relaxed on
+        # failure: ``seen`` is reloaded and checked again (another reader came or left)
+        if aop_cas_u32(w, &seen, seen + 1, AOP_ACQUIRE, AOP_RELAXED):
+            return True
+
+
+cdef inline void runclaim(aop_atomic_u32 *w) noexcept nogil:
+    # release: our reads happen-before a later writer's acquire in wclaim(), so it cannot
+    # change (or free) what we read while we still read it
+    aop_fetch_sub_u32(w, 1, AOP_RELEASE)
 
 
 cdef inline int owner_busy(str what) except -1:

@@ -134,6 +134,95 @@ print(json.dumps(dict(gil=GIL, ok=tot, refused=sum(refused), messages=sorted(msg
             assert r["ok"][key] == r["n"], key
 
 
+def test_blocktable_reads_are_shared_between_threads():
+    # reads (len, bytes, read, blocks, tail_room) may be shared: threads only reading one
+    # table are never refused, and each read is exact
+    r = hammer(PRELUDE + """
+from aoprim._blocktable import BlockTable
+from aoprim._slab import SlabPool
+pool = SlabPool(64, 64)
+t = BlockTable(pool)
+DATA = bytes(range(256)) * 8                  # 2048 bytes in 32 blocks
+t.append(DATA)
+BLOCKS = t.blocks
+N = 20000
+reads = [0] * THREADS
+refused = [0] * THREADS
+wrong = []
+
+def work(k):
+    for i in range(N):
+        try:
+            a = (i * 7 + k) % 2000
+            ok = (len(t) == 2048 and bytes(t) == DATA and t.read(a, a + 48) == DATA[a:a + 48]
+                  and t.blocks == BLOCKS and t.tail_room == 0)
+        except RuntimeError:
+            refused[k] += 1
+            continue
+        if not ok:
+            wrong.append(i)
+        reads[k] += 1
+
+run(work)
+t.release()
+print(json.dumps(dict(reads=sum(reads), refused=sum(refused), wrong=len(wrong),
+                      n=N * THREADS, in_use=pool.in_use)))
+""")
+    assert r["refused"] == 0 and r["wrong"] == 0, r
+    assert r["reads"] == r["n"] and r["in_use"] == 0, r
+
+
+def test_blocktable_readers_beside_a_writer_are_refused_or_exact():
+    # one thread appends and consumes while the others read: a read beside the change is
+    # refused (RuntimeError naming the table), every read that runs sees a whole state --
+    # the table holds the writer's fixed pattern, 0 or 1 copies of its chunk
+    r = hammer(PRELUDE + """
+from aoprim._blocktable import BlockTable
+from aoprim._slab import SlabPool
+pool = SlabPool(64, 64)
+t = BlockTable(pool)
+BASE = b"b" * 100
+CHUNK = bytes(range(50))
+t.append(BASE)
+N = 20000
+seen = [0] * THREADS
+refused = [0] * THREADS
+msgs = set()
+wrong = []
+
+def work(k):
+    for i in range(N):
+        if k == 0:                            # the writer: every change retried till done
+            for f in (lambda: t.append(CHUNK), lambda: t.consume(100),
+                      lambda: t.append(BASE), lambda: t.consume(50)):
+                while True:
+                    try:
+                        f()
+                        break
+                    except RuntimeError as e:
+                        refused[k] += 1
+                        msgs.add(str(e))
+            continue
+        try:
+            b = bytes(t)
+        except RuntimeError as e:
+            refused[k] += 1
+            msgs.add(str(e))
+            continue
+        if b not in (BASE, BASE + CHUNK, CHUNK, CHUNK + BASE):
+            wrong.append(len(b))
+        seen[k] += 1
+
+run(work)
+end = bytes(t)
+t.release()
+print(json.dumps(dict(gil=GIL, seen=sum(seen), refused=sum(refused), messages=sorted(msgs),
+                      wrong=wrong[:5], end=end == BASE, in_use=pool.in_use)))
+""")
+    check_refusals(r, ["BlockTable"], gil_switches=True)
+    assert r["wrong"] == [] and r["end"] and r["in_use"] == 0, r
+
+
 def test_blocktable_argument_callbacks_run_before_the_claim():
     # __index__ of an argument runs before the table is claimed: it may use the table
     r = hammer(PRELUDE + """
