@@ -145,6 +145,51 @@ class _Selector(selectors.DefaultSelector):
             sleep.sleeping = False
 
 
+class _MarkedSelector(selectors.BaseSelector):
+    """A caller's selector (``Loop(selector)``), marking its sleeps as _Selector does: the
+    caller's object does the work, this one only sets ``sleep.sleeping`` around its
+    select() and checks the group first, so a write made while the loop sleeps wakes it
+    whoever made the selector.  Every other attribute is the caller's selector's."""
+
+    def __init__(self, inner: selectors.BaseSelector, group: FlushGroup,
+                 sleep: SleepFlag) -> None:
+        self._inner = inner
+        self._sleep = sleep
+        self._group = group
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._inner.register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._inner.unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._inner.modify(fileobj, events, data)
+
+    def select(self, timeout: float | None = None
+               ) -> list[tuple[selectors.SelectorKey, int]]:
+        sleep = self._sleep
+        sleep.sleeping = True
+        try:
+            if len(self._group):
+                timeout = 0             # a batch became dirty after the last flush
+            return self._inner.select(timeout)
+        finally:
+            sleep.sleeping = False
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def get_key(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._inner.get_key(fileobj)
+
+    def get_map(self) -> Any:
+        return self._inner.get_map()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class _NoPatch(type):
     """Metaclass refusing what nest_asyncio does to a loop's class (it replaces _run_once,
     so no flush would ever run again, for every aoprim loop in the process)."""
@@ -170,12 +215,13 @@ class Loop(_aioloop.LoopCore, asyncio.SelectorEventLoop, metaclass=_NoPatch):
         self._aio_group = group
         self._aio_flush = group.flush
         # set while the loop sleeps in select() and while it is not running (run_forever
-        # clears it); a caller's selector never sets it in select() (a write from another
-        # thread then waits for the next wake-up)
+        # clears it); a caller's selector is wrapped to set it the same way
         self._aio_sleep = SleepFlag()
         self._aio_sleep.sleeping = True
         if selector is None:
             selector = _Selector(group, self._aio_sleep)
+        else:
+            selector = _MarkedSelector(selector, group, self._aio_sleep)
         super().__init__(selector)
         # the reusable read memory: every plain (data_received) read lands in its buffer or
         # in one of its pooled bytes slots (large reads); the loop runs one callback at a

@@ -8,6 +8,7 @@ and the peers are plain blocking sockets read with timeouts (or by a joined thre
 """
 import asyncio
 import gc
+import selectors
 import signal
 import socket
 import subprocess
@@ -26,7 +27,18 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture
 def loop():
-    lp = aoprim.aio.new_event_loop()
+    yield from _checked_loop(aoprim.aio.new_event_loop())
+
+
+@pytest.fixture(params=["own", "caller's"])
+def any_selector_loop(request):
+    """The loop with its own selector, and with one the caller passes (asyncio's
+    ``SelectorEventLoop(selector)`` argument)."""
+    sel = None if request.param == "own" else selectors.DefaultSelector()
+    yield from _checked_loop(aoprim.aio.Loop(sel))
+
+
+def _checked_loop(lp):
     # an assert that fails inside a loop callback reaches the loop's exception handler, not
     # the test: record every such report and fail the test with it at teardown (a test that
     # expects errors sets its own handler)
@@ -1280,9 +1292,11 @@ def test_high_water_zero_pauses_about_as_often_as_asyncio():
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("source", ["signal", "thread"])
-def test_write_while_the_loop_sleeps_wakes_it(loop, source):
+def test_write_while_the_loop_sleeps_wakes_it(any_selector_loop, source):
     # a write from a signal.signal handler or another thread while the loop
-    # sleeps in select() is delivered at once (asyncio sends it from write())
+    # sleeps in select() is delivered at once (asyncio sends it from write()), whoever
+    # made the loop's selector
+    loop = any_selector_loop
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p)
     arrived = loop.create_future()
