@@ -107,6 +107,7 @@ if TYPE_CHECKING:
 __all__ = ["ProtocolHandler", "SessionTransport"]
 
 log = logging.getLogger("aoprim.server")
+_asyncio_log = logging.getLogger("asyncio")
 _get_ident = threading.get_ident
 
 # what asyncio's TLS transport answers in get_extra_info (and the session's ALPN name)
@@ -127,17 +128,18 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
     Offered: ``time``, ``call_soon``, ``call_later``, ``call_at``, ``call_soon_threadsafe``
     (asyncio ``Handle``/``TimerHandle`` objects, cancellable), ``create_future``,
-    ``create_task``, ``run_in_executor``, ``get_debug``/``set_debug``,
+    ``create_task`` (and the task factory), ``run_in_executor``, ``get_debug``/``set_debug``,
     ``is_running``/``is_closed``, the exception handler methods.  What runs through them
     runs on the server's loop thread, with this loop set as the running loop.  Everything
     else asyncio's loops do (I/O: ``create_connection``, ``sock_*``, ``add_reader``, ...;
-    ``run_until_complete``, ``stop``, ``close``: the server runs and closes it) raises
-    ``NotImplementedError``."""
+    ``run_until_complete``, ``stop``, ``close``, signal handlers: the server runs and closes
+    it) raises ``NotImplementedError`` naming the method."""
 
     def __init__(self, ev: EventLoop, server: Server) -> None:
         self._ev = ev
         self._server = weakref.ref(server)     # (no cycle: the server holds our handler)
         self._exception_handler: Callable[..., object] | None = None
+        self._task_factory: Callable[..., Any] | None = None
         # run_in_executor(None, ...): made at the first call, shut down with the server
         self._default_executor: ThreadPoolExecutor | None = None
         self._executor_shut = False
@@ -288,11 +290,27 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
     def create_task(self, coro: Any, *, name: str | None = None,
                     context: contextvars.Context | None = None) -> asyncio.Task[Any]:
+        factory = self._task_factory
+        if factory is None:
+            if context is None:
+                return asyncio.Task(coro, loop=self, name=name)
+            return asyncio.Task(coro, loop=self, name=name, context=context)
+        # as asyncio's loop: the factory is called (loop, coro[, context=]), then named
         if context is None:
-            task = asyncio.Task(coro, loop=self, name=name)
+            task = factory(self, coro)
         else:
-            task = asyncio.Task(coro, loop=self, name=name, context=context)
-        return task
+            task = factory(self, coro, context=context)
+        if name is not None:
+            task.set_name(name)
+        return task   # type: ignore[no-any-return]
+
+    def set_task_factory(self, factory: Callable[..., Any] | None) -> None:
+        if factory is not None and not callable(factory):
+            raise TypeError("task factory must be a callable or None")
+        self._task_factory = factory
+
+    def get_task_factory(self) -> Callable[..., Any] | None:
+        return self._task_factory
 
     def run_in_executor(self, executor: Any,      # type: ignore[override]
                         func: Callable[..., Any],
@@ -436,8 +454,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         exc = context.get("exception")
         extra = "".join(f"\n{k}: {v!r}" for k, v in context.items()
                         if k not in ("message", "exception"))
-        log.error("%s%s", context.get("message", "Unhandled exception in a protocol's "
-                                      "loop callback"), extra,
+        # on asyncio's logger, as asyncio's loop logs it: logging set up for asyncio's
+        # messages sees these too
+        _asyncio_log.error("%s%s", context.get("message", "Unhandled exception in a "
+                                               "protocol's loop callback"), extra,
                   exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
 
     def call_exception_handler(self, context: dict[str, Any]) -> None:
@@ -453,6 +473,23 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
     def __repr__(self) -> str:
         return f"<ProtocolLoop over {self._ev!r}>"
+
+
+def _not_offered(name: str) -> Callable[..., Any]:
+    def method(self: ProtocolLoop, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{name}() is not offered by the loop serve_protocol's callbacks run on: the "
+            "server owns its loop and its I/O (docs/server.md, serve_protocol)")
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+# every other AbstractEventLoop method: a message naming it, instead of asyncio's bare
+# NotImplementedError()
+for _name, _value in vars(asyncio.AbstractEventLoop).items():
+    if callable(_value) and not _name.startswith("_") and _name not in vars(ProtocolLoop):
+        setattr(ProtocolLoop, _name, _not_offered(_name))
+del _name, _value
 
 
 class _Handle(asyncio.Handle):

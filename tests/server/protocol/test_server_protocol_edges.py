@@ -8,6 +8,7 @@ size hint.  Both Layer 1 backends, with and without workers."""
 import asyncio
 import contextvars
 import gc
+import logging
 import os
 import socket
 import threading
@@ -448,6 +449,110 @@ def test_exceptions_reach_the_loops_exception_handler(serve, where):
         want.sort()
     assert normalise(seen) == normalise(want), (seen, want)
     assert any(e.startswith("ValueError") for _, e in seen)
+
+
+class RaisesUnhandled(Raises):
+    """Raises as Raises, with no exception handler set: the loop's default handler logs."""
+
+    def connection_made(self, transport):
+        self.t = transport
+
+
+@pytest.mark.parametrize("where", ["data_received", "call_soon"])
+def test_the_default_exception_handler_logs_on_asyncios_logger(serve, where, caplog):
+    # logging set up for asyncio's logger (a level, a handler, a filter) sees what a
+    # protocol raised, on serve_protocol as on asyncio's loop
+    def logged():
+        return sorted({(r.name, r.levelname, type(r.exc_info[1]).__name__ if r.exc_info
+                        else None) for r in caplog.records if r.name in ("asyncio",
+                                                                         "aoprim.server")})
+    caplog.set_level(logging.ERROR)
+    done = threading.Event()
+    on_asyncio(lambda: RaisesUnhandled(where, [], done), lambda a: _poke(a, False))
+    assert done.wait(10)
+    want = logged()
+    caplog.clear()
+    done = threading.Event()
+    srv = serve(lambda: RaisesUnhandled(where, [], done))
+    _poke(srv.address, False)
+    assert done.wait(10)
+    wait_for(lambda: logged(), what="a log record")
+    assert want == logged() == [("asyncio", "ERROR", "ValueError")]
+
+
+# -- the loop's task factory, and the loop methods a protocol may not use --------------------
+
+class LoopCalls(asyncio.Protocol):
+    """Calls loop methods from connection_made and records each outcome."""
+
+    def __init__(self, calls, seen, done):
+        self.calls, self.seen, self.done = calls, seen, done
+
+    def connection_made(self, transport):
+        loop = asyncio.get_running_loop()
+        for name, f in self.calls:
+            try:
+                self.seen.append((name, "ok", f(loop)))
+            except Exception as e:
+                self.seen.append((name, type(e).__name__, str(e)))
+        transport.close()
+
+    def connection_lost(self, exc):
+        self.done.set()
+
+
+def _poke_once(address):
+    return _poke(address, False)
+
+
+def test_the_task_factory_is_the_loops(serve):
+    made = []
+
+    def factory(loop, coro, **kw):
+        made.append(kw.get("context") is not None)
+        return asyncio.Task(coro, loop=loop, **kw)
+
+    async def job():
+        return 7
+
+    def use(loop):
+        before = loop.get_task_factory()
+        loop.set_task_factory(factory)
+        t = loop.create_task(job(), name="job-1")
+        name, now = t.get_name(), loop.get_task_factory() is factory
+        loop.set_task_factory(None)
+        return (before, name, now, loop.get_task_factory())
+
+    def bad(loop):
+        loop.set_task_factory(42)
+
+    calls = [("factory", use), ("bad", bad)]
+    want, done = [], threading.Event()
+    on_asyncio(lambda: LoopCalls(calls, want, done), _poke_once)
+    assert done.wait(10)
+    seen, done = [], threading.Event()
+    srv = serve(lambda: LoopCalls(calls, seen, done))
+    _poke_once(srv.address)
+    assert done.wait(10)
+    assert seen == want and seen[0] == ("factory", "ok", (None, "job-1", True, None))
+    assert seen[1][1] == "TypeError" and made
+
+
+def test_loop_methods_a_protocol_may_not_use_say_so(serve):
+    # loop control and I/O belong to the server: refused with a message naming the method
+    calls = [(n, (lambda name: lambda loop: getattr(loop, name)())(n))
+             for n in ("stop", "run_forever", "close")]
+    calls.append(("add_signal_handler",
+                  lambda loop: loop.add_signal_handler(12, print)))
+    calls.append(("create_connection",
+                  lambda loop: loop.create_connection(asyncio.Protocol, "127.0.0.1", 1)))
+    seen, done = [], threading.Event()
+    srv = serve(lambda: LoopCalls(calls, seen, done))
+    _poke_once(srv.address)
+    assert done.wait(10)
+    assert [s[:2] for s in seen] == [(n, "NotImplementedError") for n, _ in calls], seen
+    for name, _, msg in seen:
+        assert f"{name}()" in msg and "serve_protocol" in msg, msg
 
 
 # -- small things: is_reading() after a close, get_buffer's size hint -----------------------
