@@ -188,3 +188,58 @@ def test_socket_subclass_overrides_are_bypassed_as_documented(kind):
         assert sock.calls == [], sock.calls
     diff = _differences()
     assert "socket.socket" in diff and "subclass" in diff and "sock=" in diff
+
+
+async def _write_rounds_to_a_closed_peer():
+    """write()+drain() rounds in one task step to a peer that closed without reading, then
+    rounds one iteration apart, then close(): what each raised."""
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(1)
+        return await _rounds(ls)
+
+
+async def _rounds(ls):
+    r, w = await asyncio.open_connection("127.0.0.1", ls.getsockname()[1])
+    c, _ = ls.accept()
+    c.close()                       # FIN now; the peer's kernel resets what arrives next
+    await asyncio.sleep(0.1)
+    seen = []
+
+    async def round_(data):
+        try:
+            w.write(data)
+            await w.drain()
+            seen.append("ok")
+        except Exception:           # (uvloop: RuntimeError once its handle is closed)
+            seen.append("error")
+    for _ in range(3):
+        await round_(b"x" * 100)
+    for _ in range(3):
+        await asyncio.sleep(0.05)
+        await round_(b"y")
+    w.close()
+    try:
+        await w.wait_closed()
+        seen.append("closed ok")
+    except (ConnectionResetError, BrokenPipeError):
+        seen.append("closed with the error")
+    return seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_write_errors_surface_after_the_iteration_as_documented(kind):
+    # docs/aio.md, difference 1: the rounds of one task step all pass on aoprim.aio (one
+    # sendmsg at the iteration's end); the error reaches drain() within the next rounds and
+    # wait_closed() as on asyncio, whose second drain() already raises
+    assert "all succeed even if the peer" in _differences()
+    loop = new_loop(kind)
+    try:
+        seen = loop.run_until_complete(_write_rounds_to_a_closed_peer())
+    finally:
+        loop.close()
+    if kind == "aoprim":
+        assert seen[:3] == ["ok", "ok", "ok"], seen
+    else:
+        assert seen[:2] == ["ok", "error"], seen
+    assert "error" in seen[3:6] and seen[-1] == "closed with the error", seen
