@@ -1060,13 +1060,14 @@ group("receive-path", "receiver",
       ])
 
 
-# == C level (nogil), through aoprim.benchmarks._benchcore ================================================
+# == C level (nogil), through aoprim.benchmarks._benchcore =======================================
 
 def _core():
     try:
         from aoprim.benchmarks import _benchcore
     except ImportError as e:      # a build from before _benchcore existed
-        raise Unavailable(f"aoprim.benchmarks._benchcore is not built ({e}); rebuild the package") from None
+        raise Unavailable(f"aoprim.benchmarks._benchcore is not built ({e}); "
+                          "rebuild the package") from None
     return _benchcore
 
 

@@ -60,8 +60,8 @@ def _commit():
 
 
 def _compiler():
-    """What the compiler saw when it built aoprim's extensions (aoprim.benchmarks._benchcore is built
-    by setup.py with the same flags as every other one), and Python's own CFLAGS, which
+    """What the compiler saw when it built aoprim's extensions (aoprim.benchmarks._benchcore is
+    built by setup.py with the same flags as every other one), and Python's own CFLAGS, which
     setuptools puts in front of setup.py's."""
     cc = (sysconfig.get_config_var("CC") or "").split()
     out = {"python_cflags": sysconfig.get_config_var("CFLAGS") or "",
