@@ -1,5 +1,8 @@
-"""Build: cythonize every aoprim/*.pyx into its own extension (one per primitive, so each
-can be cimported on its own).  Generated C is never committed nor shipped in the sdist
+"""Build: cythonize every .pyx under aoprim/ into its own extension, named by its dotted path
+(aoprim/_atomic.pyx -> aoprim._atomic, aoprim/server/_receiver.pyx -> aoprim.server._receiver):
+the primitives sit at the top of the package, each compiled part of the server, the asyncio
+loop and the bench command beside the Python code that uses it.  One extension per .pyx, so
+each can be cimported on its own.  Generated C is never committed nor shipped in the sdist
 (MANIFEST.in); a clean checkout or an sdist builds with ``pip install .``.
 
 Debug info: an in-place build (``setup.py build_ext --inplace``, what the tests and
@@ -60,15 +63,40 @@ def _env_jobs():
     return int(os.environ.get("AOPRIM_BUILD_JOBS", "0"))
 
 
+def _pyx_files():
+    """Every .pyx under aoprim/ (any depth), sorted by path."""
+    found = []
+    for folder, dirs, names in os.walk("aoprim"):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        found += [os.path.join(folder, n) for n in names if n.endswith(".pyx")]
+    return sorted(found)
+
+
+def _module_name(pyx):
+    """aoprim/server/_receiver.pyx -> aoprim.server._receiver"""
+    return os.path.splitext(pyx)[0].replace(os.sep, ".")
+
+
 def extensions():
     exts = []
-    for pyx in sorted(glob.glob(os.path.join("aoprim", "*.pyx"))):
-        name = "aoprim." + os.path.splitext(os.path.basename(pyx))[0]
-        exts.append(Extension(name, [pyx], include_dirs=[INCLUDE],
+    for pyx in _pyx_files():
+        exts.append(Extension(_module_name(pyx), [pyx], include_dirs=[INCLUDE],
                               extra_compile_args=CFLAGS, extra_link_args=LDFLAGS,
                               depends=glob.glob(INCLUDE + "/*.h")))
+    # include_path ".": a cimport names the module by its full dotted path from the checkout's
+    # root (`from aoprim._slab cimport Slot` in aoprim/server/_receiver.pyx)
     return cythonize(exts, compiler_directives=COMPILER_DIRECTIVES, include_path=["."],
                      nthreads=_env_jobs() or None)
+
+
+def _package_data():
+    """The .pxd and .pyi files of every package that holds a compiled module (cimport and
+    type checkers read them from the installed package), the C headers, py.typed."""
+    data = {"aoprim.include": ["*.h"]}
+    for pyx in _pyx_files():
+        data[os.path.dirname(pyx).replace(os.sep, ".")] = ["*.pxd", "*.pyi"]
+    data["aoprim"] = ["*.pxd", "*.pyi", "py.typed"]
+    return data
 
 
 # Appended after CFLAGS when a wheel is built (the last -g option wins over Python's -g).
@@ -181,7 +209,8 @@ setup(
     cmdclass=CMDCLASS,
     ext_modules=extensions(),
     packages=find_namespace_packages(include=["aoprim", "aoprim.*"]),
-    package_data={"aoprim": ["*.pxd", "*.pyi", "py.typed"], "aoprim.include": ["*.h"]},
-    exclude_package_data={"aoprim": ["*.c", "*.html"]},
+    package_data=_package_data(),
+    # the generated C of every package (setuptools would ship an extension's sources)
+    exclude_package_data={"": ["*.c", "*.cpp", "*.html"]},
     zip_safe=False,
 )

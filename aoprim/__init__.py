@@ -1,7 +1,9 @@
 """aoprim: compiled concurrency primitives for Python servers, and a server built from them.
 
-Public names are listed in docs/api.md; everything here is importable as ``from aoprim import X``
-(the server lives in ``aoprim.server``).
+The top level holds the primitives, importable as ``from aoprim import X`` (and cimportable
+from their modules, ``from aoprim._atomic cimport AtomicInt``); the server lives in
+``aoprim.server``, the asyncio loop in ``aoprim.aio``, each with its compiled parts beside it.
+Every public name, its semantics and its errors: docs/api.md.
 """
 import os as _os
 import sys as _sys
@@ -64,18 +66,6 @@ from aoprim._blocktable import BlockTable
 from aoprim._sendbatch import SendBatch
 from aoprim._flushgroup import FlushGroup
 
-# receive path
-from aoprim._receiver import (Receiver, RxArena, RX_EOF, RX_ERROR, RX_TOO_LARGE,
-                              RX_HANDLER, RX_PROXY, RX_PROXY_ERROR)
-# PROXY protocol header parser: what Receiver(proxy=...) runs
-from aoprim._proxyproto import ProxyParser
-# the compiled Layer 1 event loop core (the server's "epoll" backend)
-from aoprim._eloop import EpollCore, EpollTimer
-
-from typing import TYPE_CHECKING
-if TYPE_CHECKING:   # bound for type checkers; at run time by __getattr__ below (it loads ssl)
-    from aoprim._tls import TLSConn, TLSFlush
-
 # (one version, in aoprim/_version.py; "as": re-exported for type checkers)
 from aoprim._version import __version__ as __version__  # noqa: E402
 
@@ -85,20 +75,37 @@ __all__ = [
     "SlabPool", "Slot", "BlockTable",
     "Full", "Empty", "PoolExhausted", "RefCountError", "Closed",
     "SendBatch", "FlushGroup",
-    "Receiver", "RxArena", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
-    "RX_PROXY", "RX_PROXY_ERROR", "ProxyParser", "EpollCore", "EpollTimer",
-    "TLSConn", "TLSFlush",
     "get_include",
 ]
 
+# Deprecated top-level names: the server's compiled parts (receive path, PROXY header parser,
+# event-loop core, TLS path), which live in aoprim.server beside the code that uses them.
+# Each still resolves, with a DeprecationWarning naming its import from there, for one
+# release.  They are loaded on first use only: `import aoprim` loads neither the server's
+# receive path nor ssl.
+_MOVED = {
+    **dict.fromkeys(("Receiver", "RxArena", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
+                     "RX_PROXY", "RX_PROXY_ERROR"), "aoprim.server._receiver"),
+    "ProxyParser": "aoprim.server._proxyproto",
+    "EpollCore": "aoprim.server._eloop",
+    "EpollTimer": "aoprim.server._eloop",
+    "TLSConn": "aoprim.server._tls",
+    "TLSFlush": "aoprim.server._tls",
+}
 
-def __getattr__(name: str):
-    # The server's compiled TLS path (aoprim._tls) imports ssl: loaded on first use of its
-    # names, so that `import aoprim` / `import aoprim.server` do not load ssl (PEP 562).
-    if name in ("TLSConn", "TLSFlush"):
-        from aoprim import _tls
-        return getattr(_tls, name)
-    raise AttributeError(f"module 'aoprim' has no attribute {name!r}")
+
+def __getattr__(name: str) -> object:
+    # PEP 562: called only for a name the module itself does not bind (dir(aoprim) lists the
+    # bound ones, so the deprecated names stay out of it)
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'aoprim' has no attribute {name!r}")
+    import importlib
+    import warnings
+    warnings.warn(f"aoprim.{name} is deprecated: import it as `from {home} import {name}` "
+                  "(the top-level name is removed in the next release)",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(home), name)
 
 
 def get_include() -> str:

@@ -131,7 +131,7 @@ cdef class SendBatch:
     cdef int c_add_ptr(self, const void *p, size_t n) noexcept nogil
     cdef int c_add_copy(self, const void *p, size_t n) noexcept nogil
     cdef Py_ssize_t c_flush(self) noexcept nogil
-    # take_view() / consume() without Python objects (the server's TLS flush, aoprim._tls):
+    # take_view() / consume() without Python objects (the server's TLS flush, aoprim.server._tls):
     # c_peek: the first unsent segment (valid until the next call on the batch), 0 when
     # nothing is pending, else 1; c_consume(k): the first k bytes were written elsewhere
     cdef int c_peek(self, char **p, Py_ssize_t *n) except -1
@@ -202,6 +202,6 @@ cdef void _sock_unpin(object sock) noexcept
 cdef bint _sock_closing(object sock) noexcept
 cdef void _release_owner(aop_sb_owner *o) noexcept
 cdef Py_ssize_t _positive(object v, str name) except -1
-# add_copy() of a run of small bytes items of a list under one claim (aoprim._aiowrite's
+# add_copy() of a run of small bytes items of a list under one claim (aoprim.aio._aiowrite's
 # writelines): the index of the first item not taken (see _sendbatch.pyx)
 cdef Py_ssize_t sb_add_bytes_run(SendBatch b, list items, Py_ssize_t i) except -1

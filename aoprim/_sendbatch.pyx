@@ -475,7 +475,7 @@ cdef inline int _add_one(SendBatch b, object data, bint af) except -1:
 cdef Py_ssize_t sb_add_bytes_run(SendBatch b, list items, Py_ssize_t i) except -1:
     """add_copy() of items[i], items[i + 1], ... while they are bytes of at most copy_max
     bytes (empty ones skipped), under ONE claim of the batch: aoprim.aio's writelines()
-    (aoprim._aiowrite).  Returns the index of the first item not taken; ``i`` when none was
+    (aoprim.aio._aiowrite).  Returns the index of the first item not taken; ``i`` when none was
     (the batch is busy, limited to an owner thread, or items[i] is something else: the
     caller adds it the usual way).  A batch in a group is queued, as by add_copy()."""
     cdef Py_ssize_t k = i

@@ -8,7 +8,7 @@ runs; baseline marked):
 - atomic-read: AtomicInt.load() / .value vs a lock-guarded read.
 - refcount: RefCount incref+decref vs a lock-guarded int pair.
 - c-atomic / c-refcount: ns per aop_fetch_add_i64 (and per c_incref + c_decref) in a nogil
-  loop (aoprim._benchcore) vs a bare __atomic_fetch_add loop (the hardware floor).
+  loop (aoprim.benchmarks._benchcore) vs a bare __atomic_fetch_add loop (the hardware floor).
 
 Run:  pytest bench/bench_atomic.py --benchmark-enable
 """

@@ -21,7 +21,7 @@ The loop is asyncio's own selector loop (``asyncio.SelectorEventLoop``) with two
   ``SSLProtocol`` over the socket transport) are :class:`aoprim.aio.transport.SocketTransport`:
   ``write()`` appends to the transport's compiled ``SendBatch`` (small writes copied and
   coalesced, large ``bytes`` by reference) and returns; reads go into one reusable buffer
-  owned by the loop (``aoprim._readbuf.ReadBuffer``: one ``recv()`` into reused memory; a
+  owned by the loop (``aoprim.aio._readbuf.ReadBuffer``: one ``recv()`` into reused memory; a
   read of 64 KiB or more lands in one of the buffer's pooled, resident ``bytes`` objects
   and is handed to ``data_received`` as it is, a smaller one is copied into a ``bytes`` of
   its size; at most 512 KiB per read), never a fresh 256 KiB ``recv`` per read;
@@ -33,7 +33,7 @@ The loop is asyncio's own selector loop (``asyncio.SelectorEventLoop``) with two
   are handed back to their transports.
 
 The iteration itself (asyncio's ``_run_once``: the wait, the dispatch of fd events, due
-timers, the ready queue) is compiled (``aoprim._aioloop``), keeping asyncio's data
+timers, the ready queue) is compiled (``aoprim.aio._aioloop``), keeping asyncio's data
 structures and order; debug mode takes asyncio's Python iteration.
 
 The transport is aoprim's own (not asyncio's private selector transport); the private

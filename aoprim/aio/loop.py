@@ -6,7 +6,7 @@ Iteration (``_run_once``)::
     [flush]   only if something was written outside a callback (before the loop started,
               between two run_until_complete calls)
     select(), then run the ready callbacks        -- asyncio's _run_once, compiled
-              (aoprim._aioloop.run_once: the wait and _process_events in C, asyncio's
+              (aoprim.aio._aioloop.run_once: the wait and _process_events in C, asyncio's
               data and order kept; asyncio's Python _run_once in debug mode, with a
               caller's selector or an overridden _process_events or _add_callback)
     flush     FlushGroup.flush(): every dirty batch, one sendmsg each, one GIL release;
@@ -25,7 +25,7 @@ sleeping loop through its self-pipe.  The flag is also set while the loop is not
 stop() or close()) is handed to the kernel at once, as asyncio's write() does.
 
 Private asyncio names used here (checked on CPython 3.11.7, 3.12.1, 3.13.0): the selector
-loop's ``_run_once`` (the fallback; aoprim._aioloop also reads ``_ready``, ``_scheduled``,
+loop's ``_run_once`` (the fallback; aoprim.aio._aioloop also reads ``_ready``, ``_scheduled``,
 ``_timer_cancelled_count``, ``_stopping``, ``_clock_resolution``, ``_debug``,
 ``_remove_reader`` / ``_remove_writer``, the handles' ``_cancelled`` / ``_when`` /
 ``_scheduled`` / ``_run`` / ``_callback`` / ``_args`` / ``_context`` / ``_loop`` /
@@ -53,9 +53,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import asyncio.sslproto as _sslproto
 
 from aoprim import FlushGroup
-from aoprim._aiowrite import SleepFlag
-from aoprim._readbuf import ReadBuffer
-from aoprim import _aioloop
+from aoprim.aio._aiowrite import SleepFlag
+from aoprim.aio._readbuf import ReadBuffer
+from aoprim.aio import _aioloop
 from aoprim.aio.transport import SocketTransport
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ __all__ = ["Loop", "new_event_loop", "EventLoopPolicy", "run", "install", "READ_
 
 #: bytes of the loop's reusable read buffer: one recv reads at most this much (twice
 #: asyncio's ``max_size``: a 1 MiB message is two reads and two sends, not four;
-#: a read of 64 KiB or more is still handed out as a pooled slot, see aoprim._readbuf)
+#: a read of 64 KiB or more is still handed out as a pooled slot, see aoprim.aio._readbuf)
 READ_BUFFER_SIZE = 512 * 1024
 
 
@@ -240,12 +240,12 @@ class Loop(_aioloop.LoopCore, asyncio.SelectorEventLoop, metaclass=_NoPatch):
     # ---- asyncio hooks ----------------------------------------------------------------------
 
     # flush what was written outside a callback; one iteration (asyncio's, with the wait and
-    # _process_events compiled: aoprim._aioloop); flush the iteration's writes -- also when
+    # _process_events compiled: aoprim.aio._aioloop); flush the iteration's writes -- also when
     # a callback raised KeyboardInterrupt / SystemExit out of the loop
     _run_once = _aioloop.run_once
 
     # asyncio's call_soon / call_at / call_later / create_future with the handles built in
-    # C (aoprim._aioloop: asyncio.Handle / TimerHandle, the timer heap by heapq's algorithm);
+    # C (aoprim.aio._aioloop: asyncio.Handle / TimerHandle, the timer heap by heapq's algorithm);
     # asyncio's own in debug mode or where a subclass overrides the helpers they call
     # (call_later's: a subclass's call_at, which it then calls, as asyncio's does)
     call_soon = _aioloop.call_soon

@@ -69,8 +69,8 @@ from asyncio import trsock as _trsock
 from asyncio.log import logger
 
 from aoprim import SendBatch
-from aoprim._aiowrite import SEND_NOW, TransportWriter
-from aoprim._aiotransport import TransportReader, make_write_method
+from aoprim.aio._aiowrite import SEND_NOW, TransportWriter
+from aoprim.aio._aiotransport import TransportReader, make_write_method
 
 if TYPE_CHECKING:
     import asyncio
@@ -149,8 +149,8 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     """A stream transport (TCP or Unix socket) whose writes are batched per loop
     iteration."""
 
-    # _writer: the compiled write() path (aoprim._aiowrite.TransportWriter), in a slot that
-    # the class's compiled write() reads by offset (aoprim._aiotransport.make_write_method)
+    # _writer: the compiled write() path (aoprim.aio._aiowrite.TransportWriter), in a slot that
+    # the class's compiled write() reads by offset (aoprim.aio._aiotransport.make_write_method)
     __slots__ = ("_writer", "__dict__", "__weakref__")
 
     _start_tls_compatible = True
@@ -178,13 +178,13 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self._batch = batch
         self._add = batch.add_copy       # asyncio copies what it buffers: so does add_copy
         self._sel = loop._aio_sleep      # .sleeping: the loop is inside select()
-        # write() (the class's, compiled) runs this writer's steps (aoprim._aiowrite),
+        # write() (the class's, compiled) runs this writer's steps (aoprim.aio._aiowrite),
         # its `fast` flag set (the short path allowed, see _can_fast); made before the base
         # __init__, which sets the write buffer limits it keeps a copy of
         self._writer = TransportWriter(self, batch, self._sel)
         super().__init__(extra, loop)
         self._group = loop._aio_group
-        # the read side (aoprim._aiotransport): the fd's reader callback itself, compiled;
+        # the read side (aoprim.aio._aiotransport): the fd's reader callback itself, compiled;
         # it holds _protocol, _buffered and _conn_lost (the properties below)
         self._reader = TransportReader(self, sock, loop._aio_rbuf)
         self._read_ready = self._reader
@@ -401,7 +401,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self._maybe_pause_protocol()
 
     def writelines(self, list_of_data: Iterable[Buffer]) -> None:
-        # one compiled pass (aoprim._aiowrite: TransportWriter.writelines): every item
+        # one compiled pass (aoprim.aio._aiowrite: TransportWriter.writelines): every item
         # checked first (asyncio's TypeError, nothing written), then appended as write()
         # appends; not fast: _write_slow(b''.join(items)), asyncio's checks and order
         if _OWN_WRITELINES and (self._eof or self._empty_waiter is not None):
@@ -447,7 +447,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self._writer.high = self._high_water     # the compiled write()'s copy
 
     def _over_high(self) -> None:
-        # Above the high-water mark, or at SEND_NOW pending bytes (aoprim._aiowrite's doc:
+        # Above the high-water mark, or at SEND_NOW pending bytes (aoprim.aio._aiowrite's doc:
         # why): hand the batch to the kernel now (asyncio's write()
         # sends at once); what the kernel leaves goes through the writer (block), as
         # asyncio's write() registers its writer -- not retried by this iteration's group
@@ -707,7 +707,7 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
 
     # ---- read side ---------------------------------------------------------------------------
 
-    # _read_ready: the compiled reader (aoprim._aiotransport.TransportReader), set in
+    # _read_ready: the compiled reader (aoprim.aio._aiotransport.TransportReader), set in
     # __init__; a plain protocol's data and a BufferedProtocol's get_buffer() /
     # buffer_updated() are handled there, end of stream here
 

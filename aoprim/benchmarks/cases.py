@@ -1024,7 +1024,7 @@ def _rx_python():
 def _rx_receiver(copy):
     @contextlib.contextmanager
     def setup(n):
-        from aoprim import Receiver, RxArena
+        from aoprim.server._receiver import Receiver, RxArena
         reads = max(1, n // RX_PER_READ)
         with rx_socketpair() as (r, w):
             pool = SlabPool(len(RX_BURST), 4)
@@ -1060,13 +1060,14 @@ group("receive-path", "receiver",
       ])
 
 
-# == C level (nogil), through aoprim._benchcore ================================================
+# == C level (nogil), through aoprim.benchmarks._benchcore =======================================
 
 def _core():
     try:
-        from aoprim import _benchcore
+        from aoprim.benchmarks import _benchcore
     except ImportError as e:      # a build from before _benchcore existed
-        raise Unavailable(f"aoprim._benchcore is not built ({e}); rebuild the package") from None
+        raise Unavailable(f"aoprim.benchmarks._benchcore is not built ({e}); "
+                          "rebuild the package") from None
     return _benchcore
 
 

@@ -60,17 +60,17 @@ def _commit():
 
 
 def _compiler():
-    """What the compiler saw when it built aoprim's extensions (aoprim._benchcore is built
-    by setup.py with the same flags as every other one), and Python's own CFLAGS, which
+    """What the compiler saw when it built aoprim's extensions (aoprim.benchmarks._benchcore is
+    built by setup.py with the same flags as every other one), and Python's own CFLAGS, which
     setuptools puts in front of setup.py's."""
     cc = (sysconfig.get_config_var("CC") or "").split()
     out = {"python_cflags": sysconfig.get_config_var("CFLAGS") or "",
            "cc": cc[0] if cc else ""}
     try:
-        from aoprim import _benchcore
+        from aoprim.benchmarks import _benchcore
         out.update(_benchcore.compiler_info())
     except ImportError as e:
-        out["error"] = f"aoprim._benchcore is not built: {e}"
+        out["error"] = f"aoprim.benchmarks._benchcore is not built: {e}"
     return out
 
 

@@ -17,12 +17,16 @@
     +----------------------------------------------------------------------------+
     | Layer 1  loop.py        the event-loop interface every backend implements  |
     |          loop_selectors.py  backend "selectors" (default; pure Python)     |
-    |          loop_epoll.py      backend "epoll" (over aoprim.EpollCore)        |
+    |          loop_epoll.py      backend "epoll" (over _eloop.EpollCore)        |
     +----------------------------------------------------------------------------+
-    | compiled  aoprim.EpollCore (wait, dispatch, timers, hooks: "epoll"),        |
-    |           aoprim.Receiver / RxArena (read, cut frames, call on_read),       |
-    |           aoprim.SendBatch / FlushGroup (batch, flush all at once),         |
-    |           SlabPool, RefCount, MPMCQueue, SpinLock                           |
+    | compiled, in this folder:                                                  |
+    |           _eloop.pyx     EpollCore (wait, dispatch, timers, hooks: "epoll")|
+    |           _receiver.pyx  Receiver / RxArena (read, cut frames, on_read)    |
+    |           _proxyproto.pyx ProxyParser (the PROXY header)                   |
+    |           _tls.pyx       TLSConn / TLSFlush (per-message TLS path)         |
+    | compiled, the primitives (aoprim):                                         |
+    |           SendBatch / FlushGroup (batch, flush all at once),               |
+    |           SlabPool, RefCount, MPMCQueue, SpinLock                          |
     +----------------------------------------------------------------------------+
 
 Each layer imports only the one below it and no module touches another module's private

@@ -40,7 +40,8 @@ from __future__ import annotations
 import operator
 from typing import TYPE_CHECKING, Any
 
-from aoprim import Receiver, SendBatch
+from aoprim import SendBatch
+from aoprim.server._receiver import Receiver
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

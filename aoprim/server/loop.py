@@ -6,8 +6,8 @@ Layer 2 (sessions, listener, dispatch, flush) uses a loop only through the metho
 - ``selectors`` (:mod:`aoprim.server.loop_selectors`, the default): pure Python over
   ``selectors.DefaultSelector`` and an eventfd -- readable, the reference;
 - ``epoll`` (:mod:`aoprim.server.loop_epoll`, Linux): the same contract with the iteration
-  compiled (:class:`aoprim._eloop.EpollCore`) -- the wait, the per-fd dispatch, the timer heap
-  and the hooks run in C, so Layer 1 adds no bytecode to a read burst.
+  compiled (:class:`aoprim.server._eloop.EpollCore`) -- the wait, the per-fd dispatch, the
+  timer heap and the hooks run in C, so Layer 1 adds no bytecode to a read burst.
 
 **Two implementations, on purpose.**  Both write the whole contract --
 timer heap, cancellation and compaction, the wake-up protocol, ``run_ready``, ``close``, the

@@ -3,8 +3,8 @@ a cloud network balancer) the real client's address arrives in a PROXY protocol 
 (v1 text or v2 binary) that the balancer puts before the stream.
 
 The header itself is parsed and validated in the compiled receive path
-(:class:`aoprim.ProxyParser`, run by ``Receiver(proxy=...)``); this module holds the policy
-around it, in Python:
+(:class:`aoprim.server._proxyproto.ProxyParser`, run by ``Receiver(proxy=...)``); this module
+holds the policy around it, in Python:
 
 - ``proxy_protocol`` (``None`` off, ``"v1"``, ``"v2"``, ``"any"``) and ``trusted_proxies``
   (networks, validated once into :class:`~.config.Settings`);

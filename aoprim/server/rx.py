@@ -2,9 +2,10 @@
 memory, cut frames, hand each to ``on_read``), why reading is paused, and the clocks of the
 idle and frame timeouts.
 
-The per-read and per-frame work is all in ``aoprim.Receiver``: the loop's read callback *is*
-``Receiver.on_readable``, which calls the frame callback (the handler's ``on_read``, or the
-worker dispatcher's ``post_frame``) directly from C.  This module decides only policy:
+The per-read and per-frame work is all in ``aoprim.server._receiver.Receiver``: the loop's
+read callback *is* ``Receiver.on_readable``, which calls the frame callback (the handler's
+``on_read``, or the worker dispatcher's ``post_frame``) directly from C.  This module decides
+only policy:
 
 - a readiness event reads until the socket has no more (a recv that fills its buffer is
   followed by another, up to ``Settings.rx_reads``), so a message larger than a slot costs one
@@ -27,11 +28,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from aoprim import (RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR, RX_TOO_LARGE,
-                    Receiver)
+from aoprim.server._receiver import (RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR,
+                                     RX_TOO_LARGE, Receiver)
 
 if TYPE_CHECKING:
-    from aoprim import RxArena
+    from aoprim.server._receiver import RxArena
 
     from .config import Settings
 

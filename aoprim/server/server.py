@@ -22,7 +22,8 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any, cast
 
-from aoprim import SlabPool, Slot, RxArena
+from aoprim import SlabPool, Slot
+from aoprim.server._receiver import RxArena
 
 from .config import Settings
 from .dispatch import InlineDispatch, WorkerDispatch
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer, Self, Unpack
 
-    from aoprim import TLSFlush
+    from aoprim.server._tls import TLSFlush
 
     from .config import SettingsArgs
     from .dispatch import WorkState

@@ -46,7 +46,8 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Union
 
-from aoprim import Receiver, RefCount, SendBatch, Slot
+from aoprim import RefCount, SendBatch, Slot
+from aoprim.server._receiver import Receiver
 
 from .dispatch import CLOSE_MARK, EOF_MARK, WorkState
 from .proxy import client_address
@@ -60,7 +61,8 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer, TypeAlias
 
-    from aoprim import RxArena, TLSFlush
+    from aoprim.server._receiver import RxArena
+    from aoprim.server._tls import TLSFlush
 
     from .config import Settings
     from .dispatch import InlineDispatch, WorkerDispatch

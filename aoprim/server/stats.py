@@ -15,7 +15,9 @@ from aoprim import AtomicInt
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from aoprim import Receiver, SendBatch, TLSFlush
+    from aoprim import SendBatch
+    from aoprim.server._receiver import Receiver
+    from aoprim.server._tls import TLSFlush
 
     from .session import Session
 
@@ -37,7 +39,7 @@ class Stats:
         self.handler_errors = AtomicInt(0)
         self.closes: dict[str, int] = {}    # close cause -> count (reset, protocol, ...)
         self.batches = {"syscalls": 0, "messages": 0, "bytes": 0}
-        # a TLS server's TLSFlush (aoprim._tls), or None: it counts the sends of ciphertext
+        # a TLS server's TLSFlush (aoprim.server._tls), or None: it counts the sends of ciphertext
         # (`sends`: not the batches' -- a TLS batch is encrypted, not written) and their
         # bytes (`bytes_out`: the bytes on the wire are not the plaintext bytes_out counts)
         self.tls: TLSFlush | None = None

@@ -5,7 +5,7 @@ Why this mechanism: no new build dependency (the ``ssl`` module's OpenSSL does t
 work; asyncio and uvloop use the same ``SSLObject``), and what matters for CPU per message is
 how many records and system calls a burst costs: here every loop iteration turns a session's
 whole send batch into one ``SSLObject.write`` (records of up to 16 KiB) and one ``send``.
-What runs once per message is compiled -- ``aoprim._tls.TLSConn`` (the decrypt into the
+What runs once per message is compiled -- ``aoprim.server._tls.TLSConn`` (the decrypt into the
 receive slot, the encrypt-and-send of a flush) and ``TLSFlush`` (the iteration hook), as
 uvloop's sslproto is Cython over the same objects -- and this module keeps the policy: the
 handshake, ``close_notify``, timeouts, errors and what they close.  docs/server.md gives the
@@ -57,7 +57,8 @@ import stat
 import threading
 from typing import TYPE_CHECKING, Any
 
-from aoprim import ProxyParser, TLSConn, TLSFlush
+from aoprim.server._proxyproto import ProxyParser
+from aoprim.server._tls import TLSConn, TLSFlush
 
 from .session import OPEN, CLOSED, Session, _BYREF_MIN
 
@@ -323,7 +324,7 @@ def _server_context(files: list[_PEMFile], certfile: str, keyfile: str | None,
 
 class TLSSession(Session):
     """A session of a server with ``ssl=``: the Session API, over TLS.  The per-message
-    work is its ``TLSConn`` (``_t``, compiled: aoprim._tls); the policy is here."""
+    work is its ``TLSConn`` (``_t``, compiled: aoprim.server._tls); the policy is here."""
 
     __slots__ = ("_sslobj", "_inc", "_out", "_t", "_hs_done", "_hs_timer", "_pp",
                  "_notified")

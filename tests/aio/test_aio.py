@@ -239,7 +239,7 @@ def test_reads_are_bytes_from_the_loop_buffer(loop):
 
 
 def test_read_buffer_is_one_thread_at_a_time():
-    from aoprim._readbuf import ReadBuffer
+    from aoprim.aio._readbuf import ReadBuffer
     rb = ReadBuffer(64)
     a, b = socket.socketpair()
     a.setblocking(False)
@@ -260,7 +260,7 @@ def test_read_buffer_is_one_thread_at_a_time():
 # ---- large reads land in the buffer's pooled, resident bytes objects -----------------------
 
 def _pool_max():
-    from aoprim._readbuf import POOL_MAX
+    from aoprim.aio._readbuf import POOL_MAX
     return POOL_MAX
 
 
@@ -276,7 +276,7 @@ def test_the_read_pool_is_off_without_the_gil():
     """POOL_MAX is 0 exactly on a free-threaded build; there, large reads are fresh bytes
     objects every time (none handed out as a slot, no slot created), and right."""
     import sysconfig
-    from aoprim._readbuf import ReadBuffer
+    from aoprim.aio._readbuf import ReadBuffer
     ft = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
     assert (_pool_max() == 0) == ft
     rb = ReadBuffer(64)
@@ -302,7 +302,7 @@ def test_large_reads_allocate_nothing_in_the_steady_state():
     reading (and dropping) large messages allocates no new memory for them (asyncio's
     recv() allocates one bytes object per read)."""
     import tracemalloc
-    from aoprim._readbuf import ReadBuffer
+    from aoprim.aio._readbuf import ReadBuffer
     rb = ReadBuffer(256 * 1024)
     a, b = socket.socketpair()
     a.setblocking(False)
@@ -337,7 +337,7 @@ def test_pooled_reads_bytes_order_hash_and_held_slots():
     """Every read's bytes are right and stay right while held, whatever is read after
     them: a held slot is never reused, a dropped one is (its length and hash reset);
     small reads are copies; at most POOL_MAX slots exist, reads beyond them are copies."""
-    from aoprim._readbuf import ReadBuffer, POOL_MAX
+    from aoprim.aio._readbuf import ReadBuffer, POOL_MAX
     rb = ReadBuffer(64)                             # slots of 64 bytes, handed out from 16
     a, b = socket.socketpair()
     a.setblocking(False)
@@ -380,7 +380,7 @@ def test_a_64k_read_is_handed_out_whatever_the_buffer_size():
     (the threshold is min(size // 4, 64 KiB), not size // 4): copied out of a 512 KiB
     buffer into a fresh bytes, it cost a malloc'd copy (and page faults once the heap is
     trimmed) on every read of a 64 KiB echo."""
-    from aoprim._readbuf import ReadBuffer
+    from aoprim.aio._readbuf import ReadBuffer
     assert ReadBuffer(64).handout_min == 16
     assert ReadBuffer(256 * 1024).handout_min == 65536
     assert ReadBuffer(4 << 20).handout_min == 65536
@@ -585,11 +585,11 @@ def test_write_above_high_water_taken_whole_runs_no_python_of_the_transport(loop
 
 
 def test_a_batch_of_64k_goes_to_the_kernel_at_once_whatever_the_high_water_mark(loop):
-    """From aoprim._aiowrite.SEND_NOW (64 KiB) pending bytes on, write() hands the batch to
+    """From aoprim.aio._aiowrite.SEND_NOW (64 KiB) pending bytes on, write() hands the batch to
     the kernel inside the call, below a high-water mark too (a large echo left
     for the iteration's end would be copied out of a cold cache); below it, batched.  The same in
     the compiled write, the Python one (a bytearray) and writelines; in order."""
-    from aoprim._aiowrite import SEND_NOW
+    from aoprim.aio._aiowrite import SEND_NOW
     assert SEND_NOW == 65536
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p, socket.AF_INET)
@@ -667,7 +667,7 @@ def test_set_write_buffer_limits_counts_what_the_kernel_has_not_taken(loop):
 
 
 def test_write_is_compiled_and_follows_the_transports_state(loop):
-    # write() runs without a Python frame (aoprim._aiowrite.TransportWriter) and sees what
+    # write() runs without a Python frame (aoprim.aio._aiowrite.TransportWriter) and sees what
     # the transport changes: the high-water mark, then write_eof (asyncio's RuntimeError)
     import types
     p = Rec(loop)
@@ -694,7 +694,7 @@ def test_write_is_compiled_and_follows_the_transports_state(loop):
 
 
 def test_write_is_a_c_method_of_the_class_for_subclasses_keywords_and_bad_callers(loop):
-    # write() is a method descriptor of SocketTransport itself (aoprim._aiotransport's
+    # write() is a method descriptor of SocketTransport itself (aoprim.aio._aiotransport's
     # make_write_method: no bound method in each instance's dict, so the interpreter's
     # specialised method call reaches its C function), reading the writer from the
     # `_writer` slot -- also for a subclass; asyncio's keyword spelling works; the

@@ -1,4 +1,4 @@
-"""aoprim.aio's compiled iteration (aoprim._aioloop.run_once) against
+"""aoprim.aio's compiled iteration (aoprim.aio._aioloop.run_once) against
 asyncio's own ``_run_once``: the same scenarios on both loops must record the same order of
 callbacks, timers and fd events, the same clean-up of cancelled timers and reader handles;
 debug mode, a mocked ``_process_events`` and a caller's selector take asyncio's path."""
@@ -13,7 +13,7 @@ import time
 import pytest
 
 import aoprim.aio
-from aoprim import _aioloop
+from aoprim.aio import _aioloop
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,7 +13,7 @@ source_traceback), handles of another type or with a context that is not a Conte
 the ready queue directly -- runs on three loops:
 
 - ``aoprim``: aoprim.aio.Loop, its compiled iteration (a fall-back to the Python path,
-  counted by ``aoprim._aioloop.python_iterations()``, fails the test);
+  counted by ``aoprim.aio._aioloop.python_iterations()``, fails the test);
 - ``aoprim-py``: the same Loop forced onto asyncio's Python ``_run_once`` (a
   ``_process_events`` in the instance's dict);
 - ``asyncio``: asyncio.SelectorEventLoop.
@@ -35,7 +35,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import aoprim.aio
-from aoprim import _aioloop
+from aoprim.aio import _aioloop
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,5 +1,5 @@
 """The stream transport's read path (aoprim.aio's reader is compiled,
-``aoprim._aiotransport.TransportReader``) against asyncio's selector transport and uvloop.
+``aoprim.aio._aiotransport.TransportReader``) against asyncio's selector transport and uvloop.
 
 Every scenario runs on a fresh loop of each kind ("asyncio" is the baseline and is asserted
 too, so each test can fail for every loop): what the protocol sees (its callbacks, in
@@ -390,7 +390,7 @@ def _aoprim_loop():
 
 
 def test_the_reader_is_compiled_and_runs_no_python_frame_of_aoprims():
-    from aoprim._aiotransport import TransportReader
+    from aoprim.aio._aiotransport import TransportReader
     loop = _aoprim_loop()
     try:
         tr, pr, peer, errors = setup(loop, lambda: Rec(loop))

@@ -226,7 +226,7 @@ def test_the_progress_bar_on_a_terminal_gets_out_of_the_way_of_the_tables():
 
 
 def test_the_c_baselines_move_every_word_and_every_block():
-    from aoprim import _benchcore
+    from aoprim.benchmarks import _benchcore
     n = 5000
     assert _benchcore.mutex_ring_loop(n) == n * (n - 1) // 2     # every word pushed is popped
     assert _benchcore.malloc_loop(100, 4096) is None

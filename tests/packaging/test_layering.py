@@ -29,6 +29,10 @@ ALLOWED = {
     "apps": {"handler"},
     "adapters/asyncio_protocol": {"handler"},
 }
+# The compiled layer under Layer 1, beside the modules that use it: the receive path (also the
+# codec framing.py runs), the PROXY header parser, the epoll core and the TLS path.  Any
+# server module may import it; it imports no server module (it cimports the primitives).
+COMPILED = {"_receiver", "_proxyproto", "_eloop", "_tls"}
 FORBIDDEN_STDLIB = {
     "handler": {"socket", "selectors", "select"},
     "apps": {"socket", "selectors", "select"},
@@ -144,10 +148,15 @@ def test_every_layer_module_exists():
         assert _module_path(name).exists(), name
 
 
+def test_the_compiled_layer_sits_in_the_server_package():
+    for name in COMPILED:
+        assert (PKG / f"{name}.pxd").is_file() and (PKG / f"{name}.pyi").is_file(), name
+
+
 def test_each_layer_imports_only_the_ones_below():
     for name, allowed in ALLOWED.items():
         server_mods, top = imports_of(_module_path(name))
-        extra = server_mods - allowed
+        extra = server_mods - allowed - COMPILED
         assert not extra, f"{name}.py imports {sorted(extra)} (allowed: {sorted(allowed)})"
         bad = top & FORBIDDEN_STDLIB.get(name, set())
         assert not bad, f"{name}.py imports {sorted(bad)}"

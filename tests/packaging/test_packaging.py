@@ -244,6 +244,92 @@ def test_build_ext_options_are_inputs_of_the_module(tmp_path):
         assert BUILDING not in _build(tmp_path, *option), f"{option} recompiled twice"
 
 
+# -- compiled modules at any depth of the package ---------------------------------------------
+
+BASE_PXD = """
+cdef inline int forty_two() noexcept:
+    return 42
+"""
+BASE_PYX = """
+# cython: language_level=3
+def base():
+    return forty_two()
+"""
+INNER_PYX = """
+# cython: language_level=3
+from aoprim._base cimport forty_two
+
+def answer():
+    return forty_two() + 1
+"""
+
+
+def _nested_checkout(folder):
+    """A scratch copy of the build files with a module at the top of the package
+    (aoprim/_base) and one in a subpackage (aoprim/sub/_inner) that cimports it, each with
+    its .pxd and .pyi, as the server's and the asyncio loop's modules sit beside their users."""
+    _tiny_checkout(folder)
+    shutil.copyfile(ROOT / "MANIFEST.in", folder / "MANIFEST.in")
+    pkg = folder / "aoprim"
+    (pkg / "_tiny.pyx").unlink()
+    (pkg / "_base.pxd").write_text(BASE_PXD)
+    (pkg / "_base.pyx").write_text(BASE_PYX)
+    (pkg / "_base.pyi").write_text("def base() -> int: ...\n")
+    (pkg / "sub").mkdir()
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "_inner.pyx").write_text(INNER_PYX)
+    (pkg / "sub" / "_inner.pxd").write_text("# no C API\n")
+    (pkg / "sub" / "_inner.pyi").write_text("def answer() -> int: ...\n")
+
+
+def _setup(folder, *args):
+    e = dict(os.environ)
+    e.pop("AOPRIM_SANITIZE", None)
+    r = subprocess.run([sys.executable, "setup.py", *args], cwd=folder, env=e,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return r.stdout + r.stderr
+
+
+def test_a_module_in_a_subpackage_is_built_under_its_dotted_name(tmp_path):
+    _nested_checkout(tmp_path)
+    out = _build(tmp_path, "--inplace")
+    assert "building 'aoprim.sub._inner' extension" in out, out
+    assert "building 'aoprim._base' extension" in out, out
+    (inner,) = (tmp_path / "aoprim" / "sub").glob("_inner.*.so")
+    assert not list((tmp_path / "aoprim").glob("_inner.*.so"))
+    # the cimport across folders resolved: the module imports and runs
+    code = "from aoprim.sub import _inner; print(_inner.answer(), _inner.__name__)"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["43", "aoprim.sub._inner"], r.stderr
+
+
+def test_the_sdist_and_the_wheel_carry_every_folders_modules_once(tmp_path):
+    import tarfile
+    import zipfile
+    _nested_checkout(tmp_path)
+    _build(tmp_path, "--inplace")          # a built checkout: its .so must not be shipped again
+    _setup(tmp_path, "-q", "sdist", "-d", str(tmp_path / "dist"))
+    _setup(tmp_path, "-q", "bdist_wheel", "-d", str(tmp_path / "dist"))
+    (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    with tarfile.open(sdist) as t:
+        src = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    for f in ("aoprim/_base.pyx", "aoprim/_base.pxd", "aoprim/_base.pyi",
+              "aoprim/sub/_inner.pyx", "aoprim/sub/_inner.pxd", "aoprim/sub/_inner.pyi"):
+        assert f in src, f"sdist lacks {f}"
+    assert not [n for n in src if n.endswith((".c", ".so", ".o"))], sorted(src)
+    names = zipfile.ZipFile(wheel).namelist()
+    so = sorted(n.split(".")[0] for n in names if n.endswith(".so"))
+    assert so == ["aoprim/_base", "aoprim/sub/_inner"], names
+    for f in ("aoprim/_base.pxd", "aoprim/_base.pyi", "aoprim/sub/_inner.pxd",
+              "aoprim/sub/_inner.pyi"):
+        assert f in names, f"wheel lacks {f}"
+    assert not [n for n in names if n.endswith((".c", ".o"))], names
+
+
 def test_ci_runs_the_readme_suite_from_a_clone_named_aoprim_without_the_debian_peers():
     # the README's command must pass where a newcomer runs it: a `git clone` (a folder named
     # aoprim) on a machine with only what `.[test]` installs (.ci/run, top comment)

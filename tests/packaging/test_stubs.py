@@ -10,7 +10,11 @@ import pytest
 import aoprim
 
 PKG = pathlib.Path(aoprim.__file__).parent
-COMPILED = sorted(p.name.split(".")[0] for p in PKG.glob("_*.so"))
+# every compiled module, at any depth of the package (the primitives at the top, the server's
+# in server/, the asyncio loop's in aio/, ...), as its path without the suffix:
+# "_atomic", "server/_receiver"
+COMPILED = sorted(str(p.relative_to(PKG).parent / p.name.split(".")[0])
+                  for p in PKG.rglob("_*.so"))
 
 
 def _stub_classes(path):
@@ -32,6 +36,7 @@ def _stub_classes(path):
 
 def test_every_compiled_module_has_a_stub_and_pxd():
     assert COMPILED, "no compiled modules found in the installed package"
+    assert "_atomic" in COMPILED and "server/_receiver" in COMPILED, COMPILED
     for mod in COMPILED:
         assert (PKG / f"{mod}.pyi").is_file(), f"{mod}.pyi missing"
         assert (PKG / f"{mod}.pxd").is_file(), f"{mod}.pxd missing"
@@ -40,7 +45,7 @@ def test_every_compiled_module_has_a_stub_and_pxd():
 
 @pytest.mark.parametrize("mod", COMPILED)
 def test_stub_matches_runtime(mod):
-    m = importlib.import_module(f"aoprim.{mod}")
+    m = importlib.import_module("aoprim." + mod.replace("/", "."))
     for cls_name, stub_names in _stub_classes(PKG / f"{mod}.pyi").items():
         if cls_name.startswith("_"):
             continue            # a stub-only helper (e.g. a Protocol), not a runtime class

@@ -549,7 +549,7 @@ def test_lone_group_write_leaves_no_pin_and_a_later_close_is_immediate():
 
 @pytest.mark.timeout(30, method="thread")     # a recv blocking with the GIL held hangs all
 def test_readbuffer_on_a_blocking_socket_does_not_block():
-    from aoprim._readbuf import ReadBuffer
+    from aoprim.aio._readbuf import ReadBuffer
     rb = ReadBuffer(4096)
     a, b = socket.socketpair()
     a.setblocking(True)
@@ -700,7 +700,7 @@ def test_readbuffer_reads_the_fd_from_the_socket_struct_closed_is_ebadf():
     fileno() returns it: a subclass reads, a closed or detached socket is EBADF (never a
     recv on fd -1 or a reused number)."""
     import errno
-    from aoprim._readbuf import ReadBuffer
+    from aoprim.aio._readbuf import ReadBuffer
     rb = ReadBuffer(4096)
     a, b = _SockSub(socket.AF_UNIX, socket.SOCK_STREAM), None
     a.close()

@@ -247,7 +247,7 @@ print(json.dumps(dict(data=bytes(t).decode(), view=bytes(t.view(Idx(), 4)).decod
 def test_receiver_and_arena_from_threads():
     r = hammer(PRELUDE + """
 import socket, struct
-from aoprim._receiver import Receiver, RxArena
+from aoprim.server._receiver import Receiver, RxArena
 from aoprim._slab import SlabPool
 NRX = 2
 N = 20000
@@ -322,7 +322,7 @@ def test_receiver_nested_calls_from_the_owning_thread_still_work():
     # the arena: the claim is re-entrant for the owner
     r = hammer(PRELUDE + """
 import socket
-from aoprim._receiver import Receiver, RxArena
+from aoprim.server._receiver import Receiver, RxArena
 from aoprim._slab import SlabPool
 pool = SlabPool(64, 8)
 arena = RxArena(pool)
@@ -353,7 +353,7 @@ print(json.dumps(dict(seen=[[o, d.decode() if isinstance(d, bytes) else d] for o
 def test_proxyparser_from_threads():
     r = hammer(PRELUDE + """
 import struct
-from aoprim._proxyproto import ProxyParser
+from aoprim.server._proxyproto import ProxyParser
 SIG = b"\\r\\n\\r\\n\\x00\\r\\nQUIT\\n"
 addr = bytes([10, 0, 0, 1, 10, 0, 0, 2]) + struct.pack(">HH", 1234, 80)
 tlv = bytes([0xEE]) + struct.pack(">H", 200) + b"t" * 200
@@ -395,7 +395,7 @@ print(json.dumps(dict(gil=GIL, refused=sum(refused), messages=sorted(msgs), bad=
 
 def test_epollcore_run_and_close_from_threads():
     r = hammer(PRELUDE + """
-from aoprim._eloop import EpollCore
+from aoprim.server._eloop import EpollCore
 ROUNDS = 300
 ran = [0] * THREADS
 refused = [0] * THREADS
@@ -503,7 +503,7 @@ def test_readbuf_pool_is_off_without_the_gil():
     # (no copy); on a free-threaded build the pool is off and every read is copied out
     r = hammer("""
 import json, socket, sys
-from aoprim import _readbuf
+from aoprim.aio import _readbuf
 gil = getattr(sys, "_is_gil_enabled", lambda: True)()
 rb = _readbuf.ReadBuffer(262144)
 size = max(rb.handout_min, 4096) * 2

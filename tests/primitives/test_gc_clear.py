@@ -234,14 +234,15 @@ def test_refcount_on_zero_survives_the_gc_breaking_its_cycle(cybuild):
 
 
 def test_tls_conn_cycle_collected_and_closed_conn_inert():
-    """TLSConn (aoprim._tls) and its session reference each other until the session's
+    """TLSConn (aoprim.server._tls) and its session reference each other until the session's
     teardown calls close(): a cycle the GC must be able to collect (tracked, traversed; the
     session dies, its BIOs with it).  A TLSConn the GC cleared first has its object fields
     None, as close() leaves them: every entry point then acts closed -- the receive source
     reports EOF, mark/feed/on_readable/send_ct do nothing, the flush skips it."""
     run_debug("""
         import gc, socket, ssl, weakref
-        from aoprim import SendBatch, TLSConn, TLSFlush
+        from aoprim import SendBatch
+        from aoprim.server._tls import TLSConn, TLSFlush
 
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         class Sess:

@@ -47,16 +47,14 @@ import warnings
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import aoprim
-from aoprim import (AtomicInt, BlockTable, Closed, Empty, Full, MPMCQueue, PoolExhausted,
-                    RefCount, RefCountError, SendBatch, SlabPool, Slot, SPSCQueue, SpinLock)
+from aoprim import (AtomicInt, BlockTable, Closed, Empty, FlushGroup, Full, MPMCQueue,
+                    PoolExhausted, RefCount, RefCountError, SendBatch, SlabPool, Slot, SPSCQueue,
+                    SpinLock)
+from aoprim.server._eloop import EpollCore
+from aoprim.server._receiver import Receiver, RxArena
 
 EXAMPLES = int(os.environ.get("AOPRIM_FUZZ_EXAMPLES", "300"))
 SAFE = os.environ.get("AOPRIM_FUZZ_SAFE") == "1"     # keep tables out of the collector
-FlushGroup = getattr(aoprim, "FlushGroup", None)
-Receiver = getattr(aoprim, "Receiver", None)
-RxArena = getattr(aoprim, "RxArena", None)
-EpollCore = getattr(aoprim, "EpollCore", None)
 
 TailBuffer = type(BlockTable(SlabPool(8, 1)).tail())
 # what touching an object may legitimately raise (anything else is a finding)
@@ -207,8 +205,6 @@ class Harness:
         return bytes([i]) * (1 + j)
 
     def new_group(self, i, j):
-        if FlushGroup is None:
-            return None
         g = FlushGroup()
         b = self.pick(i, SendBatch)
         if b is not None:
@@ -219,8 +215,6 @@ class Harness:
         return g
 
     def new_receiver(self, i, j):
-        if Receiver is None:
-            return None
         a = self.sockpair()
         peer = self.peers[-1]
         try:
@@ -237,8 +231,6 @@ class Harness:
         """An event loop core in cycles: its fd table, timer heap, ready queue and hooks
         hold callbacks that reach picked objects (which may reach the loop: it is in
         ``held``)."""
-        if EpollCore is None:
-            return None
         lp = EpollCore()
         a = self.sockpair()
         self.peers[-1].send(b"x")               # readable: the reader runs when touched

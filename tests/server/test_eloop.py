@@ -1,6 +1,7 @@
-"""The compiled Layer 1 core (aoprim.EpollCore, the server's ``epoll`` backend): what the
-shared contract tests in test_loop.py do not reach -- the C dispatch's corner cases, signals
-during the GIL-free wait, the fd table, the close/call_soon_threadsafe race and the GC."""
+"""The compiled Layer 1 core (aoprim.server._eloop.EpollCore, the server's ``epoll``
+backend): what the shared contract tests in test_loop.py do not reach -- the C dispatch's
+corner cases, signals during the GIL-free wait, the fd table, the close/call_soon_threadsafe
+race and the GC."""
 import gc
 import os
 import signal
@@ -14,7 +15,7 @@ import weakref
 import pytest
 
 import aoprim
-from aoprim import EpollCore, EpollTimer
+from aoprim.server._eloop import EpollCore, EpollTimer
 from aoprim.server.loop import EventLoop, Timer, create_loop
 
 from support import run_threads

@@ -9,6 +9,7 @@ threads, the senders and the loop really run at the same time.  Also here: the t
 docs/threads.md names every public type.
 """
 import collections
+import importlib
 import pathlib
 import re
 import socket
@@ -481,7 +482,7 @@ def refused(code):
 # under the loop's feet.  Every such cancel() must be refused, and the loop must go on.
 CANCEL_RACE = r"""
 import sys, threading, time
-from aoprim import EpollCore
+from aoprim.server._eloop import EpollCore
 secs = float(sys.argv[1])
 core = EpollCore()
 far = [core.call_later(3600, print) for _ in range(1024)]    # set-up: allowed
@@ -536,7 +537,7 @@ def test_an_epoll_timer_cancelled_on_another_thread_is_refused():
 # Every call_soon/call_at/add_iteration_hook from those threads must be refused as well.
 SET_CALLBACKS_RACE = r"""
 import socket, sys, threading, time
-from aoprim import EpollCore
+from aoprim.server._eloop import EpollCore
 secs = float(sys.argv[1])
 core = EpollCore()
 pairs = [socket.socketpair() for _ in range(16)]
@@ -596,18 +597,29 @@ def test_loop_thread_calls_from_another_thread_are_refused_while_the_epoll_loop_
 
 
 # -- docs/threads.md names every public type ---------------------------------------------
+# the server's compiled parts: classes a user of the server meets (a Session's receiver, the
+# epoll backend's core, the TLS path)
+SERVER_COMPILED = ("aoprim.server._receiver", "aoprim.server._proxyproto",
+                   "aoprim.server._eloop", "aoprim.server._tls")
+
+
 def _public_types():
     names = []
-    for name in aoprim.__all__:
-        obj = getattr(aoprim, name)
-        if isinstance(obj, type) and not issubclass(obj, BaseException):
-            names.append(name)
+    for mod, exported in [(aoprim, aoprim.__all__)] + [
+            (m, [n for n in vars(m) if not n.startswith("_")])
+            for m in map(importlib.import_module, SERVER_COMPILED)]:
+        for name in exported:
+            obj = getattr(mod, name)
+            if (isinstance(obj, type) and not issubclass(obj, BaseException)
+                    and (mod is aoprim or obj.__module__ == mod.__name__)):
+                names.append(name)
     return names
 
 
 def test_the_threads_table_names_every_public_type():
-    """Each public class of ``aoprim`` (its ``__all__``, exceptions aside), the server's
-    ``Server``/``Session``/``Handler`` and aoprim.aio's loop and transport has a row of its
+    """Each public class of ``aoprim`` (its ``__all__``, exceptions aside) and of the server's
+    compiled modules, the server's ``Server``/``Session``/``Handler`` and aoprim.aio's loop
+    and transport has a row of its
     own in docs/threads.md's table: a type added without saying what may be shared between
     threads fails here."""
     text = (ROOT / "docs" / "threads.md").read_text()

@@ -15,11 +15,14 @@ from typing import Any, assert_type
 
 import aoprim
 import aoprim.aio
-from aoprim import (RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR, RX_TOO_LARGE,
-                    AtomicInt, BlockTable, Closed, Empty, EpollCore, EpollTimer, FlushGroup,
-                    Full, MPMCQueue, PoolExhausted, ProxyParser, Receiver, RefCount,
-                    RefCountError, RxArena, SendBatch, SlabPool, Slot, SPSCQueue, SpinLock,
-                    TLSConn, TLSFlush)
+from aoprim import (AtomicInt, BlockTable, Closed, Empty, FlushGroup, Full, MPMCQueue,
+                    PoolExhausted, RefCount, RefCountError, SendBatch, SlabPool, Slot, SPSCQueue,
+                    SpinLock)
+from aoprim.server._eloop import EpollCore, EpollTimer
+from aoprim.server._proxyproto import ProxyParser
+from aoprim.server._receiver import (RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR,
+                                     RX_TOO_LARGE, Receiver, RxArena)
+from aoprim.server._tls import TLSConn, TLSFlush
 from aoprim.aio import EventLoopPolicy, Loop, SocketTransport, TESTED_PYTHONS
 from aoprim.aio.gunicorn import LOOP_FACTORY, Worker
 from aoprim.server import (BACKENDS, FRAMINGS, BackendUnavailable, FrameDecoder,

@@ -376,7 +376,8 @@ def test_sendbatch_take_view_and_consume():
 
 
 def test_receiver_source_fills_the_slot_and_frames_are_cut():
-    from aoprim import Receiver, RxArena, SlabPool, RX_EOF
+    from aoprim import SlabPool
+    from aoprim.server._receiver import Receiver, RxArena, RX_EOF
     chunks = [frame(b"hello") + frame(b"wor"), frame(b"!")[:1],
               frame(b"!")[1:], None, 0]
     got, events = [], []
@@ -530,7 +531,8 @@ def test_tlsconn_send_frame_and_send_copy_add_then_mark():
     byref_min bytes, or a closed TLSConn, is left to the session's own send (-2, nothing
     added, not marked); another thread than the batch's owner gets -1, nothing added and no
     mark (the dirty list is the loop thread's)."""
-    from aoprim import SendBatch, TLSConn, TLSFlush
+    from aoprim import SendBatch
+    from aoprim.server._tls import TLSConn, TLSFlush
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     tls = TLSFlush()
     a, b = socket.socketpair()

@@ -2,7 +2,7 @@ import socket
 import ssl
 from typing import Any, final
 
-from aoprim._receiver import Receiver
+from aoprim.server._receiver import Receiver
 from aoprim._sendbatch import SendBatch
 from typing_extensions import Self, disjoint_base
 

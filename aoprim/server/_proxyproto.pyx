@@ -7,7 +7,7 @@ incrementally from a byte stream, sans I/O.
     used = pp.feed(chunk)        # bytes of chunk that belong to the header
     pp.state                     # PP_MORE, PP_DONE (pp.result) or PP_ERROR (pp.error)
 
-The compiled Receiver (aoprim._receiver) runs one of these over the first bytes of a
+The compiled Receiver (aoprim.server._receiver) runs one of these over the first bytes of a
 connection when the server's ``proxy_protocol`` is on; its ``c_feed`` is the same code.
 
 Rules (stated once; tests/test_proxy_protocol.py checks each)

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """EpollCore, for ``cimport``: the compiled hot path of the ``epoll`` Layer 1 backend.
 
-    from aoprim._eloop cimport EpollCore
+    from aoprim.server._eloop cimport EpollCore
 
 The loop is used from Python through :class:`aoprim.server.loop_epoll.EpollLoop` (which adds
 the :class:`aoprim.server.loop.EventLoop` interface); its invariants are argued at the top of

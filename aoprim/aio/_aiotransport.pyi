@@ -1,7 +1,7 @@
 import socket
 from typing import Any
 
-from aoprim._readbuf import ReadBuffer
+from aoprim.aio._readbuf import ReadBuffer
 from typing_extensions import Self, final
 
 def make_write_method(cls: type, writer_descr: Any) -> Any: ...

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """ProxyParser, for ``cimport``: an incremental, allocation-bounded PROXY protocol parser.
 
-    from aoprim._proxyproto cimport ProxyParser, AOP_PP_MORE, AOP_PP_DONE, AOP_PP_ERROR
+    from aoprim.server._proxyproto cimport ProxyParser, AOP_PP_MORE, AOP_PP_DONE, AOP_PP_ERROR
 
     cdef ProxyParser pp = ProxyParser(3, 4096)   # accept v1 and v2, headers up to 4096 bytes
     used = pp.c_feed(p, n)       # bytes of p that belong to the header (the rest is stream)

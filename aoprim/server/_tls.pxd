@@ -1,10 +1,10 @@
 # cython: language_level=3
-"""TLSConn and TLSFlush (aoprim._tls), for ``cimport``: the server's per-message TLS path.
+"""TLSConn and TLSFlush (aoprim.server._tls), for ``cimport``: the server's per-message TLS path.
 Loop thread only, but for ``TLSConn.ct_left`` and ``TLSFlush``'s counters (atomics read by
 any thread)."""
 cimport cython
 from libc.stdint cimport int64_t
-from aoprim._receiver cimport Receiver, _RxSource
+from aoprim.server._receiver cimport Receiver, _RxSource
 from aoprim._sendbatch cimport SendBatch
 from aoprim.atomic_h cimport aop_atomic_i64
 

@@ -83,7 +83,7 @@ BaseException.
 Closed arena: on_readable() of a receiver whose arena was closed returns without reading.
 
 PROXY protocol (``proxy=1|2|3``: v1, v2, either; 0 off).  The header is the stream's first
-bytes: each burst first feeds its bytes to a ProxyParser (aoprim._proxyproto), which keeps
+bytes: each burst first feeds its bytes to a ProxyParser (aoprim.server._proxyproto), which keeps
 at most 232 bytes of its own and skips TLVs, so an unfinished header holds no buffer of ours
 (``buffered`` counts its bytes, for the frame timeout).  When it completes, on_event gets
 RX_PROXY with the parsed header, and -- unless that closed the receiver or set ``hold``
@@ -137,7 +137,7 @@ from aoprim.atomic_h cimport (
     aop_fetch_sub_i64, aop_spin_init, aop_spin_lock, aop_spin_unlock,
 )
 from aoprim._slab cimport SlabPool, Slot, aop_slab_take
-from aoprim._proxyproto cimport ProxyParser, AOP_PP_MORE, AOP_PP_DONE
+from aoprim.server._proxyproto cimport ProxyParser, AOP_PP_MORE, AOP_PP_DONE
 from aoprim._owner cimport tclaim, tunclaim, TCLAIM_OUTER
 from aoprim.atomic_h cimport aop_atomic_i64, aop_load_u64p, aop_store_u64p
 

@@ -1,4 +1,4 @@
-from aoprim._readbuf cimport ReadBuffer
+from aoprim.aio._readbuf cimport ReadBuffer
 
 
 cdef class TransportReader:

@@ -166,7 +166,7 @@ cdef class ReadBuffer:
         return self.c_recv(sock)
 
     cdef bytes c_recv(self, object sock):
-        """recv_bytes() for C callers (aoprim._aiotransport's reader): the same call, no
+        """recv_bytes() for C callers (aoprim.aio._aiotransport's reader): the same call, no
         method lookup."""
         cdef ssize_t n
         cdef PyObject *slot

@@ -12,7 +12,7 @@ cdef extern from "<sys/epoll.h>" nogil:
         unsigned int events
         epoll_data_t data
 
-from aoprim._aiowrite cimport SleepFlag
+from aoprim.aio._aiowrite cimport SleepFlag
 
 cdef class _Events:
     cdef epoll_event *ev         # malloc'd array of cap events (NULL until the first wait)

@@ -58,8 +58,8 @@ from libc.stdint cimport uint64_t
 from cpython.tuple cimport PyTuple_CheckExact, PyTuple_Check, PyTuple_GET_SIZE
 from cpython.contextvars cimport PyContext_CheckExact
 
-from aoprim._aiowrite cimport SleepFlag
-from aoprim._aiotransport cimport TransportReader
+from aoprim.aio._aiowrite cimport SleepFlag
+from aoprim.aio._aiotransport cimport TransportReader
 from aoprim.atomic_h cimport (aop_store_u32, aop_load_u64p, aop_store_u64p, AOP_SEQ_CST,
                               AOP_RELAXED)
 
@@ -923,7 +923,7 @@ cdef int _run_handle(object handle) except -1:
     context that is not a ``contextvars.Context``, args that are not a tuple).
 
     Step 3 (docs/aio-compiled.md): a callback of a compiled type (the stream transport's
-    reader, ``aoprim._aiotransport.TransportReader``) is recognised by its exact type in
+    reader, ``aoprim.aio._aiotransport.TransportReader``) is recognised by its exact type in
     ``_call`` and read by a cdef call inside the same Context enter / exit instead of the
     vectorcall.
 

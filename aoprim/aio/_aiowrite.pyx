@@ -106,7 +106,7 @@ cdef class TransportWriter:
         self.c_write(data)
 
     cdef int c_write(self, object data) except -1:
-        """write() for C callers (``aoprim._aiotransport.TransportBase.write``, which is the
+        """write() for C callers (``aoprim.aio._aiotransport.TransportBase.write``, which is the
         transport's ``write`` method): the same steps, no method call."""
         cdef Py_ssize_t pending
         cdef Py_ssize_t n

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Receiver and RxArena, for ``cimport``: the compiled per-read, per-frame receive path.
 
-    from aoprim._receiver cimport RxArena, Receiver
+    from aoprim.server._receiver cimport RxArena, Receiver
 
     cdef Receiver rx = Receiver(arena, fd, 2, 65536, on_frame, on_event, session)
     rx.c_on_readable()           # == rx.on_readable(), without the Python method call
@@ -28,7 +28,7 @@ from libc.stdint cimport int64_t, uint64_t
 from cpython.ref cimport PyObject
 from aoprim.atomic_h cimport aop_atomic_i64, aop_spinlock_t
 from aoprim._slab cimport SlabPool, Slot
-from aoprim._proxyproto cimport ProxyParser
+from aoprim.server._proxyproto cimport ProxyParser
 
 # on_event codes (the Python constants RX_EOF ... have the same values)
 cdef enum:
@@ -37,7 +37,7 @@ cdef enum:
     AOP_RX_TOO_LARGE = 3    # a header announced more than max_frame; arg the announced length
     AOP_RX_HANDLER = 4      # on_frame raised an Exception; arg the exception
     AOP_RX_PROXY = 5        # the PROXY header is complete; arg (version, command, family,
-                            #   src, dst) (see aoprim._proxyproto); frames follow
+                            #   src, dst) (see aoprim.server._proxyproto); frames follow
     AOP_RX_PROXY_ERROR = 6  # the PROXY header was refused (or the stream ended inside it);
                             #   arg the reason (str); nothing more is read
 
@@ -111,7 +111,7 @@ cdef class RxArena:
 
 
 cdef class _RxSource:
-    # A compiled ``source`` (the server's TLS sessions, aoprim._tls): the Receiver calls
+    # A compiled ``source`` (the server's TLS sessions, aoprim.server._tls): the Receiver calls
     # c_read instead of source(view) -- no memoryview, no Python call.  Same contract as a
     # Python source, in C: fill p[0:room) from the front; return the bytes written (> 0),
     # 0 at the end of the stream, or -1 with *err set (EAGAIN: nothing there now; else the

@@ -39,7 +39,7 @@ the connection itself is the batch's bound add method, which close() on the loop
 drops -- so both read it, and close() drops every field, inside a critical section on the
 connection (a per-object lock on a free-threaded build, nothing with the GIL): a plain load
 then INCREF racing with close()'s DECREF could free it under the caller.  The receive side
-runs inside its Receiver's burst, under the Receiver's one-owner claim (aoprim._receiver),
+runs inside its Receiver's burst, under the Receiver's one-owner claim (aoprim.server._receiver),
 which also refuses a second thread calling on_readable().
 
 GC: a ``TLSConn`` and its session reference each other until ``close()`` (the session's
@@ -55,7 +55,7 @@ from cpython.memoryview cimport PyMemoryView_GET_BUFFER
 from libc.stdint cimport int64_t
 from libc.errno cimport errno, EAGAIN, EINTR, EPROTO, EBADF
 
-from aoprim._receiver cimport Receiver, _RxSource
+from aoprim.server._receiver cimport Receiver, _RxSource
 from aoprim._sendbatch cimport SendBatch, _get
 from aoprim.atomic_h cimport aop_atomic_i64, aop_load_i64, aop_store_i64, AOP_RELAXED
 

@@ -30,7 +30,7 @@ its connection is lost (then None).  What is not per message (pause/resume_readi
 close, abort, EOF, fatal errors) stays in the transport's Python code.
 
 The transport's ``write`` is here too (``make_write_method``): a method descriptor made for
-the transport class, whose C function runs the transport's ``aoprim._aiowrite``
+the transport class, whose C function runs the transport's ``aoprim.aio._aiowrite``
 ``TransportWriter`` (read from its ``_writer`` slot by offset) without a Python frame.
 
 The GC: the reader and its transport reference each other; the reader's fields are not
@@ -43,8 +43,8 @@ cimport cython
 from cpython.bytes cimport PyBytes_GET_SIZE
 from cpython.ref cimport PyObject
 
-from aoprim._readbuf cimport ReadBuffer
-from aoprim._aiowrite cimport TransportWriter
+from aoprim.aio._readbuf cimport ReadBuffer
+from aoprim.aio._aiowrite cimport TransportWriter
 
 from asyncio import protocols as _protocols
 
@@ -102,7 +102,7 @@ cdef extern from *:
         "write", (PyCFunction)(void (*)(void))aop_transport_write,
         METH_FASTCALL | METH_KEYWORDS,
         "write(data): write the bytes-like data on the transport, as asyncio's write() "
-        "(aoprim._aiowrite's module docstring: batched, sent at the iteration's end)."};
+        "(aoprim.aio._aiowrite's module docstring: batched, sent at the iteration's end)."};
 
     static PyObject *aop_make_write_descr(PyObject *cls)
     {
@@ -136,7 +136,7 @@ cdef object _data_str = "data"
 
 cdef int _write(object self, object data) except -1:
     """The transport's write(data): its TransportWriter's c_write (the steps of
-    aoprim._aiowrite's module docstring), the writer read from the `_writer` slot by its
+    aoprim.aio._aiowrite's module docstring), the writer read from the `_writer` slot by its
     offset; a transport whose slot holds no TransportWriter (not initialised, or replaced)
     goes through ``self._writer.write(data)`` (the same steps, or its AttributeError)."""
     cdef PyObject *w = aop_at_slot(self, _writer_off)
