@@ -255,7 +255,8 @@ cdef void _slot_release(object s) noexcept:
     # noexcept: ANY exception from a slot's release() -- KeyboardInterrupt and SystemExit
     # included -- goes to sys.unraisablehook and is not raised by the flush/clear that ran
     # it: the bytes were sent and the batch must stay consistent whatever the slot says,
-    # and the releases of one flush all run (tests/test_core_trust.py checks this).
+    # and the releases of one flush all run (tests/primitives/test_core_hostile_input.py
+    # checks this).
     s.release()
 
 

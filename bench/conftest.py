@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-# bench/ and tests/ (for support helpers) on the path, never the checkout root
+# bench/ on the path (its modules import each other), never the checkout root
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 

@@ -30,8 +30,8 @@
     +----------------------------------------------------------------------------+
 
 Each layer imports only the one below it and no module touches another module's private
-attributes (tests/test_layering.py checks both).  ``supervisor.py`` runs ``--procs`` server
-processes; ``cli.py`` is the command line.
+attributes (tests/packaging/test_layering.py checks both).  ``supervisor.py`` runs
+``--procs`` server processes; ``cli.py`` is the command line.
 
 Example::
 
@@ -97,7 +97,8 @@ def serve_protocol(protocol_factory: Callable[[], asyncio.BaseProtocol],
     ``protocol_factory()`` is called once per connection, as with ``loop.create_server``.
     Returns the started :class:`Server` (serving in a background thread; ``srv.address``,
     ``srv.shutdown()``), or with ``forever=True`` serves in the calling thread until
-    ``shutdown()`` or SIGINT/SIGTERM, then returns the stopped server.  Other keyword arguments go to :class:`Server` (framing is ``raw``).
+    ``shutdown()`` or SIGINT/SIGTERM, then returns the stopped server.  Other keyword
+    arguments go to :class:`Server` (framing is ``raw``).
     """
     from .adapters.asyncio_protocol import ProtocolHandler
     _check_protocol_factory(protocol_factory)

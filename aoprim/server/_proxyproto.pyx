@@ -10,7 +10,7 @@ incrementally from a byte stream, sans I/O.
 The compiled Receiver (aoprim.server._receiver) runs one of these over the first bytes of a
 connection when the server's ``proxy_protocol`` is on; its ``c_feed`` is the same code.
 
-Rules (stated once; tests/test_proxy_protocol.py checks each)
+Rules (stated once; tests/server/test_proxy_protocol.py checks each)
 - The first byte chooses the version: ``P`` is v1, ``\\r`` (0x0D) is v2; anything else, or
   a version not accepted, is an error at once (a client that skips the balancer is refused
   at its first byte).  Every later byte is checked as it arrives, so a header fed one byte

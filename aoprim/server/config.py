@@ -302,7 +302,7 @@ class SettingsArgs(TypedDict, total=False):
     """The keyword settings ``Server(...)`` takes besides ``framing``, ``ssl`` and
     ``handshake_timeout``, for type checkers (``**settings: Unpack[SettingsArgs]``): a
     misspelt or mistyped setting is an error there, as it is at run time.  One key per
-    :class:`Settings` field (tests/test_typing.py checks that they stay the same)."""
+    :class:`Settings` field (tests/packaging/test_typing.py checks that they stay the same)."""
 
     max_frame: int
     max_connections: int

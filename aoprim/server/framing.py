@@ -7,7 +7,7 @@ There is one cutter and one encoder, both compiled, and this module is their Pyt
 :meth:`Framing.header` / :meth:`Framing.encode` take their header from
 ``SendBatch.frame_header``, the code ``SendBatch.add_frame`` builds every header the server
 sends with.  The Python model of the framing lives only in the tests
-(tests/test_framing.py), which check both against it.  ``FRAMINGS`` and
+(tests/server/test_framing.py), which check both against it.  ``FRAMINGS`` and
 ``DEFAULT_MAX_FRAME`` are the server's settings too.
 
 Three framings:

@@ -16,14 +16,14 @@ backend does *not* become a thin "portable fallback" over the compiled core's he
 wake-up, because: (1) there is nothing to fall back to -- aoprim is Linux-only, and on Linux
 ``DefaultSelector`` *is* epoll (both backends also need ``eventfd``), so a shared core would
 leave one implementation with two names; (2) its independence is what makes it useful: it
-is the readable statement of the contract, and :file:`tests/test_loop_differential.py` runs
+is the readable statement of the contract, and :file:`tests/server/test_loop_differential.py` runs
 random schedules on both and demands identical traces -- an oracle only while the two do not
 share the code under test (the defects it exists to catch are in one backend only -- say, a
 stale writer called after its read callback dropped it, or a deadlock of a non-reentrant
 lock under a signal handler; a shared core would put any such bug in both, where no
 differential test sees it); (3) the public contract names it the default, pure-Python
 backend.  What keeps two implementations from
-drifting is this docstring (the one contract), :file:`tests/test_loop.py` (every contract
+drifting is this docstring (the one contract), :file:`tests/server/test_loop.py` (every contract
 test on every backend) and the differential test (hypothesis; a short run in CI).  The cost
 is the selectors backend's CPU per message (docs/server.md gives the measured ratios).
 

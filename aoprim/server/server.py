@@ -64,7 +64,7 @@ def _nothing() -> None:
 _HOOKS = ("on_connect", "on_read", "on_close")
 
 
-# the base class of Layer 3, by name: Layer 2 does not import it (tests/test_layering.py)
+# the base class of Layer 3, by name: Layer 2 does not import it (tests/packaging/test_layering.py)
 _BASE = ("aoprim.server.handler", "Handler")
 
 
