@@ -1,8 +1,7 @@
-"""``python -m aoprim serve [MODULE:HANDLER | --app echo|chat] ...`` and
-``python -m aoprim loadgen ...`` (see aoprim.server.cli and aoprim.tools.loadgen)."""
+"""``python -m aoprim serve|loadgen|bench ...``: the command line of aoprim.cli."""
 import sys
 
-from aoprim.server.cli import main
+from aoprim.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""The command line: ``python -m aoprim serve ...``, ``python -m aoprim loadgen ...`` and
-``python -m aoprim bench ...`` (aoprim.benchmarks.cli).
+"""The ``serve`` command of ``python -m aoprim serve ...`` (aoprim.cli dispatches it, and the
+other commands, ``loadgen`` and ``bench``, to their own modules; this one imports neither).
 
 ``serve [MODULE:HANDLER]`` serves the user's own handler, named as uvicorn and gunicorn name
 an app: ``MODULE:ATTR`` where ATTR (dotted for a nested attribute) is what ``Server()``
@@ -67,7 +67,8 @@ from .supervisor import STOP_SIGNALS, Supervisor, check_seconds, group_members
 if TYPE_CHECKING:
     import ssl
 
-__all__ = ["main", "build_parser", "load_handler", "split_spec", "UsageError"]
+__all__ = ["main", "build_parser", "add_serve_command", "CommandParser", "load_handler",
+           "split_spec", "UsageError"]
 
 log = logging.getLogger("aoprim.server")
 
@@ -265,7 +266,7 @@ class _ServeOptions:
         return out
 
 
-class _Parser(argparse.ArgumentParser):
+class CommandParser(argparse.ArgumentParser):
     """argparse's parser (its subcommands' too: add_subparsers makes them of this class),
     whose errors -- a bad ``--port``, an unknown option -- are one ``aoprim: --port: ...``
     line and exit 2, as every other configuration error is, instead of the usage block
@@ -278,10 +279,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The command line's parser; ``only``: the command about to run (the others' options
-    are then not loaded -- their modules are not imported)."""
-    p = _Parser(prog="python -m aoprim", description="aoprim's server and its load generator")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    """A ``python -m aoprim`` parser with the ``serve`` command only (aoprim.cli.build_parser
+    adds the other commands); ``only``, the command about to run, can only be ``serve``
+    here."""
+    p = CommandParser(prog="python -m aoprim",
+                      description="aoprim's server and its load generator")
+    add_serve_command(p.add_subparsers(dest="cmd", required=True, metavar="COMMAND"))
+    return p
+
+
+def add_serve_command(sub: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` and its options to ``sub`` (the action ``add_subparsers`` returned)."""
     s = sub.add_parser(
         "serve", help="run the server: your handler (MODULE:HANDLER) or a built-in app",
         description="Serve MODULE:HANDLER (a Handler subclass, a Handler instance or a "
@@ -370,20 +378,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     # a supervised child: its status pipe to the supervisor (supervisor.py)
     o.add("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(child_argv=o.argv)
-    lg = sub.add_parser("loadgen", help="echo load generator (a client; verifies every byte)",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bp = sub.add_parser("bench",
-                        help="benchmark the primitives and the server beside their baselines")
-    # the load generator and the benchmarks are imported only for their own commands
-    # (``serve`` does not load them)
-    if only in (None, "loadgen"):
-        from aoprim.tools import loadgen
-        loadgen.build_parser(lg)
-    if only in (None, "bench"):
-        from aoprim.benchmarks import cli as bench_cli
-        bp.description = bench_cli.DESCRIPTION
-        bench_cli.build_parser(bp)
-    return p
+    return s
 
 
 # -- serving --------------------------------------------------------------------------------
@@ -805,16 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
         args = sys.argv[1:] if argv is None else list(argv)
-        cmd = args[0] if args and args[0] in ("serve", "loadgen", "bench") else None
-        a = build_parser(cmd).parse_args(args)
-        if a.cmd == "loadgen":
-            from aoprim.tools import loadgen
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            return loadgen.main(a)
-        if a.cmd == "bench":
-            from aoprim.benchmarks import cli as bench_cli
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            return bench_cli.main(a)
+        a = build_parser().parse_args(args)
         logging.basicConfig(level=a.log_level, stream=sys.stderr,
                             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
         _check_choice(a)
