@@ -43,6 +43,7 @@ import tempfile
 import time
 
 from . import callgrind, runner
+from .fmt import num, spread, wrap
 
 __all__ = ["LOOPS", "SCENARIOS", "TARGETS", "available_loops", "groups", "callgrind_per_msg",
            "callgrind_client", "run_one", "markdown", "render_group"]
@@ -641,19 +642,13 @@ def _by_name(g):
     return {e["name"]: e for e in g["entries"]}
 
 
-def _fmt(x):
-    from .report import _num
-    return _num(x)
-
-
 def render_group(g):
     """The terminal table of one aio group: every loop's figure, its spread (with more than
     one round), its cost relative to asyncio and to uvloop (entry / other: below 1 is
-    cheaper), and the callgrind count; within report.WIDTH columns."""
-    from .report import _num, _spread, _wrap
+    cheaper), and the callgrind count; within fmt.WIDTH columns."""
     ents = sorted(g["entries"], key=lambda e: e["median"], reverse=(g["better"] == "higher"))
     names = _by_name(g)
-    lines = _wrap(g["title"], f"\n[{g['id']}] ", "  ")
+    lines = wrap(g["title"], f"\n[{g['id']}] ", "  ")
     lines.append(f"  {g['unit']}, {g['better']} is better; /asyncio, /uvloop = the row's "
                  "median / theirs (below 1: cheaper)")
     server = g["kind"] == "server"
@@ -666,18 +661,18 @@ def render_group(g):
             o = names.get(other)
             rel.append(f"x{e['median'] / o['median']:.2f}" if o and o["median"] else "-")
         name = ("* " if e["winner"] else "  ") + e["name"]
-        line = (f"{name:<15} {_num(e['median']):>12} "
-                f"{_spread(e, '-'):>13} {rel[0]:>9} {rel[1]:>8}")
+        line = (f"{name:<15} {num(e['median']):>12} "
+                f"{spread(e, '-'):>13} {rel[0]:>9} {rel[1]:>8}")
         if server:
             ins = _med(e, "instr_per_msg")
-            line += (f" {_num(_med(e, 'msgs_per_s')):>8} {_num(_med(e, 'user_us_per_msg')):>6} "
-                     f"{_num(_med(e, 'sys_us_per_msg')):>6} "
+            line += (f" {num(_med(e, 'msgs_per_s')):>8} {num(_med(e, 'user_us_per_msg')):>6} "
+                     f"{num(_med(e, 'sys_us_per_msg')):>6} "
                      f"{'-' if ins is None else f'{ins:,.0f}':>10}")
         else:
-            line += f" {_num(1e9 / e['median']):>9}"
+            line += f" {num(1e9 / e['median']):>9}"
         lines.append(line)
     for s in g["skipped"]:
-        lines += _wrap(f"{s['name']}: {s['reason']}", "  (skipped ", "    ")
+        lines += wrap(f"{s['name']}: {s['reason']}", "  (skipped ", "    ")
     return "\n".join(lines)
 
 
@@ -729,7 +724,7 @@ def markdown(doc):
             for lp in LOOPS:
                 e = n.get(lp)
                 v = _med(e, key) if e else None
-                cells.append("-" if v is None else (f"{v:,.0f}" if key else _fmt(v)))
+                cells.append("-" if v is None else (f"{v:,.0f}" if key else num(v)))
             t = targets.get((g["id"], "instructions/msg" if key else g["unit"]))
             lim = (TARGETS.get(g["id"]) if not key else INSTR_TARGET.get(g["id"]))
             tcell = "-" if lim is None else (

@@ -20,7 +20,6 @@ the shared object only through the operation being measured.  Every implementati
 same treatment.  Every run checks its count: the counter's final value, every item got back
 exactly once, every slot back in the pool.
 """
-import contextlib
 import queue
 import sys
 import threading
@@ -29,6 +28,7 @@ import time
 from aoprim import AtomicInt, MPMCQueue, SlabPool, SPSCQueue, SpinLock
 
 from . import runner
+from .fmt import heading, label, ratio_cell, spread, wrap
 from .cases import Unavailable
 
 __all__ = ["FtGroup", "available", "groups", "skip_reason", "render_group"]
@@ -545,21 +545,20 @@ def groups(mode):
 def render_group(g):
     """The ft table: M ops/s with the parallel thread count and its spread, the ratio to
     the baseline's parallel figure, M ops/s solo, and the entry's parallel/solo."""
-    from .report import _heading, _label, _wrap, _ratio_cell, _spread
     solo_t, par_t = g.get("threads", [1, 2])
-    lines = _heading(g)
+    lines = heading(g)
     ents = sorted(g["entries"], key=lambda e: e["median"], reverse=True)
     base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
-    nw = max([len(_label(e)) for e in ents] + [8])
+    nw = max([len(label(e)) for e in ents] + [8])
     lines.append(f"{'  entry':<{nw}} {f'{par_t} thr':>8} {'spread':>13} {'ratio':>7} "
                  f"{f'{solo_t} thr':>8} {f'{par_t}/{solo_t}':>6}")
     for e in ents:
         m = e["metrics"]
-        lines.append(f"{_label(e):<{nw}} {e['median']:>8.2f} {_spread(e, '-'):>13} "
-                     f"{_ratio_cell(e, base):>7} {m['solo_mops']['median']:>8.2f} "
+        lines.append(f"{label(e):<{nw}} {e['median']:>8.2f} {spread(e, '-'):>13} "
+                     f"{ratio_cell(e, base):>7} {m['solo_mops']['median']:>8.2f} "
                      f"{m['scaling']['median']:>6.2f}")
     if g.get("note"):
-        lines += _wrap(g["note"], "  note: ", "        ")
+        lines += wrap(g["note"], "  note: ", "        ")
     for s in g["skipped"]:
-        lines += _wrap(f"{s['name']}: {s['reason']}", "  (skipped ", "    ")
+        lines += wrap(f"{s['name']}: {s['reason']}", "  (skipped ", "    ")
     return "\n".join(lines)

@@ -12,78 +12,14 @@ ratio).  The heading of each table names its unit and its baseline.  No line is 
 The command prints the header, then each group's table as the group ends, then the footer;
 ``render(doc)`` is the same text for a saved run.
 """
-import textwrap
+from .fmt import WIDTH, heading, label, multi, num, ratio, ratio_cell, spread, wrap
 
 __all__ = ["render", "render_header", "render_group", "render_footer", "compare",
            "markdown_summary", "markdown_servers", "markdown", "WIDTH"]
 
-WIDTH = 100
-
-
-def _num(x, unit=""):
-    if x is None:
-        return "-"
-    ax = abs(x)
-    if ax >= 1e6:
-        s = f"{x / 1e6:.2f}M"
-    elif ax >= 1e4:
-        s = f"{x / 1e3:.1f}k"
-    elif ax >= 100:
-        s = f"{x:.0f}"
-    elif ax >= 10:
-        s = f"{x:.1f}"
-    else:
-        s = f"{x:.2f}"
-    return s + unit
-
-
-def _ratio(r):
-    return "-" if r is None else f"x{r:.2f}"
-
-
 def _mmss(s):
     s = int(s)
     return f"{s // 60}:{s % 60:02d}"
-
-
-def _wrap(text, first="", rest=None):
-    """``text`` wrapped to WIDTH columns, the first line after ``first``, the others after
-    ``rest`` (spaces as wide as ``first`` by default)."""
-    rest = " " * len(first) if rest is None else rest
-    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=rest,
-                         break_on_hyphens=False) or [first.rstrip()]
-
-
-def _rounds(e):
-    return e.get("rounds") or len(e.get("samples") or ())
-
-
-def _multi(ents):
-    """True when some entry had more than one round: the spread column is worth a place."""
-    return any(_rounds(e) > 1 for e in ents)
-
-
-def _spread(e, sep=" - "):
-    """min - max over the rounds; empty for a single round (there is no spread to show)."""
-    return f"{_num(e['min'])}{sep}{_num(e['max'])}" if _rounds(e) > 1 else ""
-
-
-def _overlaps(e, base):
-    """True when ``e`` and the baseline were each measured more than once and their min-max
-    ranges overlap: the difference between them is within this run's noise."""
-    return (e is not base and base is not None and _rounds(e) > 1 and _rounds(base) > 1
-            and e["min"] <= base["max"] and base["min"] <= e["max"])
-
-
-def _ratio_cell(e, base):
-    if e["role"] == "reference":
-        return "-"
-    return _ratio(e["ratio"]) + ("~" if _overlaps(e, base) else "")
-
-
-def _label(e):
-    return ("* " if e["winner"] else "  ") + e["name"] + {
-        "baseline": "  (baseline)", "reference": ""}.get(e["role"], "")
 
 
 LEGEND = ("median over the rounds; spread = min - max over the rounds (not shown after a "
@@ -104,20 +40,20 @@ def render_header(doc):
         f"{c.get('python_cflags', '')}")
     la = h.get("load_average")
     lines = [f"aoprim bench ({h['mode']}) -- {h['date']}"]
-    lines += _wrap(f"{h['cpu_model']}, {h['cores']} cores"
+    lines += wrap(f"{h['cpu_model']}, {h['cores']} cores"
                    + (f", Linux {h['kernel']}" if h.get("kernel") else "")
                    + (f"; load average {la[0]:.2f} at the start" if la else ""), "machine:   ")
     lines.append(f"python:    {h['python']}")
-    lines += _wrap(f"{h['aoprim_version']}"
+    lines += wrap(f"{h['aoprim_version']}"
                    + (f" (commit {h['commit']})" if h.get("commit") else "")
                    + (f" from {h['aoprim_path']}" if h.get("aoprim_path") else ""), "aoprim:    ")
-    lines += _wrap(comp, "compiler:  ")
+    lines += wrap(comp, "compiler:  ")
     if h.get("servers"):
-        lines += _wrap(f"{', '.join(h['servers'])}; {h['server_warmup']}", "servers:   ")
-        lines += _wrap(h["syscalls"], "syscalls:  ")
-    lines += _wrap(LEGEND, "figures:   ")
+        lines += wrap(f"{', '.join(h['servers'])}; {h['server_warmup']}", "servers:   ")
+        lines += wrap(h["syscalls"], "syscalls:  ")
+    lines += wrap(LEGEND, "figures:   ")
     for w in _start_warnings(h):
-        lines += _wrap(w, "WARNING:   ")
+        lines += wrap(w, "WARNING:   ")
     return "\n".join(lines)
 
 
@@ -127,29 +63,21 @@ def _start_warnings(h):
 
 
 def _note(g):
-    return _wrap(g["note"], "  note: ", "        ") if g.get("note") else []
-
-
-def _heading(g):
-    base = g.get("baseline")
-    lines = _wrap(g["title"], f"\n[{g['id']}] ", "  ")
-    lines.append(f"  {g['unit']}, {g['better']} is better"
-                 + (f"; ratio = vs {base}" if base else ""))
-    return lines
+    return wrap(g["note"], "  note: ", "        ") if g.get("note") else []
 
 
 def _cells(e, name_w, cols):
     """One table row: the label in ``name_w`` columns (on a line of its own when longer),
     then the right-aligned ``cols`` (text, width)."""
-    label = _label(e)
+    name = label(e)
     nums = " ".join(f"{t:>{w}}" for t, w in cols)
-    if len(label) > name_w:
-        return [label, f"{'':<{name_w}} {nums}"]
-    return [f"{label:<{name_w}} {nums}"]
+    if len(name) > name_w:
+        return [name, f"{'':<{name_w}} {nums}"]
+    return [f"{name:<{name_w}} {nums}"]
 
 
 def _name_width(ents, cols_w):
-    w = max([len(_label(e)) for e in ents] + [len("  server")])
+    w = max([len(label(e)) for e in ents] + [len("  server")])
     return min(w, WIDTH - 1 - cols_w)
 
 
@@ -164,8 +92,8 @@ def _server_tables(g, ents, base):
     def med(e, k):
         return e.get("metrics", {}).get(k, {}).get("median")
 
-    spread = _multi(ents)
-    first = [(g["unit"], uw)] + ([("spread", 11)] if spread else []) + \
+    with_spread = multi(ents)
+    first = [(g["unit"], uw)] + ([("spread", 11)] if with_spread else []) + \
         [("ratio", 6), ("msgs/s", 8), ("ratio", 6), ("p99 us", 7)]
     second = [("user", 6), ("sys", 6), ("p50 us", 7), ("syscalls/msg", 13),
               ("faults/msg", 11)] + ([("records/msg", 12), ("wire B/msg", 11)] if tls else [])
@@ -175,21 +103,21 @@ def _server_tables(g, ents, base):
     for e in ents:
         mps = med(e, "msgs_per_s")
         mr = (mps / bm) if bm and mps else None
-        lines += _cells(e, nw, [(_num(e["median"]), uw)]
-                        + ([(_spread(e, "-"), 11)] if spread else [])
-                        + [(_ratio_cell(e, base), 6), (_num(mps), 8),
-                           ("-" if e["role"] == "reference" else _ratio(mr), 6),
-                           (_num(med(e, "p99_us")), 7)])
+        lines += _cells(e, nw, [(num(e["median"]), uw)]
+                        + ([(spread(e, "-"), 11)] if with_spread else [])
+                        + [(ratio_cell(e, base), 6), (num(mps), 8),
+                           ("-" if e["role"] == "reference" else ratio(mr), 6),
+                           (num(med(e, "p99_us")), 7)])
     lines += _cells(head, nw, second)
     for e in ents:
         sc, fl, rpm = med(e, "syscalls_per_msg"), med(e, "faults_per_msg"), \
             med(e, "records_per_msg")
-        cols = [(_num(med(e, "user_us_per_msg")), 6), (_num(med(e, "sys_us_per_msg")), 6),
-                (_num(med(e, "p50_us")), 7), ("-" if sc is None else f"{sc:.3f}", 13),
+        cols = [(num(med(e, "user_us_per_msg")), 6), (num(med(e, "sys_us_per_msg")), 6),
+                (num(med(e, "p50_us")), 7), ("-" if sc is None else f"{sc:.3f}", 13),
                 ("-" if fl is None else f"{fl:.2f}", 11)]
         if tls:
             cols += [("-" if rpm is None else f"{rpm:.3f}", 12),
-                     (_num(med(e, "wire_bytes_per_msg")), 11)]
+                     (num(med(e, "wire_bytes_per_msg")), 11)]
         lines += _cells(dict(e, winner=False), nw, cols)
     return lines
 
@@ -201,28 +129,28 @@ def render_group(g):
     if g["family"] == "ft":
         from .ft import render_group as ft_group
         return ft_group(g)
-    lines = _heading(g)
+    lines = heading(g)
     ents = sorted(g["entries"], key=lambda e: e["median"], reverse=(g["better"] == "higher"))
     base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
     if g["kind"] == "server":
         lines += _server_tables(g, ents, base)
     else:
         extra = g["kind"] == "contention"
-        spread = _multi(ents)
-        cols = [("median", 9)] + ([("spread (min - max)", 19)] if spread else []) + \
+        with_spread = multi(ents)
+        cols = [("median", 9)] + ([("spread (min - max)", 19)] if with_spread else []) + \
             [("ratio", 7)] + ([("Mops/s", 7), ("CPU/wall", 8)] if extra else [])
         nw = _name_width(ents, sum(w + 1 for _, w in cols))
         lines += _cells({"name": "entry", "winner": False, "role": "candidate"}, nw, cols)
         for e in ents:
-            row = [(_num(e["median"]), 9)] + ([(_spread(e), 19)] if spread else []) + \
-                [(_ratio_cell(e, base), 7)]
+            row = [(num(e["median"]), 9)] + ([(spread(e), 19)] if with_spread else []) + \
+                [(ratio_cell(e, base), 7)]
             if extra:
                 cw = e.get("metrics", {}).get("cpu_per_wall", {}).get("median")
                 row += [(f"{1e3 / e['median']:.2f}", 7), ("-" if cw is None else f"{cw:.2f}", 8)]
             lines += _cells(e, nw, row)
     lines += _note(g)
     for s in g["skipped"]:
-        lines += _wrap(f"{s['name']}: {s['reason']}", "  (skipped ", "    ")
+        lines += wrap(f"{s['name']}: {s['reason']}", "  (skipped ", "    ")
     return "\n".join(lines)
 
 
@@ -237,15 +165,15 @@ def render_footer(doc):
                 if h.get("own_cpus") is not None else None,
                 f"other processes {h['other_cpus']:.1f}"
                 if h.get("other_cpus") is not None else None]
-        parts += _wrap(f"took {_mmss(h['duration_s'])}"
+        parts += wrap(f"took {_mmss(h['duration_s'])}"
                        + "".join(f"; {b}" for b in busy if b), "\nrun:       ", " " * 11)
         for w in h.get("warnings", []):
             if w not in _start_warnings(h):
-                parts += _wrap(w, "WARNING:   ")
+                parts += wrap(w, "WARNING:   ")
     if doc["skipped"]:
         parts.append("\nskipped:")
         for s in doc["skipped"]:
-            parts += _wrap(f"{s['what']}: {s['reason']}", "  ", "    ")
+            parts += wrap(f"{s['what']}: {s['reason']}", "  ", "    ")
     return "\n".join(parts)
 
 
@@ -276,7 +204,7 @@ def compare(old, new):
     / ``worse`` only when the new median lies outside the old run's min-max range (and the
     change is in that direction); ``~`` otherwise."""
     oh, nh = old["header"], new["header"]
-    lines = _wrap(f"compared with {oh['date']} ({oh['cpu_model']}, {oh['cores']} cores, "
+    lines = wrap(f"compared with {oh['date']} ({oh['cpu_model']}, {oh['cores']} cores, "
                   f"{oh['python']}, aoprim {oh['aoprim_version']}"
                   + (f" {oh['commit']}" if oh.get("commit") else "") + f", {oh['mode']})",
                   "\n", "  ")
@@ -296,7 +224,7 @@ def compare(old, new):
         for e in g["entries"]:
             o = oe.get(e["name"])
             if o is None:
-                lines += _named(e["name"], f"{'-':>9} {_num(e['median']):>9}   (new entry)")
+                lines += _named(e["name"], f"{'-':>9} {num(e['median']):>9}   (new entry)")
                 continue
             ch = (e["median"] / o["median"] - 1) * 100 if o["median"] else None
             good = (e["median"] < o["min"]) if g["better"] == "lower" else (e["median"] > o["max"])
@@ -304,16 +232,16 @@ def compare(old, new):
             verdict = "better" if good else "worse" if bad else "~"
             n_better += good
             n_worse += bad
-            lines += _named(e["name"], f"{_num(o['median']):>9} {_num(e['median']):>9} "
+            lines += _named(e["name"], f"{num(o['median']):>9} {num(e['median']):>9} "
                                        f"{'-' if ch is None else f'{ch:+.1f}%':>8} "
-                                       f"{_ratio(o.get('ratio')):>9} "
-                                       f"{_ratio(e.get('ratio')):>9}  {verdict}")
+                                       f"{ratio(o.get('ratio')):>9} "
+                                       f"{ratio(e.get('ratio')):>9}  {verdict}")
         gone = set(oe) - {e["name"] for e in g["entries"]}
         for name in sorted(gone):
             lines += _named(name, "(only in the old run)")
     missing = [gid for gid in olds if gid not in {g["id"] for g in new["groups"]}]
     if missing:
-        lines += _wrap(", ".join(missing), "\nonly in the old run: ", "  ")
+        lines += wrap(", ".join(missing), "\nonly in the old run: ", "  ")
     lines.append(f"\n{n_better} entries better, {n_worse} worse (outside the old run's "
                  "min-max), the rest within it")
     return "\n".join(lines)
@@ -337,10 +265,10 @@ def markdown_summary(doc):
                 continue
             u = g["unit"]
             # against a hardware floor the figure is the cost above it, not a ratio
-            rel = (_ratio(e["ratio"]) if g.get("compete", True) else
+            rel = (ratio(e["ratio"]) if g.get("compete", True) else
                    f"{e['median'] - base['median']:+.2f} {u} over the floor")
             out.append(f"| {g['id']} | {e['name']}{' *' if e['winner'] else ''} | "
-                       f"{_num(e['median'])} {u} | {base['name']} | {_num(base['median'])} "
+                       f"{num(e['median'])} {u} | {base['name']} | {num(base['median'])} "
                        f"{u} | {rel} |")
     out.append("")
     out.append("`*`: the fastest entry of its group (groups also hold other baselines and "
@@ -370,11 +298,11 @@ def markdown_servers(doc):
             if e["role"] == "baseline":
                 name += " (baseline)"
             out.append(
-                f"| {g['title'] if first else ''} | {name} | {_num(m.get('msgs_per_s'))} | "
-                f"{_num(e['median'])} ({_num(m.get('user_us_per_msg'))} + "
-                f"{_num(m.get('sys_us_per_msg'))}) | {'-' if sc is None else f'{sc:.2f}'} | "
-                f"{'-' if fl is None else f'{fl:.2f}'} | {_num(m.get('p99_us'))} | {_ratio(e['ratio'])} | "
-                f"{_ratio(m['msgs_per_s'] / bm if bm and m.get('msgs_per_s') else None)} |")
+                f"| {g['title'] if first else ''} | {name} | {num(m.get('msgs_per_s'))} | "
+                f"{num(e['median'])} ({num(m.get('user_us_per_msg'))} + "
+                f"{num(m.get('sys_us_per_msg'))}) | {'-' if sc is None else f'{sc:.2f}'} | "
+                f"{'-' if fl is None else f'{fl:.2f}'} | {num(m.get('p99_us'))} | {ratio(e['ratio'])} | "
+                f"{ratio(m['msgs_per_s'] / bm if bm and m.get('msgs_per_s') else None)} |")
             first = False
             any_row = True
     return "\n".join(out) if any_row else ""

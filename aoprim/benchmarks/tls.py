@@ -29,7 +29,6 @@ This module imports only the standard library (and ``servers``), so it runs by p
 """
 import argparse
 import atexit
-import inspect
 import json
 import os
 import select
@@ -52,7 +51,7 @@ try:
 except ImportError:                    # run by path: the load client needs none of it
     servers = None
 
-__all__ = ["SCENARIOS", "TITLES", "certs", "aoprim_tls_support", "server_cmd", "warm_up",
+__all__ = ["SCENARIOS", "TITLES", "certs", "server_cmd", "warm_up",
            "run_one", "load_echo", "load_handshakes"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -133,39 +132,6 @@ def _certs_with_cryptography(cert_path, key_path):
 
 # -- servers ----------------------------------------------------------------------------------
 
-def aoprim_tls_support():
-    """None when this aoprim's server takes ``ssl=`` (and its CLI ``--certfile``); otherwise
-    the reason it cannot serve TLS."""
-    try:
-        from aoprim.server import Server
-        from aoprim.server.cli import build_parser
-    except ImportError as e:
-        return f"aoprim.server is not importable: {e}"
-    try:
-        params = inspect.signature(Server).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if "ssl" not in params:
-        # Server(..., **settings): the keyword arguments are aoprim.server.config.Settings
-        try:
-            import dataclasses
-
-            from aoprim.server.config import Settings
-            has_ssl = any(f.name == "ssl" for f in dataclasses.fields(Settings))
-        except (ImportError, TypeError):
-            has_ssl = False
-        if not has_ssl:
-            return "aoprim.server.Server has no ssl= parameter (a build without the TLS server)"
-    try:
-        serve = build_parser("serve")._subparsers._group_actions[0].choices["serve"]
-        ok = any("--certfile" in a.option_strings for a in serve._actions)
-    except (AttributeError, IndexError, KeyError, TypeError):
-        ok = False
-    if not ok:
-        return "python -m aoprim serve has no --certfile option (a build without the TLS server)"
-    return None
-
-
 def server_cmd(server, framing, cert, key):
     """The argv that starts ``server`` (a name from servers.available_servers()) as a TLS
     echo server on a free port: its plain command plus ``--certfile`` / ``--keyfile`` (both
@@ -210,10 +176,6 @@ def run_one(server, scenario, duration=3.0, warmup=0.5, syscalls=False, **_ignor
     servers.run_one's, plus ``records_per_msg`` and ``wire_bytes_per_msg``).  Raises
     servers.ServerUnavailable when this server cannot serve TLS here."""
     sc = SCENARIOS[scenario]
-    if server == "aoprim" or servers._backend_of(server):
-        why = aoprim_tls_support()
-        if why:
-            raise servers.ServerUnavailable(why)
     try:
         cert, key = certs()
     except RuntimeError as e:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from aoprim.benchmarks import cases, contention, report, schema, suite, tls
+from aoprim.benchmarks import cases, contention, report, schema, suite
 
 from proc_support import NEUTRAL_CWD, child_env
 
@@ -341,12 +341,8 @@ def test_tls_groups_run_a_tiny_round(tmp_path):
         assert g["baseline"] == "asyncio"
         names = {e["name"] for e in g["entries"]}
         assert "asyncio" in names, (gid, g["skipped"])
-        # aoprim is measured when its server takes ssl= (it does), else listed
-        # with the reason
-        if tls.aoprim_tls_support() is None:
-            assert "aoprim" in names, (gid, g["skipped"])
-        else:
-            assert any(s["name"] == "aoprim" and s["reason"] for s in g["skipped"]), gid
+        # the bench ships with the server it measures: aoprim's server always speaks TLS
+        assert "aoprim" in names, (gid, g["skipped"])
         for e in g["entries"]:
             m = e["metrics"]
             assert m["msgs_per_s"]["median"] > 0, (gid, e["name"])
