@@ -35,7 +35,7 @@ MARKER = re.compile(r"^<!--\s*runnable(?::\s*(?P<opts>.*?))?\s*-->\s*$")
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
 PRINT = re.compile(r"^\s*print\(.*\)\s*#\s?(?P<expect>.*?)\s*$")
 DEFAULT_TIMEOUT = 60.0
-MAX_LINES = 350
+MAX_LINES = 250
 
 # Links to files another branch adds: checked once they exist (delete the entry on merge).
 WRITTEN_ELSEWHERE = {"docs/aio.md": "written on the aio branch"}
