@@ -204,3 +204,148 @@ def test_the_private_checker_catches_a_violation(tmp_path):
                  "        return other._theirs + self._x\n")
     bad = private_access(p)
     assert [t for _, t in bad] == ["other._theirs"]
+
+
+# -- no import cycles anywhere in aoprim ----------------------------------------------------
+
+AOPRIM = PKG.parent
+# The one cycle the package keeps: create_loop (server/loop.py) imports the backend it is asked
+# for when it is asked (``from .loop_epoll import EpollLoop`` inside the function), and each
+# backend module subclasses loop.EventLoop.  The interface and its factory share a module;
+# these two edges are the factory's.
+ACCEPTED_EDGES = {("aoprim.server.loop", "aoprim.server.loop_epoll"),
+                  ("aoprim.server.loop", "aoprim.server.loop_selectors")}
+
+
+def module_graph(root):
+    """{module: modules of the package it imports} for every ``.py`` file under ``root`` (a
+    package folder), by dotted name.  Every import counts, at the top of a file or inside a
+    function (a lazy import closes a cycle as surely as an eager one), except those under
+    ``if TYPE_CHECKING:`` (never run).  ``from P import n`` is an edge to ``P.n`` when that
+    is a module (a ``.py`` file or a compiled ``.pyx``), else to ``P``.  The implicit import
+    of a module's own parent packages is not an edge (every submodule makes it; a package's
+    ``__init__`` importing its submodules is the usual direction)."""
+    root = pathlib.Path(root)
+
+    def name_of(path):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    files = {name_of(p): p for p in sorted(root.rglob("*.py"))}
+    known = set(files) | {name_of(p) for p in root.rglob("*.pyx")}
+    graph = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        skip = _typing_only(tree)
+        out = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in known)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.split(".")[:len(here.split(".")) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                for a in node.names:
+                    if f"{mod}.{a.name}" in known:
+                        out.add(f"{mod}.{a.name}")
+                    elif mod in known:
+                        out.add(mod)
+        out.discard(name)
+        graph[name] = out
+    return graph
+
+
+def import_cycles(graph, accepted=frozenset()):
+    """Every group of modules that import each other, directly or through others (the
+    strongly connected components of ``graph`` with more than one module), each as one
+    cycle through it: ``[a, b, ..., a]``.  Edges in ``accepted`` are left out."""
+    graph = {m: {t for t in ts if (m, t) not in accepted and t in graph}
+             for m, ts in graph.items()}
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):           # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for group in groups:
+        start = min(group)
+        paths = {start: [start]}            # breadth first, inside the group, back to start
+        todo = [start]
+        while todo:
+            v = todo.pop(0)
+            if start in graph[v]:
+                cycles.append(paths[v] + [start])
+                break
+            for w in sorted(graph[v] & group):
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    todo.append(w)
+    return sorted(cycles)
+
+
+def test_no_two_aoprim_modules_import_each_other():
+    cycles = import_cycles(module_graph(AOPRIM), ACCEPTED_EDGES)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_accepted_edges_exist():
+    graph = module_graph(AOPRIM)
+    for a, b in ACCEPTED_EDGES:
+        assert b in graph[a], f"{a} no longer imports {b}: drop the edge from ACCEPTED_EDGES"
+
+
+def test_the_command_line_the_server_and_the_benchmarks_keep_apart():
+    graph = module_graph(AOPRIM)
+    assert graph["aoprim.cli"] >= {"aoprim.server.cli"}
+    for name, deps in graph.items():
+        if name.startswith("aoprim.benchmarks"):
+            assert "aoprim.server.cli" not in deps and "aoprim.cli" not in deps, name
+        if name.startswith("aoprim.server"):
+            assert not any(d.startswith(("aoprim.benchmarks", "aoprim.tools")) or
+                           d == "aoprim.cli" for d in deps), name
+
+
+def test_the_cycle_finder_names_a_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .sub import b\n")     # lazy: still an edge
+    (pkg / "sub" / "b.py").write_text("from ..c import x\n")
+    (pkg / "c.py").write_text("import pkg.a\nx = 1\n")
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from pkg import a\nimport pkg.e\n")
+    (pkg / "e.py").write_text("from pkg import d\n")
+    graph = module_graph(pkg)
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"}
+    assert graph["pkg.d"] == {"pkg.e"}                      # the TYPE_CHECKING import is none
+    assert import_cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"],
+                                    ["pkg.d", "pkg.e", "pkg.d"]]
+    assert import_cycles(graph, {("pkg.e", "pkg.d")}) == [["pkg.a", "pkg.sub.b", "pkg.c",
+                                                            "pkg.a"]]
