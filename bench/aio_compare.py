@@ -1,6 +1,7 @@
-"""aoprim.aio against asyncio's default loop, uvloop and rloop (issues 12, 23): the same server
-code (bench/aio_servers.py) on every loop, the same load generators, in one run.
-(``python -m aoprim bench --only aio`` is the issue-23 table: every loop, every scenario.)
+"""aoprim.aio against asyncio's default loop, uvloop and rloop: the same server code
+(aoprim/benchmarks/aio_servers.py) on every loop, the same load generators, in one run.
+(``python -m aoprim bench --only aio`` is the installed command's table: every loop, its own
+scenarios.)
 
     python bench/aio_compare.py [--duration 3] [--rounds 3] [--scenario NAME ...]
                                 [--tree CHECKOUT] [--base-tree CHECKOUT] [--syscalls]
@@ -17,8 +18,8 @@ Scenarios:
   http         aiohttp, GET / "Hello, World!", HTTP/1.1 keep-alive, 50 connections  (wrk)
 
 Method (the package's harness, ``aoprim.benchmarks.aio.run_one``, which ``python -m aoprim
-bench --only aio`` measures with; this script adds its scenarios, page faults, strace and the
-issue-12 targets): each server runs in its own fresh process, is warmed by one connection (a
+bench --only aio`` measures with; this script adds its scenarios, page faults, system calls
+and the targets): each server runs in its own fresh process, is warmed by one connection (a
 few messages, then closed) before the load starts, and its CPU time (user+sys,
 /proc/PID/stat) over the measured window is divided by the messages (requests) served; minor
 page faults per message (/proc/PID/stat field 10) are counted over the whole load generator
@@ -29,22 +30,22 @@ of each figure is reported; ratios are taken within the run only.
 ``--base-tree CHECKOUT`` adds a fourth server, ``aoprim-base``: aoprim.aio imported from
 another in-place build (the code before a change), measured in the same interleaved rounds.
 
-``--syscalls`` adds one pass per server under ``strace -f -c`` (attached after the warm-up,
-for the whole load, which then runs without its own warm-up window): system calls per
-message, by kind.  strace slows the server several-fold, so these runs give syscall counts
-only, never CPU figures.
+``--syscalls`` adds one pass per server in which the bench command's counter
+(``aoprim.benchmarks.servers.count_syscalls``: ``perf stat -e raw_syscalls:sys_enter``)
+counts the server's system calls over half the load's window, once every connection is up:
+system calls per message, all kinds together.  Without a working ``perf`` the column says
+why it is empty.
 """
 import argparse
 import contextlib
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
-import tempfile
 
-from aoprim.benchmarks import aio
+from aoprim.benchmarks import aio, servers
+from aoprim.tools.loadgen import proc_cpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOOPS = ("asyncio", "uvloop", "rloop", "aoprim")
@@ -72,19 +73,9 @@ TARGETS = {   # aoprim's CPU per message at most this times the other loop's
     "raw-1m": {"asyncio": 1.0},
     "http": {"asyncio": 1.0},
 }
-SEND = ("sendmsg", "sendto", "write", "writev", "send")
-RECV = ("recvfrom", "recvmsg", "read", "recv")
-POLL = ("epoll_wait", "epoll_pwait", "select", "poll")
 WARMUP = 0.5                      # the load generator's warm-up window, seconds
 
 BASE_TREE = None                  # --base-tree: where the aoprim-base server imports from
-
-
-def proc_minflt(pid):
-    """Minor page faults of process ``pid`` so far (/proc/PID/stat field 10)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read()
-    return int(data[data.rindex(b")") + 2:].split()[7])
 
 
 def _run(loop, scenario, duration, tree, warmup=WARMUP, during=None):
@@ -106,9 +97,9 @@ def run_one(loop, scenario, duration, tree):
 
     @contextlib.contextmanager
     def count_faults(pid):          # over the whole loadgen run, its warm-up included
-        f0 = proc_minflt(pid)
+        f0 = proc_cpu(pid)[2]
         yield
-        faults.append(proc_minflt(pid) - f0)
+        faults.append(proc_cpu(pid)[2] - f0)
 
     echo = SCENARIOS[scenario]["kind"] == "echo"
     r = _run(loop, scenario, duration, tree, during=count_faults if echo else None)
@@ -121,41 +112,24 @@ def run_one(loop, scenario, duration, tree):
 
 
 def count_syscalls(loop, scenario, duration, tree):
-    """One run under strace -f -c: {kind: calls per message} and the top calls."""
-    out_file = tempfile.mktemp(prefix="aio_strace_")
+    """System calls per message of one fresh server (None, and why, when perf cannot count
+    them): servers.syscall_counter over half the load's window, once its connections are up
+    and a tenth of the window has passed."""
+    window = servers.SYSCALL_WINDOW * duration
+    got = {}
 
     @contextlib.contextmanager
-    def strace(pid):
-        st = subprocess.Popen(["strace", "-f", "-c", "-o", out_file, "-p", str(pid)],
-                              stderr=subprocess.PIPE, text=True)
-        try:
-            # strace says so on stderr once attached: no sleep standing in for it
-            line = st.stderr.readline()
-            if "attached" not in line:
-                raise RuntimeError(f"strace did not attach: {line!r}")
-            yield
-        finally:
-            st.send_signal(signal.SIGINT)
-            st.communicate(timeout=30)
+    def counting(pid):
+        result = servers.syscall_counter(pid, SCENARIOS[scenario]["conns"], 0.1 * duration,
+                                         window)
+        yield
+        got["n"], got["why"] = result()
 
-    # the load runs without its own warm-up window: the server was warmed before strace
-    r = _run(loop, scenario, duration, tree, warmup=0, during=strace)
-    calls = {}
-    with open(out_file) as f:
-        for ln in f:
-            parts = ln.split()
-            if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
-                calls[parts[-1]] = int(parts[3])
-    os.unlink(out_file)
-    n = r["msgs"]
-    return {
-        "msgs": n,
-        "send": sum(calls.get(k, 0) for k in SEND) / n,
-        "recv": sum(calls.get(k, 0) for k in RECV) / n,
-        "poll": sum(calls.get(k, 0) for k in POLL) / n,
-        "total": sum(calls.values()) / n,
-        "top": sorted(calls.items(), key=lambda kv: -kv[1])[:6],
-    }
+    # the load runs without its own warm-up window: the server was warmed before it
+    r = _run(loop, scenario, duration, tree, warmup=0, during=counting)
+    if got["n"] is None or not r["msgs_per_s"]:
+        return None, got["why"]
+    return got["n"] / (r["msgs_per_s"] * window), None
 
 
 def compare(scenario, duration, rounds, tree, loops=LOOPS, log=print):
@@ -177,15 +151,14 @@ def report(scenario, res, sysc=None, log=print):
     log(f"\n[{scenario}] {SCENARIOS[scenario]}")
     log(f"  {'loop':<11} {unit + '/s':>10} {'CPU us/' + unit:>11} {'user':>7} {'sys':>7} "
         f"{'flt/' + unit:>8}"
-        + (f" {'send/' + unit:>9} {'recv/' + unit:>9} {'poll/' + unit:>9} {'all/' + unit:>8}"
-           if sysc else ""))
+        + (f" {'calls/' + unit:>10}" if sysc else ""))
     for lp, r in res.items():
         line = (f"  {lp:<11} {r['msgs_per_s']:>10.0f} {r['cpu_us_per_msg']:>11.2f} "
                 f"{r['user_us_per_msg']:>7.2f} {r['sys_us_per_msg']:>7.2f} "
                 f"{r['faults_per_msg']:>8.2f}")
         if sysc and lp in sysc:
-            s = sysc[lp]
-            line += f" {s['send']:>9.3f} {s['recv']:>9.3f} {s['poll']:>9.3f} {s['total']:>8.3f}"
+            n, why = sysc[lp]
+            line += f" {n:>10.3f}" if n is not None else f"  ({why})"
         log(line)
     a = res["aoprim"]
     for base in ("asyncio", "uvloop", "aoprim-base"):
@@ -218,7 +191,7 @@ def main():
     ap.add_argument("--tree", help="import aoprim from this checkout (in-place build) instead "
                                    "of the installed package")
     ap.add_argument("--syscalls", action="store_true",
-                    help="also count system calls per message under strace -f -c")
+                    help="also count system calls per message (perf stat)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     loops = tuple(a.loop or LOOPS)

@@ -4,7 +4,7 @@
     python bench/aio_pyprofile.py [--loop aoprim|asyncio|uvloop] [--size 1024] [--n 4000]
                                   [--tree CHECKOUT] [--top 25]
 
-bench/aio_servers.py (raw echo) runs under cProfile in a child process; one connection
+aoprim/benchmarks/aio_servers.py (raw echo) runs under cProfile in a child process; one connection
 exchanges N messages, one at a time.  Printed for the functions that run for (nearly) every
 message -- at least one call per two messages, so start-up imports drop out: calls per
 message (exact) and microseconds per message, self (tottime) and inclusive (cumtime).  The
@@ -14,14 +14,11 @@ inflates short functions: use the figures to rank, callgrind for the cost.
 import argparse
 import os
 import pstats
-import signal
-import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from aoprim.benchmarks.aio import callgrind_client as _client  # noqa: E402
+from aoprim.benchmarks.aio import callgrind_client as _client
+from aoprim.benchmarks.servers import start_server, stop_server
 
 
 def main():
@@ -36,17 +33,13 @@ def main():
     env = dict(os.environ)
     if a.tree:
         env["PYTHONPATH"] = os.path.abspath(a.tree)
-    p = subprocess.Popen([sys.executable, "-m", "cProfile", "-o", out,
-                          os.path.join(HERE, "aio_servers.py"), "--loop", a.loop, "--app",
-                          "raw"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env, cwd=tempfile.gettempdir())
-    line = p.stdout.readline()
-    if not line.startswith("listening on"):
-        p.kill()
-        raise RuntimeError(f"did not start: {line!r} {p.stderr.read()}")
-    _client(int(line.rsplit(":", 1)[1]), "raw", a.n, a.size)
-    p.send_signal(signal.SIGINT)
-    p.communicate(timeout=120)
+    p, port = start_server([sys.executable, "-m", "cProfile", "-o", out, "-m",
+                            "aoprim.benchmarks.aio_servers", "--loop", a.loop, "--app", "raw"],
+                           f"{a.loop} under cProfile", env=env, error=RuntimeError)
+    try:
+        _client(port, "raw", a.n, a.size)
+    finally:
+        stop_server(p, 120)
     st = pstats.Stats(out)
     os.unlink(out)
     rows = [kv for kv in st.stats.items() if kv[1][1] >= a.n / 2]

@@ -35,14 +35,15 @@ import json
 import re
 import selectors
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-from . import callgrind, runner
+from aoprim.tools.loadgen import proc_cpu
+
+from . import callgrind, runner, servers
 from .fmt import num, spread, wrap
 
 __all__ = ["LOOPS", "SCENARIOS", "TARGETS", "available_loops", "groups", "callgrind_per_msg",
@@ -116,8 +117,7 @@ def available_loops():
             run.append(name)
         except ImportError as e:
             skipped.append((name, f"{mod} is not installed ({e}; {hint})"))
-    from .servers import aio_missing
-    why = aio_missing()
+    why = servers.aio_missing()
     if why:
         skipped.append(("aoprim.aio", why))
     else:
@@ -142,8 +142,7 @@ def _new_loop(name):
 def _env(extra=None):
     """The children's environment: they import the aoprim this process imported; ``extra``
     (run_one's ``env_extra``) is set on top."""
-    from .servers import _env as env
-    e = env()
+    e = servers._env()
     e.update(extra or {})
     return e
 
@@ -195,33 +194,14 @@ def start_server(loop, sc, env_extra=None):
             seen.append(line)
             if "Uvicorn running on" in line:
                 return p, port
-    p = subprocess.Popen([sys.executable, "-m", "aoprim.benchmarks.aio_servers", "--loop",
-                          SERVER_LOOP[loop], "--app", sc["app"], "--host", HOST, "--port", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=CWD,
-                         env=env)
-    line = p.stdout.readline()
-    if not line.startswith("listening on"):
-        p.kill()
-        raise RuntimeError(f"{loop}/{sc['app']} did not start: {line!r} {p.stderr.read()[-800:]}")
-    return p, int(line.rsplit(":", 1)[1])
-
-
-def stop_server(p):
-    if p.poll() is None:
-        p.send_signal(signal.SIGINT)
-        try:
-            p.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-    for f in (p.stdout, p.stderr):
-        if f:
-            f.close()
+    return servers.start_server(
+        [sys.executable, "-m", "aoprim.benchmarks.aio_servers", "--loop", SERVER_LOOP[loop],
+         "--app", sc["app"], "--host", HOST, "--port", "0"], f"{loop}/{sc['app']}", env=env,
+        error=RuntimeError)
 
 
 def _cpu(pid):
-    from aoprim.tools.loadgen import proc_cpu
-    return proc_cpu(pid)
+    return proc_cpu(pid)[:2]            # (user, sys) seconds
 
 
 def _per(c0, c1, n):
@@ -347,10 +327,9 @@ def run_one(loop, scenario, duration, warmup, streams=400, env_extra=None, durin
     p, port = start_server(loop, sc, env_extra)
     try:
         if sc["kind"] == "echo":
-            from .servers import warm_up
             # rloop 0.5 runs eof_received/connection_lost on the client's EOF but leaves the
             # socket open (the peer never sees the close): do not wait for it there
-            warm_up(port, sc["framing"], sc["size"], wait_close=(loop != "rloop"))
+            servers.warm_up(port, sc["framing"], sc["size"], wait_close=(loop != "rloop"))
         elif sc["kind"] == "http":
             _warm_http(port)
         with during(p.pid) if during else contextlib.nullcontext():
@@ -361,7 +340,7 @@ def run_one(loop, scenario, duration, warmup, streams=400, env_extra=None, durin
             # CPU time comes in 10 ms ticks: an SSE window shorter than 1 s may count none
             return sse_client(port, streams, max(duration, 1.0), warmup, p.pid)
     finally:
-        stop_server(p)
+        servers.stop_server(p, 20)
 
 
 # -- callgrind ----------------------------------------------------------------------------------

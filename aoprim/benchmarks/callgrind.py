@@ -15,13 +15,13 @@ to ~2.5k instructions between runs (a collision on a hot attribute name).
 """
 import os
 import re
-import signal
 import subprocess
 import tempfile
 
+from .servers import start_server, stop_server
+
 __all__ = ["run", "per_message", "by_function", "print_top", "with_fixed_hash_seed"]
 
-CWD = tempfile.gettempdir()       # never import an uncompiled checkout by accident
 
 
 def run(cmd, client, env=None, keep=False, name=None, timeout=600):
@@ -31,22 +31,15 @@ def run(cmd, client, env=None, keep=False, name=None, timeout=600):
     name = name or os.path.basename(cmd[0])
     env = with_fixed_hash_seed(env)
     out = tempfile.mktemp(prefix="aoprim_cg_")
-    p = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"] + cmd,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         cwd=CWD)
+    p = None
     try:
-        line = p.stdout.readline()
-        if not line.startswith("listening on"):
-            p.kill()
-            raise RuntimeError(f"{name} did not start under valgrind: {line!r} "
-                               f"{p.stderr.read()[-2000:]}")
-        client(int(line.rsplit(":", 1)[1]))
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=timeout)
+        p, port = start_server(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+                               + cmd, f"{name} under valgrind", env=env, error=RuntimeError)
+        client(port)
+        _, err = stop_server(p, timeout)
     except BaseException:
-        if p.poll() is None:
-            p.kill()
-        p.communicate()
+        if p is not None:
+            stop_server(p, 0)
         if os.path.exists(out):
             os.unlink(out)
         raise

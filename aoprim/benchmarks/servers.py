@@ -47,8 +47,8 @@ import threading
 import time
 
 __all__ = ["HOST", "SCENARIOS", "TREES", "server_cmd", "warm_up", "run_one", "one_cpu",
-           "available_servers",
-           "syscall_method", "count_syscalls"]
+           "available_servers", "start_server", "stop_server", "ServerUnavailable",
+           "syscall_method", "count_syscalls", "syscall_counter"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOST = "127.0.0.1"
@@ -267,6 +267,31 @@ def count_syscalls(pid, seconds):
     return None, (r.stderr.strip().splitlines() or ["no output"])[-1]
 
 
+def syscall_counter(pid, conns, lead, window):
+    """Count the system calls of process ``pid`` (count_syscalls) over ``window`` seconds, in
+    a thread: once the process holds ``conns`` more file descriptors than now (every
+    connection of the load that is about to start is up), then ``lead`` seconds later (the
+    load's warm-up and a margin).  Returns a function that waits for the count and gives
+    (count, None), or (None, the reason)."""
+    fds0 = _fds(pid)
+    counted = {}
+
+    def count():
+        until = time.monotonic() + 60
+        while _fds(pid) < fds0 + conns and time.monotonic() < until:
+            time.sleep(0.01)
+        time.sleep(lead)
+        counted["n"], counted["why"] = count_syscalls(pid, window)
+
+    th = threading.Thread(target=count, daemon=True)
+    th.start()
+
+    def result(timeout=60):
+        th.join(timeout)
+        return counted.get("n"), counted.get("why")
+    return result
+
+
 # -- one run ----------------------------------------------------------------------------------
 
 def echo_exchange(s, msg, messages, what):
@@ -318,6 +343,56 @@ class ServerUnavailable(RuntimeError):
     """The server did not start (an unknown or unavailable backend, a missing module)."""
 
 
+def start_server(cmd, what, env=None, error=ServerUnavailable, started=None):
+    """(Popen, port): ``cmd`` -- a server that prints ``listening on HOST:PORT`` first, as
+    every server the benchmarks compare does -- started in CWD with its stdout and stderr
+    piped (text), once it has said so.  ``started(p)`` runs at once after the start (a CPU
+    pin must precede the server's threads).  A server that says anything else is stopped and
+    ``error("WHAT did not start: ...")`` raised with its first line and its last stderr
+    line."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=CWD, env=env)
+    try:
+        if started is not None:
+            started(p)
+        line = p.stdout.readline()
+        if line.startswith("listening on"):
+            return p, int(line.rsplit(":", 1)[1])
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        err = p.stderr.read() if p.poll() is not None else ""
+        raise error(f"{what} did not start: {line.strip()!r} "
+                    f"{err.strip().splitlines()[-1:] or ''}")
+    except BaseException:
+        stop_server(p, 0)
+        raise
+
+
+def stop_server(p, timeout=30):
+    """(stdout, stderr) a server started by start_server (or any piped Popen) wrote until it
+    ended: SIGINT (the servers shut down cleanly on it, aoprim's printing its stats), then
+    up to ``timeout`` seconds for it to exit, then SIGKILL.  Its pipes are closed; a second
+    call, or one for a process already reaped, returns ("", "")."""
+    out = err = ""
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+    if not any(f is not None and not f.closed for f in (p.stdout, p.stderr)):
+        p.wait()
+        return out, err
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    finally:
+        for f in (p.stdout, p.stderr):
+            if f is not None:
+                f.close()
+    return out or "", err or ""
+
+
 def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, syscalls=False):
     """One server process, one load run; returns the load generator's summary plus
     ``server``, ``scenario``, ``warm``, and (aoprim) ``server_stats`` /
@@ -325,22 +400,10 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
     ``warm``: warm_up() it first (the steady state); otherwise it is measured as started."""
     sc = SCENARIOS[scenario]
     env = _env(_tree_of(server))
-    p = subprocess.Popen(server_cmd(server, sc["framing"], sc.get("max_frame")),
-                         stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=CWD, env=env)
     cpu = one_cpu() if sc.get("one_cpu") else None
-    _pin(p.pid, cpu)
+    p, port = start_server(server_cmd(server, sc["framing"], sc.get("max_frame")), server,
+                           env=env, started=lambda p: _pin(p.pid, cpu))
     try:
-        line = p.stdout.readline()
-        if not line.startswith("listening on"):
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            err = p.stderr.read() if p.poll() is not None else ""
-            raise ServerUnavailable(f"{server} did not start: {line.strip()!r} "
-                                    f"{err.strip().splitlines()[-1:] or ''}")
-        port = int(line.rsplit(":", 1)[1])
         if warm:
             warm_up(port, sc["framing"], sc["size"])
         lg_env = _env()
@@ -357,18 +420,10 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
         if syscalls:
             # a window inside the measured one: once the server holds every connection of
             # the load (its fd count says so), after the generator's warm-up and a margin
-            def count():
-                until = time.monotonic() + 60
-                while _fds(p.pid) < fds0 + sc["conns"] and time.monotonic() < until:
-                    time.sleep(0.01)
-                time.sleep(warmup + 0.1 * duration)
-                counted["n"], counted["why"] = count_syscalls(p.pid, window)
-            fds0 = _fds(p.pid)
-            th = threading.Thread(target=count, daemon=True)
-            th.start()
+            counter = syscall_counter(p.pid, sc["conns"], warmup + 0.1 * duration, window)
         out, err = lg.communicate(timeout=duration + 120)
         if syscalls:
-            th.join(60)
+            counted["n"], counted["why"] = counter()
         if not out.strip():
             raise RuntimeError(f"loadgen failed against {server}: {err}")
         res = json.loads(out)
@@ -379,8 +434,7 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
             res["syscalls_per_msg"] = counted["n"] / (res["msgs_per_s"] * window)
         elif syscalls:
             res["syscalls_error"] = counted.get("why")
-        p.send_signal(signal.SIGINT)
-        sout, _ = p.communicate(timeout=30)
+        sout, _ = stop_server(p)
         if "stats " in sout:
             st = json.loads(sout.split("stats ", 1)[1].splitlines()[0])
             res["server_stats"] = st
@@ -395,8 +449,4 @@ def run_one(server, scenario, duration=3.0, procs=1, warmup=0.5, warm=True, sysc
             res["one_cpu"] = cpu
         return res
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        for f in (p.stdout, p.stderr):
-            f.close()
+        stop_server(p, 0)

@@ -25,7 +25,8 @@ server loads them into ``ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)``. 
 that it sees the records on the wire; it does not verify the certificate (that cost is the
 client's, not the server's), and the handshake scenario pins TLS 1.3.
 
-This module imports only the standard library (and ``servers``), so it runs by path.
+Besides the standard library this module imports only ``servers`` and the load generator's
+``proc_cpu`` and ``_percentile`` (aoprim.tools.loadgen), so it also runs by path.
 """
 import argparse
 import atexit
@@ -33,7 +34,6 @@ import json
 import os
 import select
 import shutil
-import signal
 import socket
 import ssl
 import struct
@@ -44,7 +44,7 @@ import threading
 import time
 from collections import deque
 
-from aoprim.tools.loadgen import _percentile
+from aoprim.tools.loadgen import _percentile, proc_cpu
 
 try:
     from . import servers
@@ -182,21 +182,9 @@ def run_one(server, scenario, duration=3.0, warmup=0.5, syscalls=False, **_ignor
         raise servers.ServerUnavailable(str(e)) from None
     tree = servers.TREES.get("aoprim") if (server == "aoprim" or servers._backend_of(server)) \
         else None
-    p = subprocess.Popen(server_cmd(server, sc["framing"], cert, key), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=servers.CWD,
-                         env=servers._env(tree))
+    p, port = servers.start_server(server_cmd(server, sc["framing"], cert, key),
+                                   f"{server} with TLS", env=servers._env(tree))
     try:
-        line = p.stdout.readline()
-        if not line.startswith("listening on"):
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            err = p.stderr.read() if p.poll() is not None else ""
-            raise servers.ServerUnavailable(f"{server} did not start with TLS: "
-                                            f"{line.strip()!r} "
-                                            f"{err.strip().splitlines()[-1:] or ''}")
-        port = int(line.rsplit(":", 1)[1])
         warm_up(port, sc["framing"], sc["size"])
         cmd = [sys.executable, os.path.join(HERE, "tls.py"), "load", "--port", str(port),
                "--mode", sc["mode"], "--conns", str(sc["conns"]), "--size", str(sc["size"]),
@@ -223,8 +211,7 @@ def run_one(server, scenario, duration=3.0, warmup=0.5, syscalls=False, **_ignor
             res["syscalls_per_msg"] = counted["n"] / (res["msgs_per_s"] * window)
         elif syscalls:
             res["syscalls_error"] = counted.get("why")
-        p.send_signal(signal.SIGINT)
-        sout, _ = p.communicate(timeout=30)
+        sout, _ = servers.stop_server(p)
         if "stats " in sout:
             st = json.loads(sout.split("stats ", 1)[1].splitlines()[0])
             res["server_stats"] = st
@@ -235,26 +222,12 @@ def run_one(server, scenario, duration=3.0, warmup=0.5, syscalls=False, **_ignor
         res["warm"] = True
         return res
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        for f in (p.stdout, p.stderr):
-            f.close()
+        servers.stop_server(p, 0)
 
 
 # -- the load client (this file run by path: ``python tls.py load ...``) ----------------------
 
-_CLK = os.sysconf("SC_CLK_TCK")
 _VARIANTS = 64
-
-
-def proc_cpu(pid):
-    """(user_seconds, system_seconds, minor page faults) of process ``pid`` so far (its
-    threads included), from /proc/PID/stat (fields 14, 15 and 10)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read()
-    fields = data[data.rindex(b")") + 2:].split()
-    return int(fields[11]) / _CLK, int(fields[12]) / _CLK, int(fields[7])
 
 
 class _Records:

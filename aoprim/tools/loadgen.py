@@ -28,32 +28,21 @@ from collections import deque
 
 from aoprim.server.framing import Framing
 
-__all__ = ["run", "main", "proc_cpu", "proc_faults"]
+__all__ = ["run", "main", "proc_cpu"]
 
 _CLK = os.sysconf("SC_CLK_TCK")
 _VARIANTS = 64
 
 
 def proc_cpu(pid):
-    """(user_seconds, system_seconds) consumed so far by process ``pid`` (its threads
-    included), from /proc/PID/stat."""
+    """(user_seconds, system_seconds, minor_page_faults) of process ``pid`` so far, its
+    threads included: fields 14, 15 and 10 (``utime``, ``stime``, ``minflt``) of
+    /proc/PID/stat -- the one reader of that file for the load generator, the bench command
+    and the repository's bench/ scripts."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         data = f.read()
-    fields = data[data.rindex(b")") + 2:].split()
-    return int(fields[11]) / _CLK, int(fields[12]) / _CLK
-
-
-def proc_faults(pid):
-    """Minor page faults of process ``pid`` so far (its threads included): field 10 of
-    /proc/PID/stat (``minflt``)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read()
-    return int(data[data.rindex(b")") + 2:].split()[7])
-
-
-def _proc_sample(pid):
-    """(user_s, sys_s, minflt) of ``pid`` now."""
-    return proc_cpu(pid) + (proc_faults(pid),)
+    fields = data[data.rindex(b")") + 2:].split()      # the name in (...) may hold spaces
+    return int(fields[11]) / _CLK, int(fields[12]) / _CLK, int(fields[7])
 
 
 def _cpu_delta(a, b):
@@ -145,11 +134,11 @@ def run(host="127.0.0.1", port=0, conns=10, size=1024, pipeline=1, duration=5.0,
     while open_conns:
         now = time.monotonic()
         if cpu_pid is not None and cpu0 is None and now >= t0:
-            cpu0 = _proc_sample(cpu_pid)
+            cpu0 = proc_cpu(cpu_pid)
         if not stopping and now >= t1:
             stopping = True
             if cpu_pid is not None:
-                cpu1 = _proc_sample(cpu_pid)
+                cpu1 = proc_cpu(cpu_pid)
         if stopping:
             # drain what is in flight (bounded), then stop
             if now >= t1 + 5 or all(not c.expected for c in cs.values()):
@@ -215,7 +204,7 @@ def run(host="127.0.0.1", port=0, conns=10, size=1024, pipeline=1, duration=5.0,
             if not stopping:
                 queue_msgs(c, k, t)
     if cpu_pid is not None and cpu0 is not None and not stopping:
-        cpu1 = _proc_sample(cpu_pid)
+        cpu1 = proc_cpu(cpu_pid)
     for c in cs.values():
         c.sock.close()
     ep.close()
@@ -328,9 +317,9 @@ def main(args):
         cpu0 = cpu1 = None
         if args.cpu_pid is not None:
             time.sleep(max(0.0, t0 - time.monotonic()))
-            cpu0 = _proc_sample(args.cpu_pid)
+            cpu0 = proc_cpu(args.cpu_pid)
             time.sleep(max(0.0, t0 + args.duration - time.monotonic()))
-            cpu1 = _proc_sample(args.cpu_pid)
+            cpu1 = proc_cpu(args.cpu_pid)
         results = []
         for ch in children:
             out, _ = ch.communicate(timeout=args.duration + 60)
