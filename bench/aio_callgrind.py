@@ -5,7 +5,8 @@ valgrind's callgrind in the server process, immune to the machine's noise.
                                   [--tree CHECKOUT]
                                   [--base-tree CHECKOUT] [--loop L ...] [--by-function K]
 
-For each loop (asyncio, uvloop, rloop, aoprim), bench/aio_servers.py's server module runs under ``valgrind --tool=callgrind`` twice: one
+For each loop (asyncio, uvloop, rloop, aoprim), the aio servers
+(``python -m aoprim.benchmarks.aio_servers``) run under ``valgrind --tool=callgrind`` twice: one
 connection exchanges N messages, then 2N (one at a time, raw messages of ``--size`` bytes,
 1 KiB by default, or 16 pipelined u16 frames of 64 B per burst, answered by a Protocol
 (``proto-u16``) or by streams (``streams-u16``)); the difference of the two totals divided by N is the

@@ -6,7 +6,7 @@ For each scenario the aoprim server, an asyncio echo server and a uvloop echo se
 turn in their own processes under the same load generator, each warmed up first by one
 connection that comes and goes (the steady state; see echo_compare's docstring); the table printed at the end
 gives messages/s, server CPU us/message (user+sys of the server process over the measured
-window) and aoprim's send syscalls per message, plus the issue's targets met or missed.
+window) and aoprim's send syscalls per message, plus the targets met or missed.
 AOPRIM_ECHO_DURATION (seconds per run, default 3) and AOPRIM_ECHO_ROUNDS (interleaved
 rounds, median reported; default 1) tune it.  Echo correctness is asserted (the load
 generator checks every byte); the performance targets are reported, not asserted -- on a

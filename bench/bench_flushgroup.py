@@ -11,9 +11,11 @@ each sending 4 small messages (16..40 B) and then flushed:
 Both write 100 syscalls per call (checked from stats); the peers are drained between rounds,
 outside the timing (pedantic setup), so every call really reaches the kernel.
 
-The cases (flushgroup-100x4, flushgroup-100x4-flush-only) are aoprim/benchmarks/cases.py's,
-the same ones `python -m aoprim bench --only flushgroup` runs; the interleaved A/B below is
-this file's own (pytest-benchmark times one callable, so it times the pair).
+The two sides one at a time are the flushgroup-100x4 group (aoprim/benchmarks/cases.py's
+cases, which `python -m aoprim bench --only flushgroup` runs and bench/bench_cases.py times
+with pytest-benchmark).  This file times them interleaved: each round runs the Python loop
+and the group back to back, so load drifting on a shared machine hits both sides alike
+(pytest-benchmark times one callable, so it times the pair and reports the ratio).
 
 Run:  pytest bench/bench_flushgroup.py --benchmark-enable
 """
@@ -26,12 +28,6 @@ from aoprim import FlushGroup
 from aoprim.benchmarks import cases
 
 N = cases.FG_N
-
-
-@pytest.mark.parametrize("group,case", cases.pytest_params(
-    "flushgroup-100x4", "flushgroup-100x4-flush-only"))
-def test_flushgroup(benchmark, group, case):
-    cases.pytest_run(benchmark, group, case)
 
 
 # ---- interleaved A/B: the ratio under drifting load --------------------------------------

@@ -1,19 +1,19 @@
 """Shared benchmark harness.
 
 Run:  pytest bench --benchmark-enable            (all groups)
-      pytest bench/bench_atomic.py --benchmark-enable
+      pytest bench/bench_cases.py --benchmark-enable -k atomic
 
 Every benchmark belongs to a pytest-benchmark *group* that also holds its baseline (the
 stdlib or peer equivalent), so the two always run side by side in one process.  Mark the
 baseline with ``benchmark.extra_info["baseline"] = True`` (several entries may be marked:
 each gets its own ratio column); at the end of the run this file
 prints, per group, each entry's speed as a ratio against the baseline (``x2.5`` = 2.5 times
-faster than the baseline) -- the figure the issues and the README report.  Benchmarks that
+faster than the baseline) -- the figure the README reports.  Benchmarks that
 move N items per call set ``benchmark.extra_info["per_call"] = N`` and are also reported
 per item.  Results are also written as JSON when --benchmark-json is given.
 
 The measured cases live in the package (aoprim/benchmarks/cases.py), shared with
-``python -m aoprim bench``; each bench_*.py names the groups it times.
+``python -m aoprim bench``; bench_cases.py times every group of them.
 """
 import os
 import pathlib

@@ -11,7 +11,7 @@ Scenarios:
   u16-64x16-10  u16-framed 64 B messages pipelined 16 deep on 10 connections; every frame
                 gets its own reply (asyncio: one transport.write per frame)
 
-``--floor`` adds bench/echo_floor.py to the raw scenarios: the smallest Python epoll echo
+``--floor`` adds aoprim/benchmarks/echo_floor.py to the raw scenarios: the smallest Python epoll echo
 loop, a same-run measure of what CPython itself costs per message.
 
 The servers, the warm-up and one run are aoprim/benchmarks/servers.py's (shared with

@@ -678,7 +678,7 @@ def target_rows(doc):
 
 def markdown(doc):
     """The README's aio table: per scenario each loop's median, aoprim.aio's and rloop's
-    cost relative to uvloop and asyncio, the issue-23 target and whether it holds."""
+    cost relative to uvloop and asyncio, the target and whether it holds."""
     gs = [g for g in doc["groups"] if g["family"] == "aio"]
     if not gs:
         return ""

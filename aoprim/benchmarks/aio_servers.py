@@ -13,8 +13,9 @@ Apps (written as users write asyncio code; nothing here knows which loop runs it
 The uvicorn apps (a minimal Starlette app, the SSE token stream) are ASGI apps in
 ``aoprim.benchmarks.aio_asgi``, served by uvicorn's own command line (``--loop``).
 
-Prints ``listening on HOST:PORT``; SIGINT/SIGTERM stop it (exit 0).  bench/aio_servers.py
-runs this module.
+Prints ``listening on HOST:PORT``; SIGINT/SIGTERM stop it (exit 0).  Run it as
+``python -m aoprim.benchmarks.aio_servers --loop asyncio|uvloop|rloop|aoprim --app APP
+[--port 0]``; the repository's bench/ scripts start it so.
 """
 import argparse
 import asyncio

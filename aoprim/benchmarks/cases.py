@@ -1,8 +1,8 @@
 """The measured bodies: every primitive beside its baselines, as groups of cases.
 
 This module is the one copy of what is measured.  ``python -m aoprim bench`` times these cases
-with its own interleaved harness (``runner.py``); the developer-facing pytest-benchmark suites
-(``bench/bench_*.py`` in the checkout) time the very same cases through ``pytest_run``.
+with its own interleaved harness (``runner.py``); the checkout's bench/bench_cases.py times the
+very same cases with pytest-benchmark.
 
 A :class:`Case` is one entry of a group: ``setup(n)`` is a context manager that builds what the
 case needs, yields ``fn`` -- a callable with no arguments that performs ``n`` operations -- and
@@ -26,7 +26,6 @@ import queue
 import random
 import socket
 import struct
-import sys
 import threading
 import time
 
@@ -34,8 +33,8 @@ from aoprim import (AtomicInt, BlockTable, MPMCQueue, RefCount, SendBatch, SlabP
                     SPSCQueue, SpinLock)
 from aoprim.server.framing import Framing
 
-__all__ = ["Case", "Group", "Unavailable", "GROUPS", "FAMILIES", "group", "pytest_params",
-           "pytest_run", "LockedCounter", "bytearray_receive", "blocktable_receive"]
+__all__ = ["Case", "Group", "Unavailable", "GROUPS", "FAMILIES", "group", "by_id",
+           "LockedCounter", "bytearray_receive", "blocktable_receive"]
 
 
 class Unavailable(Exception):
@@ -1186,50 +1185,8 @@ C_SKIPPED = {"blocktable": "BlockTable has no nogil C API (its .pxd exposes no C
 FAMILIES = sorted({g.family for g in GROUPS})
 
 
-# == pytest-benchmark adapter (bench/bench_*.py) ================================================
-
 def by_id(gid):
     for g in GROUPS:
         if g.id == gid:
             return g
     raise KeyError(gid)
-
-
-def pytest_params(*group_ids):
-    """``pytest.param(group, case, id=...)`` for every case of the named groups."""
-    import pytest
-    out = []
-    for gid in group_ids:
-        g = by_id(gid)
-        for c in g.cases:
-            out.append(pytest.param(g, c, id=f"{g.id}::{c.name}"))
-    return out
-
-
-def pytest_run(benchmark, grp, case, rounds=5):
-    """Time one case with pytest-benchmark, in ``grp``'s group, with the per-call count and
-    baseline flag that bench/conftest.py's ratio table reads."""
-    import pytest
-    benchmark.group = grp.id
-    benchmark.extra_info["per_call"] = case.n
-    if case.role == "baseline":
-        benchmark.extra_info["baseline"] = True
-    try:
-        cm = case.setup(case.n)
-        fn = cm.__enter__()
-    except Unavailable as e:
-        pytest.skip(str(e))
-    try:
-        prepare = getattr(fn, "prepare", None)
-        if prepare is not None:
-            benchmark.pedantic(fn, setup=prepare, rounds=case.rounds or 300, iterations=1,
-                               warmup_rounds=20)
-        elif case.heavy:
-            benchmark.pedantic(fn, rounds=case.rounds or rounds, iterations=1)
-        else:
-            benchmark(fn)
-    except BaseException:
-        if not cm.__exit__(*sys.exc_info()):
-            raise
-    else:
-        cm.__exit__(None, None, None)
