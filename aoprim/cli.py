@@ -12,9 +12,12 @@ SIGINT/SIGTERM while the command line is read end the process quietly with statu
 the command runs, SIGINT is a KeyboardInterrupt (``bench`` says ``interrupted`` and exits 130)
 and SIGTERM still ends it quietly with 0.  A usage error is one ``aoprim: ...`` line, exit 2.
 """
+from __future__ import annotations
+
 import argparse
 import signal
 import sys
+from types import FrameType
 
 from aoprim.server import cli as server_cli
 from aoprim.server.cli import CommandParser, add_serve_command
@@ -29,11 +32,11 @@ class _Stop(BaseException):
     ``except Exception`` on the way swallows the stop."""
 
 
-def _raise_stop(signum, frame):
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop()
 
 
-def build_parser(only=None):
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line's parser; ``only``: the command about to run (the other
     commands' options are then not loaded -- their modules are not imported)."""
     p = CommandParser(prog="python -m aoprim",
@@ -54,7 +57,7 @@ def build_parser(only=None):
     return p
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     cmd = args[0] if args and args[0] in COMMANDS else None
     if cmd == "serve":

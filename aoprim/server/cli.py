@@ -62,7 +62,7 @@ from .framing import FRAMINGS
 from .listener import check_port, describe_address, listen_error
 from .proxy import PROXY_MODES
 from .server import as_handler
-from .supervisor import STOP_SIGNALS, Supervisor, check_seconds, group_members
+from .supervisor import STOP_SIGNALS, Supervisor, check_seconds, group_members, stop_signals
 
 if TYPE_CHECKING:
     import ssl
@@ -290,7 +290,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def add_serve_command(sub: Any) -> argparse.ArgumentParser:
     """Add ``serve`` and its options to ``sub`` (the action ``add_subparsers`` returned)."""
-    s = sub.add_parser(
+    s: argparse.ArgumentParser = sub.add_parser(
         "serve", help="run the server: your handler (MODULE:HANDLER) or a built-in app",
         description="Serve MODULE:HANDLER (a Handler subclass, a Handler instance or a "
                     "factory returning a handler), or a built-in app (--app).")
@@ -773,8 +773,9 @@ def _serve_procs(a: argparse.Namespace) -> int:
                      stop_timeout=a.stop_timeout, backoff_max=a.backoff_max)
     # from here on a stop signal is the supervisor's (noted, never raised): _raise_stop,
     # which run() would put back when it returns, could raise a pending one anywhere on the
-    # way out, even in a finalizer ("Exception ignored ... _Stop" on stderr)
-    for sig in STOP_SIGNALS:
+    # way out, even in a finalizer ("Exception ignored ... _Stop" on stderr).  A SIGHUP
+    # or SIGQUIT ignored at the start (nohup) stays ignored, as with `serve` alone.
+    for sig in stop_signals():
         signal.signal(sig, sup.on_signal)
     try:
         return sup.run()
