@@ -475,6 +475,18 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         return f"<ProtocolLoop over {self._ev!r}>"
 
 
+def _callback_failed(loop: ProtocolLoop, fn: Callable[..., Any], args: tuple[Any, ...],
+                     e: Exception) -> None:
+    """``fn(*args)`` raised where asyncio would have run it as a loop callback
+    (connection_made, connection_lost): the exception handler gets what asyncio's
+    ``Handle`` gives it -- "Exception in callback ...", the exception and the handle."""
+    h = asyncio.Handle(fn, args, loop)
+    text = repr(h)                      # "<Handle P.connection_made(<transport>)>"
+    cb = text[len("<Handle "):-1] if text.startswith("<Handle ") else text
+    loop.call_exception_handler({"message": f"Exception in callback {cb}",
+                                 "exception": e, "handle": h})
+
+
 def _not_offered(name: str) -> Callable[..., Any]:
     def method(self: ProtocolLoop, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
@@ -767,9 +779,7 @@ class ProtocolHandler(Handler):
         except Exception as e:
             # as asyncio (connection_made runs as a loop callback there): logged, and the
             # connection carries on
-            loop.call_exception_handler({
-                "message": f"session {session.id}: protocol connection_made() raised",
-                "exception": e, "protocol": proto, "transport": tr})
+            _callback_failed(loop, proto.connection_made, (tr,), e)
 
     def on_read(self, session: Session, data: memoryview | bytes) -> None:
         tr: SessionTransport = session.user
@@ -902,9 +912,7 @@ class ProtocolHandler(Handler):
         except Exception as e:
             # asyncio runs connection_lost as a loop callback: its exception goes to the
             # loop's exception handler
-            tr._loop.call_exception_handler({
-                "message": f"Exception in callback {proto.connection_lost!r}",
-                "exception": e, "transport": tr, "protocol": proto})
+            _callback_failed(tr._loop, proto.connection_lost, (exc,), e)
 
     # -- the server's shutdown -------------------------------------------------------------
     def _drain_at_shutdown(self, done: Callable[[], None]) -> None:

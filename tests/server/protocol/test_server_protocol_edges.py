@@ -480,6 +480,47 @@ def test_the_default_exception_handler_logs_on_asyncios_logger(serve, where, cap
     assert want == logged() == [("asyncio", "ERROR", "ValueError")]
 
 
+class RaisesInMadeOrLost(asyncio.Protocol):
+    """Sets the exception handler, then raises in connection_made or connection_lost."""
+
+    def __init__(self, where, seen, done):
+        self.where, self.seen, self.done = where, seen, done
+
+    def connection_made(self, transport):
+        self.t = transport
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, ctx: self.seen.append(
+                (ctx["message"].split(" ")[:3], type(ctx.get("exception")).__name__,
+                 sorted(ctx), type(ctx.get("handle")).__name__)))
+        if self.where == "connection_made":
+            raise ValueError("in connection_made")
+
+    def data_received(self, data):
+        self.t.close()
+
+    def connection_lost(self, exc):
+        self.done.set()
+        if self.where == "connection_lost":
+            raise ValueError("in connection_lost")
+
+
+@pytest.mark.parametrize("where", ["connection_made", "connection_lost"])
+def test_made_and_lost_exceptions_reach_the_handler_as_asyncios_callbacks(serve, where):
+    # asyncio runs both as loop callbacks: the handler gets "Exception in callback ..."
+    # and the callback's Handle, as any callback's failure
+    want, done = [], threading.Event()
+    on_asyncio(lambda: RaisesInMadeOrLost(where, want, done), lambda a: _poke(a, False))
+    assert done.wait(10)
+    wait_for(lambda: want, what="asyncio's handler")
+    seen, done = [], threading.Event()
+    srv = serve(lambda: RaisesInMadeOrLost(where, seen, done))
+    _poke(srv.address, False)
+    assert done.wait(10)
+    wait_for(lambda: seen, what="the exception handler")
+    assert seen == want == [(["Exception", "in", "callback"], "ValueError",
+                             ["exception", "handle", "message"], "Handle")], (seen, want)
+
+
 # -- the loop's task factory, and the loop methods a protocol may not use --------------------
 
 class LoopCalls(asyncio.Protocol):
