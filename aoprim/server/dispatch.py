@@ -21,12 +21,24 @@
     drop them: they were read before the error, and asyncio delivers those too;
   * the loop thread never blocks on a full completion queue: a session that does not fit
     waits in an overflow list that the loop retries at the end of every iteration;
-  * every queued item holds one reference of the session's ``RefCount``, dropped after it ran.
+  * every queued item holds one reference of the session's ``RefCount``, dropped after it ran;
+  * at the server's shutdown each session closes once its worker has run what was queued for
+    it (a mark travels behind its frames), so its ``on_close`` runs on a worker too; the
+    completion queue closes after the last ``on_close``.
+
+Which exceptions from a hook leave the thread that ran it, instead of closing that session
+only (:meth:`WorkerDispatch.propagates`): with workers, only a ``KeyboardInterrupt`` raised on
+the main thread; inline (``workers=0``), every ``BaseException`` that is not an
+``Exception``; in a process forked from the server's (a handler's ``os.fork()``), every one of
+those, on any thread: ``sys.exit()`` in the fork ends the fork, as in a plain thread, and the
+fork never serves on.
 """
 from __future__ import annotations
 
 import collections
 import logging
+import os
+import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from aoprim import Closed, Full, SpinLock
@@ -34,8 +46,6 @@ from aoprim import Closed, Full, SpinLock
 from .workers import WorkerPool
 
 if TYPE_CHECKING:
-    import threading
-
     from .config import Settings
     from .handler import Handler
     from .loop import EventLoop
@@ -44,12 +54,14 @@ if TYPE_CHECKING:
 #: a receiver's frame callback: (session, frame)
 FrameCallback = Callable[[Any, Any], object]
 
-__all__ = ["InlineDispatch", "WorkerDispatch", "WorkState", "EOF_MARK", "CLOSE_MARK"]
+__all__ = ["InlineDispatch", "WorkerDispatch", "WorkState", "EOF_MARK", "CLOSE_MARK",
+           "SHUTDOWN_MARK"]
 
 log = logging.getLogger("aoprim.server")
 
 EOF_MARK = object()     # (EOF_MARK, reason, ...): close once the frames before it ran
 CLOSE_MARK = object()   # run on_close, after every on_read
+SHUTDOWN_MARK = object()    # the server's shutdown: close once the frames before it ran
 
 
 class InlineDispatch:
@@ -59,6 +71,17 @@ class InlineDispatch:
 
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
+        self._pid = os.getpid()
+
+    def in_fork(self) -> bool:
+        """True in a process forked from the server's (by handler code)."""
+        return os.getpid() != self._pid
+
+    def propagates(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by a hook, leaves the loop (stopping the server) instead
+        of closing that session only: every ``BaseException`` that is not an
+        ``Exception``."""
+        return not isinstance(exc, Exception)
 
     def frame_callback(self, session: Session) -> FrameCallback:
         return self.handler.on_read
@@ -81,7 +104,7 @@ class InlineDispatch:
 class WorkState:
     """A session's place in the worker dispatch (created by WorkerDispatch)."""
 
-    __slots__ = ("backlog", "lock", "scheduled", "paused", "user_paused")
+    __slots__ = ("backlog", "lock", "scheduled", "paused", "user_paused", "ending")
 
     def __init__(self) -> None:
         self.backlog: collections.deque[Any] = collections.deque()
@@ -89,6 +112,7 @@ class WorkState:
         self.scheduled = False
         self.paused = False             # the backlog's limit paused reading
         self.user_paused = False        # pause_reading(): the worker holds the backlog
+        self.ending = False             # SHUTDOWN_MARK queued: the session must not be held
 
 
 class WorkerDispatch:
@@ -104,7 +128,27 @@ class WorkerDispatch:
         # sessions waiting for room (loop thread)
         self._overflow: collections.deque[Session] = collections.deque()
         self._loop: EventLoop | None = None
+        self._pid = os.getpid()
         self.closed = False
+
+    def in_fork(self) -> bool:
+        """True in a process forked from the server's (by handler code)."""
+        return os.getpid() != self._pid
+
+    def propagates(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by a hook, leaves the thread that ran it instead of
+        closing that session only: a ``KeyboardInterrupt`` on the main thread (the user's
+        interrupt of a ``serve_forever()`` there); in a forked process, any
+        ``BaseException`` that is not an ``Exception`` (the fork's ``sys.exit()``).
+        Anything else -- ``SystemExit``, ``asyncio.CancelledError``, a
+        ``KeyboardInterrupt`` raised on a worker or a loop thread of ``start()`` -- closes
+        that session only, on every thread: the server and its workers serve on."""
+        if isinstance(exc, Exception):
+            return False
+        if isinstance(exc, KeyboardInterrupt) and \
+                threading.current_thread() is threading.main_thread():
+            return True
+        return self.in_fork()
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -151,6 +195,27 @@ class WorkerDispatch:
         session.ref()
         with w.lock:
             w.backlog.appendleft(data)
+
+    def close_when_done(self, session: Session) -> None:
+        """The server's shutdown (loop thread, reading stopped): close ``session`` once its
+        worker has run what is queued for it, so that its ``on_close`` runs on a worker
+        too, after its last ``on_read``.  A session its application paused holds its
+        queue: it is closed at once (its held frames are dropped, as for any close while
+        paused)."""
+        w: WorkState = session.work     # type: ignore[assignment]
+        session.ref()                       # the mark's reference
+        with w.lock:
+            held = w.user_paused and not w.scheduled
+            if not held:
+                w.backlog.append(SHUTDOWN_MARK)
+                w.ending = True
+                schedule = not w.scheduled
+                w.scheduled = True
+        if held:
+            session.unref()
+            session.close_for_shutdown()
+        elif schedule:
+            self._schedule(session)
 
     def release_held(self, session: Session) -> None:
         """resume_reading() (loop thread): schedule the session again if its worker let it
@@ -202,7 +267,10 @@ class WorkerDispatch:
                 # delivered, then on_close runs)
                 if not w.backlog or (w.user_paused and not session.closed):
                     w.scheduled = False
-                    return
+                    # the shutdown's mark waits behind a pause: close it now instead (its
+                    # on_close is posted here again, and runs: a closed session is not held)
+                    end = w.ending and bool(w.backlog)
+                    break
                 item = w.backlog.popleft()
                 resume = w.paused and len(w.backlog) <= self._resume_at
                 if resume:
@@ -211,6 +279,8 @@ class WorkerDispatch:
                 session.pause_for_backlog(False)
             if item is CLOSE_MARK:
                 session.run_on_close()
+            elif item is SHUTDOWN_MARK:
+                self._loop.call_soon_threadsafe(session.close_for_shutdown)
             elif type(item) is tuple:           # (EOF_MARK, reason, level, cause)
                 session.frames_done(*item[1:])
             elif session.takes_frames:
@@ -221,14 +291,20 @@ class WorkerDispatch:
                     # KeyboardInterrupt included -- closes this session only; the worker
                     # thread lives on (if it ended, the sessions it owed would never be
                     # served).  KeyboardInterrupt from SIGINT reaches only the main thread.
+                    # In a forked process it ends this thread, the fork's only one.
+                    if self.propagates(e):
+                        raise
                     session.handler_failed("on_read", e)
             item = None
             session.unref()
+        if end:
+            self._loop.call_soon_threadsafe(session.close_for_shutdown)
 
     def stop(self) -> None:
         """Close the completion queue: workers drain what is queued, then exit; the
         sessions still waiting in the overflow list run here, on the calling (loop)
-        thread."""
+        thread.  (The server's shutdown calls it once every session's on_close has run,
+        when nothing waits; after its timeout, once it posted the last on_close.)"""
         self.closed = True
         self._pool.close()
         ov = self._overflow

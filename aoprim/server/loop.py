@@ -109,6 +109,9 @@ class EventLoop(abc.ABC):
     thread_id: int | None = None
     #: iterations completed (a statistic)
     iterations: int = 0
+    #: the fds the loop itself opened (its epoll instance, its wake-up eventfd): what a
+    #: process forked from the serving one must not act on (the server hides them there)
+    own_fds: tuple[int, ...] = ()
 
     # -- file descriptors (loop thread) -----------------------------------------------
     @abc.abstractmethod

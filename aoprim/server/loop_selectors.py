@@ -123,6 +123,17 @@ class SelectorsLoop(EventLoop):
 
     backend = "selectors"
 
+    @property
+    def own_fds(self) -> tuple[int, ...]:  # type: ignore[override]
+        """The selector's fd (epoll on Linux; -1 for select/poll) and the wake-up eventfd."""
+        if self._closed:
+            return ()
+        try:
+            sel = self._sel.fileno()
+        except (AttributeError, ValueError):    # (a selector without an fd)
+            sel = -1
+        return tuple(fd for fd in (sel, self.__dict__.get("_rfd", -1)) if fd >= 0)
+
     def __init__(self) -> None:
         self._sel = selectors.DefaultSelector()
         self._timers: list[_Timer] = []    # heap of _Timer

@@ -7,19 +7,32 @@ pool and its ``RxArena`` (the scratch slot every session reads into), the
 dispatch (inline or workers), :class:`~.stats.Stats`, and the sessions.
 
 Lifecycle: ``start()``/``serve_forever()`` -> serving -> ``shutdown()``: stop accepting, stop
-reading, let workers finish what is queued, close every session gracefully (flush, then
-close), stop the loop; sessions still open after ``shutdown_timeout`` are aborted.  After
-the loop stops, every pool slot is back (``stats()["rx_slots_in_use"] == 0``), every fd is
-closed and every worker thread joined -- or, for a worker stuck in a handler, an error is
-logged and its session's buffers go back when the handler returns.
+reading, close every session gracefully (flush, then close) -- with workers, each once its
+worker has run what was queued for it, its ``on_close`` on a worker -- stop the workers and
+the loop; sessions still open after ``shutdown_timeout`` are aborted.  After the loop stops,
+every pool slot is back (``stats()["rx_slots_in_use"] == 0``), every fd is closed and every
+worker thread joined -- or, for a worker stuck in a handler (``on_read`` or ``on_close``),
+an error is logged after ``shutdown_timeout`` more and its session's buffers go back when
+the handler returns.
+
+In a process forked from the serving one by handler code (``os.fork()``, a multiprocessing
+``fork`` worker) the server is the parent's: at the fork, ``/dev/null`` takes the place of
+its listening socket and its loop's fds in the child, and the signal handlers
+``serve_forever()`` installed are put back; whatever ends the fork (a ``sys.exit()`` that
+unwinds through the server, ``shutdown()``, the interpreter's exit) closes only the fork's
+own copies of the fds -- no ``epoll_ctl``, no ``shutdown()``, no byte sent on a connection
+the parent serves.
 """
 from __future__ import annotations
 
 import difflib
 import inspect
 import logging
+import os
+import signal
 import socket
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, cast
 
 from aoprim import SlabPool, Slot
@@ -63,9 +76,59 @@ def _nothing() -> None:
 
 _HOOKS = ("on_connect", "on_read", "on_close")
 
+# the servers started in this process and not yet stopped (for the fork hook below)
+_serving: weakref.WeakSet[Server] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for srv in list(_serving):
+        srv._hide_in_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 # the base class of Layer 3, by name: Layer 2 does not import it (tests/packaging/test_layering.py)
 _BASE = ("aoprim.server.handler", "Handler")
+
+
+def _fill_std_fds() -> None:
+    """``/dev/null`` on whichever of fds 0, 1 and 2 is closed (a process started with
+    ``2>&-``), so that no fd of the server -- a client's connection above all -- takes the
+    number that ``print()`` and the log write to."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                null = os.open(os.devnull, os.O_RDWR)   # the lowest free number: ``fd``
+            except OSError:
+                return
+            if null != fd:                  # (not free after all: a race with a thread)
+                os.close(null)
+
+
+def _lift(sock: socket.socket) -> socket.socket:
+    """``sock``, accepted onto fd 0, 1 or 2 -- a handler closed one of those -- moved to a
+    number above them, with ``/dev/null`` put back in its place: what the process then
+    prints or logs to that fd must not reach this client."""
+    import fcntl
+    low = sock.fileno()
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        high = fcntl.fcntl(low, fcntl.F_DUPFD_CLOEXEC, 3)
+    except OSError:
+        os.close(null)
+        raise
+    sock.detach()
+    lifted = socket.socket(fileno=high)
+    if null != low:
+        os.dup2(null, low)                  # (a std fd: inheritable, as it was)
+        if null > 2:
+            os.close(null)                  # (else it fills another closed std fd)
+    log.warning("fd %d was closed (by handler code?): a connection got its number; "
+                "/dev/null is in its place now", low)
+    return lifted
 
 
 def _is_base(k: type) -> bool:
@@ -239,6 +302,7 @@ class Server:
                  ssl: _ssl.SSLContext | None = None, handshake_timeout: float = 10.0,
                  **settings: Unpack[SettingsArgs]) -> None:
         handler = as_handler(handler)
+        _fill_std_fds()
         st = Settings(framing=framing, ssl=ssl, handshake_timeout=handshake_timeout,
                       **settings)
         if st.ssl is not None:
@@ -266,6 +330,8 @@ class Server:
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._started = False
+        self._pid = os.getpid()             # the serving process (see _in_fork)
+        self._old_signals: dict[int, Any] = {}  # what serve_forever's handlers replaced
         # PROXY protocol: who may connect (checked at accept, before reading); None: off
         self._trusted = (TrustedPeers(st.trusted_proxies) if st.proxy_protocol is not None
                          else None)
@@ -346,7 +412,7 @@ class Server:
         ctx.dispatch = self._dispatch
         ctx.stats = self._stats
         ctx.session_closed = self._session_closed
-        ctx.session_gone = self._live.discard
+        ctx.session_gone = self._session_gone
         ctx.tls = None
         ctx.kick = self._kick
         self._ctx = ctx
@@ -358,6 +424,8 @@ class Server:
             flush = ctx.tls.flush       # every batch is a TLS session's: none in the group
             self._session_cls = RawTLSSession if st.framing == "raw" else TLSSession
         self._listener = Listener(loop, self._lsock, st, self._accept, self._has_room)
+        self._pid = os.getpid()
+        _serving.add(self)
         self._dispatch.start(loop)
         loop.add_iteration_hook(flush)
         self._fallbacks_seen = 0
@@ -378,9 +446,8 @@ class Server:
 
     def serve_forever(self) -> None:
         """Serve in the calling thread until shutdown() or SIGINT/SIGTERM (main thread)."""
-        import signal
         self._prepare()
-        old: dict[int, Any] = {}
+        old = self._old_signals
         if threading.current_thread() is threading.main_thread():
             def on_signal(signum: int, frame: FrameType | None) -> None:
                 log.info("received %s: shutting down", signal.Signals(signum).name)
@@ -390,8 +457,10 @@ class Server:
         try:
             self._run(None)
         finally:
-            for sig, h in old.items():
-                signal.signal(sig, h)
+            if not self._in_fork():     # (a fork's were put back at the fork)
+                for sig, h in old.items():
+                    signal.signal(sig, h)
+            old.clear()
 
     def _run(self, ready: threading.Event | None) -> None:
         try:
@@ -400,13 +469,60 @@ class Server:
                 self._loop.call_soon(ready.set)
             self._loop.run()
         except BaseException:
-            log.exception("event loop crashed")
+            if not self._in_fork():     # (a fork's sys.exit() unwinding: not a crash)
+                log.exception("event loop crashed")
             raise
         finally:
             if ready is not None:
                 ready.set()
-            self._cleanup()
+            if self._in_fork():
+                self._forget_in_fork()
+            else:
+                self._cleanup()
             self._done.set()
+
+    # -- forks of the serving process ------------------------------------------------------
+    def _in_fork(self) -> bool:
+        """True in a process forked from the serving one (by handler code)."""
+        return os.getpid() != self._pid
+
+    def _hide_in_fork(self) -> None:
+        """At a fork, in the child (see the module docstring): ``/dev/null`` in place of the
+        listening socket and the loop's fds, whose numbers the copied objects still own
+        (so their close() closes no fd the fork opened since); the signal handlers and
+        the signal wake-up fd ``serve_forever()`` set go back to what they were."""
+        if self._loop.closed:
+            return                      # (stopped: nothing of it is left to hide)
+        fds = {self._lsock.fileno(), *self._loop.own_fds}
+        try:
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            null = -1
+        if null >= 0:
+            for fd in sorted(fds - {-1, 0, 1, 2, null}):
+                try:
+                    os.dup2(null, fd, inheritable=False)
+                except OSError:
+                    pass
+            os.close(null)
+        old = self._old_signals
+        if old:
+            try:
+                for sig, h in old.items():
+                    signal.signal(sig, h)
+                signal.set_wakeup_fd(-1)    # (the loop's pipe, which the parent reads)
+            except (ValueError, OSError):   # not the main thread of the fork: left as is
+                pass
+
+    def _forget_in_fork(self) -> None:
+        """The server stops in a fork of the serving process: close the fork's copies of
+        the sessions' sockets (a plain close(): the parent's connections are untouched)
+        and leave the rest -- the loop and the listening socket, ``/dev/null`` since the
+        fork -- to the fork's exit."""
+        _serving.discard(self)
+        for s in list(self._sessions.values()):
+            s.forget_in_fork()
+        self._done.set()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting, let workers finish, flush what is pending, close every session,
@@ -415,7 +531,11 @@ class Server:
         of the caller's.  Called from a handler (on the loop thread or a worker), it only
         starts the shutdown: the shutdown waits for those threads.  ``timeout`` (default
         ``2 * shutdown_timeout + 5`` s): TimeoutError if the loop has not stopped by then.
-        Thread-safe; idempotent."""
+        Thread-safe; idempotent.  In a process forked from the serving one it only closes
+        the fork's copies of the sessions' sockets (see the module docstring)."""
+        if self._started and self._in_fork():
+            self._forget_in_fork()
+            return
         if not self._started:
             self._started = True
             self._lsock.close()
@@ -467,6 +587,8 @@ class Server:
             refuse_untrusted(sock, addr, self._stats)
             return
         try:
+            if sock.fileno() <= 2:
+                sock = _lift(sock)
             sock.setblocking(False)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -490,10 +612,7 @@ class Server:
             return
         if self._trusted is not None or self._ctx.tls is not None:
             return      # PROXY protocol / TLS: on_connect once the header / handshake is done
-        try:
-            self.handler.on_connect(s)
-        except Exception as e:
-            s.handler_failed("on_connect", e)
+        s.run_on_connect()
 
     def _kick(self) -> None:
         """Application code ran where this iteration's flush may be past the batches it
@@ -503,6 +622,12 @@ class Server:
         tls = self._ctx.tls
         if len(tls if tls is not None else self._flusher.group):
             self._loop.call_soon(_nothing)
+
+    def _session_gone(self, s: Session) -> None:
+        # the session's last reference dropped (any thread: a worker that ran its on_close)
+        self._live.discard(s)
+        if self._stopping and not self._live:
+            self._loop.call_soon_threadsafe(self._check_done)
 
     def _session_closed(self, s: Session) -> None:
         self._sessions.pop(s.id, None)
@@ -547,7 +672,11 @@ class Server:
             s.stop_reading()
         self._loop.call_later(self.settings.shutdown_timeout, self._force_stop)
         if self._workers_left:
-            self._dispatch.stop()       # workers drain what is queued, then exit
+            # each session closes once its worker ran what is queued for it, and its
+            # on_close runs on a worker; the workers stop after the last one (_check_done)
+            for s in list(self._sessions.values()):
+                self._dispatch.close_when_done(s)
+            self._check_done()
         else:
             self._close_all()
 
@@ -571,6 +700,12 @@ class Server:
         self._loop.stop()
 
     def _check_done(self) -> None:
+        if self._stopping and self._workers_left and not self._sessions:
+            # every session closed: once the last on_close has run (the last reference is
+            # gone), the workers are let go; they find nothing queued and exit
+            if not self._live and not self._dispatch.closed:
+                self._dispatch.stop()
+            return
         if self._stopping and not self._workers_left and not self._sessions:
             # a handler with work of its own on the loop (the asyncio adapter's tasks: they
             # are cancelled and run their cancellation) finishes it first; _force_stop, at
@@ -591,6 +726,10 @@ class Server:
         for s in list(self._sessions.values()):
             s.abort_for_shutdown("server stopped")
         if self._dispatch is not None:
+            # the closes' on_close posted to the workers while they still take work (not run
+            # here once the queue is closed: a blocking one would hold this thread past
+            # the join's bound)
+            self._loop.run_ready()
             self._dispatch.stop()
             if not self._dispatch.join(self.settings.shutdown_timeout):
                 log.error("worker threads did not exit within %.1f s: their sessions' "
@@ -612,6 +751,7 @@ class Server:
         if self._arena is not None:
             self._arena.close()
         self._loop.close()
+        _serving.discard(self)
         log.info("aoprim server stopped: %s", summary(self.stats()))
 
     # -- public ----------------------------------------------------------------------------

@@ -829,6 +829,8 @@ class Session:
             try:
                 self._ctx.dispatch.handler.on_read(self, rest)
             except BaseException as e:
+                if self._ctx.dispatch.propagates(e):
+                    raise
                 self.handler_failed("on_read", e)
                 return
             if self._state != OPEN or self._rx.paused or not self._rx.receiver.pending:
@@ -915,11 +917,30 @@ class Session:
         """Bytes this session wrote to its socket so far (check_timeouts' progress)."""
         return self._batch.stats["bytes"]
 
+    def forget_in_fork(self) -> None:
+        """In a process forked from the serving one: close this process's copy of the
+        socket, nothing else (no flush, no shutdown(), no option set: the connection is
+        the parent's)."""
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
     def close_for_shutdown(self) -> None:
         self._close("server shutdown", level=logging.DEBUG, cause="shutdown")
 
     def abort_for_shutdown(self, reason: str) -> None:
         self._abort(reason, level=logging.WARNING, cause="shutdown")
+
+    def run_on_connect(self) -> None:
+        """Run the handler's on_connect (loop thread): what it raises closes this session
+        only, unless the dispatch says it stops the server (see dispatch.propagates)."""
+        try:
+            self._ctx.dispatch.handler.on_connect(self)
+        except BaseException as e:
+            if self._ctx.dispatch.propagates(e):
+                raise
+            self.handler_failed("on_connect", e)
 
     def run_on_close(self) -> None:
         """Run the handler's on_close (once; the loop thread or the session's worker)."""
@@ -928,6 +949,8 @@ class Session:
         try:
             self._ctx.dispatch.handler.on_close(self, self._exc)
         except BaseException as e:      # (on a worker: the thread must live on)
+            if not isinstance(e, Exception) and self._ctx.dispatch.in_fork():
+                raise                   # a fork's sys.exit() ends the fork
             log.error("session %d: handler on_close raised", self.id, exc_info=e)
             self._ctx.stats.handler_errors.fetch_add(1)
 
@@ -1010,10 +1033,7 @@ class Session:
             return
         self._proxy_peer_is(arg)
         self._proxy_wait = False
-        try:
-            self._ctx.dispatch.handler.on_connect(self)
-        except Exception as e:
-            self.handler_failed("on_connect", e)
+        self.run_on_connect()
 
     def _proxy_peer_is(self, arg: Any) -> None:
         """The PROXY header ``arg`` was read: the client's address becomes ``peer``, the
@@ -1061,7 +1081,7 @@ class Session:
         try:
             keep = hook(self)
         except BaseException as e:      # (on a worker: the thread must live on)
-            if _get_ident() == self._loop.thread_id and not isinstance(e, Exception):
+            if self._ctx.dispatch.propagates(e):
                 raise
             self.handler_failed("eof_received", e)
             return True                 # handler_failed closes it

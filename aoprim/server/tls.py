@@ -553,10 +553,7 @@ class TLSSession(Session):
         self._update_interest()
         self._t.mark()              # the last handshake flight / session tickets
         log.debug("session %d: TLS %s %s", self.id, obj.version(), obj.cipher()[0])
-        try:
-            self._ctx.dispatch.handler.on_connect(self)
-        except Exception as e:
-            self.handler_failed("on_connect", e)
+        self.run_on_connect()
         # application data that came with the handshake's last flight
         if self._state == OPEN and not self._rx.paused and (self._inc.pending or
                                                               obj.pending()):

@@ -5,10 +5,16 @@ This module is generic: an item is whatever the producer posts, and ``dispatch(i
 producer's function.  Per-session ordering is the dispatch layer's business (it posts a session
 at most once at a time, see dispatch.py).  ``close()`` closes the queue: the threads drain
 what is left, then exit; each exiting thread calls ``on_exit()``.
+
+In a process forked from the pool's (by code that ``dispatch`` runs), the pool is the
+parent's: the forking thread, the fork's only one, runs on as a worker until ``dispatch``
+raises, then ends as a plain thread does (a ``SystemExit`` quietly), logging nothing and
+calling no ``on_exit()`` (that would act on the parent's objects).
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Callable
 
@@ -31,6 +37,7 @@ class WorkerPool:
         self._dispatch = dispatch
         self._batch = batch
         self._on_exit = on_exit
+        self._pid = os.getpid()
         self.threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                         for i in range(n)]
 
@@ -69,9 +76,12 @@ class WorkerPool:
                         dispatch(item)
                     del items
                 del item
-        except BaseException:   # pragma: no cover - dispatch guards its own errors
-            log.exception("worker thread crashed")
+        except BaseException:
+            # (dispatch guards its own errors; what it lets through in a fork ends the fork)
+            if os.getpid() != self._pid:
+                raise
+            log.exception("worker thread crashed")      # pragma: no cover
             raise
         finally:
-            if self._on_exit is not None:
+            if self._on_exit is not None and os.getpid() == self._pid:
                 self._on_exit()
