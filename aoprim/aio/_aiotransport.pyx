@@ -31,7 +31,12 @@ close, abort, EOF, fatal errors) stays in the transport's Python code.
 
 The transport's ``write`` is here too (``make_write_method``): a method descriptor made for
 the transport class, whose C function runs the transport's ``aoprim.aio._aiowrite``
-``TransportWriter`` (read from its ``_writer`` slot by offset) without a Python frame.
+``TransportWriter`` without a Python frame.  The writer is read from the transport's
+``_writer`` slot through that slot's own member descriptor (what ``transport._writer``
+runs: CPython's check of the object's type, and its read of the slot), then called through
+``_aiowrite.pxd``'s cdef interface (``c_write``), which Cython type-checks.  The transport
+is not an extension type -- asyncio's ``_FlowControlMixin`` base has ``__slots__``, so a
+compiled base class would be a layout conflict -- so no ``.pxd`` can declare its fields.
 
 The GC: the reader and its transport reference each other; the reader's fields are not
 cleared by the collector (``no_gc_clear``): the cycle is broken by clearing the transport's
@@ -53,16 +58,22 @@ cdef object _BufferedProtocol = _protocols.BufferedProtocol
 cdef extern from *:
     """
     #include <structmember.h>
-    /* The offset of a T_OBJECT_EX __slots__ member (its member descriptor), or -1. */
-    static Py_ssize_t aop_at_slot_offset(PyObject *descr)
+    /* Whether descr is a member descriptor of an object __slots__ entry (T_OBJECT_EX). */
+    static int aop_is_object_member(PyObject *descr)
     {
-        PyMemberDef *m;
-        if (!Py_IS_TYPE(descr, &PyMemberDescr_Type))
-            return -1;
-        m = ((PyMemberDescrObject *)descr)->d_member;
-        if (m->type != T_OBJECT_EX || m->offset <= 0)
-            return -1;
-        return m->offset;
+        return Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+               ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX;
+    }
+
+    /* The transport's `_writer`: its member descriptor's __get__ (a new reference; NULL
+       with CPython's AttributeError when the slot is unset).  The descriptor checks that
+       `self` is an instance of the class it belongs to, and reads the slot as an attribute
+       read does (on a free-threaded build, with its atomic load). */
+    static PyObject *aop_writer_descr;                  /* set at import, read-only after */
+    static PyObject *aop_writer_of(PyObject *self)
+    {
+        return Py_TYPE(aop_writer_descr)->tp_descr_get(aop_writer_descr, self,
+                                                        (PyObject *)Py_TYPE(self));
     }
 
     /* SocketTransport.write: a method descriptor made for the transport class itself (see
@@ -112,39 +123,33 @@ cdef extern from *:
         }
         return PyDescr_NewMethod((PyTypeObject *)cls, &aop_transport_write_def);
     }
-
-    /* The object in the slot at `off` of `o` (borrowed; NULL: unset). */
-    static inline PyObject *aop_at_slot(PyObject *o, Py_ssize_t off)
-    {
-        return *(PyObject **)((char *)o + off);
-    }
     """
-    Py_ssize_t aop_at_slot_offset(object descr)
+    bint aop_is_object_member(object descr)
+    PyObject *aop_writer_descr
+    object aop_writer_of(object self)
     int (*aop_tw_impl)(object self, object data) except -1
     PyObject *aop_str_data
     object aop_make_write_descr(object cls)
-    PyObject *aop_at_slot(object o, Py_ssize_t off)
 
 
 # ---- the transport's write(): a C method of its class -------------------------------------
 
-# the offset of the transport class's `_writer` slot: set once at import by
-# make_write_method, read-only after (one class: a second call must give the same offset)
-cdef Py_ssize_t _writer_off = -1
+# the transport class's `_writer` member descriptor: set once at import by
+# make_write_method, read-only after (one class: a second call must give the same one);
+# this reference keeps aop_writer_descr alive
+cdef object _writer_descr = None
 cdef object _data_str = "data"
 
 
 cdef int _write(object self, object data) except -1:
     """The transport's write(data): its TransportWriter's c_write (the steps of
-    aoprim.aio._aiowrite's module docstring), the writer read from the `_writer` slot by its
-    offset; a transport whose slot holds no TransportWriter (not initialised, or replaced)
-    goes through ``self._writer.write(data)`` (the same steps, or its AttributeError)."""
-    cdef PyObject *w = aop_at_slot(self, _writer_off)
-    cdef TransportWriter tw
-    if w != NULL and type(<object>w) is TransportWriter:
-        tw = <TransportWriter>w         # a reference of its own: the slot may change
-        return tw.c_write(data)
-    self._writer.write(data)
+    aoprim.aio._aiowrite's module docstring), the writer read as ``self._writer`` by the
+    slot's member descriptor; a slot that holds something else (replaced) is asked by
+    ``.write(data)``; an unset one raises the attribute read's AttributeError."""
+    cdef object w = aop_writer_of(self)     # a reference of its own: the slot may change
+    if type(w) is TransportWriter:
+        return (<TransportWriter>w).c_write(data)
+    w.write(data)
     return 0
 
 
@@ -155,16 +160,17 @@ def make_write_method(cls, writer_descr):
     TransportWriter without a Python frame.  Being a method of the class (not a bound
     method in each instance's dict), the interpreter's specialised attribute lookup and
     call reach it without a dict lookup or an argument tuple.  Called once, at import."""
-    global _writer_off
+    global _writer_descr
+    global aop_writer_descr
     global aop_str_data
-    cdef Py_ssize_t off
     if not isinstance(cls, type) or cls.__dict__.get("_writer") is not writer_descr:
         raise TypeError("writer_descr must be cls's own `_writer` member")
-    off = aop_at_slot_offset(writer_descr)
-    if off <= 0 or (_writer_off > 0 and off != _writer_off):
+    if not aop_is_object_member(writer_descr) or (_writer_descr is not None
+                                                   and writer_descr is not _writer_descr):
         raise TypeError("`_writer` is not an object __slots__ member (or not the first "
-                        "class's offset)")
-    _writer_off = off
+                        "class's)")
+    _writer_descr = writer_descr
+    aop_writer_descr = <PyObject *>writer_descr    # kept alive by _writer_descr
     aop_str_data = <PyObject *>_data_str    # kept alive by this module's _data_str
     return aop_make_write_descr(cls)
 

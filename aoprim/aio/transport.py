@@ -150,7 +150,8 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     iteration."""
 
     # _writer: the compiled write() path (aoprim.aio._aiowrite.TransportWriter), in a slot that
-    # the class's compiled write() reads by offset (aoprim.aio._aiotransport.make_write_method)
+    # the class's compiled write() reads through the slot's member descriptor
+    # (aoprim.aio._aiotransport.make_write_method)
     __slots__ = ("_writer", "__dict__", "__weakref__")
 
     _start_tls_compatible = True

@@ -1,9 +1,12 @@
-"""Where aoprim.aio's compiled loop keeps its C: in a header
-(``aoprim/include/aop_aioloop.h``, with its invariants at the top, as the primitives keep
-theirs in ``aoprim/include/``), not in a string inside ``_aioloop.pyx``.
+"""How aoprim.aio's compiled modules reach each other's state: through the cdef interface
+their .pxd files declare (cdef classes, their fields and cdef methods, which Cython
+type-checks at each use), never by a memory offset read out of a member descriptor.  The
+one exception is asyncio's own ``Handle`` / ``TimerHandle`` (Python classes with
+``__slots__``; asyncio ships no .pxd), whose slots ``_aioloop.pyx`` reads by offset with the
+C in ``aoprim/include/aop_aioloop.h`` (docs/aio-compiled.md).
 
-This reads the sources, so it runs from a checkout or an sdist (which ship the .pyx files)
-and skips where only the built package is present.
+These read the sources, so they run from a checkout or an sdist (which ship the .pyx files)
+and skip where only the built package is present.
 """
 import pathlib
 import re
@@ -12,6 +15,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 AIO = ROOT / "aoprim" / "aio"
+HEADER = ROOT / "aoprim" / "include" / "aop_aioloop.h"
+
+# what reading a slot by its offset looks like in C: the offset taken out of a member
+# descriptor, or a pointer computed from an object's address plus an offset
+OFFSET_READ = re.compile(r"d_member->offset|\(char \*\)\s*\w+\s*\+\s*off")
 
 
 def _sources():
@@ -21,6 +29,13 @@ def _sources():
     return found
 
 
+def test_no_aio_module_reads_slots_by_offset_outside_the_loops_handle_code():
+    readers = [p.name for p in _sources() if OFFSET_READ.search(p.read_text())]
+    assert readers == [], f"slots read by offset in {readers}: use a cdef interface (.pxd)"
+    assert OFFSET_READ.search(HEADER.read_text()), (
+        f"{HEADER} no longer reads asyncio's handle slots: update this test's docstring")
+
+
 def test_the_loop_keeps_its_c_in_the_header():
     _sources()
     src = (AIO / "_aioloop.pyx").read_text()
@@ -28,3 +43,12 @@ def test_the_loop_keeps_its_c_in_the_header():
     # no C function bodies in a verbatim string: the header holds them
     verbatim = re.findall(r'cdef extern from \*:\s*"""(.*?)"""', src, re.S)
     assert verbatim == [], "C inside a string in _aioloop.pyx: move it to aop_aioloop.h"
+
+
+def test_the_transport_write_calls_the_writer_through_its_pxd():
+    _sources()
+    pxd = (AIO / "_aiowrite.pxd").read_text()
+    assert re.search(r"cdef int c_write\(self, object data\) except -1", pxd)
+    src = (AIO / "_aiotransport.pyx").read_text()
+    assert "from aoprim.aio._aiowrite cimport TransportWriter" in src
+    assert ".c_write(data)" in src
