@@ -48,22 +48,34 @@ Rules
       is restarted for as long as the supervisor runs: no request can end the service.
 - SIGINT/SIGTERM are forwarded (once) to every child's process group; the supervisor waits
   up to ``stop_timeout`` seconds, kills what is left, and exits 0 if every child exited 0,
-  else 1.  A second signal kills the children at once.  SIGHUP (its terminal hung up) and
-  SIGQUIT stop the service the same way, the children getting SIGTERM: their default
-  action would end the supervisor alone, and a supervisor that ends leaves no service
-  behind (no core file either: a supervisor's is of no use).
+  else 1.  During that wait a second SIGINT (Ctrl-C twice) or a SIGQUIT kills the children
+  at once; a repeated SIGTERM or SIGHUP changes nothing (``timeout`` sends SIGTERM to the
+  command and then to its process group, systemd to every process of the unit: a clean
+  stop stays one).  SIGHUP (its terminal hung up) and SIGQUIT stop the service the same
+  way, the children getting SIGTERM: their default action would end the supervisor alone,
+  and a supervisor that ends leaves no service behind (no core file either: a
+  supervisor's is of no use).  Either one ignored when the supervisor starts (``nohup``, a
+  shell's background job) stays ignored, as it does for ``serve`` alone.
 - What a child started (a handler's subprocess, a process it forked) is in the child's
-  process group and does not outlive the service: at a stop it gets the child's signal and
-  the same ``stop_timeout``, then SIGKILL if still there -- also what a child that exited
-  earlier left running (a crash does not end the processes its handlers started; they are
-  stopped with the service).  A restart killed at ``start_timeout`` is killed with its
-  group.  (A process that leaves the group -- ``setsid``, ``start_new_session=True`` -- is
-  its own.)
+  process group and does not outlive it: at a stop it gets the child's signal and the same
+  ``stop_timeout``, then SIGKILL if still there; when a child exits on its own (a crash, an
+  operator's ``kill PID``) its group gets SIGTERM then, and SIGKILL ``stop_timeout`` later.
+  (Left for the service's stop, it would outlive a supervisor killed meanwhile -- SIGKILL,
+  an OOM kill -- and nothing would stop it; so only what ignores SIGTERM and is inside
+  that ``stop_timeout`` when the supervisor is killed is left: a cgroup -- systemd's
+  ``KillMode=control-group`` -- is the complete answer.)  A restart killed at
+  ``start_timeout`` is killed with its group.  (A process that leaves the group --
+  ``setsid``, ``start_new_session=True`` -- is its own.)
+- As PID 1 (a container's) or a subreaper, the supervisor is sent every orphan of its
+  children's process trees (a handler's ``cmd &``, a double fork): it reaps them all on
+  each turn of its loop (SIGCHLD wakes it), not only its children, or they would stay
+  zombies while the child that made them serves.
 - Children die with the supervisor, even if it is killed with SIGKILL: each child asks the
   kernel for SIGTERM when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, set between fork
   and exec), then checks that its parent is still the supervisor, which closes the race of a
   supervisor that died before the request was made.  The death signal follows the *thread*
-  that forked the child, so the supervisor runs in one thread: the caller's.  A child that
+  that forked the child, so the supervisor forks in one thread, the caller's, which lives as
+  long as it does (its stdout's writer thread, if it has one, forks nothing).  A child that
   gets its stop signal after its supervisor died passes it on to its own process group
   (what its handlers started) and, before it exits, kills what is left of the group after
   ``stop_timeout`` (cli.py): what a child started goes with it, as at any stop.
@@ -79,9 +91,13 @@ Rules
   reader loses nothing); a stdout that took nothing for 2 s (a stalled log shipper) has the
   lines beyond 1 MiB dropped, counted, and said on stderr (when dropping begins, and the
   count once the stdout is read again or the supervisor ends); SIGINT/SIGTERM are handled
-  as ever.  When the supervisor's stdout is
+  as ever.  At a stop, what waits is written to a reader that is slow but alive until it
+  is all out or ``stop_timeout`` after the stop began, as ``serve`` alone writes it.  A
+  write that fails for a moment (``ENOSPC``: a full disk) drops what waited, counted, and
+  the next lines are tried as ever.  When the supervisor's stdout is
   gone (closed, or a pipe whose reader exited: ``| head -1``) the lines are dropped --
   logged once -- and everything else goes on: serving, restarts, the exit status.
+  What a child writes is passed on as it is: output it ends without a newline gets none.
 - Its own log lines never block it either: while it runs, the logging handlers that write
   to its stderr write through a second :class:`_Output` (256 KiB kept; a stderr that took
   nothing for 2 s has the lines beyond that dropped and counted).  When it ends it waits
@@ -110,6 +126,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from types import FrameType
 from typing import IO, Any, Callable, Sequence
@@ -119,11 +136,19 @@ __all__ = ["Supervisor", "reserve_port"]
 log = logging.getLogger("aoprim.server")
 
 _PR_SET_PDEATHSIG = 1
+_PR_GET_CHILD_SUBREAPER = 37
 _READY = b"ready"           # the child's status messages (see "The status pipe")
 _STOPPED = b"stopped"
 # the signals that stop the service; the children get the first two as they came, the
 # others as SIGTERM (a child's own handlers are for SIGINT/SIGTERM only)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# ... those of them that stay ignored when they are at the start (``nohup``, a background
+# job's SIGQUIT), as they do for ``serve`` alone, which has no handler for them
+KEEP_IGNORED = (signal.SIGHUP, signal.SIGQUIT)
+# during a stop, these end the wait at once (Ctrl-C again, SIGQUIT); a repeated SIGTERM or
+# SIGHUP does not (``timeout`` sends SIGTERM to the command and then to its group; systemd
+# signals every process of the unit)
+_KILL_NOW = (signal.SIGINT, signal.SIGQUIT)
 _MAX_LINE = 65536           # a longer stdout line is passed on in pieces of this size
 _OUT_MAX = 1 << 20          # bytes of output kept for a stdout that is not read, at most
 _STALL = 2.0                # seconds a stdout may take nothing before it counts as stalled
@@ -135,6 +160,10 @@ _GROUP_CHECK = 0.2          # seconds between two looks at the leftover process 
                             # while they are being stopped
 _GROUP_IDLE = 5.0           # ... while they are not (a look forgets the empty ones: a
                             # group's number is reused once it is empty)
+# write errors that mean the stream is gone for good; any other (ENOSPC, EDQUOT, EIO, EFBIG:
+# a full disk) costs what waited, and the next lines are tried again
+_GONE = frozenset({errno.EPIPE, errno.EBADF, errno.EINVAL, errno.ECONNRESET, errno.ENOTCONN,
+                   errno.ESHUTDOWN})
 
 
 def _find_prctl() -> Any:
@@ -149,6 +178,26 @@ def _find_prctl() -> Any:
                    ctypes.c_ulong]
     fn.restype = ctypes.c_int
     return fn
+
+
+def stop_signals() -> list[int]:
+    """The stop signals to handle: STOP_SIGNALS but those of KEEP_IGNORED that are ignored
+    now (a caller asks before it puts any handler of its own in place)."""
+    return [s for s in STOP_SIGNALS
+            if not (s in KEEP_IGNORED and signal.getsignal(s) == signal.SIG_IGN)]
+
+
+def _is_reaper(prctl: Any) -> bool:
+    """Whether orphaned processes are re-parented to this process: PID 1 (of a PID
+    namespace: a container) or a subreaper (``PR_SET_CHILD_SUBREAPER``)."""
+    if os.getpid() == 1:
+        return True
+    if prctl is None:
+        return False
+    flag = ctypes.c_int(0)
+    if prctl(_PR_GET_CHILD_SUBREAPER, ctypes.addressof(flag), 0, 0, 0) != 0:
+        return False
+    return flag.value != 0
 
 
 def reserve_port(host: str | None, port: int) -> socket.socket:
@@ -201,8 +250,21 @@ class _Output:
     pipe does, and loses nothing.  A stream that took nothing for ``_STALL`` seconds is
     stalled: the children's output is read again, and a line that does not fit is dropped
     and counted -- logged once when dropping begins, and how many lines went once the
-    stream takes output again (or when the supervisor ends).  Where the stream cannot be
-    opened again (a terminal of another user), writes block, as any program's do.
+    stream takes output again (or when the supervisor ends).
+
+    Where the stream cannot be opened again (a pipe or terminal of another user:
+    ``EACCES``), a thread of its own writes it, blocking, on a duplicate of the fd (the same
+    file description, its flags untouched: ``fcntl(O_NONBLOCK)`` there would change them
+    for every process sharing it -- the shell's terminal, the other writers of a pipe, which
+    would meet ``EAGAIN`` where they never expect it).  The supervisor only hands it bytes,
+    so a stalled reader blocks that thread alone; everything above holds the same.  (The
+    thread forks nothing: the children's death signal follows the supervisor's own
+    thread.)
+
+    A write that fails for a moment (``ENOSPC``, ``EDQUOT``, ``EIO``: a full disk) drops
+    what waited -- counted, logged once -- and the next lines are tried as ever; the count
+    is logged once a write succeeds again.  Only a stream that is gone (``EPIPE``: its
+    reader exited; a closed fd) is given up.
 
     The supervisor's stderr is one too (``name`` "stderr", what it carries: the
     supervisor's log lines); nothing waits on it (``blocked()`` is for stdout only)."""
@@ -224,16 +286,36 @@ class _Output:
         self._moved = 0.0             # monotonic time the stream last took bytes
         self._dropped = 0             # lines dropped since the stream last took everything
         self._stalled = False         # dropping was logged and its count not yet
+        self._failed = 0              # lines dropped by failed writes (ENOSPC) since the
+        self._failing = False         # ... first of them was logged; the count not yet
         self.lost = False             # the stream is gone: everything is dropped
+        # the writer thread (a stream that cannot be opened again), and what it shares with
+        # the supervisor's thread under _cond: _pending, _moved, _error, _wrote, _closing,
+        # wake_fd
+        self._cond = threading.Condition(threading.Lock())
+        self._writer: threading.Thread | None = None
+        self._error: OSError | None = None   # a failed write of the thread, not yet handled
+        self._thread_failed = 0       # the lines it dropped with it
+        self._wrote = False           # the thread wrote bytes since the last flush()
+        self._closing = False
+        self._in_write = False        # the thread is in a write (which may block)
+        self.wake_fd = -1             # the thread writes a byte here when it wrote (it wakes
+                                      # the supervisor's loop); -1: none
 
     @property
     def waiting(self) -> bool:
         return bool(self._pending) and not self.lost
 
     @property
+    def threaded(self) -> bool:
+        """Written by a thread of its own (the stream could not be opened again)."""
+        return self._writer is not None and not self.lost
+
+    @property
     def direct(self) -> bool:
         """Written through an fd of its own (never blocking), not the file object."""
-        return not self._text and not self.lost and (self._own >= 0 or self._sock is not None)
+        return not self._text and not self.lost and (
+            self._own >= 0 or self._sock is not None or self._writer is not None)
 
     def stalled(self) -> bool:
         """Bytes wait, and the stream took none for ``_STALL`` seconds."""
@@ -273,8 +355,17 @@ class _Output:
             except OSError as e:
                 if e.errno == errno.ENXIO and stat.S_ISFIFO(mode):
                     self._lose(BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)))
-                else:                          # blocking writes on the file object
-                    self._text = True
+                    return
+                # (EACCES: another user's pipe or terminal; no /proc): a writer thread
+                try:
+                    wfd = os.dup(fd)
+                except OSError as e2:
+                    self._lose(e2)
+                    return
+                self._writer = threading.Thread(target=self._write_loop, args=(wfd,),
+                                                name=f"aoprim-supervisor-{self._name}",
+                                                daemon=True)
+                self._writer.start()
 
     def write(self, text: str | bytes, keep: bool = False) -> None:
         """Write ``text`` (whole lines, or a piece of a line too long to keep) or keep it to
@@ -286,8 +377,12 @@ class _Output:
         if self._text:
             try:
                 self._write_file(text)
-            except (OSError, ValueError) as e:     # EPIPE, EBADF; ValueError: closed file
+            except ValueError as e:            # a closed file
                 self._lose(e)
+            except OSError as e:               # EPIPE: gone; ENOSPC: that line only
+                self._write_failed(e, 1)
+            else:
+                self._took()
             return
         data = text if isinstance(text, bytes) else text.encode(self._enc, "replace")
         if self._pending:
@@ -296,9 +391,11 @@ class _Output:
             if len(self._pending) + len(data) > self._limit and not keep and self.stalled():
                 self._drop()
                 return
-            self._pending += data              # after what waits: order is kept
+            with self._cond:
+                self._pending += data          # after what waits: order is kept
             return
-        self._pending += data
+        with self._cond:
+            self._pending += data
         self._moved = time.monotonic()         # (the wait starts now)
         self.flush()
 
@@ -324,9 +421,42 @@ class _Output:
             log.warning("%s is not being read (%d bytes waiting): %s is dropped until it "
                         "is; serving goes on", self._name, len(self._pending), self._carries)
 
+    def _write_failed(self, e: OSError, lines: int) -> None:
+        """A write failed with ``e``: a stream that is gone is given up; any other error
+        (``ENOSPC``, ``EIO``) costs the ``lines`` that waited (dropped, counted) and the
+        next lines are tried as ever."""
+        if e.errno in _GONE:
+            self._lose(e)
+            return
+        self._failed += lines
+        if not self._failing:
+            self._failing = True           # (first: the line below may be written here)
+            log.warning("%s cannot be written (%s): %s is dropped until it can be; serving "
+                        "goes on", self._name, e.strerror or e, self._carries)
+
+    def _took(self) -> None:
+        """The stream took bytes: a run of failed writes (if any) is over; say its count."""
+        if self._failing:
+            failed = self._failed
+            self._failing = False          # (first: the line below may be written here)
+            self._failed = 0
+            log.warning("%s takes output again: %d lines of %s were dropped meanwhile",
+                        self._name, failed, self._carries)
+
     def flush(self) -> None:
-        """Write what waits, as much as the stream takes now."""
-        while self._pending and not self.lost:
+        """Write what waits, as much as the stream takes now (a writer thread's stream:
+        wake the thread, and take up what it met)."""
+        if self._writer is not None:
+            with self._cond:
+                error, self._error = self._error, None
+                wrote, self._wrote = self._wrote, False
+                failed, self._thread_failed = self._thread_failed, 0
+                self._cond.notify_all()
+            if error is not None and not self.lost:
+                self._write_failed(error, failed)
+            if wrote and not self.lost:
+                self._took()
+        while self._pending and not self.lost and self._writer is None:
             try:
                 if self._sock is not None:
                     n = self._sock.send(self._pending, socket.MSG_DONTWAIT)
@@ -337,11 +467,15 @@ class _Output:
             except InterruptedError:
                 continue
             except OSError as e:
-                self._lose(e)
+                lines = _lines(self._pending)
+                self._pending.clear()
+                self._write_failed(e, lines)
                 return
             if n:
                 self._moved = time.monotonic()
             del self._pending[:n]
+            if n:
+                self._took()
         if self._stalled and not self._pending:
             dropped = self._dropped
             self._stalled = False          # (first: the line below may be written here)
@@ -349,20 +483,80 @@ class _Output:
             log.warning("%s is read again: %d lines of %s were dropped meanwhile",
                         self._name, dropped, self._carries)
 
-    def drain(self, seconds: float) -> None:
-        """Write what waits, waiting for the stream while it takes some within ``seconds``
-        of its last progress (a log shipper that is slow, not stalled, gets the last
-        lines)."""
+    def _write_loop(self, fd: int) -> None:
+        """The writer thread: write what waits to ``fd`` (blocking), in order, until
+        close(); what goes wrong is left for flush() (the supervisor's thread) to log."""
+        try:
+            while True:
+                with self._cond:
+                    while not self._pending and not self._closing:
+                        self._cond.wait()
+                    if not self._pending:          # closing, and all written
+                        return
+                    chunk = bytes(self._pending[:_MAX_LINE])
+                    self._in_write = True
+                try:
+                    n = os.write(fd, chunk)
+                except BlockingIOError:        # O_NONBLOCK set by another program
+                    self._in_write = False
+                    try:
+                        select.select([], [fd], [], 1.0)
+                    except (OSError, ValueError):
+                        pass
+                    continue
+                except InterruptedError:
+                    continue
+                except OSError as e:
+                    with self._cond:
+                        self._in_write = False
+                        self._error = e
+                        self._thread_failed += _lines(self._pending)
+                        self._pending.clear()
+                        self._wake()
+                    if e.errno in _GONE:
+                        return
+                    continue
+                with self._cond:
+                    self._in_write = False
+                    del self._pending[:n]
+                    if n:
+                        self._moved = time.monotonic()
+                        self._wrote = True
+                    self._cond.notify_all()
+                    self._wake()
+        finally:
+            os.close(fd)
+
+    def _wake(self) -> None:
+        """(The writer thread, under _cond) wake the supervisor's loop."""
+        if self.wake_fd >= 0:
+            try:
+                os.write(self.wake_fd, b"\0")
+            except OSError:                    # full (a wake-up is pending anyway)
+                pass
+
+    def drain(self, seconds: float | None = None, deadline: float = math.inf) -> None:
+        """Write what waits, waiting for the stream until ``deadline`` (monotonic time) and,
+        with ``seconds``, only while it takes some within ``seconds`` of its last progress
+        (a log shipper that is slow, not stalled, gets the last lines)."""
         self.flush()
-        while self.waiting and self.fd >= 0:
-            left = self._moved + seconds - time.monotonic()
+        while self.waiting:
+            end = deadline if seconds is None else min(deadline, self._moved + seconds)
+            left = end - time.monotonic()
             if left <= 0:
                 return
-            try:
-                select.select([], [self.fd], [], left)
-            except InterruptedError:
-                pass
-            except (OSError, ValueError):
+            if self._writer is not None:
+                with self._cond:
+                    if self._pending:
+                        self._cond.wait(min(left, 0.5))
+            elif self.fd >= 0:
+                try:
+                    select.select([], [self.fd], [], left)
+                except InterruptedError:
+                    pass
+                except (OSError, ValueError):
+                    return
+            else:                              # a file: written as it is, never waited for
                 return
             self.flush()
 
@@ -370,11 +564,21 @@ class _Output:
         """Write what the stream takes now (never waiting), say what was dropped (``report``:
         not for the stream the log itself goes to), let go."""
         self.flush()
-        if report and (self._stalled or (self._pending and not self.lost)):
+        with self._cond:
+            left = len(self._pending) if not self.lost else 0
+            self._pending.clear()
+            self._closing = True
+            self.wake_fd = -1
+            in_write = self._in_write
+            self._cond.notify_all()
+        dropped = self._dropped + self._failed
+        if report and (self._stalled or self._failing or left):
             log.warning("%s was not read to the end: %d lines of %s were dropped and %d "
-                        "bytes not written", self._name, self._dropped, self._carries,
-                        len(self._pending))
-        self._pending.clear()
+                        "bytes not written", self._name, dropped, self._carries, left)
+        self._stalled = self._failing = False
+        self._dropped = self._failed = 0
+        if self._writer is not None and not in_write:
+            self._writer.join(1.0)             # (one blocked in a write is left: a daemon)
         if self._sock is not None:
             self._sock.close()
         elif self._own >= 0:
@@ -386,7 +590,9 @@ class _Output:
         if isinstance(why, OSError) and why.strerror:
             why = why.strerror
         self.lost = True
-        self._pending.clear()
+        with self._cond:
+            self._pending.clear()
+            self._cond.notify_all()
         log.warning("%s is unusable (%s): %s is dropped from now on; serving goes on",
                     self._name, why, self._carries)
         out = self._file
@@ -402,6 +608,11 @@ class _Output:
                     os.close(devnull)
             except (OSError, ValueError):
                 pass
+
+
+def _lines(data: bytes | bytearray) -> int:
+    """The lines in ``data`` (a piece of a line counts as one)."""
+    return max(1, data.count(b"\n")) if data else 0
 
 
 class _LogStream:
@@ -492,6 +703,8 @@ class Supervisor:
         self._groups: dict[int, float] = {}
         self._groups_checked = 0.0        # monotonic time of the last look at them
         self._paused = False              # the children's stdout is not read (blocked)
+        self._reap_all = False            # every child re-parented to it is its to reap
+        self._drain_until = 0.0           # monotonic time the last output is written until
         self.address: tuple[str, int] | None = None     # (host, port) once reserved
         self.spawned: list[tuple[float, int, int]] = []  # (monotonic time, index, pid)
 
@@ -653,8 +866,8 @@ class Supervisor:
                 if not self._paused:           # (paused: not in the selector)
                     self._sel.unregister(fd)
                 c.proc.stdout.close()
-                if c.buf:
-                    self._line(c, c.buf + b"\n")
+                if c.buf:                      # its last output, without a newline: as it is
+                    self._line(c, c.buf)
                     c.buf = b""
                 return
             *lines, c.buf = (c.buf + chunk).split(b"\n")
@@ -692,6 +905,7 @@ class Supervisor:
             c.respawn_at = None
         deadline = time.monotonic() + (0.0 if sig == signal.SIGKILL else self._stop_timeout)
         stop_at = deadline                     # for what the children started
+        self._drain_until = max(self._drain_until, deadline)    # for their last output
         for pgid in self._groups:
             _signal_group(pgid, sig)
             self._groups[pgid] = min(self._groups[pgid], stop_at)
@@ -699,8 +913,12 @@ class Supervisor:
         while live or self._groups:
             self._poll(max(0.0, min(0.2, deadline - time.monotonic())) if live
                        else _GROUP_CHECK)
-            if self._signals:                  # a second signal: no more waiting
-                self._signals.clear()
+            again, self._signals[:] = self._signals[:], []
+            if any(s in _KILL_NOW for s in again):
+                # Ctrl-C again, or SIGQUIT: no more waiting (a repeated SIGTERM or SIGHUP
+                # changes nothing: the stop is bounded by stop_timeout anyway)
+                log.info("received %s during the stop: killing what is left",
+                         signal.Signals(next(s for s in again if s in _KILL_NOW)).name)
                 deadline = stop_at = 0.0
                 for pgid in self._groups:
                     self._groups[pgid] = 0.0
@@ -725,12 +943,14 @@ class Supervisor:
             self._tend_groups(now)
         return ok
 
-    def _left_behind(self, pgid: int, kill_at: float) -> None:
+    def _left_behind(self, pgid: int, kill_at: float) -> bool:
         """Child ``pgid`` (its process group's number) was reaped: the processes it started
         and left in its group (a handler's subprocess, a worker it forked), if any, are
-        killed at ``kill_at`` if still there (inf: at the stop)."""
+        killed at ``kill_at`` if still there.  Returns whether there are any."""
         if _group_alive(pgid):
             self._groups[pgid] = kill_at
+            return True
+        return False
 
     def _tend_groups(self, now: float) -> None:
         """Forget the leftover process groups that are empty, kill those past their time
@@ -752,7 +972,10 @@ class Supervisor:
                 del self._groups[pgid]          # (SIGKILL: not waited for)
 
     def _poll(self, timeout: float | None) -> None:
+        self._reap()
         for out in (self._output, self._err):
+            if out.threaded:                   # what its thread met; wake it for new bytes
+                out.flush()
             if out.fd >= 0 and out.waiting != out.watched:   # polled while bytes wait
                 if not out.waiting:
                     self._sel.unregister(out.fd)
@@ -790,6 +1013,30 @@ class Supervisor:
                 self._read_status(key.data[0], key.data[1])
             else:
                 self._read(key.data)
+        self._reap()
+
+    def _reap(self) -> None:
+        """As PID 1 (a container's) or a subreaper, every process that ends re-parented to
+        the supervisor (an orphan of a handler's ``cmd &``, a double fork) is its to reap:
+        reaped here, on each turn of the loop (SIGCHLD wakes it), or it stays a zombie for
+        ever.  A child of its own reaped here has its status handed to its ``Popen``.
+        Otherwise (an ordinary process) only its own children end as its zombies, and they
+        are reaped by ``Popen.poll()``: the caller's other children (a test's) are never
+        touched."""
+        if not self._reap_all:
+            return
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            except InterruptedError:
+                continue
+            if pid == 0:
+                return
+            for c in self._children:
+                if c.proc is not None and c.proc.pid == pid and c.proc.returncode is None:
+                    c.proc.returncode = os.waitstatus_to_exitcode(status)
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         """The supervisor's signal handler: a stop signal is noted, to be handled by
@@ -810,8 +1057,12 @@ class Supervisor:
         pid = c.proc.pid
         self._read(c, final=True)          # it may have said "ready" just before
         c.proc = None
-        # what it started goes on, and is stopped with the service
-        self._left_behind(pid, math.inf)
+        # what it started is stopped with it, as at a stop (SIGTERM; SIGKILL after
+        # stop_timeout): left to the service's stop, it would outlive a supervisor killed
+        # meanwhile (SIGKILL, an OOM kill), which nothing could then stop
+        if self._left_behind(pid, now + self._stop_timeout):
+            log.info("stopping what server process %d started", pid)
+            _signal_group(pid, signal.SIGTERM)
         words = c.said.split(b"\n")[:-1]
         if not self._announced and not c.listened:
             # the first start: what a restart would only repeat
@@ -861,13 +1112,17 @@ class Supervisor:
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
         self._sel.register(wake_r, selectors.EVENT_READ, None)
-        old = {s: signal.signal(s, self.on_signal) for s in STOP_SIGNALS + (signal.SIGCHLD,)}
+        # (a stop signal ignored at the start stays so; a caller that put this handler in
+        # place already has left it out too)
+        old = {s: signal.signal(s, self.on_signal) for s in [*stop_signals(), signal.SIGCHLD]}
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        self._reap_all = _is_reaper(self._prctl)
         reserve = None
         moved: list[tuple[logging.StreamHandler[Any], Any]] = []
         try:
             self._output.open()
             self._err.open()
+            self._output.wake_fd = self._err.wake_fd = wake_w     # (their writer threads)
             if self._err.direct:
                 # the log's handlers on stderr write through self._err while this runs: a
                 # stalled stderr must not block the supervisor
@@ -890,12 +1145,16 @@ class Supervisor:
             for pgid in self._groups:           # (only after an error of our own)
                 _signal_group(pgid, signal.SIGKILL)
             self._groups.clear()
+            # the children's last output, to a reader that is slow but alive, as `serve`
+            # alone writes it: until it is all out or stop_timeout after the stop began
+            self._output.drain(deadline=self._drain_until)
             self._output.close()
             self._err.drain(_STALL)            # the last lines, to a slow reader too
             for handler, was in moved:
                 handler.setStream(was)
             self._err.close(report=False)
             signal.set_wakeup_fd(old_wake)
+            self._reap_all = False
             for s, h in old.items():
                 signal.signal(s, h)
             self._sel.close()
@@ -942,7 +1201,7 @@ class Supervisor:
                     self._announced = True
                     shown = f"[{host}]" if ":" in host else host     # IPv6: bracketed
                     self._output.write(f"listening on {shown}:{port}\n", keep=True)
-                    log.info("supervising %d server processes on %s:%s", self._procs, host,
+                    log.info("supervising %d server processes on %s:%s", self._procs, shown,
                              port)
                 elif now >= deadline:
                     return self._fail(f"the server processes did not all listen within "

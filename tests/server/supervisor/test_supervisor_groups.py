@@ -158,22 +158,25 @@ def test_a_stop_reaches_what_the_children_started(child_script, sig, out):
     assert not any(alive(pid) for pid in helpers(out))
 
 
-def test_what_a_crashed_child_started_goes_on_and_is_stopped_with_the_service(child_script,
-                                                                             out):
-    """A crash does not end what its handlers started (a worker forked for a job); the
-    supervisor's stop does."""
+def test_what_a_crashed_child_started_is_stopped_when_it_crashes(child_script, out, caplog):
+    """What a crashed child's handlers started (a worker forked for a job) gets SIGTERM at
+    the crash, while the service serves on: left for the service's stop, it would outlive a
+    supervisor killed meanwhile."""
+    caplog.set_level(logging.INFO, logger="aoprim.server")
     sup = Supervisor(argv_of(child_script, "serve", "helper-crash", "serve"), 2, HOST, 0,
                      stdout=out, backoff=0.01)
-    alive_then = []
+    gone_then = []
 
     def restarted():
         if not (len(sup.spawned) == 3 and sup._children[1].ready and helpers(out)):
             return False
-        alive_then.extend(alive(pid) for pid in helpers(out))
+        if any(alive(pid) for pid in helpers(out)):
+            return False                        # (stop_when's limit ends a wait in vain)
+        gone_then.append(True)
         return True
     assert run_supervisor(sup, stop_when(restarted)) == 0
-    assert alive_then == [True]
-    assert not any(alive(pid) for pid in helpers(out))
+    assert gone_then == [True], caplog.text
+    assert re.search(r"stopping what server process \d+ started", caplog.text), caplog.text
 
 
 def test_what_ignores_the_stop_is_killed_after_stop_timeout(child_script, caplog, out):

@@ -128,6 +128,9 @@ class Forker(Handler):
             r, w = os.pipe()
             pid = os.fork()
             if pid == 0:
+                # a group of its own (as a daemonizing worker makes): it is not stopped with
+                # its server process's group when that one crashes, and outlives it
+                os.setpgid(0, 0)
                 os.write(w, b"%d\\n" % os.getpid())
                 while True:            # lives until a signal ends it (the test's)
                     signal.pause()

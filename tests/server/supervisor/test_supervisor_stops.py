@@ -1,0 +1,346 @@
+"""--procs N: the supervisor's processes and signals at their edges (aoprim/server/supervisor.py,
+docs/server.md "--procs N", *Signals*).
+
+- As a container's PID 1 or a subreaper, the supervisor reaps every process re-parented to it
+  (the orphans of its children's handlers: ``cmd &``, a double fork), not only its children.
+- What a child started is stopped when that child exits on its own (a crash, an operator's
+  ``kill PID``): SIGTERM, then SIGKILL after ``--stop-timeout``; so it does not outlive a
+  supervisor that is killed later.
+- A SIGHUP or SIGQUIT ignored when the supervisor starts (``nohup``) stays ignored.
+- During a stop, a repeated SIGTERM or SIGHUP changes nothing (``timeout`` sends SIGTERM twice);
+  a second SIGINT (Ctrl-C twice) or a SIGQUIT kills the children at once.
+- The supervisor's own log line brackets an IPv6 address, as its stdout does.
+"""
+import io
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from aoprim.server.supervisor import Supervisor
+
+from proc_support import child_env
+from server_support import HOST, wait_for
+from test_supervisor import Lines, alive, cleanup, echo_once
+from test_supervisor_serving import _has_ipv6_loopback
+
+
+def _stat(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    head, rest = data.rsplit(")", 1)
+    fields = rest.split()
+    return head.split("(", 1)[1], fields[0], int(fields[1])     # comm, state, ppid
+
+
+def zombies_of(pid, comm):
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _stat(d)
+            if st is not None and st[0] == comm and st[1] == "Z" and st[2] == pid:
+                found.append(int(d))
+    return found
+
+
+def processes_named(comm, ppid=None):
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _stat(d)
+            if st is not None and st[0] == comm and st[1] not in ("Z", "X") and \
+                    (ppid is None or st[2] == ppid):
+                found.append(int(d))
+    return found
+
+
+def start(tmp_path, source, spec, *extra, prefix=(), **popen):
+    (tmp_path / (spec.split(":")[0] + ".py")).write_text(source)
+    p = subprocess.Popen([*prefix, sys.executable, "-m", "aoprim", "serve", "--host", HOST,
+                          "--port", "0", "--procs", "2", "--log-level", "INFO", *extra,
+                          spec], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=str(tmp_path), env=child_env(), **popen)
+    line = p.stdout.readline()
+    if not line.startswith("listening on "):
+        cleanup(p)
+        raise AssertionError(f"did not start: {line!r}")
+    return p, int(line.rsplit(":", 1)[1])
+
+
+# -- orphans re-parented to the supervisor -----------------------------------------------------
+
+ORPHANS = """
+import subprocess
+from aoprim.server import Handler
+
+class Orphans(Handler):
+    # each frame starts a short process the way a shell script's `cmd &` does: the shell
+    # exits at once, and its child is re-parented (to the subreaper, or PID 1)
+    def on_read(self, session, data):
+        subprocess.run(["sh", "-c", "sleep 0.05 &"])
+        session.send(data)
+"""
+
+# the supervisor as a subreaper (PR_SET_CHILD_SUBREAPER survives exec): what a container's
+# PID 1 is sent, without a PID namespace
+SUBREAPER = ["-c", "import ctypes, os, sys; ctypes.CDLL(None).prctl(36, 1, 0, 0, 0); "
+             "os.execv(sys.argv[1], sys.argv[1:])"]
+
+
+def _unshare_pid():
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return None
+    if subprocess.run(["unshare", "-fp", "--mount-proc", "true"],
+                      capture_output=True).returncode != 0:
+        return None
+    return ["unshare", "-fp", "--mount-proc"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["subreaper", "pid1"])
+def test_orphans_re_parented_to_the_supervisor_are_reaped(tmp_path, how):
+    """They were reaped only once the child whose handler made them exited: while it
+    served they stayed zombies, one per request, without bound."""
+    if how == "subreaper":
+        if not sys.platform.startswith("linux"):
+            pytest.skip("PR_SET_CHILD_SUBREAPER is Linux's")
+        prefix = [sys.executable, *SUBREAPER]
+    else:
+        prefix = _unshare_pid()
+        if prefix is None:
+            pytest.skip("needs root and unshare(1) for a PID namespace")
+    p, port = start(tmp_path, ORPHANS, "orphans:Orphans", prefix=prefix,
+                    start_new_session=True)
+    err = Lines(p.stderr)
+    try:
+        # the supervisor: the process (or, in a PID namespace, the one unshare forked)
+        # that the sleeps are re-parented to
+        sup = p.pid if how == "subreaper" else wait_for(
+            lambda: (processes_named("python3", p.pid) + processes_named(
+                os.path.basename(sys.executable)[:15], p.pid) or [None])[0],
+            what="the supervisor")
+        for i in range(20):
+            assert echo_once(port, b"x%d" % i) == b"x%d" % i
+        # every sleep (0.05 s) ends; none may stay a zombie of the supervisor
+        wait_for(lambda: not processes_named("sleep", sup) and not zombies_of(sup, "sleep"),
+                 timeout=20, what="no sleep left with the supervisor, not even a zombie")
+        assert p.poll() is None
+        os.killpg(p.pid, signal.SIGTERM) if how == "pid1" else p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, err.text()
+        err.join()
+        assert "Traceback" not in err.text()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        cleanup(p)
+
+
+# -- what a crashed child started ---------------------------------------------------------------
+
+CRASHER = """
+import os, subprocess
+from aoprim.server import Handler
+
+class Crasher(Handler):
+    # a frame starts a long helper (in the child's process group, as any subprocess) and
+    # then crashes the server process
+    def on_read(self, session, data):
+        p = subprocess.Popen(COMMAND)
+        print("spawned", p.pid, flush=True)
+        os._exit(3)
+"""
+
+SLEEPS = ["sleep", "300"]
+IGNORES_TERM = ["sh", "-c", "trap '' TERM; exec sleep 300"]
+
+
+def _crash(tmp_path, command, *extra):
+    p, port = start(tmp_path, CRASHER.replace("COMMAND", repr(command)), "crasher:Crasher",
+                    *extra)
+    err = Lines(p.stderr)
+    with socket.create_connection((HOST, port), timeout=30) as s:
+        s.sendall(b"x")
+        said = p.stdout.readline()
+    assert said.startswith("spawned "), said
+    return p, port, err, int(said.split()[1])
+
+
+@pytest.mark.timeout(120)
+def test_what_a_crashed_child_started_does_not_outlive_a_killed_supervisor(tmp_path):
+    """It went on after the crash, to be stopped with the service: a supervisor killed
+    with SIGKILL (an OOM kill, `docker kill`) left it running for good."""
+    p, port, err, pid = _crash(tmp_path, SLEEPS)
+    try:
+        err.wait("(restarted) is listening")
+        p.kill()
+        p.wait(30)
+        wait_for(lambda: not alive(pid), timeout=20, what=f"process {pid} gone")
+    finally:
+        cleanup(p, [pid])
+
+
+@pytest.mark.timeout(120)
+def test_what_a_crashed_child_started_is_killed_after_stop_timeout_if_it_stays(tmp_path):
+    """A helper that ignores SIGTERM: killed --stop-timeout after the crash, while the
+    service serves on."""
+    p, port, err, pid = _crash(tmp_path, IGNORES_TERM, "--stop-timeout", "1")
+    try:
+        err.wait("(restarted) is listening")
+        wait_for(lambda: not alive(pid), timeout=20, what=f"process {pid} gone")
+        assert p.poll() is None
+        assert re.search(r"processes started by server process \d+ did not stop: killing "
+                         r"them", err.text()), err.text()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, err.text()
+    finally:
+        cleanup(p, [pid])
+
+
+# -- signals ignored at the start -------------------------------------------------------------
+
+def _ignore(*sigs):
+    def pre():
+        for s in sigs:
+            signal.signal(s, signal.SIG_IGN)
+    return pre
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGHUP", "SIGQUIT"])
+def test_a_signal_ignored_at_the_start_stays_ignored(tmp_path, sig):
+    """`nohup serve --procs 2`: the supervisor put its own handler over the inherited
+    SIG_IGN, and the terminal's hang-up stopped the whole service."""
+    p, port = start(tmp_path, "from aoprim.server.apps import Echo\n", "ignored:Echo",
+                    preexec_fn=_ignore(signal.SIGHUP, signal.SIGQUIT))
+    err = Lines(p.stderr)
+    try:
+        os.kill(p.pid, getattr(signal, sig))
+        for i in range(6):                      # it serves on: the signal was ignored
+            assert echo_once(port, b"hup%d" % i) == b"hup%d" % i
+        assert p.poll() is None
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, err.text()
+        err.join()
+        assert f"received {sig}" not in err.text(), err.text()
+        assert "received SIGTERM: stopping 2 server processes" in err.text()
+    finally:
+        cleanup(p)
+
+
+# -- a second stop signal ----------------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+
+    port, status = sys.argv[1], int(sys.argv[2])
+
+    def bye(signum, frame):
+        time.sleep(0.5)                    # a clean stop that takes a moment
+        print("bye", os.getpid(), flush=True)
+        os.write(status, b"stopped\\n")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, bye)
+    signal.signal(signal.SIGINT, bye)
+    os.write(status, b"ready\\n")
+    while True:
+        time.sleep(60)
+""")
+
+
+def _twice(sup, first, second, then=lambda: True):
+    """Once both children serve: ``first``, then ``second`` a few ms later (as `timeout`
+    sends SIGTERM to the command and then to its group), or once ``then()`` holds (a
+    signal sent again before the first was handled is one: the kernel merges them)."""
+    done = threading.Event()
+
+    def run():
+        while not done.wait(0.01):
+            if len(sup.spawned) == 2 and all(c.ready for c in sup._children):
+                os.kill(os.getpid(), first)
+                done.wait(0.003)
+                while not then():
+                    if done.wait(0.01):
+                        return
+                os.kill(os.getpid(), second)
+                return
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return done, t
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGHUP])
+def test_a_repeated_sigterm_during_a_stop_changes_nothing(tmp_path, caplog, second):
+    """The second SIGTERM killed the children a few ms into their clean stop ("did not
+    stop: killing it", exit 1)."""
+    caplog.set_level(logging.INFO, logger="aoprim.server")
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    out = io.StringIO()
+    sup = Supervisor(lambda port, fd: [sys.executable, str(script), str(port), str(fd)], 2,
+                     HOST, 0, stdout=out, stop_timeout=20)
+    done, t = _twice(sup, signal.SIGTERM, second)
+    try:
+        assert sup.run() == 0, caplog.text
+        assert "did not stop" not in caplog.text
+        assert sorted(int(x) for x in re.findall(r"bye (\d+)", out.getvalue())) == \
+            sorted(pid for _, _, pid in sup.spawned)
+    finally:
+        done.set()
+        t.join(10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT),
+                                           (signal.SIGTERM, signal.SIGINT),
+                                           (signal.SIGTERM, signal.SIGQUIT)],
+                         ids=["int-int", "term-int", "term-quit"])
+def test_a_second_sigint_or_a_sigquit_during_a_stop_kills_at_once(tmp_path, caplog, first,
+                                                                  second):
+    caplog.set_level(logging.INFO, logger="aoprim.server")
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    out = io.StringIO()
+    sup = Supervisor(lambda port, fd: [sys.executable, str(script), str(port), str(fd)], 2,
+                     HOST, 0, stdout=out, stop_timeout=20)
+    done, t = _twice(sup, first, second, lambda: "stopping 2 server processes" in caplog.text)
+    try:
+        assert sup.run() == 1, caplog.text
+        assert caplog.text.count("did not stop: killing it") == 2, caplog.text
+        assert not any(alive(pid) for _, _, pid in sup.spawned)
+    finally:
+        done.set()
+        t.join(10)
+
+
+# -- IPv6 in the log -----------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+def test_the_supervisors_log_line_brackets_an_ipv6_address():
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", "::1", "--port",
+                          "0", "--procs", "2", "--log-level", "INFO"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=child_env())
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("listening on [::1]:"), line
+        port = line.rsplit(":", 1)[1].strip()
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=60)[1]
+        assert p.returncode == 0, err
+        assert f"supervising 2 server processes on [::1]:{port}\n" in err, err
+    finally:
+        cleanup(p)
