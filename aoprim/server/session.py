@@ -163,7 +163,7 @@ class Session:
     __slots__ = ("id", "peer", "proxy_peer", "server", "user", "work", "_ctx", "_sock", "_fd",
                  "_loop", "_state", "_reason", "_exc", "_rc", "_batch",
                  "_hs", "_hw", "_nout", "_foreign", "_rx", "_reader", "_writing", "_wm",
-                 "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested",
+                 "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested", "_rst",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
                  "_rest", "_cb_hold", "_transport", "_cap", "_limit", "_limit_cause",
                  "_progress_at", "__weakref__")
@@ -218,6 +218,7 @@ class Session:
         # worker, max_pending of a queued send) that the loop has not run yet: from then on
         # no frame is delivered and sends are dropped
         self._close_requested = False
+        self._rst = False                   # close with a reset (handler_failed's reset)
         # True while the handler has not met this session (no on_connect yet, so no on_close
         # and no broadcasts): the PROXY protocol until the header is read, a failed start()
         self._proxy_wait = ctx.settings.proxy_protocol is not None
@@ -982,9 +983,16 @@ class Session:
             return
         self._loop.call_soon_threadsafe(self._close, reason, None, level, cause)
 
-    def handler_failed(self, hook: str, exc: BaseException, logged: bool = False) -> None:
+    def handler_failed(self, hook: str, exc: BaseException, logged: bool = False,
+                       abort: bool = False, reset: bool = False) -> None:
         """A handler hook raised: log it (unless the caller has: ``logged``, the asyncio
-        adapter's exception handler), close this session only (any thread)."""
+        adapter's exception handler), close this session only (any thread).  ``abort``
+        (the asyncio adapter: asyncio's transport ends a fatal protocol error so): what is
+        queued is offered to the kernel once, then the connection closes at once -- no
+        lingering drain, no TLS ``close_notify``, so a TLS peer sees the session end
+        uncleanly; ``reset``: bytes the peer sent were never handed to the protocol (asyncio
+        would have left them in the kernel, whose close resets): close with a reset, so the
+        peer can tell the failure from an end of stream."""
         if not logged:
             log.error("session %d %s: handler %s raised; closing this session", self.id,
                       self.peer, hook, exc_info=exc)
@@ -993,14 +1001,25 @@ class Session:
         traceback.clear_frames(exc.__traceback__)
         self._ctx.stats.handler_errors.fetch_add(1)
         reason = f"handler {hook} raised {type(exc).__name__}: {exc}"
+        close = self._fail_close if abort or reset else self._close
+        if abort or reset:
+            self._rst = reset           # (read at the teardown, on the loop thread)
         if _get_ident() == self._loop.thread_id:
-            self._close(reason, exc, logging.WARNING, "handler")
+            close(reason, exc, logging.WARNING, "handler")
         elif self._state == OPEN:
             # closed for its worker at once: the frames still queued are not delivered (as
             # inline, where the close stops the receiver before the next frame)
             self._close_requested = True
-            self._loop.call_soon_threadsafe(self._close, reason, exc, logging.WARNING,
-                                            "handler")
+            self._loop.call_soon_threadsafe(close, reason, exc, logging.WARNING, "handler")
+
+    def _fail_close(self, reason: str, exc: BaseException | None, level: int,
+                    cause: str) -> None:
+        """handler_failed's abort: one attempt to send what is queued, then close now."""
+        if self._state == CLOSED:
+            return
+        if not self._lingering and not self._rst:
+            self._send_once()
+        self._abort(reason, exc, level, cause)
 
     # -- receiving (loop thread) --------------------------------------------------------
     def _rx_event(self, owner: object, code: int, arg: Any) -> None:
@@ -1207,8 +1226,8 @@ class Session:
         # a server limit drops bytes still owed (max_pending: at least the send it refused):
         # the peer must not take the cut stream for a whole one, so the close is a reset
         # (RST), not a FIN
-        reset = self._limit is not None and (self.pending_bytes > 0 or
-                                             self._limit_cause == "max_pending")
+        reset = self._rst or (self._limit is not None and (self.pending_bytes > 0 or
+                                                           self._limit_cause == "max_pending"))
         b.clear()                       # releases retained slots
         sock = self._sock
         if self._sockname is None:

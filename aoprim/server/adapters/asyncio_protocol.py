@@ -588,6 +588,7 @@ class SessionTransport(asyncio.Transport):
         self._ctx = ctx             # the connection's own context: its callbacks run in it
         self._tls = session.get_extra_info("ssl_object") is not None
         self._stage = "data_received"     # the receive callback running (its error message)
+        self._undelivered = 0   # bytes of the read in hand not yet taken (see _failed)
         self._protocol: Any = protocol
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
         self._closing = False
@@ -815,7 +816,15 @@ class ProtocolHandler(Handler):
             tr._loop.call_exception_handler({
                 "message": f"Fatal error: protocol.{what}() call failed.",
                 "exception": e, "transport": tr, "protocol": tr._protocol})
-        session.handler_failed(what, e, logged=True)
+        # as asyncio's fatal error: the connection closes at once (over TLS without
+        # close_notify: the peer sees an unclean end); bytes of this read the protocol
+        # never took (a BufferedProtocol's get_buffer or buffer_updated raised midway)
+        # would have stayed in the kernel there, whose close then resets the connection --
+        # so does ours.  (Over TLS asyncio has read and decrypted them: no reset.)
+        left = tr._undelivered
+        tr._undelivered = 0
+        session.handler_failed(what, e, logged=True, abort=True,
+                               reset=left > 0 and not tr._tls)
 
     def _deliver(self, tr: SessionTransport, session: Session,
                  data: memoryview | bytes) -> None:
@@ -832,6 +841,7 @@ class ProtocolHandler(Handler):
             proto: Any = tr._protocol
             # (asyncio's: -1 over TCP, "any size"; its TLS transport passes a size)
             tr._stage = "get_buffer"
+            tr._undelivered = n - off       # (until it returns: see _failed)
             buf = proto.get_buffer(n - off if tr._tls else -1)
             mv = memoryview(buf).cast("B")
             if not mv.nbytes:
@@ -840,8 +850,10 @@ class ProtocolHandler(Handler):
             mv[:k] = data[off:off + k]
             mv.release()
             tr._stage = "buffer_updated"
+            tr._undelivered = n - off - k
             n0 = tr._loop._nsoon
             proto.buffer_updated(k)
+            tr._undelivered = 0
             off += k
             if (off < n and tr._loop._nsoon != n0 and session.work is None
                     and not tr._tls and not tr.is_closing()):

@@ -521,6 +521,72 @@ def test_made_and_lost_exceptions_reach_the_handler_as_asyncios_callbacks(serve,
                              ["exception", "handle", "message"], "Handle")], (seen, want)
 
 
+class FailsReading(asyncio.BufferedProtocol):
+    """get_buffer() or buffer_updated() raises on the first bytes (a 4-byte buffer: the
+    rest of the request is not taken)."""
+
+    def __init__(self, where, done):
+        self.where, self.done = where, done
+        self.buf = bytearray(4)
+
+    def connection_made(self, transport):
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: None)
+
+    def get_buffer(self, sizehint):
+        if self.where == "get_buffer":
+            raise ValueError("get_buffer failed")
+        return self.buf
+
+    def buffer_updated(self, nbytes):
+        raise ValueError("buffer_updated failed")
+
+    def connection_lost(self, exc):
+        self.done.set()
+
+
+def _send_request_and_read(address, client_ctx=None):
+    c = socket.create_connection(address[:2], timeout=10)
+    if client_ctx is not None:
+        # (an end without close_notify raises SSLEOFError instead of reading as b"")
+        c = client_ctx.wrap_socket(c, server_hostname="localhost", suppress_ragged_eofs=False)
+    try:
+        c.sendall(b"x" * 1000)
+        try:
+            return recv_until_closed(c)[1]
+        except OSError as e:                # a TLS peer gone without close_notify
+            return type(e).__name__
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("where", ["get_buffer", "buffer_updated"])
+def test_a_fatal_protocol_error_with_input_left_resets_the_peer(serve, where):
+    # asyncio's fatal error closes at once: the request's bytes it never read make the
+    # kernel reset the connection, so the peer can tell a failure from an end of stream
+    done = threading.Event()
+    want = on_asyncio(lambda: FailsReading(where, done), _send_request_and_read)
+    assert done.wait(10)
+    done = threading.Event()
+    srv = serve(lambda: FailsReading(where, done))
+    assert _send_request_and_read(srv.address) == want == "reset"
+    assert done.wait(10)
+
+
+@pytest.mark.parametrize("where", ["get_buffer", "buffer_updated"])
+def test_a_fatal_protocol_error_over_tls_ends_without_close_notify(serve, where, tls_certs):
+    # over TLS asyncio drops the connection without close_notify: the peer never sees a
+    # clean end of the TLS session
+    done = threading.Event()
+    ask = lambda a: _send_request_and_read(a, tls_certs.client_ctx())  # noqa: E731
+    want = on_asyncio(lambda: FailsReading(where, done), ask, ssl=tls_certs.server_ctx())
+    assert done.wait(10)
+    done = threading.Event()
+    srv = serve(lambda: FailsReading(where, done), ssl=tls_certs.server_ctx())
+    got = ask(srv.address)
+    assert done.wait(10)
+    assert want != "eof" and got != "eof", (want, got)
+
+
 # -- the loop's task factory, and the loop methods a protocol may not use --------------------
 
 class LoopCalls(asyncio.Protocol):
