@@ -306,6 +306,48 @@ def test_a_tree_swaps_aoprim_aio_and_the_backends_not_the_asyncio_servers(monkey
         == "/some/checkout"
 
 
+_TOY_SERVER = """
+import signal, socket, sys, time
+if sys.argv[1] == "refuse":
+    print("no port for you", flush=True)
+    sys.stderr.write("toy: bind failed\\n")
+    sys.exit(3)
+if sys.argv[1] == "deaf":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+try:
+    print(f"listening on 127.0.0.1:{s.getsockname()[1]}", flush=True)
+    time.sleep(120)
+except KeyboardInterrupt:
+    print("stats {}", flush=True)
+"""
+
+
+def test_compared_servers_start_and_stop_in_one_place(tmp_path):
+    """servers.start_server reads the port from the first line; stop_server ends the server
+    with SIGINT and hands back what it printed (a second call is a no-op), kills one that
+    ignores SIGINT, and a server that does not start is gone when the error names it."""
+    import signal
+
+    from aoprim.benchmarks import servers
+    script = tmp_path / "toy_server.py"
+    script.write_text(_TOY_SERVER)
+    p, port = servers.start_server([sys.executable, str(script), "polite"], "toy")
+    assert 0 < port < 65536 and p.poll() is None
+    out, _ = servers.stop_server(p)
+    assert p.returncode == 0 and out == "stats {}\n"
+    assert servers.stop_server(p) == ("", "") and p.stdout.closed and p.stderr.closed
+    p, port = servers.start_server([sys.executable, str(script), "deaf"], "deaf toy")
+    servers.stop_server(p, timeout=0.5)
+    assert p.returncode == -signal.SIGKILL
+    with pytest.raises(RuntimeError, match=r"refusing toy did not start: 'no port for you' "
+                                           r".*toy: bind failed") as e:
+        servers.start_server([sys.executable, str(script), "refuse"], "refusing toy",
+                             error=RuntimeError)
+    assert not isinstance(e.value, servers.ServerUnavailable)
+
+
 def test_a_server_that_cannot_start_is_reported_not_fatal():
     from aoprim.benchmarks import servers
     with pytest.raises(servers.ServerUnavailable, match="did not start"):
