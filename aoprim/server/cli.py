@@ -136,9 +136,17 @@ def _reason(exc: BaseException) -> str:
 
 def _put_on_path(app_dir: str) -> None:
     """Make ``app_dir`` importable, first, as uvicorn does.  aoprim itself is imported by now,
-    so a checkout's uncompiled aoprim/ in that folder cannot shadow the built package."""
-    want = os.path.abspath(app_dir)
-    if not any(os.path.abspath(p or os.curdir) == want for p in sys.path[:1]):
+    so a checkout's uncompiled aoprim/ in that folder cannot shadow the built package.  A
+    relative ``app_dir`` in a working directory that was deleted (a deploy pruned the release
+    directory the service started in; each --procs restart meets it) is a UsageError."""
+    try:
+        want = os.path.abspath(app_dir)
+        there = any(os.path.abspath(p or os.curdir) == want for p in sys.path[:1])
+    except OSError as e:               # (getcwd: ENOENT)
+        raise UsageError(f"--app-dir {app_dir!r} is relative to the working directory, which "
+                         f"is gone ({e.strerror}): start in a directory that exists or give "
+                         "--app-dir as an absolute path") from None
+    if not there:
         sys.path.insert(0, want)
 
 
@@ -575,6 +583,8 @@ class _StopWatchdog:
         self._armed = False
         self.deadline = math.inf          # monotonic time it ends the process at, once armed
         self.before_exit: Callable[[], None] | None = None   # run just before it does
+        self.ended = False                # serving and its last output are done: what is
+                                          # left is the interpreter's exit
 
     def arm(self, why: str) -> None:
         if not self._armed:
@@ -585,15 +595,30 @@ class _StopWatchdog:
 
     def _run(self, why: str) -> None:
         time.sleep(self._seconds)
-        msg = (f"aoprim: the server did not stop within {self._seconds:g} s of {why} (a "
-               "thread of it is blocked: a handler that does not return, or that writes to "
-               "a stdout nobody reads): exiting with status 1\n").encode()
+        msg = (f"aoprim: the server did not stop within {self._seconds:g} s of {why} "
+               f"({self._blocker(self.ended)}): exiting with status 1\n").encode()
         say = threading.Thread(target=_write_all, args=(2, msg), daemon=True)
         say.start()
         say.join(1.0)
         if self.before_exit is not None:
             self.before_exit()
         os._exit(1)
+
+    @staticmethod
+    def _blocker(ended: bool) -> str:
+        """What holds the process, as far as it can tell: once serving ended, the non-daemon
+        threads a handler started that still run (the interpreter waits for them at exit);
+        else a thread of the server's that is blocked."""
+        names = [t.name for t in threading.enumerate()
+                 if not t.daemon and t is not threading.main_thread() and t.is_alive()]
+        if ended and names:
+            return (f"non-daemon threads still run, which the interpreter waits for at exit: "
+                    f"{', '.join(repr(n) for n in names[:5])}"
+                    + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+                    + "; a handler's background thread should be a daemon or be ended "
+                    "in on_close")
+        return ("a thread of it is blocked: a handler that does not return, or that writes to "
+                "a stdout nobody reads")
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -755,6 +780,7 @@ def _serve_one(a: argparse.Namespace) -> int:
         sys.stdout.flush()           # here, under the watchdog, not at interpreter exit
     except (OSError, ValueError, AttributeError):
         _stdout_to_devnull()         # gone (a reader that exited): no second failure at exit
+    watchdog.ended = True            # what is left: the interpreter's exit (its threads)
     return 1 if failed else 0
 
 

@@ -47,11 +47,12 @@ Rules
       A crash while serving (a handler's ``os._exit``, a request that kills the process)
       is restarted for as long as the supervisor runs: no request can end the service.
 - SIGINT/SIGTERM are forwarded (once) to every child's process group; the supervisor waits
-  up to ``stop_timeout`` seconds, kills what is left, and exits 0 if every child exited 0,
-  else 1.  During that wait a second SIGINT (Ctrl-C twice) or a SIGQUIT kills the children
-  at once; a repeated SIGTERM or SIGHUP changes nothing (``timeout`` sends SIGTERM to the
-  command and then to its process group, systemd to every process of the unit: a clean
-  stop stays one).  SIGHUP (its terminal hung up) and SIGQUIT stop the service the same
+  up to ``stop_timeout`` seconds (and 1 s more: a child's own bound is ``stop_timeout``,
+  and its own message -- what holds it -- comes first), kills what is left, and exits 0 if
+  every child exited 0, else 1.  During that wait a second SIGINT (Ctrl-C twice) or a
+  SIGQUIT kills the children at once; a repeated SIGTERM or SIGHUP changes nothing
+  (``timeout`` sends SIGTERM to the command and then to its process group, systemd to every
+  process of the unit: a clean stop stays one).  SIGHUP (its terminal hung up) and SIGQUIT stop the service the same
   way, the children getting SIGTERM: their default action would end the supervisor alone,
   and a supervisor that ends leaves no service behind (no core file either: a
   supervisor's is of no use).  Either one ignored when the supervisor starts (``nohup``, a
@@ -92,7 +93,7 @@ Rules
   lines beyond 1 MiB dropped, counted, and said on stderr (when dropping begins, and the
   count once the stdout is read again or the supervisor ends); SIGINT/SIGTERM are handled
   as ever.  At a stop, what waits is written to a reader that is slow but alive until it
-  is all out or ``stop_timeout`` after the stop began, as ``serve`` alone writes it.  A
+  is all out or the children's time to stop is up, as ``serve`` alone writes it.  A
   write that fails for a moment (``ENOSPC``: a full disk) drops what waited, counted, and
   the next lines are tried as ever.  When the supervisor's stdout is
   gone (closed, or a pipe whose reader exited: ``| head -1``) the lines are dropped --
@@ -155,6 +156,8 @@ _STALL = 2.0                # seconds a stdout may take nothing before it counts
 _FINAL_READS = 64           # reads of an exited child's stdout, at most (64 x 64 KiB)
 _MAX_SECONDS = 86400.0      # the largest start_timeout, stop_timeout and backoff_max
 _ERR_MAX = 1 << 18          # bytes of log lines kept for a stderr that is not read, at most
+_KILL_GRACE = 1.0           # seconds past stop_timeout before a stopping child is killed: its
+                            # own bound is stop_timeout (serve's), so its message comes first
 _SLOW_START = 30.0          # seconds after which a restart not yet listening is logged (once)
 _GROUP_CHECK = 0.2          # seconds between two looks at the leftover process groups
                             # while they are being stopped
@@ -903,7 +906,8 @@ class Supervisor:
             _signal(c.proc, sig if c.ready or sig == signal.SIGKILL else signal.SIGTERM)
         for c in self._children:
             c.respawn_at = None
-        deadline = time.monotonic() + (0.0 if sig == signal.SIGKILL else self._stop_timeout)
+        deadline = time.monotonic() + (0.0 if sig == signal.SIGKILL
+                                       else self._stop_timeout + _KILL_GRACE)
         stop_at = deadline                     # for what the children started
         self._drain_until = max(self._drain_until, deadline)    # for their last output
         for pgid in self._groups:

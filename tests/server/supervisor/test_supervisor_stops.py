@@ -10,6 +10,9 @@ docs/server.md "--procs N", *Signals*).
 - During a stop, a repeated SIGTERM or SIGHUP changes nothing (``timeout`` sends SIGTERM twice);
   a second SIGINT (Ctrl-C twice) or a SIGQUIT kills the children at once.
 - The supervisor's own log line brackets an IPv6 address, as its stdout does.
+- A stop held by a handler's non-daemon thread ends with a line that names the thread, from
+  the child itself under --procs (the supervisor kills 1 s after --stop-timeout).
+- A relative --app-dir in a working directory that was deleted is one line and exit 2.
 """
 import io
 import logging
@@ -344,3 +347,68 @@ def test_the_supervisors_log_line_brackets_an_ipv6_address():
         assert f"supervising 2 server processes on [::1]:{port}\n" in err, err
     finally:
         cleanup(p)
+
+
+# -- what holds a stop --------------------------------------------------------------------------
+
+THREADER = """
+import threading, time
+from aoprim.server import Handler
+
+class Threader(Handler):
+    # each connection starts a background poller that never ends, not a daemon
+    def on_connect(self, session):
+        threading.Thread(target=lambda: time.sleep(10**6), name="user-poller").start()
+
+    def on_read(self, session, data):
+        session.send(data)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("procs", ["1", "2"])
+def test_a_stop_held_by_a_handlers_thread_names_it(tmp_path, procs):
+    """The message blamed a blocked handler or a stdout nobody reads (neither) and named no
+    thread; under --procs the supervisor killed the child at the same instant, and only
+    "did not stop: killing it" showed."""
+    (tmp_path / "threader.py").write_text(THREADER)
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
+                          "0", "--procs", procs, "--stop-timeout", "2", "threader:Threader"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=str(tmp_path), env=child_env(), start_new_session=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("listening on "), line
+        port = int(line.rsplit(":", 1)[1])
+        assert echo_once(port, b"t") == b"t"
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=60)[1]
+        assert p.returncode == 1, err
+        assert re.search(r"did not stop within 2 s of SIGTERM \(non-daemon threads still "
+                         r"run, .*'user-poller'", err), err
+        assert "did not stop: killing it" not in err, err
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        cleanup(p)
+
+
+# -- a working directory that was deleted --------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("procs", ["1", "2"])
+def test_a_deleted_working_directory_is_one_line_and_exit_2(tmp_path, procs):
+    """`serve MODULE:ATTR` (--app-dir .) from a directory a deploy pruned: a
+    FileNotFoundError traceback and exit 1."""
+    d = tmp_path / "release"
+    d.mkdir()
+    (d / "echo_h.py").write_text("from aoprim.server.apps import Echo\n")
+    start = ("import os, shutil, sys; os.chdir(sys.argv[1]); shutil.rmtree(sys.argv[1]); "
+             "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
+    r = subprocess.run([sys.executable, "-c", start, str(d), "-m", "aoprim", "serve",
+                        "--host", HOST, "--port", "0", "--procs", procs, "echo_h:Echo"],
+                       capture_output=True, text=True, env=child_env(), timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "aoprim: --app-dir '.' is relative to the working directory, which is gone" \
+        in r.stderr, r.stderr
