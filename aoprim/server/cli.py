@@ -44,6 +44,7 @@ import json
 import logging
 import math
 import os
+import select
 import signal
 import stat
 import sys
@@ -598,8 +599,15 @@ class _StopWatchdog:
         msg = (f"aoprim: the server did not stop within {self._seconds:g} s of {why} "
                f"({self._blocker(self.ended)}): exiting with status 1\n").encode()
         say = threading.Thread(target=_write_all, args=(2, msg), daemon=True)
-        say.start()
-        say.join(1.0)
+        try:
+            say.start()
+        except RuntimeError:
+            # the interpreter is finalizing (it waits for non-daemon threads), where Python
+            # 3.12+ starts no thread: written here, once stderr can take it within 1 s (a
+            # line under PIPE_BUF: a pipe that polls writable takes it whole, at once)
+            _write_if_ready(2, msg[:select.PIPE_BUF], 1.0)
+        else:
+            say.join(1.0)
         if self.before_exit is not None:
             self.before_exit()
         os._exit(1)
@@ -619,6 +627,14 @@ class _StopWatchdog:
                     "in on_close")
         return ("a thread of it is blocked: a handler that does not return, or that writes to "
                 "a stdout nobody reads")
+
+
+def _write_if_ready(fd: int, data: bytes, seconds: float) -> None:
+    try:
+        if select.select([], [fd], [], seconds)[1]:
+            os.write(fd, data)
+    except (OSError, ValueError):
+        pass
 
 
 def _write_all(fd: int, data: bytes) -> None:
