@@ -41,9 +41,15 @@
 #define AOP_AIOLOOP_H
 
 #include <Python.h>
+
+#ifndef AOP_FUNC
+/* A helper defined in this header: static, and unused in a translation unit that does not
+ * call it (no -Wunused-function warning). */
+#define AOP_FUNC static __attribute__((unused))
+#endif
 #include "structmember.h"    /* PyMemberDef (3.11; in descrobject.h from 3.12) */
 /* the slot a member descriptor reads (Handle's __slots__): its offset in the object */
-static Py_ssize_t aio_member_offset(PyObject *descr) {
+AOP_FUNC Py_ssize_t aio_member_offset(PyObject *descr) {
     if (Py_TYPE(descr) != &PyMemberDescr_Type) return -1;
     return ((PyMemberDescrObject *)descr)->d_member->offset;
 }
@@ -53,7 +59,7 @@ static inline PyObject *aio_slot(PyObject *o, Py_ssize_t off) {
 }
 /* contextvars.Context.run(cb, *args) as CPython's context_run does it: enter, one
    vectorcall of the tuple's items, exit (also after an error) */
-static PyObject *aio_call_in_context(PyObject *ctx, PyObject *cb, PyObject *args) {
+AOP_FUNC PyObject *aio_call_in_context(PyObject *ctx, PyObject *cb, PyObject *args) {
     PyObject *r;
     if (PyContext_Enter(ctx)) return NULL;
     r = PyObject_Vectorcall(cb, ((PyTupleObject *)args)->ob_item,
@@ -76,7 +82,7 @@ static inline void aio_init_slot(PyObject *o, Py_ssize_t off, PyObject *v) {
 }
 
 /* 1 if TimerHandle's class dict still holds asyncio's __lt__ (a patched one is called) */
-static int aio_timer_lt_ok(void) {
+AOP_FUNC int aio_timer_lt_ok(void) {
     PyObject *d = aio_timer_type->tp_dict;
     PyObject *lt = d ? PyDict_GetItem(d, aio_str_lt) : NULL;    /* borrowed */
     return lt != NULL && lt == aio_timer_lt;
@@ -85,7 +91,7 @@ static int aio_timer_lt_ok(void) {
 /* 'a < b' as heapq asks it: for two exact TimerHandles (asyncio's __lt__ unpatched:
    fast != 0) their _when compared -- as doubles when both are floats, which is what
    'self._when < other._when' computes; any other pair by PyObject_RichCompareBool */
-static int aio_lt(PyObject *a, PyObject *b, int fast) {
+AOP_FUNC int aio_lt(PyObject *a, PyObject *b, int fast) {
     if (fast && Py_TYPE(a) == aio_timer_type && Py_TYPE(b) == aio_timer_type) {
         PyObject *wa = *(PyObject **)((char *)a + aio_off_when);
         PyObject *wb = *(PyObject **)((char *)b + aio_off_when);
@@ -101,7 +107,7 @@ static int aio_lt(PyObject *a, PyObject *b, int fast) {
 /* heapq's _siftdown / _siftup / heappush / heappop (Modules/_heapqmodule.c), step for
    step -- the same list layout, so equal deadlines come out in heapq's order -- with
    aio_lt as the comparison; the size checks as heapq's (a comparison may run Python) */
-static int aio_siftdown(PyObject *heap, Py_ssize_t startpos, Py_ssize_t pos, int fast) {
+AOP_FUNC int aio_siftdown(PyObject *heap, Py_ssize_t startpos, Py_ssize_t pos, int fast) {
     PyObject *newitem, *parent, **arr;
     Py_ssize_t parentpos, size = PyList_GET_SIZE(heap);
     int cmp;
@@ -132,7 +138,7 @@ static int aio_siftdown(PyObject *heap, Py_ssize_t startpos, Py_ssize_t pos, int
     return 0;
 }
 
-static int aio_siftup(PyObject *heap, Py_ssize_t pos, int fast) {
+AOP_FUNC int aio_siftup(PyObject *heap, Py_ssize_t pos, int fast) {
     Py_ssize_t startpos = pos, endpos = PyList_GET_SIZE(heap), childpos, limit;
     PyObject *tmp1, *tmp2, **arr;
     int cmp;
@@ -165,7 +171,7 @@ static int aio_siftup(PyObject *heap, Py_ssize_t pos, int fast) {
     return aio_siftdown(heap, startpos, pos, fast);
 }
 
-static int aio_heappush(PyObject *heap, PyObject *item) {
+AOP_FUNC int aio_heappush(PyObject *heap, PyObject *item) {
     if (PyList_Append(heap, item)) return -1;
     return aio_siftdown(heap, 0, PyList_GET_SIZE(heap) - 1, aio_timer_lt_ok());
 }
@@ -213,15 +219,15 @@ static inline int aio_trav_visit(aio_trav_t *t, PyObject *self, visitproc visit,
     Py_VISIT((PyObject *)Py_TYPE(self));
     return 0;
 }
-static int aio_trav0(PyObject *self, visitproc visit, void *arg) {
+AOP_FUNC int aio_trav0(PyObject *self, visitproc visit, void *arg) {
     return aio_trav_visit(&aio_trav[0], self, visit, arg);
 }
-static int aio_trav1(PyObject *self, visitproc visit, void *arg) {
+AOP_FUNC int aio_trav1(PyObject *self, visitproc visit, void *arg) {
     return aio_trav_visit(&aio_trav[1], self, visit, arg);
 }
-static traverseproc aio_trav_fn(int which) { return which ? aio_trav1 : aio_trav0; }
+AOP_FUNC traverseproc aio_trav_fn(int which) { return which ? aio_trav1 : aio_trav0; }
 /* a member descriptor of an object slot (what traverse_slots visits); -1 otherwise */
-static Py_ssize_t aio_object_member_offset(PyObject *descr) {
+AOP_FUNC Py_ssize_t aio_object_member_offset(PyObject *descr) {
     if (Py_TYPE(descr) != &PyMemberDescr_Type) return -1;
     if (((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) return -1;
     return ((PyMemberDescrObject *)descr)->d_member->offset;
@@ -232,7 +238,7 @@ static inline void *aio_tp_traverse(PyObject *t) {
 static inline Py_ssize_t aio_type_nmembers(PyObject *t) { return Py_SIZE(t); }
 /* which: 0 or 1; t's traverse set to aio_trav<which> with these offsets (or back to
    t's original one with on == 0) */
-static void aio_trav_set(PyObject *t, int which, int on) {
+AOP_FUNC void aio_trav_set(PyObject *t, int which, int on) {
     aio_trav_t *tr = &aio_trav[which];
     /* release: the offsets aio_trav_prepare wrote are visible before the function
        that reads them is; a collector reads tp_traverse (in the free-threaded build
@@ -241,7 +247,7 @@ static void aio_trav_set(PyObject *t, int which, int on) {
     __atomic_store_n(&((PyTypeObject *)t)->tp_traverse,
                      on ? aio_trav_fn(which) : tr->orig, __ATOMIC_RELEASE);
 }
-static int aio_trav_prepare(PyObject *t, int which, PyObject *offsets) {
+AOP_FUNC int aio_trav_prepare(PyObject *t, int which, PyObject *offsets) {
     aio_trav_t *tr = &aio_trav[which];
     Py_ssize_t i, n = PyList_GET_SIZE(offsets);
     if (n > AIO_TRAV_MAX) return 0;
@@ -260,7 +266,7 @@ static int aio_trav_prepare(PyObject *t, int which, PyObject *offsets) {
    NULL (not set) where the descriptors are not of that kind: then the descriptors are
    called. */
 static PyCFunction aio_dq_append_fn = NULL, aio_dq_popleft_fn = NULL;
-static void aio_deque_init(PyObject *append, PyObject *popleft) {
+AOP_FUNC void aio_deque_init(PyObject *append, PyObject *popleft) {
     PyMethodDef *a, *p;
     if (Py_TYPE(append) != &PyMethodDescr_Type || Py_TYPE(popleft) != &PyMethodDescr_Type)
         return;
@@ -307,7 +313,7 @@ static PyObject *aio_s_context_seen = NULL; /* another "context" object a caller
                                                (_asyncio's Future builds its own, not
                                                interned, once): a reference kept, so
                                                its address is never reused */
-static PyObject *aio_call_soon_fast(PyObject *self, PyObject *const *args,
+AOP_FUNC PyObject *aio_call_soon_fast(PyObject *self, PyObject *const *args,
                                     Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *callback = nargs >= 1 ? args[0] : NULL, *context = Py_None, *rest, *r;
     Py_ssize_t i, nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
@@ -363,7 +369,7 @@ static PyMethodDef aio_call_soon_def = {
     "call_soon calls (``_check_closed``, ``_call_soon``, ``get_debug``) or asyncio's "
     "handle classes were patched, it is asyncio's own (thread check, callback check, "
     "source traceback)."};
-static PyObject *aio_make_call_soon(PyObject *cls, aio_soon_body_t body) {
+AOP_FUNC PyObject *aio_make_call_soon(PyObject *cls, aio_soon_body_t body) {
     aio_soon_body = body;
     if (aio_s_context == NULL && (aio_s_context = PyUnicode_InternFromString("context")) == NULL)
         return NULL;
@@ -386,7 +392,7 @@ static inline unsigned int aio_type_tag(PyObject *t) {
     return __atomic_load_n(&((PyTypeObject *)t)->tp_version_tag, __ATOMIC_RELAXED);
 }
 
-static PyObject *aio_heappop(PyObject *heap) {
+AOP_FUNC PyObject *aio_heappop(PyObject *heap) {
     PyObject *lastelt, *returnitem;
     Py_ssize_t n = PyList_GET_SIZE(heap);
     if (n == 0) { PyErr_SetString(PyExc_IndexError, "index out of range"); return NULL; }
