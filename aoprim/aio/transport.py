@@ -24,7 +24,10 @@ Private asyncio names this module still uses (checked on CPython 3.11.7, 3.12.1,
 - ``selector_events._SelectorSocketTransport``: only whether it defines ``writelines``
   (3.12+), whose messages ``writelines()`` then gives.
 
-Write side -- states of one transport::
+Write side: ``write()`` and ``writelines()`` are compiled (``aoprim.aio._aiowrite``, one
+path for every bytes-like object); this module keeps what a write refuses
+(``_write_refused``: asyncio's checks) and what is not per write.  States of one
+transport::
 
     attached   the batch is attached to the loop's FlushGroup.  write() appends to it (small
                writes copied and coalesced, large bytes by reference) and returns; the add
@@ -57,7 +60,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from typing import TYPE_CHECKING, Any, Callable
 from operator import attrgetter as _attrgetter
 from threading import get_ident as _get_ident
@@ -69,7 +71,7 @@ from asyncio import trsock as _trsock
 from asyncio.log import logger
 
 from aoprim import SendBatch
-from aoprim.aio._aiowrite import SEND_NOW, TransportWriter
+from aoprim.aio._aiowrite import TransportWriter
 from aoprim.aio._aiotransport import TransportReader, make_write_method
 
 if TYPE_CHECKING:
@@ -85,10 +87,6 @@ IOV_MAX = 1024                   # segments one sendmsg takes (the kernel's UIO_
 __all__ = ["SocketTransport"]
 
 _BYTES_LIKE = (bytes, bytearray, memoryview)
-
-# asyncio 3.11 copies the part of a write() the kernel does not take at once; 3.12+ keeps a
-# memoryview of the caller's buffer (see SocketTransport._write_large)
-_COPY_UNSENT = sys.version_info < (3, 12)
 
 # asyncio 3.12+'s selector transport has a writelines() of its own, which checks write_eof()
 # and a sendfile in progress before it reads the items, with its own messages; 3.11's is
@@ -177,12 +175,11 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                  server: Any = None) -> None:
         batch = SendBatch(sock, max_msgs=IOV_MAX, auto_flush=False)
         self._batch = batch
-        self._add = batch.add_copy       # asyncio copies what it buffers: so does add_copy
-        self._sel = loop._aio_sleep      # .sleeping: the loop is inside select()
         # write() (the class's, compiled) runs this writer's steps (aoprim.aio._aiowrite),
-        # its `fast` flag set (the short path allowed, see _can_fast); made before the base
-        # __init__, which sets the write buffer limits it keeps a copy of
-        self._writer = TransportWriter(self, batch, self._sel)
+        # its `fast` flag set (writes taken, see _can_fast); it reads the loop's SleepFlag
+        # (set while the loop is inside select()); made before the base __init__, which
+        # sets the write buffer limits it keeps a copy of
+        self._writer = TransportWriter(self, batch, loop._aio_sleep)
         super().__init__(extra, loop)
         self._group = loop._aio_group
         # the read side (aoprim.aio._aiotransport): the fd's reader callback itself, compiled;
@@ -345,10 +342,15 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
         self._writer.fast = value
 
     # write(data): a C method of this class (set below the class: make_write_method), no
-    # Python frame: bytes go to the batch (above the high-water mark, to the kernel at once),
-    # a sleeping loop is woken; anything else takes _write_slow (asyncio's checks)
+    # Python frame: every write of data is the compiled writer's (aoprim.aio._aiowrite: to
+    # the batch, above the high-water mark to the kernel at once, a sleeping loop woken);
+    # what it does not take comes here
 
-    def _write_slow(self, data: bytes | bytearray | memoryview) -> None:
+    def _write_refused(self, data: object) -> None:
+        """write() of what the compiled writer does not take: not a bytes-like object, or
+        the transport not writable (its `fast` flag unset: after write_eof(), during a
+        sendfile, once the connection is lost) -- asyncio's exceptions, in asyncio's order,
+        and its count of the writes made after the connection was lost."""
         if not isinstance(data, _BYTES_LIKE):
             raise TypeError(f'data argument must be a bytes-like object, '
                             f'not {type(data).__name__!r}')
@@ -363,48 +365,15 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
                 logger.warning('socket.send() raised exception.')
             self._conn_lost += 1
             return
-        if type(data) is not bytes and (data.nbytes if type(data) is memoryview
-                                        else len(data)) >= SEND_NOW:
-            self._write_large(data)
-        else:
-            p = self._add(data)
-            if p > self._high_water or p >= SEND_NOW:     # as the compiled write (its doc)
-                self._over_high()
-        if self._sel.sleeping:
-            self._aio_wake()
-
-    def _write_large(self, data: bytearray | memoryview) -> None:
-        """write() of a large mutable buffer (SEND_NOW bytes or more; a write that large
-        goes to the kernel at once anyway): queued by reference, so the kernel takes what it
-        can straight from the caller's memory, as asyncio's write() sends it.  What the
-        kernel leaves is kept as asyncio keeps it: copied on Python 3.11 (a later change to
-        the caller's buffer is not sent), a view of the caller's buffer on 3.12+ (changes
-        made before it is sent are sent, and resizing a bytearray raises BufferError until
-        then: asyncio keeps a memoryview when its buffer was empty, the bytearray itself,
-        resizable, when data was already waiting); docs/aio.md lists it among the differences."""
-        batch = self._batch
-        batch.add(data)                     # by reference: the export is held until sent
-        try:
-            if not self._blocked:
-                try:
-                    batch.flush()
-                except (SystemExit, KeyboardInterrupt):
-                    raise
-                except BaseException as exc:
-                    # no traceback: its frames (write()'s) would keep the data alive
-                    self._write_error(exc.with_traceback(None))
-                    return
-        finally:
-            if _COPY_UNSENT and batch.pending_bytes:
-                batch._copy_views()
-        if batch.pending_bytes:
-            self._block()
-        self._maybe_pause_protocol()
+        # none of those: `fast` is unset only in those states (_can_fast), so the flag is
+        # stale; set again, the compiled writer takes the write
+        self._fast = True
+        self._writer.write(data)
 
     def writelines(self, list_of_data: Iterable[Buffer]) -> None:
         # one compiled pass (aoprim.aio._aiowrite: TransportWriter.writelines): every item
         # checked first (asyncio's TypeError, nothing written), then appended as write()
-        # appends; not fast: _write_slow(b''.join(items)), asyncio's checks and order
+        # appends; not fast: _write_refused(b''.join(items)), asyncio's checks and order
         if _OWN_WRITELINES and (self._eof or self._empty_waiter is not None):
             _writelines_refused(self._eof)
         self._writer.writelines(list_of_data)
@@ -424,8 +393,9 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     def get_write_buffer_size(self) -> int:
         # What the kernel has not taken, as on asyncio -- also right after a write: asyncio's
         # write() hands data to the kernel at once, so what this iteration wrote is handed
-        # to it now (blocks if data is left, as _over_high).  Read by a caller that watches
-        # its own buffering; the batch's internal count is _batch.pending_bytes.
+        # to it now (blocks if data is left, as a write above the mark).  Read by a caller
+        # that watches its own buffering; the batch's internal count is
+        # _batch.pending_bytes.
         # Only on the loop's thread (or with no loop running): from another thread -- a
         # transport is not thread-safe, but a monitoring read must not break it -- the count
         # is read as it is, never flushed there (a flush racing the loop's own would find
@@ -440,32 +410,12 @@ class SocketTransport(_transports._FlowControlMixin, _transports.Transport):
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         self._set_write_buffer_limits(high=high, low=low)
         if self._batch.pending_bytes > self._high_water:
-            self._over_high()
+            self._writer.over_high()        # the write path's step (aoprim.aio._aiowrite)
 
     def _set_write_buffer_limits(self, high: int | None = None,
                                  low: int | None = None) -> None:
         super()._set_write_buffer_limits(high=high, low=low)
         self._writer.high = self._high_water     # the compiled write()'s copy
-
-    def _over_high(self) -> None:
-        # Above the high-water mark, or at SEND_NOW pending bytes (aoprim.aio._aiowrite's doc:
-        # why): hand the batch to the kernel now (asyncio's write()
-        # sends at once); what the kernel leaves goes through the writer (block), as
-        # asyncio's write() registers its writer -- not retried by this iteration's group
-        # flush.  Then pause only if the batch is still above the mark.  (The compiled
-        # writer's write() does the same itself when not blocked: TransportWriter.)
-        if not self._blocked and not self._conn_lost:
-            try:
-                self._batch.flush()
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as exc:
-                # no traceback: its frames (write()'s) would keep the written data alive
-                self._write_error(exc.with_traceback(None))
-                return
-            if self._batch.pending_bytes:
-                self._block()
-        self._maybe_pause_protocol()
 
     def _maybe_pause_protocol(self) -> None:
         if self._batch.pending_bytes <= self._high_water:

@@ -477,18 +477,26 @@ def test_large_echo_all_bytes_in_order(loop, keep):
         for m in msgs:
             peer.sendall(m)
 
+    echoed = loop.create_future()
+
     def reader():
-        while len(got) < total:
-            chunk = peer.recv(1 << 20)
-            if not chunk:
-                break
-            got.extend(chunk)
+        try:
+            while len(got) < total:
+                chunk = peer.recv(1 << 20)
+                if not chunk:
+                    break
+                got.extend(chunk)
+        finally:
+            loop.call_soon_threadsafe(echoed.set_result, None)
 
     ts = [threading.Thread(target=client), threading.Thread(target=reader)]
     for t in ts:
         t.start()
 
     loop.run_until_complete(asyncio.wait_for(done, 40))
+    # the loop runs on until the peer has read everything: what the kernel did not take
+    # yet is sent by the transport's writer, which only a running loop calls
+    loop.run_until_complete(asyncio.wait_for(echoed, 40))
     for t in ts:
         t.join(40)
     assert bytes(got) == b"".join(msgs) == bytes(p.data)
@@ -547,14 +555,14 @@ def test_backpressure_pause_resume_at_limits_with_partial_writes(loop):
 def test_write_above_high_water_taken_whole_runs_no_python_of_the_transport(loop):
     """A bytes write above the high-water mark that the kernel takes whole (a large
     echo): sent inside write(), as asyncio's write() sends at once, by the compiled
-    writer alone -- no transport._over_high() frame, no pause; a write while the writer is
-    registered (blocked) still goes through _over_high(), which only pauses."""
+    writer alone -- no pause; a write while the writer is registered (blocked) only pauses
+    the protocol (the writer sends, in order)."""
     p = Rec(loop)
     tr, _, peer = connect_pair(loop, p, socket.AF_INET)
     tr.set_write_buffer_limits(high=16 * 1024, low=4 * 1024)
     calls = []
-    orig = tr._over_high
-    tr._over_high = lambda: (calls.append(tr.get_write_buffer_size()), orig())
+    orig = tr._maybe_pause_protocol
+    tr._maybe_pause_protocol = lambda: (calls.append(tr.get_write_buffer_size()), orig())
     big = bytes(range(256)) * 128                 # 32 KiB: above the mark, by reference
     sizes = []
 
@@ -567,8 +575,8 @@ def test_write_above_high_water_taken_whole_runs_no_python_of_the_transport(loop
     assert calls == []
     assert recv_exactly(peer, len(big)) == big
     assert p.events == ["made"]
-    # blocked: the writer owns the batch; _over_high() is called and pauses, nothing is
-    # flushed out of order
+    # blocked: the writer owns the batch; the protocol is paused, nothing is flushed out
+    # of order
     tr._block()
     tr.write(big)
     assert calls == [len(big)]
@@ -584,11 +592,57 @@ def test_write_above_high_water_taken_whole_runs_no_python_of_the_transport(loop
     peer.close()
 
 
+def test_every_bytes_like_write_runs_no_python_of_the_transport(loop):
+    """write() of a bytearray, a memoryview (contiguous or not), a subclass of bytes or of
+    bytearray -- small, and SEND_NOW bytes large -- is the compiled writer's, as a bytes
+    write is: while the kernel takes the data, no Python frame of aoprim/aio/transport.py
+    runs (no block, no pause), and the peer gets every byte in order."""
+    import aoprim.aio.transport as mod
+    from aoprim.aio._aiowrite import SEND_NOW
+
+    class BytesSub(bytes):
+        pass
+
+    class ByteArraySub(bytearray):
+        pass
+
+    p = Rec(loop)
+    tr, _, peer = connect_pair(loop, p, sndbuf=4 << 20)
+    tr.set_write_buffer_limits(high=4 << 20)
+    items = [bytearray(b"a" * 100), memoryview(b"b" * 5000), BytesSub(b"c" * 300),
+             ByteArraySub(b"d" * 70), memoryview(bytearray(b"e" * 64))[::2],
+             bytearray(b"f" * SEND_NOW), memoryview(b"g" * SEND_NOW),
+             BytesSub(b"h" * SEND_NOW), ByteArraySub(b"i" * SEND_NOW)]
+    frames = []
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == mod.__file__:
+            frames.append(frame.f_code.co_name)
+
+    def once():
+        sys.setprofile(prof)
+        try:
+            for item in items:
+                tr.write(item)
+        finally:
+            sys.setprofile(None)
+    loop.call_soon(once)
+    loop.run_until_complete(asyncio.sleep(0))
+    expect = b"".join(bytes(item) for item in items)
+    got = recv_exactly(peer, len(expect))
+    tr.close()
+    loop.run_until_complete(p.lost)
+    peer.close()
+    assert got == expect
+    assert frames == []
+    assert p.events == ["made", "lost"]
+
+
 def test_a_batch_of_64k_goes_to_the_kernel_at_once_whatever_the_high_water_mark(loop):
     """From aoprim.aio._aiowrite.SEND_NOW (64 KiB) pending bytes on, write() hands the batch to
     the kernel inside the call, below a high-water mark too (a large echo left
-    for the iteration's end would be copied out of a cold cache); below it, batched.  The same in
-    the compiled write, the Python one (a bytearray) and writelines; in order."""
+    for the iteration's end would be copied out of a cold cache); below it, batched.  The same
+    for a write of bytes, of a bytearray and for writelines; in order."""
     from aoprim.aio._aiowrite import SEND_NOW
     assert SEND_NOW == 65536
     p = Rec(loop)
@@ -605,7 +659,7 @@ def test_a_batch_of_64k_goes_to_the_kernel_at_once_whatever_the_high_water_mark(
         seen.append(tr._batch.pending_bytes)
         tr.write(b"f")                           # SEND_NOW: to the kernel now
         seen.append(tr._batch.pending_bytes)
-        tr.write(c)                              # the Python path (not bytes)
+        tr.write(c)                              # a bytearray: by reference, sent now
         seen.append(tr._batch.pending_bytes)
         tr.writelines(d)
         seen.append(tr._batch.pending_bytes)
@@ -725,7 +779,7 @@ def test_write_is_a_c_method_of_the_class_for_subclasses_keywords_and_bad_caller
     sub = Sub(loop, a, p2)
     loop.run_until_complete(p2.made)
     sub.write(b"sub")
-    sub.write(bytearray(b"-slow"))              # not bytes: _write_slow, the same batch
+    sub.write(bytearray(b"-slow"))              # not bytes: the same writer, the same batch
     SocketTransport.write(sub, b"!")
     loop.run_until_complete(asyncio.sleep(0))
     assert recv_exactly(peer, 2) == b"kw"

@@ -245,17 +245,22 @@ def test_large_bytearray_writelines_memory():
 
 # ---- a large bytearray changed after write() ----------------------------------------------
 
-def _mutated_after_write(kind, method="write"):
-    """write() (or writelines([it])) an 8 MiB bytearray of b'A' to a peer that reads nothing
-    yet, then overwrite it in place with b'B' and try to resize it; returns what the peer
-    gets and whether the resize raised BufferError (the loop still holds a view of it)."""
+class ByteArraySub(bytearray):
+    """A bytearray subclass: asyncio buffers it as it buffers a bytearray."""
+
+
+def _mutated_after_write(kind, method="write", cls=bytearray):
+    """write() (or writelines([it])) an 8 MiB ``cls`` (a bytearray or a subclass) of b'A' to
+    a peer that reads nothing yet, then overwrite it in place with b'B' and try to resize
+    it; returns what the peer gets and whether the resize raised BufferError (the loop
+    still holds a view of it)."""
     loop = new_loop(kind)
     size = 8 * MiB
     a, b = socket.socketpair()
     try:
         async def main():
             tr, _ = await loop.connect_accepted_socket(asyncio.Protocol, a)
-            data = bytearray(b"A") * size
+            data = cls(b"A" * size)
             if method == "writelines":
                 tr.writelines([data])
             else:
@@ -283,10 +288,11 @@ def _mutated_after_write(kind, method="write"):
         b.close()
 
 
+@pytest.mark.parametrize("cls", [bytearray, ByteArraySub])
 @pytest.mark.parametrize("method", ["write", "writelines"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_bytearray_changed_after_write(kind, method):
-    got, viewed = _mutated_after_write(kind, method)
+def test_bytearray_changed_after_write(kind, method, cls):
+    got, viewed = _mutated_after_write(kind, method, cls)
     sent_at_once = len(got) - len(got.lstrip(b"A"))
     if kind == "uvloop":
         # uvloop keeps the caller's buffer (a view) on every Python
