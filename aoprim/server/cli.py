@@ -766,9 +766,14 @@ def _serve_one(a: argparse.Namespace) -> int:
             srv.shutdown()              # (on the loop thread: starts the shutdown)
 
     srv.loop.call_soon(announce)
+    serving_pid = os.getpid()
     try:
         srv.serve_forever()
     except (SystemExit, KeyboardInterrupt) as e:
+        if os.getpid() != serving_pid:
+            # a handler's fork ending itself (sys.exit in the child): the fork's own exit,
+            # with its own status -- nothing of the server's stop runs there
+            raise
         # raised by a handler on the loop thread (SIGINT/SIGTERM only start a clean shutdown
         # while serve_forever runs): the server stopped because of it, which is a failure
         # whatever status it carries -- a handler must not end the process as if told to
@@ -777,17 +782,18 @@ def _serve_one(a: argparse.Namespace) -> int:
                   f"{type(e).__name__}({', '.join(map(repr, e.args))})")
         failed.append(True)
     finally:
-        # the stop began: a second SIGINT/SIGTERM (systemd signals every process of the
-        # service, and the supervisor forwards its own) must neither interrupt the rest nor
-        # kill the process while the interpreter finalizes (which puts back the default
-        # action of a signal with a Python handler): ignored from here until exit
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # what is left -- the stats line, what handlers printed without flushing -- goes
-        # to a stdout that may not be read: bounded too
-        watchdog.arm("the end of serving")
-        if heirs is not None:
-            heirs.finish(watchdog.deadline)
+        if os.getpid() == serving_pid:          # (a fork leaving: none of this is its)
+            # the stop began: a second SIGINT/SIGTERM (systemd signals every process of the
+            # service, and the supervisor forwards its own) must neither interrupt the rest
+            # nor kill the process while the interpreter finalizes (which puts back the
+            # default action of a signal with a Python handler): ignored from here until exit
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            # what is left -- the stats line, what handlers printed without flushing -- goes
+            # to a stdout that may not be read: bounded too
+            watchdog.arm("the end of serving")
+            if heirs is not None:
+                heirs.finish(watchdog.deadline)
     if not failed:
         _tell(status, b"stopped")    # told to stop, and done: not to be restarted
     if a.stats_json:

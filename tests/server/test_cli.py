@@ -509,3 +509,39 @@ def test_listening_is_printed_once_the_loop_runs():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+FORKER = '''
+import os, sys
+from aoprim.server import Handler
+
+class Forker(Handler):
+    """Forks per request; the child ends with sys.exit(status), the parent answers with the
+    child's exit status as the handler's own waitpid() saw it."""
+    def on_read(self, session, data):
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(int(bytes(data)))
+        _, st = os.waitpid(pid, 0)
+        session.send(str(os.waitstatus_to_exitcode(st)).encode())
+'''
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["selectors", "epoll"])
+def test_a_handlers_fork_ending_with_sys_exit_exits_with_its_own_status(tmp_path, backend):
+    # the fork's SystemExit is the fork's own exit, not a handler stopping the server:
+    # its status is the one it asked for, and it logs nothing of the server's
+    (tmp_path / "forkmod.py").write_text(FORKER)
+    p, port = start_server("forkmod:Forker", "--app-dir", str(tmp_path), "--backend", backend)
+    try:
+        for status in (b"0", b"3"):
+            with socket.create_connection((HOST, port), timeout=10) as c:
+                c.sendall(status)
+                assert c.recv(16) == status
+        rc, out, err = stop(p, signal.SIGTERM)
+        assert rc == 0 and "raised SystemExit" not in err and "Traceback" not in err, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
