@@ -298,6 +298,12 @@ cdef class EpollCore:
         return self.call_at(monotonic() + delay, callback, *args)
 
     @property
+    def own_fds(self):
+        """The fds the loop itself opened: its epoll instance and its wake-up eventfd
+        (empty once closed) -- what a process forked from the serving one must not act on."""
+        return tuple([fd for fd in (self._epfd, self._evfd) if fd >= 0])
+
+    @property
     def pending_timers(self):
         """Timers scheduled and not yet run, cancelled ones included until compacted."""
         return len(self._timers)

@@ -1017,7 +1017,9 @@ class Session:
         """handler_failed's abort: one attempt to send what is queued, then close now."""
         if self._state == CLOSED:
             return
-        if not self._lingering and not self._rst:
+        # (with a reset too: asyncio's write() had handed the reply to the kernel before
+        # its fatal error reset the connection, so the peer reads it, then the reset)
+        if not self._lingering:
             self._send_once()
         self._abort(reason, exc, level, cause)
 

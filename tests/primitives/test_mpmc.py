@@ -11,7 +11,7 @@ import weakref
 import pytest
 
 from aoprim import Closed, Empty, Full, MPMCQueue, SPSCQueue
-from support import run_threads, scaled
+from support import run_threads, scaled, skip_nomemory_on_free_threaded
 
 QUEUES = [MPMCQueue, SPSCQueue]
 
@@ -682,6 +682,7 @@ def test_get_many_memory_error_loses_no_item(Q, n, want):
     """Make the k-th allocation inside get_many fail, for every k until a call succeeds:
     each call either raises MemoryError or returns a list, and every item is then either in
     that list or still in the queue, in order, with exact reference counts."""
+    skip_nomemory_on_free_threaded()
     _testcapi = pytest.importorskip("_testcapi")
     if not hasattr(_testcapi, "set_nomemory"):
         pytest.skip("_testcapi.set_nomemory is not available")

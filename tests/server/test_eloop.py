@@ -18,7 +18,7 @@ import aoprim
 from aoprim.server._eloop import EpollCore, EpollTimer
 from aoprim.server.loop import EventLoop, Timer, create_loop
 
-from support import run_threads
+from support import run_threads, skip_nomemory_on_free_threaded
 
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(aoprim.__file__)))
 
@@ -425,6 +425,7 @@ def test_set_callbacks_growing_the_table_fails_whole_under_memory_faults():
     injected at each allocation of set_callbacks in turn (``_testcapi``) must leave two
     tables of one length: were ``_rd`` to grow while ``_wr`` did not, the next call would
     read and write ``_wr`` past its end (bounds checks are off) -- a crash."""
+    skip_nomemory_on_free_threaded()
     pytest.importorskip("_testcapi")
     p = subprocess.run([sys.executable, "-c", FAULT_SCRIPT], capture_output=True, text=True,
                        timeout=100, env={**os.environ, "PYTHONPATH": PKG_PARENT})

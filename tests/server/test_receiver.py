@@ -20,6 +20,7 @@ from aoprim import SlabPool
 from aoprim.server._receiver import (RX_EOF, RX_ERROR, RX_HANDLER, RX_TOO_LARGE, Receiver,
                                      RxArena)
 from aoprim.server.framing import FrameDecoder, FrameTooLarge
+from support import skip_nomemory_on_free_threaded
 
 KIND = {0: "raw", 2: "u16", 4: "u32"}
 
@@ -1164,6 +1165,7 @@ def test_memory_error_while_cutting_frames_loses_no_frame(rigs, copy):
     frame counted and consumed before its object exists would be lost.
     Every allocation of one on_readable is made to fail in turn (_testcapi.set_nomemory);
     afterwards every frame arrives exactly once, in order, and frames_in counts them."""
+    skip_nomemory_on_free_threaded()
     _testcapi = pytest.importorskip("_testcapi")
     frames = [bytes([65 + i]) * (i + 1) for i in range(6)]
     wire = b"".join(enc(2, f) for f in frames)

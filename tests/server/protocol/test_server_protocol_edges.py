@@ -530,9 +530,11 @@ class FailsReading(asyncio.BufferedProtocol):
         self.buf = bytearray(4)
 
     def connection_made(self, transport):
+        self.t = transport
         asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: None)
 
     def get_buffer(self, sizehint):
+        self.t.write(b"400 bad request")       # a reply written before the error
         if self.where == "get_buffer":
             raise ValueError("get_buffer failed")
         return self.buf
@@ -552,9 +554,10 @@ def _send_request_and_read(address, client_ctx=None):
     try:
         c.sendall(b"x" * 1000)
         try:
-            return recv_until_closed(c)[1]
+            got, how = recv_until_closed(c)
         except OSError as e:                # a TLS peer gone without close_notify
             return type(e).__name__
+        return how if got.startswith(b"400 bad request") else f"{how}, reply lost: {got!r}"
     finally:
         c.close()
 
