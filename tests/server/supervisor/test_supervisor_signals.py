@@ -55,12 +55,20 @@ class Bytes(Handler):
 """
 
 
+def _default_stop_signals():
+    # the supervisor keeps a stop signal its parent ignored (nohup: SIGHUP) ignored; these
+    # tests mean the default disposition, whatever the test run inherited
+    for sig in (signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def start(tmp_path, source, spec, *extra, **env):
     (tmp_path / (spec.split(":")[0] + ".py")).write_text(source)
     return subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST,
                              "--port", "0", "--procs", "2", "--log-level", "WARNING",
                              *extra, spec], stdout=subprocess.PIPE,
-                            cwd=str(tmp_path), env=child_env(**env))
+                            cwd=str(tmp_path), env=child_env(**env),
+                            preexec_fn=_default_stop_signals)
 
 
 def spawned_pid(tmp_path, command, *extra):
