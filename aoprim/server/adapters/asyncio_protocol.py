@@ -487,12 +487,15 @@ def _callback_failed(loop: ProtocolLoop, fn: Callable[..., Any], args: tuple[Any
                                  "exception": e, "handle": h})
 
 
-def _not_offered(name: str) -> Callable[..., Any]:
+def _not_offered(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def method(self: ProtocolLoop, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
             f"{name}() is not offered by the loop serve_protocol's callbacks run on: the "
             "server owns its loop and its I/O (docs/server.md, serve_protocol)")
-    method.__name__ = method.__qualname__ = name
+    # asyncio's signature, for inspect.signature (help(), the stubs' check); raised at the
+    # call, coroutine methods included
+    functools.update_wrapper(method, original)
+    method.__qualname__ = f"ProtocolLoop.{name}"
     return method
 
 
@@ -500,7 +503,7 @@ def _not_offered(name: str) -> Callable[..., Any]:
 # NotImplementedError()
 for _name, _value in vars(asyncio.AbstractEventLoop).items():
     if callable(_value) and not _name.startswith("_") and _name not in vars(ProtocolLoop):
-        setattr(ProtocolLoop, _name, _not_offered(_name))
+        setattr(ProtocolLoop, _name, _not_offered(_name, _value))
 del _name, _value
 
 
