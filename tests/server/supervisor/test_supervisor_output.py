@@ -218,13 +218,9 @@ def test_a_stalled_reader_at_a_stop_is_waited_for_stop_timeout_at_most(child_scr
 
 # -- a stdout that cannot be opened again ------------------------------------------------------
 
-@pytest.mark.timeout(120)
-def test_a_stdout_of_another_user_never_blocks_the_supervisor(child_script, caplog,
-                                                              monkeypatch):
-    """/proc/self/fd/1 refused (EACCES: a pipe another user made, as `sudo -u`, `docker run
-    --user` give): the supervisor fell back to blocking writes, and a stalled reader held
-    it -- SIGTERM was acted on only once the reader read."""
-    caplog.set_level(logging.INFO, logger="aoprim.server")
+def _refuse_reopening_fds(monkeypatch):
+    """What a pipe of another user gives: reopening it through /proc/self/fd is refused
+    (EACCES), so the supervisor cannot get a non-blocking file description of its own."""
     real_open = os.open
 
     def refusing_open(path, *args, **kw):
@@ -232,6 +228,16 @@ def test_a_stdout_of_another_user_never_blocks_the_supervisor(child_script, capl
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
         return real_open(path, *args, **kw)
     monkeypatch.setattr(os, "open", refusing_open)
+
+
+@pytest.mark.timeout(120)
+def test_a_stdout_of_another_user_never_blocks_the_supervisor(child_script, caplog,
+                                                              monkeypatch):
+    """/proc/self/fd/1 refused (EACCES: a pipe another user made, as `sudo -u`, `docker run
+    --user` give): the supervisor fell back to blocking writes, and a stalled reader held
+    it -- SIGTERM was acted on only once the reader read."""
+    caplog.set_level(logging.INFO, logger="aoprim.server")
+    _refuse_reopening_fds(monkeypatch)
     r, w = os.pipe()
     out = os.fdopen(w, "w")
     sup = Supervisor(argv_of(child_script, "chatty"), 2, HOST, 0, stdout=out,
@@ -270,13 +276,7 @@ def test_a_stdout_of_another_user_never_blocks_the_supervisor(child_script, capl
 @pytest.mark.timeout(60)
 def test_a_stdout_of_another_user_gets_every_line_in_order(child_script, monkeypatch):
     """The same stdout, read: nothing lost, nothing reordered."""
-    real_open = os.open
-
-    def refusing_open(path, *args, **kw):
-        if isinstance(path, str) and path.startswith("/proc/self/fd/"):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
-        return real_open(path, *args, **kw)
-    monkeypatch.setattr(os, "open", refusing_open)
+    _refuse_reopening_fds(monkeypatch)
     r, w = os.pipe()
     out = os.fdopen(w, "w")
     got = bytearray()
