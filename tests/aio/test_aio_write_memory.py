@@ -202,45 +202,27 @@ def test_backlog_memory_given_back_once_drained():
     assert res["aoprim"]["after"] <= base + 0.15 * data, shown
 
 
-def test_large_bytearray_write_memory():
-    # one 256 MiB bytearray write() to a reading peer.  Python 3.12+: asyncio sends from the
-    # caller's buffer and keeps a view of the rest (peak ~ +0); 3.11: it copies what the
-    # kernel does not take at once (peak ~ +size).  aoprim.aio must cost no more than
-    # asyncio on the same Python (it copied the whole buffer before any send).
+@pytest.mark.parametrize("method, size_mib, slack_mib, cap_mib", [
+    ("write", 256, 32, 64), ("writelines", 128, 16, 32)])
+def test_large_bytearray_write_memory(method, size_mib, slack_mib, cap_mib):
+    # one large bytearray to a reading peer, by write() or writelines([it]).  Python 3.12+:
+    # asyncio sends from the caller's buffer and keeps a view of the rest (writelines: a
+    # memoryview of each item; peak ~ +0); 3.11: it copies what the kernel does not take at
+    # once (writelines joins: a copy).  aoprim.aio must cost no more than asyncio on the same
+    # Python (it copied the whole buffer, or item, before any send).
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError as exc:
         pytest.skip(f"cannot reset the peak RSS (/proc/self/clear_refs): {exc}")
-    size = 256 * MiB
-    res = {k: run_child(k, "large", size, "write") for k in KINDS}
+    res = {k: run_child(k, "large", size_mib * MiB, method) for k in KINDS}
     shown = _mib(res)
     for k, r in res.items():
         if r is not None:
             assert r["intact"], (k, shown)
-    assert res["aoprim"]["peak"] <= res["asyncio"]["peak"] + 32 * MiB, shown
+    assert res["aoprim"]["peak"] <= res["asyncio"]["peak"] + slack_mib * MiB, shown
     if sys.version_info >= (3, 12):
-        assert res["aoprim"]["peak"] <= 64 * MiB, shown
-
-
-def test_large_bytearray_writelines_memory():
-    # writelines([one 128 MiB bytearray]) to a reading peer: asyncio 3.12+ keeps a
-    # memoryview of each item (peak ~ +0), 3.11 joins them (a copy); aoprim.aio takes a
-    # large item as write() does (it copied the whole item first)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError as exc:
-        pytest.skip(f"cannot reset the peak RSS (/proc/self/clear_refs): {exc}")
-    size = 128 * MiB
-    res = {k: run_child(k, "large", size, "writelines") for k in KINDS}
-    shown = _mib(res)
-    for k, r in res.items():
-        if r is not None:
-            assert r["intact"], (k, shown)
-    assert res["aoprim"]["peak"] <= res["asyncio"]["peak"] + 16 * MiB, shown
-    if sys.version_info >= (3, 12):
-        assert res["aoprim"]["peak"] <= 32 * MiB, shown
+        assert res["aoprim"]["peak"] <= cap_mib * MiB, shown
 
 
 # ---- a large bytearray changed after write() ----------------------------------------------
