@@ -1001,9 +1001,7 @@ class Session:
         traceback.clear_frames(exc.__traceback__)
         self._ctx.stats.handler_errors.fetch_add(1)
         reason = f"handler {hook} raised {type(exc).__name__}: {exc}"
-        close = self._fail_close if abort or reset else self._close
-        if abort or reset:
-            self._rst = reset           # (read at the teardown, on the loop thread)
+        close = self._reset_close if reset else self._fail_close if abort else self._close
         if _get_ident() == self._loop.thread_id:
             close(reason, exc, logging.WARNING, "handler")
         elif self._state == OPEN:
@@ -1011,6 +1009,13 @@ class Session:
             # inline, where the close stops the receiver before the next frame)
             self._close_requested = True
             self._loop.call_soon_threadsafe(close, reason, exc, logging.WARNING, "handler")
+
+    def _reset_close(self, reason: str, exc: BaseException | None, level: int,
+                     cause: str) -> None:
+        """handler_failed's reset (loop thread): as _fail_close, ending with a reset."""
+        if self._state != CLOSED:
+            self._rst = True            # (read by the teardown, just after)
+            self._fail_close(reason, exc, level, cause)
 
     def _fail_close(self, reason: str, exc: BaseException | None, level: int,
                     cause: str) -> None:
