@@ -316,6 +316,9 @@ def test_a_second_sigint_or_a_sigquit_during_a_stop_kills_at_once(tmp_path, capl
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     out = io.StringIO()
+    # the supervisor keeps a SIGQUIT its process inherited ignored (a shell's background
+    # job, nohup) ignored: this test means the default disposition, whatever the run had
+    old_quit = signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     sup = Supervisor(lambda port, fd: [sys.executable, str(script), str(port), str(fd)], 2,
                      HOST, 0, stdout=out, stop_timeout=20)
     done, t = _twice(sup, first, second, lambda: "stopping 2 server processes" in caplog.text)
@@ -326,6 +329,7 @@ def test_a_second_sigint_or_a_sigquit_during_a_stop_kills_at_once(tmp_path, capl
     finally:
         done.set()
         t.join(10)
+        signal.signal(signal.SIGQUIT, old_quit)
 
 
 # -- IPv6 in the log -----------------------------------------------------------------------------
