@@ -60,6 +60,7 @@ cdef class EpollCore:
     cdef aop_atomic_i64 _sleeps
     cdef aop_atomic_i64 _polls
     cdef bint _hot
+    cdef object _fork_end           # forked(end): None, or what ends a fork come back
 
     cdef int _loop_thread_only(self, str what) except -1
     cdef int _heap_push(self, EpollTimer t) except -1
@@ -67,6 +68,7 @@ cdef class EpollCore:
     cdef int _sift_down(self, EpollTimer t, Py_ssize_t i, Py_ssize_t n) except -1
     cdef int _timer_cancelled(self) except -1
     cdef void _close_fds(self) noexcept nogil
+    cdef int _fork_returned(self, object cb) except -1
     cdef void _wake(self) noexcept nogil
     cdef void _drain_wakeup(self) noexcept nogil
     cdef void _drain_sigfd(self) noexcept nogil

@@ -528,8 +528,21 @@ cdef class EpollCore:
         self._stopping = True
 
     def _report(self, cb, exc):
+        if self._fork_end is not None:
+            self._fork_end(f"loop callback {cb!r}", exc)
         _bump(&self._errors)
         log.error("event loop: callback %r raised; the loop goes on", cb, exc_info=exc)
+
+    def forked(self, end):
+        """In a process forked by code a callback ran (the server calls it at the fork):
+        from now on, a timer or ready callback that returns calls ``end(where, None)``, and
+        one that raises ``end(where, exc)`` -- which ends the process (raises
+        ``SystemExit``): the loop is the parent's."""
+        self._fork_end = end
+
+    cdef int _fork_returned(self, object cb) except -1:
+        self._fork_end(f"loop callback {cb!r}", None)
+        return 0
 
     def run(self):
         """Run iterations until :meth:`stop` (loop thread)."""
@@ -719,6 +732,8 @@ cdef class EpollCore:
                             cb(*args)
                         except Exception as e:
                             self._report(cb, e)
+                        if self._fork_end is not None:
+                            self._fork_returned(cb)
                     t = None
                     cb = args = None
             nready = len(ready)
@@ -732,6 +747,8 @@ cdef class EpollCore:
                         cb(*args)
                     except Exception as e:
                         self._report(cb, e)
+                    if self._fork_end is not None:
+                        self._fork_returned(cb)
                 cb = args = None
             for k in range(PyList_GET_SIZE(hooks)):
                 cb = <object>PyList_GET_ITEM(hooks, k)

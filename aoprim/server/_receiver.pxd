@@ -40,6 +40,8 @@ cdef enum:
                             #   src, dst) (see aoprim.server._proxyproto); frames follow
     AOP_RX_PROXY_ERROR = 6  # the PROXY header was refused (or the stream ended inside it);
                             #   arg the reason (str); nothing more is read
+    AOP_RX_FORKED = 7       # on_frame forked and its fork came back here (returned: arg
+                            #   None; raised: arg the exception); the owner ends the fork
 
 
 cdef class _FrameCache:
@@ -156,6 +158,7 @@ cdef class Receiver:
                                  #   written by the owner, read by any thread)
     cdef int64_t bytes_in        # bytes received
     cdef int64_t frames_in       # frames delivered (handed to on_frame)
+    cdef unsigned long forks     # the process's fork count at construction (see _forks)
     cdef aop_atomic_i64 tid      # the owning thread's ident while claimed, else 0
     cdef object source           # None: recv from fd; else source(view) fills a writable
                                  #   view of the room and returns the bytes written, 0 at

@@ -9,6 +9,7 @@ RX_TOO_LARGE: int
 RX_HANDLER: int
 RX_PROXY: int
 RX_PROXY_ERROR: int
+RX_FORKED: int
 
 @final
 class RxArena:

@@ -75,7 +75,10 @@ the frames of that read that were not delivered stay buffered (``pending``) and 
 delivered first by the next on_readable().  A too-large header (RX_TOO_LARGE) ends the
 stream's framing: the receiver drops what it kept and reads nothing more.  A BaseException
 from on_frame (KeyboardInterrupt) propagates; the frame it interrupted counts as delivered
-and the rest stays pending, as after RX_HANDLER.  If a heap buffer for a kept tail cannot
+and the rest stays pending, as after RX_HANDLER.  If on_frame forked the process and the
+fork comes back -- on_frame returns or raises there -- the fork gets on_event RX_FORKED
+(arg None or the exception) and nothing else: no further frame, no RX_HANDLER (the owner
+ends the fork: the stream is the parent's).  If a heap buffer for a kept tail cannot
 be allocated, on_event gets RX_ERROR with ENOMEM and the receiver reads nothing more.  An
 exception from on_event itself goes to sys.unraisablehook: on_readable() never raises but a
 BaseException.
@@ -179,6 +182,22 @@ RX_TOO_LARGE = AOP_RX_TOO_LARGE
 RX_HANDLER = AOP_RX_HANDLER
 RX_PROXY = AOP_RX_PROXY
 RX_PROXY_ERROR = AOP_RX_PROXY_ERROR
+RX_FORKED = AOP_RX_FORKED
+
+# forks this process descends through, counted in each child: a receiver built before a
+# fork sees the count changed once on_frame comes back in the child.  Written only in the
+# child right after the fork, while it has one thread; read after on_frame, an opaque call
+# the compiler cannot move the load across.
+cdef unsigned long _forks = 0
+
+
+def _count_fork():
+    global _forks
+    _forks += 1
+
+
+import os as _os
+_os.register_at_fork(after_in_child=_count_fork)
 
 # _cut's verdict on the bytes left at its stop position
 cdef enum:
@@ -773,6 +792,7 @@ cdef class Receiver:
         self.owner = owner
         self.copy_frames = bool(copy_frames)
         self.fx = _RxExporter.__new__(_RxExporter)
+        self.forks = _forks
         self.fview = NULL
         self.own = NULL
         self.optr = NULL
@@ -1225,6 +1245,14 @@ cdef class Receiver:
                 elif base is not None and exc is None and _reusable(data):
                     Py_INCREF(data)                # kept for the next frame of this burst
                     self.fview = <PyObject *>data
+        if self.forks != _forks:
+            # on_frame forked and this is the fork, come back: the owner ends it (the
+            # view and the buffers go with the process).  (A BaseException -- the fork's
+            # sys.exit() -- has propagated already.)
+            data = None
+            if on_event is not None:
+                on_event(owner, AOP_RX_FORKED, exc)
+            return 1
         if exc is not None:
             data = None
             if self.closed:

@@ -487,12 +487,19 @@ class _StatusPipe:
         self._id = (st.st_dev, st.st_ino)
         _drop_status_fd_arg(sys.argv)
 
-    def tell(self, word: bytes) -> bool:
-        """Write ``word``; False if the pipe is gone (or the fd is no longer that pipe)."""
+    def is_open(self) -> bool:
+        """Whether the fd is still the supervisor's pipe."""
         try:
             st = os.fstat(self.fd)
-            if not stat.S_ISFIFO(st.st_mode) or (st.st_dev, st.st_ino) != self._id:
-                return False
+        except OSError:
+            return False
+        return stat.S_ISFIFO(st.st_mode) and (st.st_dev, st.st_ino) == self._id
+
+    def tell(self, word: bytes) -> bool:
+        """Write ``word``; False if the pipe is gone (or the fd is no longer that pipe)."""
+        if not self.is_open():
+            return False
+        try:
             os.write(self.fd, word + b"\n")
         except OSError:
             return False
@@ -516,46 +523,30 @@ def _tell(pipe: _StatusPipe | None, word: bytes) -> bool:
     return True if pipe is None else pipe.tell(word)
 
 
-def _fds() -> set[int]:
-    """The process's open fds (empty where /proc/self/fd is not there).  The listing's own
-    fd, closed once it is read, is left out: its number may be anyone's next."""
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return set()
-    out = set()
-    for n in names:
-        try:
-            os.fstat(int(n))
-        except OSError:
-            continue
-        out.add(int(n))
-    return out
-
-
-def _hide_in_forks(fds: set[int]) -> None:
+def _hide_in_forks(status: _StatusPipe) -> None:
     """In a process forked from this one by handler code (a ``fork`` multiprocessing worker,
-    ``os.fork()``), put ``/dev/null`` in place of ``fds`` -- the server's listening socket,
-    its event loop's fds, the status pipe -- and give SIGINT/SIGTERM back their default
-    action.  A forked process that outlives this one must not keep the listening socket (the
-    kernel would still hand it a share of the port's connections, which nobody accepts), nor
-    the serving process's signal handlers (it would ignore SIGTERM).  ``/dev/null`` rather
-    than close(): the Python objects copied into the fork still own those numbers, and their
-    own close() must not close an fd the fork opened meanwhile.  A subprocess (fork + exec)
-    loses them by close-on-exec anyway."""
-    owned = sorted(fds - {0, 1, 2})
+    ``os.fork()``), put ``/dev/null`` in place of the status pipe -- while its fd is still
+    that pipe: a number the handler reused is the handler's -- and give SIGINT/SIGTERM back
+    their default action.  (The server hides its listening socket and its loop's fds itself,
+    those it still has at the fork: see aoprim.server.server.)  A forked process that
+    outlives this one must not keep the serving process's signal handlers (it would ignore
+    SIGTERM) nor be able to tell the supervisor anything.  ``/dev/null`` rather than
+    close(): the Python object copied into the fork still owns that number, and its close()
+    must not close an fd the fork opened meanwhile.  A subprocess (fork + exec) loses it by
+    close-on-exec anyway."""
 
     def after_in_child() -> None:
-        try:
-            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            return
-        for fd in owned:
+        if status.is_open():
             try:
-                os.dup2(null, fd, inheritable=False)
+                null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
             except OSError:
-                pass
-        os.close(null)
+                null = -1
+            if null >= 0:
+                try:
+                    os.dup2(null, status.fd, inheritable=False)
+                except OSError:
+                    pass
+                os.close(null)
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM
@@ -736,7 +727,6 @@ def _serve_one(a: argparse.Namespace) -> int:
         if heirs is not None:
             heirs.finish(time.monotonic() + a.stop_timeout)
         raise
-    before = _fds()                     # the process's fds before the server's
     try:
         srv = Server(handler, a.host, a.port, **_settings(a))
     except (ValueError, TypeError, OSError, BackendUnavailable) as e:
@@ -752,8 +742,8 @@ def _serve_one(a: argparse.Namespace) -> int:
         # once it is out, the loop runs (its signal wake-up pipe exists: the process's fds
         # are those it serves with).  A supervised child says it on its status pipe only.
         if status is not None:
-            # the server's fds (listening socket, loop) and the pipe, before handler code
-            _hide_in_forks((_fds() - before) | {status.fd})
+            # before handler code runs
+            _hide_in_forks(status)
         # (serve_forever has put its signal handlers in place by now: the loop runs)
         _watch_stop_signals(watchdog, heirs)
         try:

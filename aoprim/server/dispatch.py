@@ -32,6 +32,14 @@ the main thread; inline (``workers=0``), every ``BaseException`` that is not an
 ``Exception``; in a process forked from the server's (a handler's ``os.fork()``), every one of
 those, on any thread: ``sys.exit()`` in the fork ends the fork, as in a plain thread, and the
 fork never serves on.
+
+A fork that does not end itself never serves on either: when handler code running in a
+process it forked comes back into the server -- a hook returns or raises, a loop callback
+returns -- :func:`fork_returned` ends that process there, before the server does anything
+more in it (no further frame, no flush, no close: the connections are the parent's).  The
+check costs no system call: :func:`forked_since` compares a count of forks that an
+``os.register_at_fork`` hook keeps (the compiled receiver keeps its own, for its per-frame
+check).
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ import collections
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from aoprim import Closed, Full, SpinLock
 
@@ -59,6 +67,41 @@ __all__ = ["InlineDispatch", "WorkerDispatch", "WorkState", "EOF_MARK", "CLOSE_M
 
 log = logging.getLogger("aoprim.server")
 
+# forks of this process so far, counted in each child (os.register_at_fork)
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
+def fork_count() -> int:
+    """How many forks this process descends through (0 in the process that started)."""
+    return _forks
+
+
+def fork_returned(where: str, exc: BaseException | None = None,
+                  logged: bool = False) -> NoReturn:
+    """Handler code forked this process and came back into the server (``where``: the hook
+    that returned or raised, or the loop callback that returned): end the process here, as
+    a ``sys.exit()`` at that point would -- ``SystemExit(0)`` after a return (logged as a
+    WARNING: a fork should end itself), ``SystemExit(1)`` after an exception (logged with
+    its traceback, unless ``logged``: the asyncio adapter's exception handler did).  The
+    exit unwinds through the server's fork-inert exit path: nothing is sent, nothing of
+    the parent's is shut down."""
+    if exc is None:
+        log.warning("process %d, forked by handler code, returned into the server from %s: "
+                    "it ends here (a fork should end itself: sys.exit() or os._exit())",
+                    os.getpid(), where)
+        raise SystemExit(0)
+    log.error("process %d, forked by handler code: %s raised%s; the fork ends", os.getpid(),
+              where, " (logged above)" if logged else "", exc_info=None if logged else exc)
+    raise SystemExit(1) from exc
+
 EOF_MARK = object()     # (EOF_MARK, reason, ...): close once the frames before it ran
 CLOSE_MARK = object()   # run on_close, after every on_read
 SHUTDOWN_MARK = object()    # the server's shutdown: close once the frames before it ran
@@ -71,11 +114,16 @@ class InlineDispatch:
 
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
-        self._pid = os.getpid()
+        self._forks = _forks
 
     def in_fork(self) -> bool:
         """True in a process forked from the server's (by handler code)."""
-        return os.getpid() != self._pid
+        return _forks != self._forks
+
+    def returned(self, where: str) -> None:
+        """A hook returned: in a process handler code forked, that ends the process."""
+        if _forks != self._forks:
+            fork_returned(where)
 
     def propagates(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by a hook, leaves the loop (stopping the server) instead
@@ -128,12 +176,17 @@ class WorkerDispatch:
         # sessions waiting for room (loop thread)
         self._overflow: collections.deque[Session] = collections.deque()
         self._loop: EventLoop | None = None
-        self._pid = os.getpid()
+        self._forks = _forks
         self.closed = False
 
     def in_fork(self) -> bool:
         """True in a process forked from the server's (by handler code)."""
-        return os.getpid() != self._pid
+        return _forks != self._forks
+
+    def returned(self, where: str) -> None:
+        """A hook returned: in a process handler code forked, that ends the process."""
+        if _forks != self._forks:
+            fork_returned(where)
 
     def propagates(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by a hook, leaves the thread that ran it instead of
@@ -286,6 +339,8 @@ class WorkerDispatch:
             elif session.takes_frames:
                 try:
                     handler.on_read(session, item)
+                    if _forks != self._forks:
+                        fork_returned("on_read")
                 except BaseException as e:
                     # anything a hook raises here -- SystemExit, CancelledError and
                     # KeyboardInterrupt included -- closes this session only; the worker

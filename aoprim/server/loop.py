@@ -202,6 +202,13 @@ class EventLoop(abc.ABC):
     def close(self) -> None:
         """Release the backend's resources (after :meth:`run` returned); idempotent."""
 
+    @abc.abstractmethod
+    def forked(self, end: Callable[[str, BaseException | None], object]) -> None:
+        """In a process forked by code a callback ran (the server calls it in the child,
+        at the fork): from then on a timer or ``call_soon`` callback that returns calls
+        ``end(where, None)``, one that raises ``end(where, exc)`` -- and ``end`` ends the
+        process (raises ``SystemExit``): nothing more of the parent's loop runs there."""
+
     @property
     @abc.abstractmethod
     def closed(self) -> bool:

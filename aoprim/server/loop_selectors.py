@@ -158,6 +158,8 @@ class SelectorsLoop(EventLoop):
         self.thread_id = None
         self.iterations = 0
         self.errors = 0                    # callbacks that raised (logged)
+        # forked(end): what ends a process forked by a callback's code once it comes back
+        self._fork_end: Callable[[str, BaseException | None], object] | None = None
         self._now = time.monotonic()
         self._cbs: dict[int, tuple[FdCallback, FdCallback]] = {}   # fd -> (read, write)
         try:
@@ -304,7 +306,12 @@ class SelectorsLoop(EventLoop):
     def _set_stopping(self) -> None:
         self._stopping = True
 
+    def forked(self, end: Callable[[str, BaseException | None], object]) -> None:
+        self._fork_end = end
+
     def _report(self, cb: object, exc: BaseException) -> None:
+        if self._fork_end is not None:
+            self._fork_end(f"loop callback {cb!r}", exc)
         self.errors += 1
         log.error("event loop: callback %r raised; the loop goes on", cb, exc_info=exc)
 
@@ -443,6 +450,8 @@ class SelectorsLoop(EventLoop):
                         t.callback(*t.args)
                     except Exception as e:
                         self._report(t.callback, e)
+                    if self._fork_end is not None:
+                        self._fork_end(f"loop callback {t.callback!r}", None)
                 t = None
             if ready:
                 # cleared before draining: a later call_soon_threadsafe writes again.  Under
@@ -456,6 +465,8 @@ class SelectorsLoop(EventLoop):
                         cb(*args)
                     except Exception as e:
                         self._report(cb, e)
+                    if self._fork_end is not None:
+                        self._fork_end(f"loop callback {cb!r}", None)
                 cb = args = None
             try:
                 self._hook()

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from aoprim.server._receiver import (RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR,
-                                     RX_TOO_LARGE, Receiver)
+from aoprim.server._receiver import (RX_EOF, RX_ERROR, RX_FORKED, RX_HANDLER, RX_PROXY,
+                                     RX_PROXY_ERROR, RX_TOO_LARGE, Receiver)
 
 if TYPE_CHECKING:
     from aoprim.server._receiver import RxArena
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .config import Settings
 
 __all__ = ["Rx", "PAUSE_USER", "PAUSE_BACKPRESSURE", "PAUSE_BACKLOG", "PAUSE_EOF",
-           "PAUSE_CLOSING", "PAUSE_SHUTDOWN", "RX_EOF", "RX_ERROR", "RX_HANDLER",
+           "PAUSE_CLOSING", "PAUSE_SHUTDOWN", "RX_EOF", "RX_ERROR", "RX_FORKED", "RX_HANDLER",
            "RX_TOO_LARGE", "RX_PROXY", "RX_PROXY_ERROR"]
 
 PAUSE_USER = 1

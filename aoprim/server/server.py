@@ -21,7 +21,9 @@ its listening socket and its loop's fds in the child, and the signal handlers
 ``serve_forever()`` installed are put back; whatever ends the fork (a ``sys.exit()`` that
 unwinds through the server, ``shutdown()``, the interpreter's exit) closes only the fork's
 own copies of the fds -- no ``epoll_ctl``, no ``shutdown()``, no byte sent on a connection
-the parent serves.
+the parent serves.  A fork that does not end itself ends when its code comes back into the
+server -- a hook returns or raises, a loop callback returns (dispatch.fork_returned) --
+before the server does anything more there.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from aoprim import SlabPool, Slot
 from aoprim.server._receiver import RxArena
 
 from .config import Settings
-from .dispatch import InlineDispatch, WorkerDispatch
+from .dispatch import InlineDispatch, WorkerDispatch, fork_returned
 from .listener import Listener, describe_address, make_listening_socket, sock_address
 from .loop import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
@@ -490,9 +492,12 @@ class Server:
         """At a fork, in the child (see the module docstring): ``/dev/null`` in place of the
         listening socket and the loop's fds, whose numbers the copied objects still own
         (so their close() closes no fd the fork opened since); the signal handlers and
-        the signal wake-up fd ``serve_forever()`` set go back to what they were."""
+        the signal wake-up fd ``serve_forever()`` set go back to what they were.  The loop
+        is told: a callback that comes back into it ends the fork (dispatch.fork_returned),
+        as a hook that returns or raises there does."""
         if self._loop.closed:
             return                      # (stopped: nothing of it is left to hide)
+        self._loop.forked(fork_returned)
         fds = {self._lsock.fileno(), *self._loop.own_fds}
         try:
             null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
@@ -696,7 +701,7 @@ class Server:
 
     def _force_stop(self) -> None:
         for s in list(self._sessions.values()):
-            s.abort_for_shutdown("shutdown timeout: unsent data dropped")
+            s.abort_for_shutdown(f"shutdown timeout: {s.lost_at_shutdown()}")
         self._loop.stop()
 
     def _check_done(self) -> None:

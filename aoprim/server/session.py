@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 from aoprim import RefCount, SendBatch, Slot
 from aoprim.server._receiver import Receiver
 
-from .dispatch import CLOSE_MARK, EOF_MARK, WorkState
+from .dispatch import CLOSE_MARK, EOF_MARK, WorkState, fork_returned
 from .proxy import client_address
 from .rx import (PAUSE_BACKLOG, PAUSE_BACKPRESSURE, PAUSE_CLOSING, PAUSE_EOF, PAUSE_SHUTDOWN,
-                 PAUSE_USER, RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR,
+                 PAUSE_USER, RX_EOF, RX_ERROR, RX_FORKED, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR,
                  RX_TOO_LARGE, Rx)
 from .tx import ForeignSends, foreign_item, release_item
 
@@ -829,6 +829,7 @@ class Session:
             self._rest = None
             try:
                 self._ctx.dispatch.handler.on_read(self, rest)
+                self._ctx.dispatch.returned("on_read")
             except BaseException as e:
                 if self._ctx.dispatch.propagates(e):
                     raise
@@ -933,11 +934,28 @@ class Session:
     def abort_for_shutdown(self, reason: str) -> None:
         self._abort(reason, level=logging.WARNING, cause="shutdown")
 
+    def lost_at_shutdown(self) -> str:
+        """What aborting this session now would lose, for the shutdown timeout's message:
+        the bytes still owed to the peer and the frames its worker has not run (loop
+        thread)."""
+        lost = []
+        n = self.pending_bytes
+        if n:
+            lost.append(f"{n} unsent bytes dropped")
+        w = self.work
+        if w is not None:
+            with w.lock:
+                frames = sum(1 for item in w.backlog if type(item) is bytes)
+            if frames:
+                lost.append(f"{frames} frames queued for the handler dropped")
+        return ", ".join(lost) or "nothing unsent"
+
     def run_on_connect(self) -> None:
         """Run the handler's on_connect (loop thread): what it raises closes this session
         only, unless the dispatch says it stops the server (see dispatch.propagates)."""
         try:
             self._ctx.dispatch.handler.on_connect(self)
+            self._ctx.dispatch.returned("on_connect")
         except BaseException as e:
             if self._ctx.dispatch.propagates(e):
                 raise
@@ -949,9 +967,12 @@ class Session:
             return      # on_connect never ran (PROXY header refused, start() failed)
         try:
             self._ctx.dispatch.handler.on_close(self, self._exc)
+            self._ctx.dispatch.returned("on_close")
         except BaseException as e:      # (on a worker: the thread must live on)
-            if not isinstance(e, Exception) and self._ctx.dispatch.in_fork():
-                raise                   # a fork's sys.exit() ends the fork
+            if self._ctx.dispatch.in_fork():
+                if not isinstance(e, Exception):
+                    raise               # a fork's sys.exit() ends the fork
+                fork_returned("on_close", e)
             log.error("session %d: handler on_close raised", self.id, exc_info=e)
             self._ctx.stats.handler_errors.fetch_add(1)
 
@@ -993,6 +1014,10 @@ class Session:
         uncleanly; ``reset``: bytes the peer sent were never handed to the protocol (asyncio
         would have left them in the kernel, whose close resets): close with a reset, so the
         peer can tell the failure from an end of stream."""
+        if self._ctx.dispatch.in_fork():
+            # handler code forked, and the fork came back with an exception: the session
+            # is the parent's, the fork ends
+            fork_returned(hook, exc, logged)
         if not logged:
             log.error("session %d %s: handler %s raised; closing this session", self.id,
                       self.peer, hook, exc_info=exc)
@@ -1047,6 +1072,9 @@ class Session:
                                      logging.WARNING, "protocol")
         elif code == RX_HANDLER:
             self.handler_failed("on_read", arg)
+        elif code == RX_FORKED:
+            # on_read returned (arg None) or raised in a process it forked
+            fork_returned("on_read", arg)
         elif code == RX_PROXY or code == RX_PROXY_ERROR:
             self._proxy_event(code, arg)
 
@@ -1106,6 +1134,7 @@ class Session:
             return False
         try:
             keep = hook(self)
+            self._ctx.dispatch.returned("eof_received")
         except BaseException as e:      # (on a worker: the thread must live on)
             if self._ctx.dispatch.propagates(e):
                 raise

@@ -137,6 +137,160 @@ def test_a_fork_that_lives_on_holds_no_listening_socket_and_stops_on_sigterm(
     wait_for(lambda: not _group(p.pid), 10, "the fork to end on SIGTERM")
 
 
+FORK_BACK = textwrap.dedent("""
+    import logging, os, sys
+    from aoprim.server import Handler, Server
+
+    backend, workers, hook, how = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    logging.basicConfig(level=logging.WARNING, format="%(process)d %(levelname)s %(message)s")
+
+    def fork_and_come_back(where):
+        # a job in a fork that does not end it: it returns, or raises, into the server
+        pid = os.fork()
+        if pid == 0:
+            if how == "raise":
+                raise ValueError("the job failed in the fork")
+            return
+        _, st = os.waitpid(pid, 0)          # (the fork must end by itself)
+        print(where, os.waitstatus_to_exitcode(st), flush=True)
+
+    class ForkBack(Handler):
+        def on_connect(self, session):
+            session.send(b"hello")          # queued before the fork: sent once, by the parent
+            if hook == "on_connect":
+                fork_and_come_back(hook)
+
+        def on_read(self, session, data):
+            session.send(bytes(data))
+            if hook == "on_read":
+                fork_and_come_back(hook)
+
+        def on_close(self, session, exc):
+            if hook == "on_close":
+                fork_and_come_back(hook)
+
+    srv = Server(ForkBack(), "127.0.0.1", 0, backend=backend, workers=workers)
+    print(srv.address[1], flush=True)
+    srv.serve_forever()
+    print("stopped", flush=True)
+""")
+
+
+def _read_to_eof(sock):
+    out = b""
+    while True:
+        b = sock.recv(65536)
+        if not b:
+            return out
+        out += b
+
+
+@pytest.mark.parametrize("how", ["return", "raise"])
+@pytest.mark.parametrize("hook", ["on_connect", "on_read", "on_close"])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fork_that_comes_back_into_the_server_ends_there_and_sends_nothing(
+        run_script, backend, workers, hook, how):
+    # a handler's fork that does not end itself -- its job returns, or raises, back into
+    # the server -- ends at that point: no reply the parent queued is sent a second time,
+    # no later frame is handled there, the parent's connection is neither closed nor reset
+    p = run_script(FORK_BACK, backend, str(workers), hook, how)
+    port = int(p.stdout.readline())
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        assert recv_exact(c, 5) == b"hello"
+        for i in range(3):
+            c.sendall(b"ping%d" % i)
+            assert recv_exact(c, 5) == b"ping%d" % i
+        c.shutdown(socket.SHUT_WR)
+        assert _read_to_eof(c) == b""           # nothing more: no duplicate, no reset
+    forks = 3 if hook == "on_read" else 1
+    # the fork's status as its parent saw it: a sys.exit() at the point it came back, with
+    # 0 after a return, 1 after an exception -- as a thread's SystemExit does on a worker
+    # (the fork's only thread then), where the process ends with 0
+    on_main = workers == 0 or hook == "on_connect"
+    status = 1 if how == "raise" and on_main else 0
+    lines = [p.stdout.readline().decode().split() for _ in range(forks)]
+    assert lines == [[hook, str(status)]] * forks
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 0
+    assert p.stdout.read() == b"stopped\n"
+    err = p.stderr.read().decode()
+    if how == "return":
+        assert err.count(f"returned into the server from {hook}") == forks, err
+    else:
+        assert err.count(f"forked by handler code: {hook} raised; the fork ends") == forks, err
+        assert err.count("ValueError: the job failed in the fork") == forks, err
+    assert "closing this session" not in err and "crashed" not in err, err
+
+
+PROTOCOL_FORK_BACK = textwrap.dedent("""
+    import asyncio, logging, os, signal, sys
+    from aoprim.server import serve_protocol
+
+    backend, workers, where, how = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    logging.basicConfig(level=logging.WARNING, format="%(process)d %(levelname)s %(message)s")
+
+    def fork_and_come_back():
+        pid = os.fork()
+        if pid == 0:
+            if how == "raise":
+                raise ValueError("the job failed in the fork")
+            return
+        _, st = os.waitpid(pid, 0)
+        print(where, os.waitstatus_to_exitcode(st), flush=True)
+
+    async def job():
+        fork_and_come_back()
+
+    class P(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def data_received(self, data):
+            self.transport.write(data)      # queued before the fork (workers: unsent)
+            if where == "data_received":
+                fork_and_come_back()
+            elif where == "call_soon":
+                asyncio.get_running_loop().call_soon(fork_and_come_back)
+            else:
+                asyncio.get_running_loop().create_task(job())
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    srv = serve_protocol(P, "127.0.0.1", 0, backend=backend, workers=workers)
+    print(srv.address[1], flush=True)
+    signal.sigwait({signal.SIGTERM})
+    srv.shutdown()
+    print("stopped", flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["return", "raise"])
+@pytest.mark.parametrize("where", ["data_received", "call_soon", "task"])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_protocols_fork_that_comes_back_into_the_server_ends_there(
+        run_script, backend, workers, where, how):
+    # serve_protocol: a fork made by a protocol callback, a loop callback or a task that
+    # comes back -- returns, or raises -- ends there; the parent's connection carries on
+    p = run_script(PROTOCOL_FORK_BACK, backend, str(workers), where, how)
+    port = int(p.stdout.readline())
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        for i in range(3):
+            c.sendall(b"ping%d" % i)
+            assert recv_exact(c, 5) == b"ping%d" % i
+            # (the next request once this one's fork has ended)
+            assert p.stdout.readline().decode().split() == [where, "0"]
+        c.shutdown(socket.SHUT_WR)
+        assert _read_to_eof(c) == b""
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 0
+    assert p.stdout.read() == b"stopped\n"
+    err = p.stderr.read().decode()
+    assert err.count("forked by handler code") == 3, err
+    assert "Traceback" not in err or err.count("ValueError: the job failed") == 3, err
+    assert "closing this session" not in err and "crashed" not in err, err
+
+
 CLOSER = textwrap.dedent("""
     import logging, os, sys
     from aoprim.server import Handler, Server

@@ -1,6 +1,7 @@
 """Sessions used from threads other than the loop's: framing stays intact, nothing retained
 is lost after shutdown, worker back-pressure never blocks the loop, a stuck worker does not
 keep buffers forever."""
+import re
 import socket
 import struct
 import sys
@@ -191,6 +192,40 @@ def test_worker_backlog_pauses_reading_and_never_blocks_the_loop(make_server, co
     sender.join(30)
     for o in others:
         assert read_frame(o) == b"hi"
+
+
+def test_the_shutdown_timeout_says_what_each_session_it_cut_lost(caplog):
+    # the bytes still owed to the peer and the frames its worker never ran, each named
+    gate = threading.Event()
+    entered = threading.Event()
+
+    class Stuck(Handler):
+        def on_read(self, session, data):
+            for _ in range(256):                # 16 MiB; the peer reads none of it
+                session.send(b"r" * 65535)
+            entered.set()
+            gate.wait(30)
+
+    srv = Server(Stuck(), HOST, 0, framing="u16", workers=1, shutdown_timeout=0.3,
+                 max_pending=64 << 20).start()
+    try:
+        c = socket.create_connection(srv.address, timeout=5)
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        c.sendall(b"".join(frame(b"x%d" % i) for i in range(6)))
+        assert entered.wait(10)
+        wait_for(lambda: srv.stats()["frames_in"] == 6, 10, "every frame queued")
+        srv.shutdown(timeout=20)
+    finally:
+        gate.set()
+    m = re.search(r"shutdown timeout: (\d+) unsent bytes dropped, (\d+) frames queued for "
+                  r"the handler dropped", caplog.text)
+    assert m, caplog.text
+    assert 0 < int(m[1]) <= 256 * 65537 and int(m[2]) == 5
+    for t in list(threading.enumerate()):
+        if t.name.startswith("aoprim-worker"):
+            t.join(10)
+    c.close()
+    assert_no_leaks(srv)
 
 
 def test_a_worker_stuck_past_shutdown_gives_buffers_back_when_it_returns(caplog):

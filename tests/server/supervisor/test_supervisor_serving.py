@@ -187,6 +187,68 @@ def test_a_process_forked_by_a_handler_takes_no_connection(tmp_path, backend):
         cleanup(p, kids)
 
 
+CLOSE_HELPER = """
+import os
+from aoprim.server import Handler
+
+class CloseHelper(Handler):
+    # on_close hands the session's summary to a forked helper through a pipe of its own
+    # and reads the answer through another (as a 'fork' multiprocessing worker's queues
+    # do) -- at every close, a stop's too, when the server's fds are closing and their
+    # numbers are free for the handler's pipes
+    def on_read(self, session, data):
+        session.send(data)
+
+    def on_close(self, session, exc):
+        task_r, task_w = os.pipe()
+        answer_r, answer_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                task = os.read(task_r, 100)
+                os.write(answer_w, b"helper got " + (task or b"nothing"))
+            finally:
+                os._exit(0)
+        os.close(task_r)
+        os.close(answer_w)
+        os.write(task_w, b"the summary")
+        os.close(task_w)
+        answer = os.read(answer_r, 100)
+        os.close(answer_r)
+        os.waitpid(pid, 0)
+        print(answer.decode(), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", ["0", "2"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_helper_forked_while_a_child_stops_keeps_the_handlers_pipes(tmp_path, backend,
+                                                                      workers):
+    # what a supervised child hides in a fork is what is still the server's at the fork:
+    # a pipe the handler opened on a number the server had freed is the handler's
+    (tmp_path / "closehelper.py").write_text(CLOSE_HELPER)
+    p, port = serve("--procs", "2", "--backend", backend, "--workers", workers,
+                    "closehelper:CloseHelper", cwd=str(tmp_path))
+    kids = []
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        assert echo_once(port) == b"ping"                   # a close while serving
+        out = Lines(p.stdout)
+        out.wait("helper got the summary")
+        with socket.create_connection((HOST, port), timeout=10) as s:
+            s.sendall(b"open")
+            assert recv_exact(s, 4) == b"open"              # open at the stop
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(60) == 0
+        out.join()
+        text = out.text()
+        assert text.count("helper got the summary") == 2 and "nothing" not in text, text
+    finally:
+        cleanup(p, kids)
+
+
 ARGV = """
 import os, stat, sys
 from aoprim.server import Handler
