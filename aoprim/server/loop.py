@@ -27,7 +27,8 @@ drifting is this docstring (the one contract), :file:`tests/server/test_loop.py`
 test on every backend) and the differential test (hypothesis; a short run in CI).  The cost
 is the selectors backend's CPU per message (docs/server.md gives the measured ratios).
 
-A further backend (say, io_uring) implements the same methods and joins :data:`BACKENDS`;
+A further backend (say, io_uring) implements the same methods and joins :data:`BACKENDS`
+(and :func:`aoprim.server.backends.create_loop`, which makes a loop of a named backend);
 Layers 2 and 3 do not change.
 
 The contract every backend keeps:
@@ -78,7 +79,7 @@ from typing import Any, Callable, Optional
 #: a readiness callback (None: not interested)
 FdCallback = Optional[Callable[[], object]]
 
-__all__ = ["EventLoop", "Timer", "BACKENDS", "BackendUnavailable", "create_loop"]
+__all__ = ["EventLoop", "Timer", "BACKENDS", "BackendUnavailable"]
 
 #: the backends this build accepts (``backend=`` / ``--backend``)
 BACKENDS = ("selectors", "epoll")
@@ -217,22 +218,3 @@ class EventLoop(abc.ABC):
     def in_loop_thread(self) -> bool:
         import threading
         return threading.get_ident() == self.thread_id
-
-
-def create_loop(backend: str = "selectors") -> EventLoop:
-    """A new loop of the named backend.  Unknown names raise ``ValueError``; a known backend
-    that cannot run here raises :class:`BackendUnavailable` with the reason."""
-    if backend == "uring":
-        raise BackendUnavailable(
-            "backend 'uring' is not available: no io_uring backend ships in this version of "
-            f"aoprim; accepted backends: {', '.join(BACKENDS)}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
-    if backend == "epoll":
-        try:
-            from .loop_epoll import EpollLoop
-        except ImportError as e:     # pragma: no cover - a build without epoll (not Linux)
-            raise BackendUnavailable(f"backend 'epoll' is not available here: {e}") from e
-        return EpollLoop()
-    from .loop_selectors import SelectorsLoop
-    return SelectorsLoop()

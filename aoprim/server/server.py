@@ -1,7 +1,7 @@
 """Layer 2 -- the server: composes the parts and owns the lifecycle.
 
 Parts (each in its own module): :class:`~.config.Settings` (validated once),
-a Layer 1 loop (:func:`~.loop.create_loop`), the :class:`~.listener.Listener`, the receive
+a Layer 1 loop (:func:`~.backends.create_loop`), the :class:`~.listener.Listener`, the receive
 pool and its ``RxArena`` (the scratch slot every session reads into), the
 :class:`~.tx.Flusher` (one ``FlushGroup``: every dirty batch flushed once per iteration), the
 dispatch (inline or workers), :class:`~.stats.Stats`, and the sessions.
@@ -43,7 +43,7 @@ from aoprim.server._receiver import RxArena
 from .config import Settings
 from .dispatch import InlineDispatch, WorkerDispatch, fork_returned
 from .listener import Listener, describe_address, make_listening_socket, sock_address
-from .loop import create_loop
+from .backends import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
 from .session import RawSession, Session, SessionContext
 from .stats import Stats, summary

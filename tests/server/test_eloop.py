@@ -16,7 +16,8 @@ import pytest
 
 import aoprim
 from aoprim.server._eloop import EpollCore, EpollTimer
-from aoprim.server.loop import EventLoop, Timer, create_loop
+from aoprim.server.backends import create_loop
+from aoprim.server.loop import EventLoop, Timer
 
 from support import run_threads, skip_nomemory_on_free_threaded
 
@@ -359,7 +360,7 @@ def test_gc_clearing_the_cycle_first_leaves_a_usable_loop():
     in a fresh process (a use-after-free crashes visibly)."""
     run_debug("""
         import gc, socket
-        from aoprim.server.loop import create_loop
+        from aoprim.server.backends import create_loop
         seen = []
 
         class Finalizer:
@@ -393,7 +394,7 @@ def test_gc_clearing_the_cycle_first_leaves_a_usable_loop():
 
 FAULT_SCRIPT = textwrap.dedent("""
     import os, socket, _testcapi
-    from aoprim.server.loop import create_loop
+    from aoprim.server.backends import create_loop
     r, w = socket.socketpair()
     high = os.dup2(r.fileno(), 900)
     failed = 0

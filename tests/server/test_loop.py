@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from aoprim.server.loop import BACKENDS, BackendUnavailable, EventLoop, Timer, create_loop
+from aoprim.server.backends import create_loop
+from aoprim.server.loop import BACKENDS, BackendUnavailable, EventLoop, Timer
 
 
 @pytest.fixture(params=BACKENDS)

@@ -36,7 +36,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import example, given, settings, HealthCheck   # noqa: E402
 from hypothesis import strategies as st                        # noqa: E402
 
-from aoprim.server.loop import create_loop                     # noqa: E402
+from aoprim.server.backends import create_loop                 # noqa: E402
 
 EXAMPLES = int(os.environ.get("AOPRIM_DIFF_EXAMPLES", "50"))
 NPAIRS = 3
