@@ -84,8 +84,9 @@ __all__ = [
 # release.  They are loaded on first use only: `import aoprim` loads neither the server's
 # receive path nor ssl.
 _MOVED = {
-    **dict.fromkeys(("Receiver", "RxArena", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
+    **dict.fromkeys(("Receiver", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
                      "RX_PROXY", "RX_PROXY_ERROR"), "aoprim.server._receiver"),
+    "RxArena": "aoprim.server._rxbuf",
     "ProxyParser": "aoprim.server._proxyproto",
     "EpollCore": "aoprim.server._eloop",
     "EpollTimer": "aoprim.server._eloop",

@@ -1023,7 +1023,8 @@ def _rx_python():
 def _rx_receiver(copy):
     @contextlib.contextmanager
     def setup(n):
-        from aoprim.server._receiver import Receiver, RxArena
+        from aoprim.server._receiver import Receiver
+        from aoprim.server._rxbuf import RxArena
         reads = max(1, n // RX_PER_READ)
         with rx_socketpair() as (r, w):
             pool = SlabPool(len(RX_BURST), 4)

@@ -1,7 +1,9 @@
 # cython: language_level=3
-"""Receiver and RxArena, for ``cimport``: the compiled per-read, per-frame receive path.
+"""Receiver, for ``cimport``: the compiled per-read, per-frame receive path (its buffers,
+RxArena and the rest, are declared in aoprim/server/_rxbuf.pxd).
 
-    from aoprim.server._receiver cimport RxArena, Receiver
+    from aoprim.server._rxbuf cimport RxArena
+    from aoprim.server._receiver cimport Receiver
 
     cdef Receiver rx = Receiver(arena, fd, 2, 65536, on_frame, on_event, session)
     rx.c_on_readable()           # == rx.on_readable(), without the Python method call
@@ -26,8 +28,9 @@ counts.
 """
 from libc.stdint cimport int64_t, uint64_t
 from cpython.ref cimport PyObject
-from aoprim.atomic_h cimport aop_atomic_i64, aop_spinlock_t
+from aoprim.atomic_h cimport aop_atomic_i64
 from aoprim._slab cimport SlabPool, Slot
+from aoprim.server._rxbuf cimport RxArena, _RxExporter
 from aoprim.server._proxyproto cimport ProxyParser
 
 # on_event codes (the Python constants RX_EOF ... have the same values)
@@ -42,74 +45,6 @@ cdef enum:
                             #   arg the reason (str); nothing more is read
     AOP_RX_FORKED = 7       # on_frame forked and its fork came back here (returned: arg
                             #   None; raised: arg the exception); the owner ends the fork
-
-
-cdef class _FrameCache:
-    # Large frame buffers kept resident for reuse: the memory of a dead
-    # _HeapBuf whose home this is comes back here instead of to free() -- from any thread
-    # (the last frame view may die anywhere), hence the spin lock.  Bounded by count and
-    # bytes; close() frees what it holds and refuses later returns.
-    cdef aop_spinlock_t lock
-    cdef char *ptrs[16]
-    cdef Py_ssize_t sizes[16]
-    cdef int n                   # entries held (under lock)
-    cdef Py_ssize_t held         # bytes held (under lock)
-    cdef Py_ssize_t cap          # most bytes held
-    cdef bint closed             # (under lock)
-    cdef aop_atomic_i64 out      # buffers of this home alive now (atomic: any thread)
-    cdef aop_atomic_i64 reuses   # buffers handed out from the cache (atomic: read anywhere)
-    cdef bint c_put(self, char *p, Py_ssize_t size) noexcept
-    cdef char *c_take(self, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t *size) noexcept
-    cdef void c_close(self) noexcept
-
-
-cdef class _HeapBuf:
-    # Memory from malloc for when a pool slot will not do.  Frame views hold a strong
-    # reference to it, so the memory is freed (in __dealloc__) only after the last view --
-    # or, with a home, handed back to that _FrameCache for reuse.
-    cdef char *ptr               # owned (malloc); freed by __dealloc__
-    cdef Py_ssize_t size         # bytes at ptr
-    cdef aop_atomic_i64 views    # live frame views (atomic: a view may die in another thread)
-    cdef _FrameCache home        # where the memory goes at dealloc (None: free())
-
-
-cdef class _RxExporter:
-    # One per Receiver.  Set right before PyMemoryView_FromObject(self) and read only inside
-    # that call's getbuffer; each exported view then pins `pin` by itself (a view count on
-    # it plus a strong reference in Py_buffer.internal), so the exporter holds nothing.
-    cdef PyObject *pin           # borrowed for the one getbuffer: the Slot or _HeapBuf
-    cdef char *ptr               # first byte of the view (a frame, or a burst's window)
-    cdef Py_ssize_t len          # bytes in the view
-
-
-cdef class RxArena:
-    cdef SlabPool pool           # where scratch and receivers' slots come from
-    cdef object scratch          # Slot or _HeapBuf, one reference of ours; None once closed
-    cdef char *sptr              # first byte of the scratch (NULL once closed)
-    cdef Py_ssize_t size         # scratch size == pool.slot_size
-    cdef int64_t swaps           # scratch replaced because views of it escaped (accessed as
-                                 #   relaxed atomics: written by the owner, read by any
-                                 #   thread's stats; _receiver.pyx's _bump/_count)
-    cdef int64_t fallbacks       # heap buffers used because the pool was exhausted (idem)
-    cdef aop_atomic_i64 tid      # the owning thread's ident while claimed, else 0
-    cdef bint closed             # close() ran: the scratch is given back
-    cdef bint busy               # a burst is parsing the scratch in place (a nested burst
-                                 #   of another receiver must swap before reading)
-
-    # Replace the scratch (the old one goes back when its last view dies).
-    cdef SlabPool raw_pool       # raw receivers' read slots, or None
-    cdef object big              # the raw_pool slot raw receivers read into (a _HeapBuf of
-                                 # bsize when raw_pool was exhausted), one reference of
-                                 # ours; None without raw_pool or once closed
-    cdef char *bptr              # first byte of big (NULL when none)
-    cdef Py_ssize_t bsize        # raw_pool.slot_size (0: raw receivers read into scratch)
-    cdef bint bbusy              # as busy, for big
-    cdef _FrameCache frames      # large frame buffers for reuse, or None
-    cdef object _frame_buf(self, Py_ssize_t need, Py_ssize_t most)
-    cdef int _swap(self) except -1
-    cdef int _swap_big(self) except -1
-    # A buffer of slot size: a pool slot, else a heap buffer (counted in fallbacks).
-    cdef object _slot_or_heap(self)
 
 
 cdef class _RxSource:

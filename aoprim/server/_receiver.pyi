@@ -2,6 +2,7 @@ from typing import Any, Callable, Optional, final
 from typing_extensions import Self
 
 from aoprim._slab import SlabPool
+from aoprim.server._rxbuf import RxArena
 
 RX_EOF: int
 RX_ERROR: int
@@ -10,28 +11,6 @@ RX_HANDLER: int
 RX_PROXY: int
 RX_PROXY_ERROR: int
 RX_FORKED: int
-
-@final
-class RxArena:
-    def __new__(cls, pool: SlabPool, raw_pool: SlabPool | None = None,
-                frame_cache: int = 0) -> Self: ...
-    def close(self) -> None: ...
-    @property
-    def pool(self) -> SlabPool: ...
-    @property
-    def slot_size(self) -> int: ...
-    @property
-    def frame_cache(self) -> dict[str, int] | None: ...
-    @property
-    def raw_pool(self) -> SlabPool | None: ...
-    @property
-    def raw_read_size(self) -> int: ...
-    @property
-    def scratch_swaps(self) -> int: ...
-    @property
-    def fallbacks(self) -> int: ...
-    @property
-    def closed(self) -> bool: ...
 
 @final
 class Receiver:

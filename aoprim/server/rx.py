@@ -32,7 +32,7 @@ from aoprim.server._receiver import (RX_EOF, RX_ERROR, RX_FORKED, RX_HANDLER, RX
                                      RX_PROXY_ERROR, RX_TOO_LARGE, Receiver)
 
 if TYPE_CHECKING:
-    from aoprim.server._receiver import RxArena
+    from aoprim.server._rxbuf import RxArena
 
     from .config import Settings
 

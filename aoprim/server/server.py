@@ -38,7 +38,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, cast
 
 from aoprim import SlabPool, Slot
-from aoprim.server._receiver import RxArena
+from aoprim.server._rxbuf import RxArena
 
 from .config import Settings
 from .dispatch import InlineDispatch, WorkerDispatch, fork_returned

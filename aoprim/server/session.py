@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer, TypeAlias
 
-    from aoprim.server._receiver import RxArena
+    from aoprim.server._rxbuf import RxArena
     from aoprim.server._tls import TLSFlush
 
     from .config import Settings

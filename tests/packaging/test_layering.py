@@ -33,7 +33,7 @@ ALLOWED = {
 # The compiled layer under Layer 1, beside the modules that use it: the receive path (also the
 # codec framing.py runs), the PROXY header parser, the epoll core and the TLS path.  Any
 # server module may import it; it imports no server module (it cimports the primitives).
-COMPILED = {"_receiver", "_proxyproto", "_eloop", "_tls"}
+COMPILED = {"_receiver", "_rxbuf", "_proxyproto", "_eloop", "_tls"}
 FORBIDDEN_STDLIB = {
     "handler": {"socket", "selectors", "select"},
     "apps": {"socket", "selectors", "select"},

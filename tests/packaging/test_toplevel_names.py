@@ -25,8 +25,9 @@ PRIMITIVES = {"AtomicInt", "RefCount", "SpinLock", "MPMCQueue", "SPSCQueue", "Sl
 
 # each deprecated top-level name -> the module it is imported from
 MOVED = {
-    **dict.fromkeys(("Receiver", "RxArena", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
+    **dict.fromkeys(("Receiver", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER",
                      "RX_PROXY", "RX_PROXY_ERROR"), "aoprim.server._receiver"),
+    "RxArena": "aoprim.server._rxbuf",
     "ProxyParser": "aoprim.server._proxyproto",
     "EpollCore": "aoprim.server._eloop",
     "EpollTimer": "aoprim.server._eloop",
@@ -36,7 +37,8 @@ MOVED = {
 
 # compiled module -> the package it lives in
 HOMES = {
-    "_receiver": "aoprim.server", "_eloop": "aoprim.server", "_tls": "aoprim.server",
+    "_receiver": "aoprim.server", "_rxbuf": "aoprim.server", "_eloop": "aoprim.server",
+    "_tls": "aoprim.server",
     "_proxyproto": "aoprim.server",
     "_aioloop": "aoprim.aio", "_aiotransport": "aoprim.aio", "_aiowrite": "aoprim.aio",
     "_readbuf": "aoprim.aio",
@@ -70,7 +72,7 @@ def test_import_aoprim_loads_nothing_of_the_server():
     loaded = json.loads(r.stdout)
     assert "aoprim._atomic" in loaded                         # the check sees aoprim's modules
     server = [m for m in loaded if m.startswith("aoprim.server")
-              or m.rsplit(".", 1)[-1] in ("_receiver", "_eloop", "_tls", "_proxyproto")]
+              or m.rsplit(".", 1)[-1] in ("_receiver", "_rxbuf", "_eloop", "_tls", "_proxyproto")]
     assert not server, f"`import aoprim` loaded {server}"
     assert "ssl" not in loaded
 

@@ -247,7 +247,8 @@ print(json.dumps(dict(data=bytes(t).decode(), view=bytes(t.view(Idx(), 4)).decod
 def test_receiver_and_arena_from_threads():
     r = hammer(PRELUDE + """
 import socket, struct
-from aoprim.server._receiver import Receiver, RxArena
+from aoprim.server._receiver import Receiver
+from aoprim.server._rxbuf import RxArena
 from aoprim._slab import SlabPool
 NRX = 2
 N = 20000
@@ -322,7 +323,8 @@ def test_receiver_nested_calls_from_the_owning_thread_still_work():
     # the arena: the claim is re-entrant for the owner
     r = hammer(PRELUDE + """
 import socket
-from aoprim.server._receiver import Receiver, RxArena
+from aoprim.server._receiver import Receiver
+from aoprim.server._rxbuf import RxArena
 from aoprim._slab import SlabPool
 pool = SlabPool(64, 8)
 arena = RxArena(pool)

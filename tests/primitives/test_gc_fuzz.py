@@ -51,7 +51,8 @@ from aoprim import (AtomicInt, BlockTable, Closed, Empty, FlushGroup, Full, MPMC
                     PoolExhausted, RefCount, RefCountError, SendBatch, SlabPool, Slot, SPSCQueue,
                     SpinLock)
 from aoprim.server._eloop import EpollCore
-from aoprim.server._receiver import Receiver, RxArena
+from aoprim.server._receiver import Receiver
+from aoprim.server._rxbuf import RxArena
 
 EXAMPLES = int(os.environ.get("AOPRIM_FUZZ_EXAMPLES", "300"))
 SAFE = os.environ.get("AOPRIM_FUZZ_SAFE") == "1"     # keep tables out of the collector

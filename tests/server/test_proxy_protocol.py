@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from aoprim import SlabPool
 from aoprim.server._proxyproto import ProxyParser
-from aoprim.server._receiver import RX_EOF, RX_PROXY, RX_PROXY_ERROR, Receiver, RxArena
+from aoprim.server._receiver import RX_EOF, RX_PROXY, RX_PROXY_ERROR, Receiver
+from aoprim.server._rxbuf import RxArena
 from aoprim.server._proxyproto import PP_DONE, PP_ERROR, PP_MORE, V2_SIGNATURE
 from aoprim.server import Handler, Server
 from aoprim.server.cli import build_parser

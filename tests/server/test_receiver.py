@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from aoprim import SlabPool
-from aoprim.server._receiver import (RX_EOF, RX_ERROR, RX_HANDLER, RX_TOO_LARGE, Receiver,
-                                     RxArena)
+from aoprim.server._receiver import RX_EOF, RX_ERROR, RX_HANDLER, RX_TOO_LARGE, Receiver
+from aoprim.server._rxbuf import RxArena
 from aoprim.server.framing import FrameDecoder, FrameTooLarge
 from support import skip_nomemory_on_free_threaded
 
@@ -104,9 +104,10 @@ def tcp_pair():
 
 
 def test_public_names():
-    from aoprim.server import _receiver
-    for name in ("Receiver", "RxArena", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER"):
+    from aoprim.server import _receiver, _rxbuf
+    for name in ("Receiver", "RX_EOF", "RX_ERROR", "RX_TOO_LARGE", "RX_HANDLER"):
         assert getattr(_receiver, name) is not None
+    assert _rxbuf.RxArena is RxArena
     assert len({RX_EOF, RX_ERROR, RX_TOO_LARGE, RX_HANDLER}) == 4
 
 
@@ -1001,7 +1002,8 @@ def test_gc_cycle_through_a_container():
 # ---- cimport ------------------------------------------------------------------------------
 
 CIMPORT_SOURCE = r"""
-from aoprim.server._receiver cimport Receiver, RxArena, AOP_RX_EOF
+from aoprim.server._receiver cimport Receiver, AOP_RX_EOF
+from aoprim.server._rxbuf cimport RxArena
 
 def drive(Receiver rx, int times):
     cdef int i

@@ -21,7 +21,8 @@ from aoprim import (AtomicInt, BlockTable, Closed, Empty, FlushGroup, Full, MPMC
 from aoprim.server._eloop import EpollCore, EpollTimer
 from aoprim.server._proxyproto import ProxyParser
 from aoprim.server._receiver import (RX_EOF, RX_ERROR, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR,
-                                     RX_TOO_LARGE, Receiver, RxArena)
+                                     RX_TOO_LARGE, Receiver)
+from aoprim.server._rxbuf import RxArena
 from aoprim.server._tls import TLSConn, TLSFlush
 from aoprim.aio import EventLoopPolicy, Loop, SocketTransport, TESTED_PYTHONS
 from aoprim.aio.gunicorn import LOOP_FACTORY, Worker

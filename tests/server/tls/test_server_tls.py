@@ -377,7 +377,8 @@ def test_sendbatch_take_view_and_consume():
 
 def test_receiver_source_fills_the_slot_and_frames_are_cut():
     from aoprim import SlabPool
-    from aoprim.server._receiver import Receiver, RxArena, RX_EOF
+    from aoprim.server._receiver import Receiver, RX_EOF
+    from aoprim.server._rxbuf import RxArena
     chunks = [frame(b"hello") + frame(b"wor"), frame(b"!")[:1],
               frame(b"!")[1:], None, 0]
     got, events = [], []
