@@ -49,7 +49,7 @@ import os
 import selectors
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import asyncio.sslproto as _sslproto
 
 from aoprim import FlushGroup
@@ -117,11 +117,24 @@ def _drop_inherited_writes() -> None:
 os.register_at_fork(after_in_child=_drop_inherited_writes)
 
 
+def _marked_select(sleep: SleepFlag, group: FlushGroup,
+                   select: Callable[[float | None], list[tuple[selectors.SelectorKey, int]]],
+                   timeout: float | None) -> list[tuple[selectors.SelectorKey, int]]:
+    """``select(timeout)`` with the loop's sleep marked: ``sleep.sleeping`` is True from just
+    before the group check until select() returns, so a write made meanwhile (a signal
+    handler, a thread) either is seen by the check (no wait) or sees the flag and wakes
+    the loop."""
+    sleep.sleeping = True
+    try:
+        if len(group):
+            timeout = 0             # a batch became dirty after the last flush
+        return select(timeout)
+    finally:
+        sleep.sleeping = False
+
+
 class _Selector(selectors.DefaultSelector):
-    """The platform's default selector, marking when it sleeps: ``sleep.sleeping`` (the
-    loop's SleepFlag) is True from just before the group check until select() returns, so a
-    write made meanwhile (signal handler, thread) either is seen by the check or sees the
-    flag and wakes the loop."""
+    """The platform's default selector, marking when it sleeps (_marked_select)."""
 
     def __init__(self, group: FlushGroup, sleep: SleepFlag) -> None:
         super().__init__()
@@ -135,14 +148,7 @@ class _Selector(selectors.DefaultSelector):
 
     def select(self, timeout: float | None = None
                ) -> list[tuple[selectors.SelectorKey, int]]:
-        sleep = self._sleep
-        sleep.sleeping = True
-        try:
-            if len(self._group):
-                timeout = 0             # a batch became dirty after the last flush
-            return super().select(timeout)
-        finally:
-            sleep.sleeping = False
+        return _marked_select(self._sleep, self._group, super().select, timeout)
 
 
 class _MarkedSelector(selectors.BaseSelector):
@@ -168,14 +174,7 @@ class _MarkedSelector(selectors.BaseSelector):
 
     def select(self, timeout: float | None = None
                ) -> list[tuple[selectors.SelectorKey, int]]:
-        sleep = self._sleep
-        sleep.sleeping = True
-        try:
-            if len(self._group):
-                timeout = 0             # a batch became dirty after the last flush
-            return self._inner.select(timeout)
-        finally:
-            sleep.sleeping = False
+        return _marked_select(self._sleep, self._group, self._inner.select, timeout)
 
     def close(self) -> None:
         self._inner.close()
