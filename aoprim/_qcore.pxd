@@ -1,6 +1,8 @@
 # cython: language_level=3
 """The one implementation of MPMCQueue's and SPSCQueue's Python surface.
 
+One idea, the queues' Python surface (over 800 lines), written once for both queue types.
+
 Both classes are thin: each method calls the generic function of the same name here with
 its own C queue pointer.  The functions are ``cdef inline`` over the fused type ``qptr``, so
 Cython emits one specialisation per queue type and every ``aop_mpmc_*`` / ``aop_spsc_*``

@@ -2,6 +2,9 @@
 # cython: boundscheck=False, wraparound=False, initializedcheck=False
 """SendBatch: gather small writes and send them with one system call.
 
+One idea, the send batch (over 800 lines): its layout, pinning and the sendmsg path share
+the invariants below.
+
 Layout (fields are documented one by one in _sendbatch.pxd):
 
     iov[head:nseg]   the unsent segments, ready to hand to sendmsg()/writev()

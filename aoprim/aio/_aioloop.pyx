@@ -1,6 +1,9 @@
 # cython: language_level=3, freethreading_compatible=True, binding=True
 """The compiled iteration of aoprim.aio's loop (design: docs/aio-compiled.md).
 
+One idea, asyncio's iteration compiled (over 800 lines): the wait, the ready queue and the
+timer heap follow asyncio's _run_once step for step, so they stay in one module.
+
 ``run_once(loop)`` is ``aoprim.aio.Loop._run_once``: asyncio's ``BaseEventLoop._run_once``
 (as CPython 3.11-3.13 have it) with the loop's own selector wait and asyncio's
 ``_process_events`` done in C, wrapped in the loop's FlushGroup flushes.  What it keeps, so

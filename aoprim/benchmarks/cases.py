@@ -1,5 +1,8 @@
 """The measured bodies: every primitive beside its baselines, as groups of cases.
 
+One idea, the table of measured cases (over 800 lines): each group is short; they are kept
+together so that both harnesses time the same list.
+
 This module is the one copy of what is measured.  ``python -m aoprim bench`` times these cases
 with its own interleaved harness (``runner.py``); the checkout's bench/bench_cases.py times the
 very same cases with pytest-benchmark.

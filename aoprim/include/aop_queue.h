@@ -2,6 +2,9 @@
  * aop_queue.h -- the C core of MPMCQueue and SPSCQueue, shared by both and by any
  * cimporting extension (declared for Cython in aoprim/_qwait.pxd).
  *
+ * One idea, the bounded ring and its waiting (over 800 lines): both queue kinds share the
+ * slot protocol and the park/wake machinery, argued once.
+ *
  * Both queues move 64-bit words.  The Python classes store PyObject* in them (a strong
  * reference travels with the word); C callers store plain integers or pointers.  A queue is
  * used in exactly one of those modes for its whole life (see "Modes" below).

@@ -2,6 +2,9 @@
 # cython: boundscheck=False, wraparound=False, initializedcheck=False
 """EpollCore: the hot path of a Layer 1 event loop, compiled (epoll, eventfd, a timer heap).
 
+One idea, the loop's iteration, kept whole (over 800 lines): the wait, the dispatch, the
+timers and the wake-up share one set of invariants, argued below.
+
     core = EpollCore()
     core.set_callbacks(fd, on_read, on_write)   # None = not interested; both None forgets fd
     core.call_soon(cb, *args); core.call_soon_threadsafe(cb, *args)   # the latter: any thread

@@ -1,8 +1,9 @@
 # cython: language_level=3, freethreading_compatible=True
 # cython: boundscheck=False, wraparound=False, initializedcheck=False
-"""Receiver: a session's per-read, per-frame work, compiled -- one idea, the receive path's
-state machine (read, cut frames, deliver, keep the tail), with the ownership argument for
-every buffer it touches.  The buffers themselves (RxArena, heap frame buffers, the view
+"""Receiver: a session's per-read, per-frame work, compiled.
+
+One idea, the receive path's state machine (over 800 lines): read, cut frames, deliver, keep
+the tail, with the ownership argument for every buffer it touches.  The buffers themselves (RxArena, heap frame buffers, the view
 exporter) are in _rxbuf.pyx.
 
     arena = RxArena(pool)        # one per event-loop thread

@@ -1,6 +1,9 @@
 """The ``serve`` command of ``python -m aoprim serve ...`` (aoprim.cli dispatches it, and the
 other commands, ``loadgen`` and ``bench``, to their own modules; this one imports neither).
 
+One idea, the ``serve`` command (over 800 lines): its options, the handler's loading, the
+serving process's life (signals, its stop, the status pipe to a supervisor) and its output.
+
 ``serve [MODULE:HANDLER]`` serves the user's own handler, named as uvicorn and gunicorn name
 an app: ``MODULE:ATTR`` where ATTR (dotted for a nested attribute) is what ``Server()``
 takes, by its own rule (``server.as_handler``): a ``Handler`` subclass (instantiated with no

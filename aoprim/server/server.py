@@ -1,5 +1,8 @@
 """Layer 2 -- the server: composes the parts and owns the lifecycle.
 
+One idea, the server's lifecycle (over 800 lines): start, accept, shutdown and the forks of
+the serving process are one state machine; the parts it composes live in their modules.
+
 Parts (each in its own module): :class:`~.config.Settings` (validated once),
 a Layer 1 loop (:func:`~.backends.create_loop`), the :class:`~.listener.Listener`, the receive
 pool and its ``RxArena`` (the scratch slot every session reads into), the

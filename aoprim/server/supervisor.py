@@ -1,5 +1,8 @@
 """``--procs N``: N server processes on one port, and the process that supervises them.
 
+One idea, the supervisor (over 800 lines): starting, watching, relaying the output of and
+stopping its children are one process's state machine.
+
 The kernel spreads the connections over the children (``SO_REUSEPORT``).  The supervisor
 imports no server code: a child is any command that reports to it on a pipe of its own (see
 "The status pipe") and exits.

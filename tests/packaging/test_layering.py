@@ -334,3 +334,26 @@ def test_the_cycle_finder_names_a_cycle(tmp_path):
     assert graph["pkg.d"] == {"pkg.e"}                      # the TYPE_CHECKING import is none
     assert import_cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"],
                                     ["pkg.d", "pkg.e", "pkg.d"]]
+
+
+# -- module size ------------------------------------------------------------------------------
+
+LONG = 800
+# over LONG lines and more than one idea: split along the session's wire (plain or TLS) once
+# that interface exists; until then its size is counted here, not hidden
+LONG_AND_SPLIT_PENDING = {"aoprim/server/session.py"}
+
+
+def test_a_module_over_800_lines_says_which_one_idea_it_is():
+    root = AOPRIM.parent
+    long_ = {}
+    for path in sorted(AOPRIM.rglob("*")):
+        if path.suffix not in (".py", ".pyx", ".pxd", ".h"):
+            continue
+        lines = path.read_text().splitlines()
+        if len(lines) > LONG:
+            long_[str(path.relative_to(root))] = lines
+    unstated = [name for name, lines in long_.items() if name not in LONG_AND_SPLIT_PENDING
+                and not any("One idea" in line for line in lines[:20])]
+    assert not unstated, f"over {LONG} lines with no 'One idea, ...' in the opening: {unstated}"
+    assert LONG_AND_SPLIT_PENDING <= set(long_), "a pending split is done: drop it from the set"

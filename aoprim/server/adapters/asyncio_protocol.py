@@ -1,6 +1,9 @@
 """An adapter (not Layer 3 itself): run an unchanged ``asyncio.Protocol`` / ``asyncio.BufferedProtocol`` on the
 aoprim server (see ``serve_protocol`` in :mod:`aoprim.server`).
 
+One idea, asyncio's protocol API over a session (over 800 lines): the loop, the transport
+and the handler below present it together and share their private state.
+
 Each session gets one protocol instance (from the factory) and one :class:`SessionTransport`.
 ``Protocol.data_received`` gets ``bytes`` (asyncio's contract: the protocol may keep them).
 A ``BufferedProtocol`` gets its bytes through ``get_buffer``/``buffer_updated``: they were
