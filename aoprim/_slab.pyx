@@ -39,12 +39,11 @@ writes reach whoever gives the slot back; on the DEFER path that is the view's r
 cimport cython
 from cpython.ref cimport PyObject, Py_INCREF
 from cpython.buffer cimport PyBuffer_FillInfo
-from cpython.number cimport PyNumber_Index
-from cpython.long cimport PyLong_CheckExact, PyLong_AsSsize_t
 from libc.stdint cimport int64_t, uint32_t
 from libc.stdlib cimport calloc, free
 from libc.errno cimport ENOMEM
 
+from aoprim._index cimport as_index as _as_index
 from aoprim.atomic_h cimport (
     AOP_RELAXED, AOP_ACQUIRE, AOP_RELEASE, AOP_ACQ_REL,
     aop_load_i64, aop_store_i64, aop_exchange_u32, aop_cas_weak_i64, aop_fetch_sub_i64, aop_fetch_add_i64,
@@ -86,15 +85,6 @@ cdef extern from "aop_slab.h":
     int64_t REF_MASK "AOP_SLOT_REF_MASK"
     int64_t DEFER "AOP_SLOT_DEFER"
     int64_t VIEW_ONE "AOP_SLOT_VIEW_ONE"
-
-
-cdef inline Py_ssize_t _as_index(object v, str what) except? -1:
-    """operator.index(v): TypeError for non-integers (a float is never truncated)."""
-    if not PyLong_CheckExact(v):
-        if isinstance(v, float) or not hasattr(type(v), "__index__"):
-            raise TypeError(f"{what} must be an integer, not {type(v).__name__}")
-        v = PyNumber_Index(v)
-    return PyLong_AsSsize_t(v)
 
 
 # GC: not tracked.  Its only references are the parked (idle) Slots in `cache`, which hold

@@ -16,9 +16,15 @@
 #define AOP_AIOTRANSPORT_H
 
 #include <Python.h>
+
+#ifndef AOP_FUNC
+/* A helper defined in this header: static, and unused in a translation unit that does not
+ * call it (no -Wunused-function warning). */
+#define AOP_FUNC static __attribute__((unused))
+#endif
 #include <structmember.h>
 /* Whether descr is a member descriptor of an object __slots__ entry (T_OBJECT_EX). */
-static int aop_is_object_member(PyObject *descr)
+AOP_FUNC int aop_is_object_member(PyObject *descr)
 {
     return Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
            ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX;
@@ -29,7 +35,7 @@ static int aop_is_object_member(PyObject *descr)
    `self` is an instance of the class it belongs to, and reads the slot as an attribute
    read does (on a free-threaded build, with its atomic load). */
 static PyObject *aop_writer_descr;                  /* set at import, read-only after */
-static PyObject *aop_writer_of(PyObject *self)
+AOP_FUNC PyObject *aop_writer_of(PyObject *self)
 {
     return Py_TYPE(aop_writer_descr)->tp_descr_get(aop_writer_descr, self,
                                                     (PyObject *)Py_TYPE(self));
@@ -42,7 +48,7 @@ static PyObject *aop_writer_of(PyObject *self)
 static int (*aop_tw_impl)(PyObject *self, PyObject *data);    /* set at import */
 static PyObject *aop_str_data;                                 /* "data", interned */
 
-static PyObject *aop_transport_write(PyObject *self, PyObject *const *args,
+AOP_FUNC PyObject *aop_transport_write(PyObject *self, PyObject *const *args,
                                      Py_ssize_t nargs, PyObject *kwnames)
 {
     Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
@@ -74,7 +80,7 @@ static PyMethodDef aop_transport_write_def = {
     "write(data): write the bytes-like data on the transport, as asyncio's write() "
     "(aoprim.aio._aiowrite's module docstring: batched, sent at the iteration's end)."};
 
-static PyObject *aop_make_write_descr(PyObject *cls)
+AOP_FUNC PyObject *aop_make_write_descr(PyObject *cls)
 {
     if (!PyType_Check(cls)) {
         PyErr_SetString(PyExc_TypeError, "not a type");

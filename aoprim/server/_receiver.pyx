@@ -146,9 +146,9 @@ from aoprim.atomic_h cimport (
 from aoprim._slab cimport SlabPool, Slot, aop_slab_take
 from aoprim.server._proxyproto cimport ProxyParser, AOP_PP_MORE, AOP_PP_DONE
 from aoprim._owner cimport tclaim, tunclaim, TCLAIM_OUTER
+from aoprim._index cimport as_index as _as_index
 from aoprim.server._rxbuf cimport (
-    RxArena, _HeapBuf, _RxExporter, _heap, _bump, _count, _as_index, _bptr, _bviews, _bhold,
-    _bgive,
+    RxArena, _HeapBuf, _RxExporter, _heap, _bump, _count, _bptr, _bviews, _bhold, _bgive,
 )
 from aoprim.atomic_h cimport aop_atomic_i64, aop_load_u64p, aop_store_u64p
 

@@ -9,13 +9,12 @@ sees rewritten memory is argued once, at the top of aoprim/server/_receiver.pyx.
 """
 from libc.stdint cimport int64_t, uint64_t
 from cpython.ref cimport PyObject
-from cpython.number cimport PyNumber_Index
-from cpython.long cimport PyLong_CheckExact, PyLong_AsSsize_t
 from aoprim.atomic_h cimport (
     AOP_RELAXED, AOP_ACQUIRE, AOP_RELEASE, aop_load_i64, aop_fetch_add_i64, aop_fetch_sub_i64,
     aop_atomic_i64, aop_spinlock_t, aop_load_u64p, aop_store_u64p,
 )
 from aoprim._slab cimport SlabPool, Slot
+from aoprim._index cimport as_index as _as_index
 
 
 cdef class _FrameCache:
@@ -102,15 +101,6 @@ cdef inline void _bump(int64_t *c, int64_t n) noexcept nogil:
 
 cdef inline int64_t _count(int64_t *c) noexcept nogil:
     return <int64_t>aop_load_u64p(<uint64_t *>c, AOP_RELAXED)   # relaxed: statistics
-
-
-cdef inline Py_ssize_t _as_index(object v, str what) except? -1:
-    """operator.index(v): TypeError for non-integers (a float is never truncated)."""
-    if not PyLong_CheckExact(v):
-        if isinstance(v, float) or not hasattr(type(v), "__index__"):
-            raise TypeError(f"{what} must be an integer, not {type(v).__name__}")
-        v = PyNumber_Index(v)
-    return PyLong_AsSsize_t(v)
 
 
 # ---- buffers: a pool Slot or a _HeapBuf, behind four helpers ------------------------------
