@@ -538,13 +538,13 @@ cdef class EpollCore:
 
     def forked(self, end):
         """In a process forked by code a callback ran (the server calls it at the fork):
-        from now on, a timer or ready callback that returns calls ``end(where, None)``, and
-        one that raises ``end(where, exc)`` -- which ends the process (raises
-        ``SystemExit``): the loop is the parent's."""
+        from now on, a callback of any kind (readiness, timer, ready, iteration hook) that
+        returns calls ``end(where, None)``, and one that raises ``end(where, exc)`` -- which
+        ends the process: the loop is the parent's."""
         self._fork_end = end
 
     cdef int _fork_returned(self, object cb) except -1:
-        self._fork_end(f"loop callback {cb!r}", None)
+        self._fork_end(cb if type(cb) is str else f"loop callback {cb!r}", None)
         return 0
 
     def run(self):
@@ -678,6 +678,8 @@ cdef class EpollCore:
             self._now = monotonic()
             _bump(&self._iterations)
             for i in range(n):
+                if self._fork_end is not None:     # the previous callback forked, returned
+                    self._fork_returned("a readiness callback")
                 ev = self._events[i].events
                 fd = self._events[i].data.fd
                 if fd == self._evfd:
@@ -713,6 +715,8 @@ cdef class EpollCore:
                         wcb()
                 except Exception as e:
                     self._report(rcb if rcb is not None else wcb, e)
+            if self._fork_end is not None:
+                self._fork_returned("a readiness callback")
             # drop the last callbacks' references: a closed session must not be kept alive
             # by a local variable until the next event
             rcb = wcb = None
@@ -759,6 +763,8 @@ cdef class EpollCore:
                     cb()
                 except Exception as e:
                     self._report(cb, e)
+                if self._fork_end is not None:     # (a flush's resume_writing that forked)
+                    self._fork_returned(cb)
             cb = None
         return 0
 

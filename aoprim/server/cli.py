@@ -400,6 +400,26 @@ def _check_choice(a: argparse.Namespace) -> None:
         raise UsageError(f"give MODULE:HANDLER ({a.handler}) or --app {a.app}, not both")
     if a.procs < 1:
         raise UsageError("--procs must be >= 1")
+    most, why = _max_procs()
+    if a.procs > most:
+        raise UsageError(f"--procs {a.procs} is more than this supervisor can start: at most "
+                         f"{most} ({why})")
+
+
+def _max_procs() -> tuple[int, str]:
+    """The most server processes a supervisor can start, and why: the user's process limit
+    (RLIMIT_NPROC, which this user's other processes share) and the supervisor's fds (two
+    pipes a child, RLIMIT_NOFILE, a few kept for itself)."""
+    import resource
+    bounds = [(sys.maxsize, "no limit")]
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if nproc != resource.RLIM_INFINITY:
+        bounds.append((nproc, f"RLIMIT_NPROC {nproc}"))
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if nofile != resource.RLIM_INFINITY:
+        bounds.append((max(1, (nofile - 32) // 2),
+                       f"RLIMIT_NOFILE {nofile}: two pipes a process"))
+    return min(bounds)
 
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:

@@ -35,7 +35,8 @@ fork never serves on.
 
 A fork that does not end itself never serves on either: when handler code running in a
 process it forked comes back into the server -- a hook returns or raises, a loop callback
-returns -- :func:`fork_returned` ends that process there, before the server does anything
+returns -- :func:`fork_returned` ends that process there (:func:`end_fork`: ``os._exit``
+after a flush of stdout, stderr and the logging handlers), before the server does anything
 more in it (no further frame, no flush, no close: the connections are the parent's).  The
 check costs no system call: :func:`forked_since` compares a count of forks that an
 ``os.register_at_fork`` hook keeps (the compiled receiver keeps its own, for its per-frame
@@ -46,6 +47,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
@@ -87,20 +89,37 @@ def fork_count() -> int:
 def fork_returned(where: str, exc: BaseException | None = None,
                   logged: bool = False) -> NoReturn:
     """Handler code forked this process and came back into the server (``where``: the hook
-    that returned or raised, or the loop callback that returned): end the process here, as
-    a ``sys.exit()`` at that point would -- ``SystemExit(0)`` after a return (logged as a
-    WARNING: a fork should end itself), ``SystemExit(1)`` after an exception (logged with
-    its traceback, unless ``logged``: the asyncio adapter's exception handler did).  The
-    exit unwinds through the server's fork-inert exit path: nothing is sent, nothing of
-    the parent's is shut down."""
+    that returned or raised, or the loop callback that returned): end the process here --
+    status 0 after a return (logged as a WARNING: a fork should end itself), 1 after an
+    exception (logged with its traceback, unless ``logged``: the asyncio adapter's
+    exception handler did) -- on any thread.  Nothing of the server runs on in it: nothing
+    is sent, nothing of the parent's is shut down."""
     if exc is None:
         log.warning("process %d, forked by handler code, returned into the server from %s: "
-                    "it ends here (a fork should end itself: sys.exit() or os._exit())",
-                    os.getpid(), where)
-        raise SystemExit(0)
+                    "it ends here (a fork should end itself: os._exit())", os.getpid(), where)
+        end_fork(0)
     log.error("process %d, forked by handler code: %s raised%s; the fork ends", os.getpid(),
               where, " (logged above)" if logged else "", exc_info=None if logged else exc)
-    raise SystemExit(1) from exc
+    end_fork(1)
+
+
+def end_fork(status: int) -> NoReturn:
+    """End this process, a fork of the serving one, with ``status``: what it printed and
+    logged is flushed first, then ``os._exit()`` -- as multiprocessing ends the processes it
+    forks.  Not the interpreter's exit: that would run the atexit handlers the fork
+    inherited from its parent, and multiprocessing's terminates every Pool worker the parent
+    started (the fork takes them for its own), losing the parent's tasks."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            pass
+    try:
+        logging.shutdown()          # every handler flushed (and the fork's copies closed)
+    except Exception:
+        pass
+    os._exit(status)
 
 EOF_MARK = object()     # (EOF_MARK, reason, ...): close once the frames before it ran
 CLOSE_MARK = object()   # run on_close, after every on_read

@@ -206,9 +206,10 @@ class EventLoop(abc.ABC):
     @abc.abstractmethod
     def forked(self, end: Callable[[str, BaseException | None], object]) -> None:
         """In a process forked by code a callback ran (the server calls it in the child,
-        at the fork): from then on a timer or ``call_soon`` callback that returns calls
-        ``end(where, None)``, one that raises ``end(where, exc)`` -- and ``end`` ends the
-        process (raises ``SystemExit``): nothing more of the parent's loop runs there."""
+        at the fork): from then on a callback of any kind (readiness, timer, ``call_soon``,
+        iteration hook) that returns calls ``end(where, None)``, one that raises
+        ``end(where, exc)`` -- and ``end`` ends the process: nothing more of the parent's
+        loop runs there."""
 
     @property
     @abc.abstractmethod

@@ -249,6 +249,8 @@ class SelectorsLoop(EventLoop):
                         h()
                     except Exception as e:
                         self._report(h, e)
+                    if self._fork_end is not None:
+                        self._fork_end(f"loop callback {h!r}", None)
             self._hook = run_hooks
 
     # -- file descriptors -------------------------------------------------------------
@@ -410,6 +412,8 @@ class SelectorsLoop(EventLoop):
             it += 1
             self.iterations = it
             for fd, ev in events:
+                if self._fork_end is not None:  # the previous callback forked, returned
+                    self._fork_end("a readiness callback", None)
                 try:
                     rcb, wcb = cbs[fd]
                 except KeyError:    # removed by an earlier callback of this batch
@@ -432,6 +436,8 @@ class SelectorsLoop(EventLoop):
                         wcb()
                 except Exception as e:
                     self._report(cbs.get(fd), e)
+            if self._fork_end is not None:
+                self._fork_end("a readiness callback", None)
             # drop the last callbacks' references: a closed session must not be kept
             # alive by a loop-local variable until the next event
             rcb = wcb = None
@@ -472,6 +478,8 @@ class SelectorsLoop(EventLoop):
                 self._hook()
             except Exception as e:
                 self._report(self._hook, e)
+            if self._fork_end is not None:      # (a flush's resume_writing that forked)
+                self._fork_end(f"loop callback {self._hook!r}", None)
 
     def _poller(self) -> Callable[[float, int], list[tuple[int, int]]]:
         """``poll(timeout_seconds, maxevents) -> [(fd, epoll_event_mask)]``: the selector's

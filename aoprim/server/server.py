@@ -501,17 +501,24 @@ class Server:
         if self._loop.closed:
             return                      # (stopped: nothing of it is left to hide)
         self._loop.forked(fork_returned)
-        fds = {self._lsock.fileno(), *self._loop.own_fds}
+        # the listening socket wherever it is (fd 0 under inetd's `wait` or systemd's
+        # StandardInput=socket), the loop's fds, and every connection's socket: a fork that
+        # lives on (a multiprocessing Pool worker) must hold no share of the port, and no
+        # connection the parent closes or aborts -- its copy would keep it open (an abort's
+        # reset, a close's FIN wait for the fork's exit)
+        fds = {self._lsock.fileno()} | (set(self._loop.own_fds) - {0, 1, 2})
         try:
             null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             null = -1
         if null >= 0:
-            for fd in sorted(fds - {-1, 0, 1, 2, null}):
+            for fd in sorted(fds - {-1, null}):
                 try:
-                    os.dup2(null, fd, inheritable=False)
+                    os.dup2(null, fd, inheritable=fd <= 2)
                 except OSError:
                     pass
+            for session in self._sessions.values():
+                session.hide_in_fork(null)
             os.close(null)
         old = self._old_signals
         if old:

@@ -919,6 +919,19 @@ class Session:
         """Bytes this session wrote to its socket so far (check_timeouts' progress)."""
         return self._batch.stats["bytes"]
 
+    def hide_in_fork(self, null: int) -> None:
+        """At a fork, in the child: ``/dev/null`` (the open fd ``null``) in place of this
+        connection's socket, whose number the copied socket object still owns -- the fork
+        holds no share of the connection (see Server._hide_in_fork).  The number is read
+        from the socket: -1 once its close began (a close on the loop thread that a worker's
+        fork interrupted), when the number may already be the handler's."""
+        fd = self._sock.fileno()
+        if fd > 2:                      # (the server keeps connections off fds 0-2)
+            try:
+                os.dup2(null, fd, inheritable=False)
+            except OSError:
+                pass
+
     def forget_in_fork(self) -> None:
         """In a process forked from the serving one: close this process's copy of the
         socket, nothing else (no flush, no shutdown(), no option set: the connection is

@@ -85,8 +85,8 @@ Rules
   ``stop_timeout`` (cli.py): what a child started goes with it, as at any stop.
 - Children run in their own process group: a Ctrl-C at the terminal reaches the supervisor
   only, which forwards it once.  Their stdout is read by the supervisor and passed on line by
-  line (a line longer than 64 KiB in pieces of that size: the supervisor's memory stays
-  bounded), as bytes: never decoded, so what reaches the supervisor's stdout is what the
+  line, whole up to 1 MiB (a longer one in pieces of that size, between which another
+  child's lines may come: the supervisor's memory stays bounded), as bytes: never decoded, so what reaches the supervisor's stdout is what the
   child wrote, whatever its encoding; their stderr is the supervisor's.  A child's output is never waited for once
   it has exited (what it wrote is in the pipe; a process it started may hold the pipe
   open): the loop never stalls on it, and a stop takes the time of the slowest child.
@@ -153,7 +153,7 @@ KEEP_IGNORED = (signal.SIGHUP, signal.SIGQUIT)
 # SIGHUP does not (``timeout`` sends SIGTERM to the command and then to its group; systemd
 # signals every process of the unit)
 _KILL_NOW = (signal.SIGINT, signal.SIGQUIT)
-_MAX_LINE = 65536           # a longer stdout line is passed on in pieces of this size
+_MAX_LINE = 1 << 20         # a longer stdout line is passed on in pieces of this size
 _OUT_MAX = 1 << 20          # bytes of output kept for a stdout that is not read, at most
 _STALL = 2.0                # seconds a stdout may take nothing before it counts as stalled
 _FINAL_READS = 64           # reads of an exited child's stdout, at most (64 x 64 KiB)
@@ -721,6 +721,10 @@ class Supervisor:
 
         def setup() -> None:
             os.setpgid(0, 0)
+            # a process group of its own is a background group of the supervisor's terminal:
+            # under `stty tostop` its first write to that terminal (a log line on stderr)
+            # would stop it (SIGTTOU); with the signal ignored the write proceeds
+            signal.signal(signal.SIGTTOU, signal.SIG_IGN)
             if prctl is not None:
                 if prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
                     e = ctypes.get_errno()
@@ -936,7 +940,12 @@ class Supervisor:
                     still.append(c)
                     continue
                 self._read(c, final=True)
-                ok = ok and (rc == 0 or (rc == -signal.SIGTERM and not was_ready[c]))
+                if not (rc == 0 or (rc == -signal.SIGTERM and not was_ready[c])):
+                    # the supervisor's exit status says the stop was not clean: say which
+                    # process and how (a crash in its on_close, a segfault, an OOM kill)
+                    log.error("server process %d exited with %s while stopping",
+                              c.proc.pid, _how(rc))
+                    ok = False
                 self._left_behind(c.proc.pid, stop_at)    # (signalled with it)
                 c.proc = None
             live = still

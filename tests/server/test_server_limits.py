@@ -92,17 +92,19 @@ def test_handler_exception_on_a_worker_closes_only_that_session(make_server, con
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("error", [RuntimeError, SystemExit, KeyboardInterrupt])
 def test_an_on_close_exception_is_logged_and_counted(make_server, connect, logs, backend,
-                                                     workers):
-    """Like on_connect's and on_read's: logged with its traceback and counted in
-    handler_errors, once per raising on_close; the server goes on serving."""
+                                                     workers, error):
+    """Logged with its traceback and counted in handler_errors, once per raising on_close;
+    the server goes on serving -- a BaseException too, without workers as with them: its
+    session is closed already."""
     closes = []
 
     class FragileClose(Echo):
         def on_close(self, session, exc):
             closes.append(session.id)
             if len(closes) <= 2:
-                raise RuntimeError(f"on_close bug {len(closes)}")
+                raise error(f"on_close bug {len(closes)}")
 
     srv = make_server(FragileClose(), framing="u16", workers=workers)
     for _ in range(2):

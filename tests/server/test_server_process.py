@@ -204,11 +204,9 @@ def test_a_fork_that_comes_back_into_the_server_ends_there_and_sends_nothing(
         c.shutdown(socket.SHUT_WR)
         assert _read_to_eof(c) == b""           # nothing more: no duplicate, no reset
     forks = 3 if hook == "on_read" else 1
-    # the fork's status as its parent saw it: a sys.exit() at the point it came back, with
-    # 0 after a return, 1 after an exception -- as a thread's SystemExit does on a worker
-    # (the fork's only thread then), where the process ends with 0
-    on_main = workers == 0 or hook == "on_connect"
-    status = 1 if how == "raise" and on_main else 0
+    # the fork's status as its parent saw it: 0 after a return, 1 after an exception, on
+    # the loop thread and on a worker alike
+    status = 1 if how == "raise" else 0
     lines = [p.stdout.readline().decode().split() for _ in range(forks)]
     assert lines == [[hook, str(status)]] * forks
     p.send_signal(signal.SIGTERM)
@@ -278,8 +276,11 @@ def test_a_protocols_fork_that_comes_back_into_the_server_ends_there(
         for i in range(3):
             c.sendall(b"ping%d" % i)
             assert recv_exact(c, 5) == b"ping%d" % i
-            # (the next request once this one's fork has ended)
-            assert p.stdout.readline().decode().split() == [where, "0"]
+            # (the next request once this one's fork has ended: 1 after an exception that
+            # reached the server, 0 after a return -- a task keeps its own exception, and a
+            # loop callback's goes to the loop's exception handler, as on asyncio's loop)
+            status = "1" if how == "raise" and where == "data_received" else "0"
+            assert p.stdout.readline().decode().split() == [where, status]
         c.shutdown(socket.SHUT_WR)
         assert _read_to_eof(c) == b""
     p.send_signal(signal.SIGTERM)
@@ -375,3 +376,207 @@ def test_a_server_started_with_fds_0_and_2_closed_puts_dev_null_there(run_script
                    shell_redirect="<&- 2>&-")
     assert p.stdout.read().split() == [os.devnull.encode()] * 2
     assert p.wait(timeout=30) == 0
+
+
+POOL_BESIDE_A_FORK = textwrap.dedent("""
+    import multiprocessing, os, sys
+    from aoprim.server import Handler, Server
+
+    backend, workers = sys.argv[1], int(sys.argv[2])
+
+    def square_when_told(started, go, x):
+        started.set()
+        go.wait(30)
+        return x * x
+
+    class H(Handler):
+        def on_read(self, session, data):
+            started, go = manager_events
+            res = pool.apply_async(square_when_told, (started, go, 7))
+            assert started.wait(30)                 # the parent's task runs on the Pool
+            pid = os.fork()
+            if pid == 0:
+                return                              # a fork that comes back: ended
+            os.waitpid(pid, 0)
+            go.set()
+            try:
+                session.send(b"result %d" % res.get(timeout=30))
+            except multiprocessing.TimeoutError:
+                session.send(b"lost")
+
+    if __name__ == "__main__":
+        multiprocessing.set_start_method("fork")
+        manager = multiprocessing.Manager()
+        manager_events = (manager.Event(), manager.Event())
+        pool = multiprocessing.Pool(1)
+        srv = Server(H(), "127.0.0.1", 0, backend=backend, workers=workers)
+        print(srv.address[1], flush=True)
+        srv.serve_forever()
+        pool.terminate()
+        manager.shutdown()
+        print("stopped", flush=True)
+""")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ending_a_fork_leaves_the_parents_pool_workers_alone(run_script, backend, workers):
+    # the fork is ended without the interpreter's exit, whose atexit handlers -- inherited
+    # from the parent -- include multiprocessing's, which terminates the Pool workers the
+    # fork takes for its own: the parent's task on one was lost
+    p = run_script(POOL_BESIDE_A_FORK, backend, str(workers))
+    port = int(p.stdout.readline())
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as c:
+        c.sendall(b"go")
+        assert recv_exact(c, 9, timeout=60) == b"result 49"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 0
+    assert p.stdout.read() == b"stopped\n"
+
+
+LIVE_FORK = textwrap.dedent("""
+    import os, sys, time
+    from aoprim.server import Handler, Server
+
+    backend, workers = sys.argv[1], int(sys.argv[2])
+
+    class H(Handler):
+        def on_read(self, session, data):
+            if bytes(data) == b"fork":
+                if os.fork() == 0:              # a job that lives on (a Pool worker)
+                    time.sleep(60)
+                    os._exit(0)
+                session.send(b"forked")
+            elif bytes(data) == b"abort":
+                session.abort()
+            else:
+                session.close()
+
+    srv = Server(H(), "127.0.0.1", 0, backend=backend, workers=workers)
+    print(srv.address[1], flush=True)
+    srv.serve_forever()
+""")
+
+
+@pytest.mark.parametrize("how", ["abort", "close"])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fork_that_lives_on_holds_no_connection_the_parent_ends(run_script, backend,
+                                                                  workers, how):
+    # the connection open at the fork is the parent's alone: its abort resets it and its
+    # close ends it at once, while the fork lives on
+    p = run_script(LIVE_FORK, backend, str(workers))
+    port = int(p.stdout.readline())
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        c.sendall(b"fork")
+        assert recv_exact(c, 6) == b"forked"
+        wait_for(lambda: len(_group(p.pid)) == 2, 10, "the fork")
+        c.sendall(how.encode())
+        c.settimeout(5)                             # (not the fork's 60 s)
+        try:
+            assert c.recv(16) == b""                # the end of the stream ...
+        except ConnectionResetError:                # ... or, for an abort, a reset
+            assert how == "abort"
+    assert len(_group(p.pid)) == 2                  # the fork is still there
+
+
+LISTENS_ON_FD_0 = textwrap.dedent("""
+    import os, socket, sys, time
+    from aoprim.server import Handler, Server
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    os.dup2(lsock.fileno(), 0)                      # inetd's `wait`, systemd's socket stdin
+    lsock.close()
+    sock = socket.socket(fileno=0)
+
+    class H(Handler):
+        def on_read(self, session, data):
+            if os.fork() == 0:                      # a job that outlives the server
+                time.sleep(60)
+                os._exit(0)
+            session.send(data)
+
+    srv = Server(H(), sock=sock, backend=sys.argv[1])
+    print(srv.address[1], flush=True)
+    srv.serve_forever()
+""")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_listening_socket_on_fd_0_is_not_kept_by_a_fork(run_script, backend):
+    p = run_script(LISTENS_ON_FD_0, backend)
+    port = int(p.stdout.readline())
+    assert _echo(port) == b"x"
+    wait_for(lambda: len(_group(p.pid)) == 2, 10, "the fork")
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 0
+    with pytest.raises(ConnectionRefusedError):
+        # the port closed with the server: the fork holds no share of it
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+
+
+FORK_ON_LOW = textwrap.dedent("""
+    import asyncio, logging, os, signal, sys
+    from aoprim.server import Handler, Server, serve_protocol
+
+    backend, workers, api = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    logging.basicConfig(level=logging.WARNING, format="%(process)d %(levelname)s %(message)s")
+    BIG = b"x" * (16 << 20)                 # more than the socket takes at once
+
+    def fork_and_come_back():
+        pid = os.fork()
+        if pid == 0:
+            return                          # from the flush that saw the backlog drain
+        _, st = os.waitpid(pid, 0)
+        print("low", os.waitstatus_to_exitcode(st), flush=True)
+
+    class P(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            transport.set_write_buffer_limits(high=65536)
+
+        def data_received(self, data):
+            self.transport.write(BIG)
+
+        def resume_writing(self):
+            fork_and_come_back()
+
+    class H(Handler):
+        def on_read(self, session, data):
+            session.set_write_limits(65536, 16384, lambda: None, fork_and_come_back)
+            session.send(BIG)
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    if api == "protocol":
+        srv = serve_protocol(P, "127.0.0.1", 0, backend=backend, workers=workers)
+    else:
+        srv = Server(H(), "127.0.0.1", 0, backend=backend, workers=workers,
+                     framing="raw", max_pending=64 << 20).start()
+    print(srv.address[1], flush=True)
+    signal.sigwait({signal.SIGTERM})
+    srv.shutdown()
+    print("stopped", flush=True)
+""")
+
+
+@pytest.mark.parametrize("api", ["protocol", "handler"])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fork_made_as_the_write_backlog_drains_ends_when_it_comes_back(
+        run_script, backend, workers, api):
+    # resume_writing (serve_protocol) and a session's on_low run from the loop's flush, not
+    # from a hook: a fork made there that returns is ended all the same
+    p = run_script(FORK_ON_LOW, backend, str(workers), api)
+    port = int(p.stdout.readline())
+    with socket.socket() as c:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)    # a slow reader
+        c.connect(("127.0.0.1", port))
+        c.sendall(b"go")
+        assert recv_exact(c, 16 << 20, timeout=60) == b"x" * (16 << 20)
+        assert p.stdout.readline().decode().split() == ["low", "0"]
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 0
+    assert p.stdout.read() == b"stopped\n"
+    err = p.stderr.read().decode()
+    assert err.count("returned into the server from") == 1, err
+    assert "Traceback" not in err and "Errno" not in err, err

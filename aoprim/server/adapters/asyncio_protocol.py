@@ -49,7 +49,8 @@ that caused it (``abort()``, or ``close()`` with nothing left to write, inside
 ``connection_made`` or ``data_received``): it follows in a later loop callback, as asyncio's
 ``call_soon``, and no ``data_received`` comes after ``close()``/``abort()``.  An exception
 in ``connection_made`` goes to the exception handler and the connection carries on (asyncio
-runs it as a loop callback); one in ``data_received``/``eof_received`` (or a
+runs it as a loop callback) -- over TLS it is fatal, as asyncio's TLS transport makes it;
+one in ``data_received``/``eof_received`` (or a
 BufferedProtocol's ``get_buffer``/``buffer_updated``) goes to the exception handler, as
 asyncio's "Fatal error: protocol.data_received() call failed.", and closes the connection
 with ``connection_lost(exc)``.
@@ -471,8 +472,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         try:
             handler(self, context)
         except Exception as e:
-            log.error("the protocol loop's exception handler raised", exc_info=e)
-            self.default_exception_handler(context)
+            # as asyncio's loop: one record, on its logger, with the context it was handling
+            self.default_exception_handler({
+                "message": "Unhandled error in exception handler", "exception": e,
+                "context": context})
 
     def __repr__(self) -> str:
         return f"<ProtocolLoop over {self._ev!r}>"
@@ -629,6 +632,12 @@ class SessionTransport(asyncio.Transport):
     def can_write_eof(self) -> bool:
         return False
 
+    def write_eof(self) -> None:
+        raise NotImplementedError(
+            "write_eof() is not supported by serve_protocol's transport (can_write_eof() is "
+            "False: the server's sessions do not half-close; close() ends the stream after "
+            "what was written) -- docs/server.md")
+
     def get_write_buffer_size(self) -> int:
         return self._session.pending_bytes
 
@@ -637,7 +646,8 @@ class SessionTransport(asyncio.Transport):
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         if high is None:
-            high = 4 * low if low is not None else 64 * 1024
+            # asyncio's defaults: 64 KiB over TCP, 512 KiB over TLS (its SSL transport's)
+            high = 4 * low if low is not None else (512 if self._tls else 64) * 1024
         if low is None:
             low = high // 4
         if not high >= low >= 0:
@@ -784,8 +794,13 @@ class ProtocolHandler(Handler):
         try:
             proto.connection_made(tr)
         except Exception as e:
-            # as asyncio (connection_made runs as a loop callback there): logged, and the
-            # connection carries on
+            if tr._tls:
+                # as asyncio's TLS transport, which calls it from the handshake's end: a
+                # fatal error -- the connection is dropped, connection_lost(e)
+                self._failed(tr, session, e, "connection_made")
+                return
+            # as asyncio over TCP (connection_made runs as a loop callback there): logged,
+            # and the connection carries on
             _callback_failed(loop, proto.connection_made, (tr,), e)
 
     def on_read(self, session: Session, data: memoryview | bytes) -> None:
@@ -820,7 +835,8 @@ class ProtocolHandler(Handler):
         connection closes with ``connection_lost(e)`` (counted in ``handler_errors``)."""
         if not isinstance(e, OSError):
             tr._loop.call_exception_handler({
-                "message": f"Fatal error: protocol.{what}() call failed.",
+                "message": ("Fatal error on SSL protocol" if tr._tls else
+                            f"Fatal error: protocol.{what}() call failed."),
                 "exception": e, "transport": tr, "protocol": tr._protocol})
         # as asyncio's fatal error: the connection closes at once (over TLS without
         # close_notify: the peer sees an unclean end); bytes of this read the protocol
@@ -962,7 +978,17 @@ class ProtocolHandler(Handler):
         start()
 
     def _after_stop(self, timeout: float) -> None:
-        """The loop has stopped: shut the default executor down (waiting up to
-        ``timeout`` s for the calls still running)."""
-        if self._loop is not None:
-            self._loop._shutdown_executor(timeout)
+        """The loop has stopped: say which tasks the shutdown dropped (a task that swallowed
+        its cancellation held the shutdown until ``shutdown_timeout``), then shut the
+        default executor down (waiting up to ``timeout`` s for the calls still running)."""
+        loop = self._loop
+        if loop is None:
+            return
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if left:
+            log.warning("shutdown: %d protocol task%s still running at shutdown_timeout "
+                        "(a cancellation swallowed?) dropped: %s", len(left),
+                        "" if len(left) == 1 else "s",
+                        ", ".join(repr(t) for t in left[:3]) + (", ..." if len(left) > 3
+                                                               else ""))
+        loop._shutdown_executor(timeout)

@@ -4,6 +4,8 @@ output without newlines; a process a handler forked; the status pipe kept from h
 IPv6 addresses on the ``listening on`` line.
 """
 import os
+import re
+import resource
 import signal
 import socket
 import subprocess
@@ -334,3 +336,129 @@ def test_the_listening_line_brackets_an_ipv6_address(procs):
         assert p.wait(60) == 0
     finally:
         cleanup(p)
+
+
+CRASH_AT_STOP = """
+import os
+from aoprim.server import Handler
+
+class CrashAtStop(Handler):
+    # on_close of a session open at the stop crashes the process (os._exit: as a segfault
+    # or an OOM kill would end it)
+    def on_read(self, session, data):
+        session.send(data)
+
+    def on_close(self, session, exc):
+        os._exit(3)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_child_that_crashes_during_the_stop_is_named_in_the_log(tmp_path):
+    (tmp_path / "crashatstop.py").write_text(CRASH_AT_STOP)
+    p, port = serve("--procs", "2", "crashatstop:CrashAtStop", cwd=str(tmp_path))
+    kids = []
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        err = Lines(p.stderr)
+        with socket.create_connection((HOST, port), timeout=10) as s:
+            s.sendall(b"open")
+            assert recv_exact(s, 4) == b"open"          # open at the stop
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(60) == 1                      # not a clean stop ...
+        err.join()
+        # ... and the log says which process and how
+        assert re.search(r"server process (\d+) exited with status 3 while stopping",
+                         err.text()), err.text()
+    finally:
+        cleanup(p, kids)
+
+
+def test_children_ignore_sigttou_so_a_tostop_terminal_cannot_stop_them(tmp_path):
+    # in process groups of their own, the children are a background group of the
+    # supervisor's terminal: under `stty tostop` a write to it (a log line on stderr) would
+    # stop them with SIGTTOU; ignored, the write proceeds
+    p, port = serve("--procs", "2")
+    kids = []
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        for pid in kids:
+            with open(f"/proc/{pid}/status") as f:
+                ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1],
+                              16)
+            assert ignored & (1 << (signal.SIGTTOU - 1)), f"server process {pid}"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        cleanup(p, kids)
+
+
+def test_more_procs_than_the_supervisor_can_start_is_a_usage_error():
+    r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "--port", "0", "--procs",
+                        "1000"], capture_output=True, text=True, timeout=60,
+                       env=child_env(), preexec_fn=lambda: resource.setrlimit(
+                           resource.RLIMIT_NOFILE, (256, resource.getrlimit(
+                               resource.RLIMIT_NOFILE)[1])))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == ("aoprim: --procs 1000 is more than this supervisor can start: "
+                                "at most 112 (RLIMIT_NOFILE 256: two pipes a process)")
+
+
+HALF_LINES = """
+import os, sys
+from aoprim.server import Handler
+
+class HalfLines(Handler):
+    # "part": 300 KB of a line, no newline yet; "rest": its end; "short": a short line (not
+    # in the middle of this process's own long line).  Every reply is the process's pid,
+    # once what it printed is flushed.
+    partial = False
+
+    def on_read(self, session, data):
+        what = bytes(data)
+        if what == b"part":
+            sys.stdout.write("a" * 300_000)
+            HalfLines.partial = True
+        elif what == b"rest":
+            sys.stdout.write("a" * 300_000 + "\\n")
+        elif what == b"short" and not HalfLines.partial:
+            sys.stdout.write("short line\\n")
+        sys.stdout.flush()
+        session.send(b"%d" % os.getpid())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_long_line_of_one_child_comes_out_whole_while_another_prints(tmp_path):
+    (tmp_path / "halflines.py").write_text(HALF_LINES)
+    p, port = serve("--procs", "2", "halflines:HalfLines", cwd=str(tmp_path))
+    kids, others = [], []
+    try:
+        kids = wait_for(lambda: len(children_of(p.pid)) == 2 and children_of(p.pid),
+                        what="2 children")
+        out = Lines(p.stdout)
+        a = socket.create_connection((HOST, port), timeout=10)
+        others.append(a)
+        a.sendall(b"part")
+        pid_a = a.recv(16)
+        while True:                     # a connection served by the other process
+            b = socket.create_connection((HOST, port), timeout=10)
+            others.append(b)
+            b.sendall(b"short")
+            if b.recv(16) != pid_a:
+                break
+        out.wait("short line")          # the other's line is out, the long one half-written
+        a.sendall(b"rest")
+        assert a.recv(16) == pid_a
+        out.wait("a" * 600_000)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+        out.join()
+        lines = out.text().splitlines()
+        assert "a" * 600_000 in lines, [len(line) for line in lines]
+    finally:
+        for c in others:
+            c.close()
+        cleanup(p, kids)

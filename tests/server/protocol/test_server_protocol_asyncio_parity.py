@@ -1,0 +1,179 @@
+"""serve_protocol against asyncio's own loop where a protocol fails or asks for what the
+transport does not do: a TLS ``connection_made`` that raises (fatal, as asyncio's TLS
+transport makes it), an exception handler that raises (asyncio's one record, on its logger),
+the TLS write-buffer limits (asyncio's TLS defaults), ``write_eof()`` (refused, saying so),
+and a task that swallows its cancellation at the shutdown (named when it is dropped).  Each
+scenario runs on asyncio's loop too, where it applies, and the two must agree."""
+import asyncio
+import logging
+import socket
+import ssl
+import threading
+
+import pytest
+
+from protocol_support import backend, on_asyncio, serve, workers  # noqa: F401  (fixtures)
+from server_support import HOST, wait_for
+from tlscerts import tls_certs  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _tls_exchange(ctx, address):
+    """A TLS client: handshake, send b"ping", read until the end; returns what it read, or
+    the name of the error that ended it."""
+    with socket.create_connection(address, timeout=10) as raw:
+        try:
+            with ctx.wrap_socket(raw, server_hostname="localhost") as c:
+                c.sendall(b"ping")
+                got = b""
+                while True:
+                    b = c.recv(4096)
+                    if not b:
+                        return got
+                    got += b
+        except (OSError, ssl.SSLError) as e:
+            return type(e).__name__
+
+
+def _made_raises(lost):
+    class MadeRaises(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            raise ValueError("connection_made failed")
+
+        def data_received(self, data):
+            self.transport.write(data)
+
+        def connection_lost(self, exc):
+            lost.append(exc)
+    return MadeRaises
+
+
+def test_a_tls_connection_made_that_raises_drops_the_connection_as_asyncio(serve, tls_certs,
+                                                                          caplog):
+    client = tls_certs.client_ctx()
+    theirs = []
+    seen_there = on_asyncio(_made_raises(theirs), lambda a: _tls_exchange(client, a),
+                            ssl=tls_certs.server_ctx())
+    ours = []
+    srv = serve(_made_raises(ours), ssl=tls_certs.server_ctx())
+    seen_here = _tls_exchange(client, srv.address)
+    wait_for(lambda: ours, 10, "connection_lost")
+    # the peer never gets its echo, and connection_lost gets the exception, on both
+    assert b"ping" not in (seen_there if isinstance(seen_there, bytes) else b"")
+    assert b"ping" not in (seen_here if isinstance(seen_here, bytes) else b"")
+    assert [type(e) for e in theirs] == [ValueError] == [type(e) for e in ours]
+    assert "Fatal error on SSL protocol" in caplog.text
+
+
+def test_a_tcp_connection_made_that_raises_is_logged_and_the_connection_goes_on(serve):
+    lost = []
+    srv = serve(_made_raises(lost))
+    with socket.create_connection(srv.address, timeout=10) as c:
+        c.sendall(b"ping")
+        assert c.recv(16) == b"ping"
+
+
+def test_an_exception_handler_that_raises_is_one_asyncio_record(serve, caplog):
+    class Fails(asyncio.Protocol):
+        def connection_made(self, transport):
+            def handler(loop, context):
+                raise RuntimeError("the handler failed")
+            asyncio.get_running_loop().set_exception_handler(handler)
+            raise ValueError("connection_made failed")
+
+    srv = serve(Fails)
+    with caplog.at_level(logging.ERROR):
+        with socket.create_connection(srv.address, timeout=10):
+            wait_for(lambda: "Unhandled error in exception handler" in caplog.text, 10,
+                     "the record")
+    recs = [r for r in caplog.records if "Unhandled error in exception handler" in
+            r.getMessage()]
+    assert len(recs) == 1 and recs[0].name == "asyncio"
+    assert isinstance(recs[0].exc_info[1], RuntimeError)
+    assert "connection_made failed" in recs[0].getMessage()     # the context it handled
+
+
+def _limits_seen(seen):
+    class Limits(asyncio.Protocol):
+        def connection_made(self, transport):
+            seen.append(transport.get_write_buffer_limits())
+            transport.set_write_buffer_limits(high=1000)
+            transport.set_write_buffer_limits()
+            seen.append(transport.get_write_buffer_limits())
+            transport.close()
+    return Limits
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_the_default_write_buffer_limits_are_asyncios(serve, tls_certs, tls):
+    kw = {"ssl": tls_certs.server_ctx()} if tls else {}
+    client = tls_certs.client_ctx() if tls else None
+
+    def connect(address):
+        if client is None:
+            with socket.create_connection(address, timeout=10) as c:
+                c.recv(16)
+        else:
+            _tls_exchange(client, address)
+
+    theirs = []
+    on_asyncio(_limits_seen(theirs), connect, **kw)
+    ours = []
+    srv = serve(_limits_seen(ours), **kw)
+    connect(srv.address)
+    wait_for(lambda: len(ours) == 2, 10, "the limits")
+    expected = [(131072, 524288) if tls else (16384, 65536)] * 2
+    assert ours == theirs == expected
+
+
+def test_write_eof_says_it_is_not_supported(serve):
+    got = []
+
+    class HalfClose(asyncio.Protocol):
+        def connection_made(self, transport):
+            got.append(transport.can_write_eof())
+            try:
+                transport.write_eof()
+            except NotImplementedError as e:
+                got.append(str(e))
+            transport.close()
+
+    srv = serve(HalfClose)
+    with socket.create_connection(srv.address, timeout=10) as c:
+        assert c.recv(16) == b""
+    assert got[0] is False and "write_eof() is not supported" in got[1]
+
+
+def test_a_task_that_swallows_its_cancellation_is_named_when_the_shutdown_drops_it(
+        backend, workers, caplog):
+    from aoprim.server import serve_protocol
+    started = threading.Event()
+    release = threading.Event()
+
+    async def stubborn():
+        started.set()
+        while not release.is_set():
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                pass                        # swallowed: the shutdown's cancel too
+
+    class Starts(asyncio.Protocol):
+        def connection_made(self, transport):
+            asyncio.get_running_loop().create_task(stubborn(), name="the-stubborn-one")
+            transport.close()
+
+    srv = serve_protocol(Starts, HOST, 0, backend=backend, workers=workers,
+                         shutdown_timeout=0.5)
+    try:
+        with socket.create_connection(srv.address, timeout=10) as c:
+            assert started.wait(10)
+            c.recv(16)
+        with caplog.at_level(logging.WARNING):
+            srv.shutdown(timeout=30)
+    finally:
+        release.set()
+    assert "1 protocol task still running at shutdown_timeout" in caplog.text
+    assert "the-stubborn-one" in caplog.text
