@@ -384,6 +384,14 @@ class Server:
     def _prepare(self) -> None:
         if self._started:
             raise RuntimeError("a Server can be started once")
+        if os.getpid() != self._pid:
+            # its loop's epoll instance (or selector) is shared with the process that made
+            # it: registrations there would meet the parent's (EEXIST) and steal its events
+            raise RuntimeError(
+                f"this Server was made in process {self._pid} and is started in {os.getpid()}, "
+                f"a fork of it: a Server serves in the process that made it -- make it after "
+                f"the fork, or serve one port from several processes with reuse_port=True or "
+                f"`python -m aoprim serve --procs N`")
         self._started = True
         try:
             self._prepare_parts()

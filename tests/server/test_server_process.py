@@ -580,3 +580,37 @@ def test_a_fork_made_as_the_write_backlog_drains_ends_when_it_comes_back(
     err = p.stderr.read().decode()
     assert err.count("returned into the server from") == 1, err
     assert "Traceback" not in err and "Errno" not in err, err
+
+
+MADE_BEFORE_A_FORK = textwrap.dedent("""
+    import os, sys
+    from aoprim.server import Server
+    from aoprim.server.apps import Echo
+
+    srv = Server(Echo(), "127.0.0.1", 0, backend=sys.argv[1])
+    pid = os.fork()
+    if pid == 0:
+        try:
+            srv.serve_forever()
+        except RuntimeError as e:
+            print(e, flush=True)
+            os._exit(3)
+        os._exit(0)
+    _, st = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(st), flush=True)
+    srv.start()                             # the parent that made it serves
+    import socket
+    with socket.create_connection(srv.address, timeout=10) as c:
+        c.sendall(b"x")
+        print(c.recv(1).decode(), flush=True)
+    srv.shutdown()
+""")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_server_made_before_a_fork_refuses_to_start_in_the_child(run_script, backend):
+    p = run_script(MADE_BEFORE_A_FORK, backend)
+    assert p.wait(timeout=60) == 0
+    lines = p.stdout.read().decode().splitlines()
+    assert lines[0].startswith("this Server was made in process ") and "reuse_port" in lines[0]
+    assert lines[1:] == ["3", "x"]
