@@ -408,12 +408,13 @@ def _check_choice(a: argparse.Namespace) -> None:
 
 def _max_procs() -> tuple[int, str]:
     """The most server processes a supervisor can start, and why: the user's process limit
-    (RLIMIT_NPROC, which this user's other processes share) and the supervisor's fds (two
-    pipes a child, RLIMIT_NOFILE, a few kept for itself)."""
+    (RLIMIT_NPROC, which this user's other processes share; not root's) and the
+    supervisor's fds (two pipes a child, RLIMIT_NOFILE, a few kept for itself)."""
     import resource
     bounds = [(sys.maxsize, "no limit")]
     nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    if nproc != resource.RLIM_INFINITY:
+    # (the kernel does not hold root -- CAP_SYS_RESOURCE/CAP_SYS_ADMIN -- to RLIMIT_NPROC)
+    if nproc != resource.RLIM_INFINITY and os.geteuid() != 0:
         bounds.append((nproc, f"RLIMIT_NPROC {nproc}"))
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if nofile != resource.RLIM_INFINITY:

@@ -80,6 +80,23 @@ def _count_fork() -> None:
 
 os.register_at_fork(after_in_child=_count_fork)
 
+# forks this process made (os.fork, a fork multiprocessing worker; counted in the parent):
+# a session that sees it moved since its accept may share its socket with a fork
+_forks_made = 0
+
+
+def _count_fork_made() -> None:
+    global _forks_made
+    _forks_made += 1
+
+
+os.register_at_fork(after_in_parent=_count_fork_made)
+
+
+def forks_made() -> int:
+    """How many times this process has forked (the parent's count: see _count_fork_made)."""
+    return _forks_made
+
 
 def fork_count() -> int:
     """How many forks this process descends through (0 in the process that started)."""
@@ -104,20 +121,27 @@ def fork_returned(where: str, exc: BaseException | None = None,
 
 
 def end_fork(status: int) -> NoReturn:
-    """End this process, a fork of the serving one, with ``status``: what it printed and
-    logged is flushed first, then ``os._exit()`` -- as multiprocessing ends the processes it
-    forks.  Not the interpreter's exit: that would run the atexit handlers the fork
-    inherited from its parent, and multiprocessing's terminates every Pool worker the parent
-    started (the fork takes them for its own), losing the parent's tasks."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:
-            pass
+    """End this process, a fork of the serving one, with ``status``: stdout and stderr are
+    flushed first (log records are written as they are made), then ``os._exit()`` -- as
+    multiprocessing ends the processes it forks.  Not the interpreter's exit: that would
+    run the atexit handlers the fork inherited from its parent, and multiprocessing's
+    terminates every Pool worker the parent started (the fork takes them for its own),
+    losing the parent's tasks; nor ``logging.shutdown()``, which would write a buffering
+    handler's copy of the parent's records again.  The flush runs on a thread of its own,
+    waited for one second at most: a stream's lock may be held by a thread of the parent
+    (blocked on a full pipe), which does not exist in the fork and never lets it go."""
+    def flush() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except Exception:
+                pass
     try:
-        logging.shutdown()          # every handler flushed (and the fork's copies closed)
-    except Exception:
+        t = threading.Thread(target=flush, name="aoprim-fork-exit", daemon=True)
+        t.start()
+        t.join(1.0)
+    except Exception:           # (no thread can start: the streams stay unflushed)
         pass
     os._exit(status)
 

@@ -510,10 +510,11 @@ class Server:
             return                      # (stopped: nothing of it is left to hide)
         self._loop.forked(fork_returned)
         # the listening socket wherever it is (fd 0 under inetd's `wait` or systemd's
-        # StandardInput=socket), the loop's fds, and every connection's socket: a fork that
-        # lives on (a multiprocessing Pool worker) must hold no share of the port, and no
-        # connection the parent closes or aborts -- its copy would keep it open (an abort's
-        # reset, a close's FIN wait for the fork's exit)
+        # StandardInput=socket) and the loop's fds: a fork that lives on (a multiprocessing
+        # Pool worker) must hold no share of the port.  The connections' sockets stay: a
+        # subprocess started with a preexec_fn (which runs this hook) may be handed one as
+        # its stdout; the parent's abort of a connection a fork may share shuts it down
+        # first (Session._teardown), so the peer is not left waiting for the fork's exit
         fds = {self._lsock.fileno()} | (set(self._loop.own_fds) - {0, 1, 2})
         try:
             null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
@@ -525,8 +526,6 @@ class Server:
                     os.dup2(null, fd, inheritable=fd <= 2)
                 except OSError:
                     pass
-            for session in self._sessions.values():
-                session.hide_in_fork(null)
             os.close(null)
         old = self._old_signals
         if old:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 from aoprim import RefCount, SendBatch, Slot
 from aoprim.server._receiver import Receiver
 
-from .dispatch import CLOSE_MARK, EOF_MARK, WorkState, fork_returned
+from .dispatch import CLOSE_MARK, EOF_MARK, WorkState, fork_returned, forks_made
 from .proxy import client_address
 from .rx import (PAUSE_BACKLOG, PAUSE_BACKPRESSURE, PAUSE_CLOSING, PAUSE_EOF, PAUSE_SHUTDOWN,
                  PAUSE_USER, RX_EOF, RX_ERROR, RX_FORKED, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR,
@@ -97,6 +97,7 @@ _LINGER_READS = 16          # reads of unread input per lingering-close callback
 _DISCARD = 65536
 _SOL_SOCKET = socket.SOL_SOCKET
 _SO_LINGER = socket.SO_LINGER
+_SHUT_RDWR = socket.SHUT_RDWR
 # struct linger {int l_onoff; int l_linger;}: off, and on with 0 (a reset) never block close()
 _LINGER_OFF = bytes(8)
 _LINGER_RESET = (1).to_bytes(4, sys.byteorder) + bytes(4)
@@ -166,7 +167,7 @@ class Session:
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested", "_rst",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
                  "_rest", "_cb_hold", "_transport", "_cap", "_limit", "_limit_cause",
-                 "_progress_at", "__weakref__")
+                 "_progress_at", "_forks_at_accept", "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
     #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
@@ -187,6 +188,7 @@ class Session:
         self._ctx = ctx
         self._sock = sock
         self._fd = sock.fileno()
+        self._forks_at_accept = forks_made()    # (see _teardown: a fork may share the socket)
         loop = ctx.loop
         self._loop = loop
         self._state = OPEN
@@ -919,19 +921,6 @@ class Session:
         """Bytes this session wrote to its socket so far (check_timeouts' progress)."""
         return self._batch.stats["bytes"]
 
-    def hide_in_fork(self, null: int) -> None:
-        """At a fork, in the child: ``/dev/null`` (the open fd ``null``) in place of this
-        connection's socket, whose number the copied socket object still owns -- the fork
-        holds no share of the connection (see Server._hide_in_fork).  The number is read
-        from the socket: -1 once its close began (a close on the loop thread that a worker's
-        fork interrupted), when the number may already be the handler's."""
-        fd = self._sock.fileno()
-        if fd > 2:                      # (the server keeps connections off fds 0-2)
-            try:
-                os.dup2(null, fd, inheritable=False)
-            except OSError:
-                pass
-
     def forget_in_fork(self) -> None:
         """In a process forked from the serving one: close this process's copy of the
         socket, nothing else (no flush, no shutdown(), no option set: the connection is
@@ -1295,6 +1284,16 @@ class Session:
                 sock.setsockopt(_SOL_SOCKET, _SO_LINGER, _LINGER_OFF)
         except OSError:
             pass
+        if self._forks_at_accept != forks_made():
+            # a fork made since the accept may hold this socket too, and then our close is
+            # not the last: neither an abort's end nor a reset would leave until the fork
+            # exits.  shutdown() acts on the connection itself: the peer gets the end of the
+            # stream now (after what was already queued), and a reset still comes with our
+            # close if it is the last
+            try:
+                sock.shutdown(_SHUT_RDWR)
+            except OSError:
+                pass
         try:
             sock.close()
         except OSError:

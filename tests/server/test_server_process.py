@@ -614,3 +614,30 @@ def test_a_server_made_before_a_fork_refuses_to_start_in_the_child(run_script, b
     lines = p.stdout.read().decode().splitlines()
     assert lines[0].startswith("this Server was made in process ") and "reuse_port" in lines[0]
     assert lines[1:] == ["3", "x"]
+
+
+HANDS_THE_CONNECTION = textwrap.dedent("""
+    import os, subprocess, sys
+    from aoprim.server import Handler, Server
+
+    class H(Handler):
+        def on_read(self, session, data):
+            # a program that answers on the connection itself (inetd, CGI): started with a
+            # preexec_fn, which runs the fork hooks in the child before its fds are set
+            subprocess.run([sys.executable, "-c", "print('from-program', flush=True)"],
+                           stdout=session.socket.fileno(), preexec_fn=os.setpgrp, check=True)
+            session.close()
+
+    srv = Server(H(), "127.0.0.1", 0, backend=sys.argv[1], framing="raw")
+    print(srv.address[1], flush=True)
+    srv.serve_forever()
+""")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_subprocess_handed_the_connection_writes_to_it(run_script, backend):
+    p = run_script(HANDS_THE_CONNECTION, backend)
+    port = int(p.stdout.readline())
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        c.sendall(b"go")
+        assert _read_to_eof(c) == b"from-program\n"

@@ -115,6 +115,11 @@ _asyncio_log = logging.getLogger("asyncio")
 _get_ident = threading.get_ident
 
 # what asyncio's TLS transport answers in get_extra_info (and the session's ALPN name)
+# what asyncio's TLS transport says of a protocol callback that raised, where it differs
+# from "Fatal error on SSL protocol"
+_TLS_FATAL = {"connection_made": "Fatal error: protocol.buffer_updated() call failed.",
+              "eof_received": "Error calling eof_received()"}
+
 _TLS_NAMES = frozenset(("sslcontext", "ssl_object", "peercert", "cipher", "compression",
                         "selected_alpn_protocol"))
 
@@ -471,8 +476,11 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             return
         try:
             handler(self, context)
-        except Exception as e:
-            # as asyncio's loop: one record, on its logger, with the context it was handling
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:
+            # as asyncio's loop (a CancelledError too): one record, on its logger, with the
+            # context it was handling
             self.default_exception_handler({
                 "message": "Unhandled error in exception handler", "exception": e,
                 "context": context})
@@ -834,10 +842,16 @@ class ProtocolHandler(Handler):
         gets it (not for an OSError, which asyncio only logs in debug mode), and the
         connection closes with ``connection_lost(e)`` (counted in ``handler_errors``)."""
         if not isinstance(e, OSError):
+            if not tr._tls:
+                message = f"Fatal error: protocol.{what}() call failed."
+            else:
+                # asyncio's TLS transport's words: connection_made runs inside its socket
+                # transport's buffer_updated, eof_received in a call of its own, the data
+                # callbacks inside its SSL protocol's read
+                message = _TLS_FATAL.get(what, "Fatal error on SSL protocol")
             tr._loop.call_exception_handler({
-                "message": ("Fatal error on SSL protocol" if tr._tls else
-                            f"Fatal error: protocol.{what}() call failed."),
-                "exception": e, "transport": tr, "protocol": tr._protocol})
+                "message": message, "exception": e, "transport": tr,
+                "protocol": tr._protocol})
         # as asyncio's fatal error: the connection closes at once (over TLS without
         # close_notify: the peer sees an unclean end); bytes of this read the protocol
         # never took (a BufferedProtocol's get_buffer or buffer_updated raised midway)
@@ -910,6 +924,9 @@ class ProtocolHandler(Handler):
         except Exception as e:
             self._failed(tr, session, e, "eof_received")
             return True             # (closed by handler_failed)
+        if keep and tr._tls:
+            _asyncio_log.warning("returning true from eof_received() has no effect when "
+                                 "using ssl")
         if not keep or tr._tls:
             # closing from here on, as asyncio's transport closes itself right after (with
             # workers the session's close follows from the loop thread)

@@ -50,21 +50,75 @@ def _made_raises(lost):
     return MadeRaises
 
 
+def _asyncio_errors(caplog):
+    """The first lines of the ERROR records on asyncio's logger so far; then cleared."""
+    got = [r.getMessage().splitlines()[0] for r in caplog.records
+           if r.name == "asyncio" and r.levelno >= logging.ERROR]
+    caplog.clear()
+    return got
+
+
 def test_a_tls_connection_made_that_raises_drops_the_connection_as_asyncio(serve, tls_certs,
                                                                           caplog):
     client = tls_certs.client_ctx()
     theirs = []
+    caplog.clear()
     seen_there = on_asyncio(_made_raises(theirs), lambda a: _tls_exchange(client, a),
                             ssl=tls_certs.server_ctx())
+    there = _asyncio_errors(caplog)
     ours = []
     srv = serve(_made_raises(ours), ssl=tls_certs.server_ctx())
     seen_here = _tls_exchange(client, srv.address)
     wait_for(lambda: ours, 10, "connection_lost")
+    here = _asyncio_errors(caplog)
     # the peer never gets its echo, and connection_lost gets the exception, on both
     assert b"ping" not in (seen_there if isinstance(seen_there, bytes) else b"")
     assert b"ping" not in (seen_here if isinstance(seen_here, bytes) else b"")
     assert [type(e) for e in theirs] == [ValueError] == [type(e) for e in ours]
-    assert "Fatal error on SSL protocol" in caplog.text
+    # and the exception handler is told in asyncio's words
+    assert here == there == ["Fatal error: protocol.buffer_updated() call failed."]
+
+
+def _tls_eof(ctx, address):
+    """A TLS client that sends b"ping", then its close_notify, and reads to the end."""
+    with socket.create_connection(address, timeout=10) as raw:
+        c = ctx.wrap_socket(raw, server_hostname="localhost")
+        try:
+            c.sendall(b"ping")
+            c.unwrap()
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            c.close()
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["raises", "returns_true"])
+def test_a_tls_eof_received_is_told_in_asyncios_words(serve, tls_certs, caplog, keep):
+    def factory():
+        class Eof(asyncio.Protocol):
+            def connection_made(self, transport):
+                self.transport = transport
+
+            def eof_received(self):
+                if keep:
+                    return True
+                raise ValueError("eof_received failed")
+        return Eof
+
+    client = tls_certs.client_ctx()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        on_asyncio(factory(), lambda a: _tls_eof(client, a), ssl=tls_certs.server_ctx())
+        there = [r.getMessage().splitlines()[0] for r in caplog.records
+                 if r.name == "asyncio"]
+        caplog.clear()
+        srv = serve(factory(), ssl=tls_certs.server_ctx())
+        _tls_eof(client, srv.address)
+        want = ("returning true from eof_received() has no effect when using ssl" if keep
+                else "Error calling eof_received()")
+        wait_for(lambda: want in caplog.text, 10, "the record")
+        here = [r.getMessage().splitlines()[0] for r in caplog.records if r.name == "asyncio"]
+    assert here == there == [want]
 
 
 def test_a_tcp_connection_made_that_raises_is_logged_and_the_connection_goes_on(serve):
@@ -75,13 +129,19 @@ def test_a_tcp_connection_made_that_raises_is_logged_and_the_connection_goes_on(
         assert c.recv(16) == b"ping"
 
 
-def test_an_exception_handler_that_raises_is_one_asyncio_record(serve, caplog):
+@pytest.mark.parametrize("error", [RuntimeError, asyncio.CancelledError])
+def test_an_exception_handler_that_raises_is_one_asyncio_record(serve, caplog, error):
     class Fails(asyncio.Protocol):
         def connection_made(self, transport):
+            self.transport = transport
+
             def handler(loop, context):
-                raise RuntimeError("the handler failed")
+                raise error("the handler failed")
             asyncio.get_running_loop().set_exception_handler(handler)
             raise ValueError("connection_made failed")
+
+        def data_received(self, data):
+            self.transport.write(data)
 
     srv = serve(Fails)
     with caplog.at_level(logging.ERROR):
@@ -91,8 +151,11 @@ def test_an_exception_handler_that_raises_is_one_asyncio_record(serve, caplog):
     recs = [r for r in caplog.records if "Unhandled error in exception handler" in
             r.getMessage()]
     assert len(recs) == 1 and recs[0].name == "asyncio"
-    assert isinstance(recs[0].exc_info[1], RuntimeError)
+    assert isinstance(recs[0].exc_info[1], error)
     assert "connection_made failed" in recs[0].getMessage()     # the context it handled
+    with socket.create_connection(srv.address, timeout=10) as c:   # and it serves on
+        c.sendall(b"ping")
+        assert c.recv(16) == b"ping"
 
 
 def _limits_seen(seen):
