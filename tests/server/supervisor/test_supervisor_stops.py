@@ -202,6 +202,8 @@ def test_what_a_crashed_child_started_is_killed_after_stop_timeout_if_it_stays(t
         err.wait("(restarted) is listening")
         wait_for(lambda: not alive(pid), timeout=20, what=f"process {pid} gone")
         assert p.poll() is None
+        # (logged before the kill; the reader thread may not have taken the line yet)
+        err.wait("did not stop: killing them", timeout=20)
         assert re.search(r"processes started by server process \d+ did not stop: killing "
                          r"them", err.text()), err.text()
         p.send_signal(signal.SIGTERM)
