@@ -15,7 +15,7 @@ import pytest
 
 from aoprim.server.loop import BACKENDS
 
-from server_support import recv_exact, wait_for
+from server_support import recv_exact, recv_until_closed, wait_for
 
 FORKER = textwrap.dedent("""
     import logging, os, signal, sys, time
@@ -176,15 +176,6 @@ FORK_BACK = textwrap.dedent("""
 """)
 
 
-def _read_to_eof(sock):
-    out = b""
-    while True:
-        b = sock.recv(65536)
-        if not b:
-            return out
-        out += b
-
-
 @pytest.mark.parametrize("how", ["return", "raise"])
 @pytest.mark.parametrize("hook", ["on_connect", "on_read", "on_close"])
 @pytest.mark.parametrize("workers", [0, 2])
@@ -202,7 +193,7 @@ def test_a_fork_that_comes_back_into_the_server_ends_there_and_sends_nothing(
             c.sendall(b"ping%d" % i)
             assert recv_exact(c, 5) == b"ping%d" % i
         c.shutdown(socket.SHUT_WR)
-        assert _read_to_eof(c) == b""           # nothing more: no duplicate, no reset
+        assert recv_until_closed(c) == (b"", "eof")   # nothing more: no duplicate, no reset
     forks = 3 if hook == "on_read" else 1
     # the fork's status as its parent saw it: 0 after a return, 1 after an exception, on
     # the loop thread and on a worker alike
@@ -282,7 +273,7 @@ def test_a_protocols_fork_that_comes_back_into_the_server_ends_there(
             status = "1" if how == "raise" and where == "data_received" else "0"
             assert p.stdout.readline().decode().split() == [where, status]
         c.shutdown(socket.SHUT_WR)
-        assert _read_to_eof(c) == b""
+        assert recv_until_closed(c) == (b"", "eof")
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == 0
     assert p.stdout.read() == b"stopped\n"
@@ -640,4 +631,4 @@ def test_a_subprocess_handed_the_connection_writes_to_it(run_script, backend):
     port = int(p.stdout.readline())
     with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
         c.sendall(b"go")
-        assert _read_to_eof(c) == b"from-program\n"
+        assert recv_until_closed(c) == (b"from-program\n", "eof")
