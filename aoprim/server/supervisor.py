@@ -85,7 +85,7 @@ Rules
   ``stop_timeout`` (cli.py): what a child started goes with it, as at any stop.
 - Children run in their own process group: a Ctrl-C at the terminal reaches the supervisor
   only, which forwards it once.  Their stdout is read by the supervisor and passed on line by
-  line, whole up to 1 MiB (a longer one in pieces of that size, between which another
+  line, whole up to 64 KiB (a longer one in pieces of that size, between which another
   child's lines may come: the supervisor's memory stays bounded), as bytes: never decoded, so what reaches the supervisor's stdout is what the
   child wrote, whatever its encoding; their stderr is the supervisor's.  A child's output is never waited for once
   it has exited (what it wrote is in the pipe; a process it started may hold the pipe
@@ -153,7 +153,7 @@ KEEP_IGNORED = (signal.SIGHUP, signal.SIGQUIT)
 # SIGHUP does not (``timeout`` sends SIGTERM to the command and then to its group; systemd
 # signals every process of the unit)
 _KILL_NOW = (signal.SIGINT, signal.SIGQUIT)
-_MAX_LINE = 1 << 20         # a longer stdout line is passed on in pieces of this size
+_MAX_LINE = 65536           # a longer stdout line is passed on in pieces of this size
 _OUT_MAX = 1 << 20          # bytes of output kept for a stdout that is not read, at most
 _STALL = 2.0                # seconds a stdout may take nothing before it counts as stalled
 _FINAL_READS = 64           # reads of an exited child's stdout, at most (64 x 64 KiB)
@@ -661,7 +661,7 @@ class _Child:
     def __init__(self, index: int) -> None:
         self.index = index
         self.proc: subprocess.Popen[bytes] | None = None    # the running process, or None
-        self.buf = b""            # the start of a stdout line not yet complete
+        self.buf = bytearray()    # the start of a stdout line not yet complete
         self.status: int | None = None  # the read end of its status pipe, while open
         self.said = b""           # what the current process wrote on its status pipe
         self.started = 0.0        # time.monotonic() at spawn
@@ -754,7 +754,7 @@ class Supervisor:
         self._sel.register(status_r, selectors.EVENT_READ, (c, status_r))
         c.status = status_r
         c.said = b""
-        c.buf = b""
+        c.buf.clear()
         c.started = time.monotonic()
         c.ready = False
         c.timed_out = c.slow_noted = False
@@ -877,19 +877,29 @@ class Supervisor:
                     self._sel.unregister(fd)
                 c.proc.stdout.close()
                 if c.buf:                      # its last output, without a newline: as it is
-                    self._line(c, c.buf)
-                    c.buf = b""
+                    self._line(c, bytes(c.buf))
+                    c.buf.clear()
                 return
-            *lines, c.buf = (c.buf + chunk).split(b"\n")
-            for line in lines:
-                self._line(c, line + b"\n")
+            # the line's start grows in place (a bytearray: no copy of what is kept per
+            # read), and each complete line is cut out of it once
+            buf = c.buf
+            start = len(buf)
+            buf += chunk
+            nl = buf.find(b"\n", start)
+            if nl >= 0:
+                done = 0
+                while nl >= 0:
+                    self._line(c, bytes(buf[done:nl + 1]))
+                    done = nl + 1
+                    nl = buf.find(b"\n", done)
+                del buf[:done]
             if len(c.buf) >= _MAX_LINE:
                 # a line without end (progress output, a binary dump): kept whole, it would
                 # grow without bound and be joined again on every read; passed on now, it
                 # costs at most _MAX_LINE + one read, and each byte is copied a bounded
                 # number of times
-                self._line(c, c.buf)
-                c.buf = b""
+                self._line(c, bytes(c.buf))
+                c.buf.clear()
             if not final and self._output.blocked():
                 return                     # the rest waits in the pipe (see _Output)
 

@@ -411,7 +411,7 @@ import os, sys
 from aoprim.server import Handler
 
 class HalfLines(Handler):
-    # "part": 300 KB of a line, no newline yet; "rest": its end; "short": a short line (not
+    # "part": 30 KB of a line, no newline yet; "rest": its end; "short": a short line (not
     # in the middle of this process's own long line).  Every reply is the process's pid,
     # once what it printed is flushed.
     partial = False
@@ -419,10 +419,10 @@ class HalfLines(Handler):
     def on_read(self, session, data):
         what = bytes(data)
         if what == b"part":
-            sys.stdout.write("a" * 300_000)
+            sys.stdout.write("a" * 30_000)
             HalfLines.partial = True
         elif what == b"rest":
-            sys.stdout.write("a" * 300_000 + "\\n")
+            sys.stdout.write("a" * 30_000 + "\\n")
         elif what == b"short" and not HalfLines.partial:
             sys.stdout.write("short line\\n")
         sys.stdout.flush()
@@ -431,7 +431,7 @@ class HalfLines(Handler):
 
 
 @pytest.mark.timeout(120)
-def test_a_long_line_of_one_child_comes_out_whole_while_another_prints(tmp_path):
+def test_a_line_up_to_64_kib_comes_out_whole_while_another_child_prints(tmp_path):
     (tmp_path / "halflines.py").write_text(HALF_LINES)
     p, port = serve("--procs", "2", "halflines:HalfLines", cwd=str(tmp_path))
     kids, others = [], []
@@ -452,12 +452,12 @@ def test_a_long_line_of_one_child_comes_out_whole_while_another_prints(tmp_path)
         out.wait("short line")          # the other's line is out, the long one half-written
         a.sendall(b"rest")
         assert a.recv(16) == pid_a
-        out.wait("a" * 600_000)
+        out.wait("a" * 60_000)
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0
         out.join()
         lines = out.text().splitlines()
-        assert "a" * 600_000 in lines, [len(line) for line in lines]
+        assert "a" * 60_000 in lines, [len(line) for line in lines]
     finally:
         for c in others:
             c.close()
