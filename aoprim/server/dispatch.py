@@ -36,11 +36,11 @@ fork never serves on.
 A fork that does not end itself never serves on either: when handler code running in a
 process it forked comes back into the server -- a hook returns or raises, a loop callback
 returns -- :func:`fork_returned` ends that process there (:func:`end_fork`: ``os._exit``
-after a flush of stdout, stderr and the logging handlers), before the server does anything
-more in it (no further frame, no flush, no close: the connections are the parent's).  The
-check costs no system call: :func:`forked_since` compares a count of forks that an
-``os.register_at_fork`` hook keeps (the compiled receiver keeps its own, for its per-frame
-check).
+after a bounded flush of stdout and stderr), before the server does anything more in it (no
+further frame, no flush, no close: the connections are the parent's).  The check costs no
+system call: a dispatch compares the count of forks an ``os.register_at_fork`` hook keeps
+with the count it saw when the server started (``_ForkAware``; the compiled receiver keeps
+its own count, for its per-frame check).
 """
 from __future__ import annotations
 
@@ -98,11 +98,6 @@ def forks_made() -> int:
     return _forks_made
 
 
-def fork_count() -> int:
-    """How many forks this process descends through (0 in the process that started)."""
-    return _forks
-
-
 def fork_returned(where: str, exc: BaseException | None = None,
                   logged: bool = False) -> NoReturn:
     """Handler code forked this process and came back into the server (``where``: the hook
@@ -150,13 +145,12 @@ CLOSE_MARK = object()   # run on_close, after every on_read
 SHUTDOWN_MARK = object()    # the server's shutdown: close once the frames before it ran
 
 
-class InlineDispatch:
-    copy_frames = False
-    threads: tuple[threading.Thread, ...] = ()
-    closed = False
+class _ForkAware:
+    """What both dispatches know of forks: whether this is a process handler code forked
+    from the serving one (the fork count moved since the dispatch was made, in the serving
+    process's start), and the end of such a fork once a hook returned into the server."""
 
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
+    def __init__(self) -> None:
         self._forks = _forks
 
     def in_fork(self) -> bool:
@@ -167,6 +161,16 @@ class InlineDispatch:
         """A hook returned: in a process handler code forked, that ends the process."""
         if _forks != self._forks:
             fork_returned(where)
+
+
+class InlineDispatch(_ForkAware):
+    copy_frames = False
+    threads: tuple[threading.Thread, ...] = ()
+    closed = False
+
+    def __init__(self, handler: Handler) -> None:
+        super().__init__()
+        self.handler = handler
 
     def propagates(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by a hook, leaves the loop (stopping the server) instead
@@ -206,11 +210,12 @@ class WorkState:
         self.ending = False             # SHUTDOWN_MARK queued: the session must not be held
 
 
-class WorkerDispatch:
+class WorkerDispatch(_ForkAware):
     copy_frames = True
 
     def __init__(self, handler: Handler, settings: Settings,
                  on_exit: Callable[[], object] | None = None) -> None:
+        super().__init__()
         self.handler = handler
         self._limit = settings.worker_backlog
         self._resume_at = settings.worker_backlog // 4
@@ -219,17 +224,7 @@ class WorkerDispatch:
         # sessions waiting for room (loop thread)
         self._overflow: collections.deque[Session] = collections.deque()
         self._loop: EventLoop | None = None
-        self._forks = _forks
         self.closed = False
-
-    def in_fork(self) -> bool:
-        """True in a process forked from the server's (by handler code)."""
-        return _forks != self._forks
-
-    def returned(self, where: str) -> None:
-        """A hook returned: in a process handler code forked, that ends the process."""
-        if _forks != self._forks:
-            fork_returned(where)
 
     def propagates(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by a hook, leaves the thread that ran it instead of

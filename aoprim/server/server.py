@@ -26,7 +26,9 @@ unwinds through the server, ``shutdown()``, the interpreter's exit) closes only 
 own copies of the fds -- no ``epoll_ctl``, no ``shutdown()``, no byte sent on a connection
 the parent serves.  A fork that does not end itself ends when its code comes back into the
 server -- a hook returns or raises, a loop callback returns (dispatch.fork_returned) --
-before the server does anything more there.
+before the server does anything more there.  The connections' sockets stay in the fork (a
+preexec_fn subprocess may be handed one); the parent shuts down a connection a fork may
+share before it closes it (Session._teardown), so a fork that lives on cannot keep it open.
 """
 from __future__ import annotations
 
