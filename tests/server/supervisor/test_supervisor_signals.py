@@ -28,15 +28,18 @@ from aoprim.server import Handler
 class Spawner(Handler):
     # each connection starts a process that would run for 5 minutes and says its pid
     def on_connect(self, session):
-        p = subprocess.Popen(COMMAND)
+        # (its "ready" once its signal dispositions are set: a stop signal sent before
+        # would find a helper that does not ignore it yet)
+        p = subprocess.Popen(COMMAND, stdout=subprocess.PIPE)
+        p.stdout.readline()
         print("spawned", p.pid, flush=True)
 
     def on_read(self, session, data):
         session.send(data)
 """
 
-SLEEPS = ["sleep", "300"]
-IGNORES_TERM = ["sh", "-c", "trap '' TERM; exec sleep 300"]   # (exec keeps the ignore)
+SLEEPS = ["sh", "-c", "echo ready; exec sleep 300"]
+IGNORES_TERM = ["sh", "-c", "trap '' TERM; echo ready; exec sleep 300"]   # (exec keeps the ignore)
 
 BYTES = """
 import sys

@@ -159,13 +159,16 @@ class Crasher(Handler):
     # a frame starts a long helper (in the child's process group, as any subprocess) and
     # then crashes the server process
     def on_read(self, session, data):
-        p = subprocess.Popen(COMMAND)
+        # (its "ready" once its signal dispositions are set: a stop signal sent before
+        # would find a helper that does not ignore it yet)
+        p = subprocess.Popen(COMMAND, stdout=subprocess.PIPE)
+        p.stdout.readline()
         print("spawned", p.pid, flush=True)
         os._exit(3)
 """
 
-SLEEPS = ["sleep", "300"]
-IGNORES_TERM = ["sh", "-c", "trap '' TERM; exec sleep 300"]
+SLEEPS = ["sh", "-c", "echo ready; exec sleep 300"]
+IGNORES_TERM = ["sh", "-c", "trap '' TERM; echo ready; exec sleep 300"]
 
 
 def _crash(tmp_path, command, *extra):
