@@ -32,7 +32,7 @@ cdef class TLSFlush:
 @cython.final
 cdef class TLSConn(_RxSource):
     cdef TLSFlush tls
-    cdef object sess                 # the TLSSession: policy callbacks
+    cdef object sess                 # the session's TLSWire: policy callbacks
     cdef Receiver rx
     cdef SendBatch batch
     cdef object fileno               # sock.fileno (bound): -1 once the socket is closed
@@ -44,8 +44,6 @@ cdef class TLSConn(_RxSource):
     cdef object _out_read
     cdef object _add_frame           # batch.add_frame, batch.add_copy (bound)
     cdef object _add_copy
-    cdef public Py_ssize_t byref_min # send_frame/send_copy leave memoryviews this long to
-                                     #   the session (-1: none)
     cdef object out
     cdef object ct                   # ciphertext read from `out`, not all sent (or None)
     cdef Py_ssize_t ct_off           # bytes of ct already sent

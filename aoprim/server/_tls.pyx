@@ -24,9 +24,9 @@ Python frame (as uvloop's sslproto is Cython over the same ``ssl`` objects):
   run of coalesced small frames is one segment, so one ``write`` and one record per 16 KiB;
   a large payload is encrypted from its own memory) up to ``budget`` plaintext bytes, reads
   the outgoing BIO once and sends it with one ``send`` (MSG_DONTWAIT | MSG_NOSIGNAL).  The
-  session's Python (``_tls_flushed``) runs only when the status is not 0 (would block, the
+  session's Python (its wire's ``_tls_flushed``) runs only when the status is not 0 (would block, the
   budget used up, an error) or the batch is watched (closing, back-pressure, write limits);
-  an exception goes to ``_tls_failed``.
+  an exception goes to the wire's ``_tls_failed``.
 - **Counting.** ``pending`` is the ciphertext taken from the BIO and not yet sent (an atomic,
   read from any thread: ``max_pending`` counts it with the plaintext not yet encrypted);
   ``TLSFlush.sends`` / ``bytes_out`` the sends of ciphertext and their bytes.
@@ -51,7 +51,6 @@ cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.buffer cimport PyBuffer_FillInfo
-from cpython.memoryview cimport PyMemoryView_GET_BUFFER
 from libc.stdint cimport int64_t
 from libc.errno cimport errno, EAGAIN, EINTR, EPROTO, EBADF
 
@@ -181,12 +180,6 @@ cdef class TLSFlush:
         return 0
 
 
-cdef inline bint _byref(TLSConn c, data) noexcept:
-    # a memoryview of at least byref_min bytes: the session's own (by-reference) send path
-    return (c.byref_min >= 0 and type(data) is memoryview and
-            PyMemoryView_GET_BUFFER(data).len >= c.byref_min)
-
-
 cdef inline object _added(TLSConn c, object p):
     # the batch's add returned p: mark the session dirty when it added (p >= 0)
     if p >= 0:
@@ -196,9 +189,10 @@ cdef inline object _added(TLSConn c, object p):
 
 cdef class TLSConn(_RxSource):
     """One TLS session's per-message work (see the module docstring):
-    ``TLSConn(tls, session, sock, sslobj, incoming, outgoing, batch, budget)``, then
-    ``attach(receiver)``.  ``app``: application data may be encrypted (the session sets it
-    once the handshake is done, clears it when it writes ``close_notify``)."""
+    ``TLSConn(tls, wire, sock, sslobj, incoming, outgoing, batch, budget)``, then
+    ``attach(receiver)``; ``wire`` (the session's ``TLSWire``) gets the policy callbacks.
+    ``app``: application data may be encrypted (the wire sets it once the handshake is done,
+    clears it when it writes ``close_notify``)."""
 
     def __cinit__(self, TLSFlush tls, sess, sock, sslobj, inc, out, SendBatch batch,
                   Py_ssize_t budget):
@@ -217,7 +211,6 @@ cdef class TLSConn(_RxSource):
         self._add_frame = batch.add_frame
         self._add_copy = batch.add_copy
         self.budget = budget if budget > 0 else 1
-        self.byref_min = -1         # send_frame/send_copy take every memoryview until set
 
     def attach(self, Receiver rx):
         """Become ``rx``'s source."""
@@ -272,16 +265,15 @@ cdef class TLSConn(_RxSource):
         old = None
 
     # -- send, the session's per-message half ---------------------------------------------
-    # TLSSession.send's common case in one call (u16 echo: one Python call less per frame,
-    # and the by-reference size test without Python bytecode): the batch's add, then mark()
+    # Session.send's add over TLS in one call (the wire's add_frame / add_copy; u16 echo:
+    # one Python call less per frame): the batch's add, then mark()
 
     def send_frame(self, data, header_size):
         """``batch.add_frame(data, header_size)`` and, when it added, ``mark()``: returns
         add_frame's result (pending bytes; -1 from another thread, nothing added), or -2
-        with nothing done for a memoryview of at least ``byref_min`` bytes, or once closed
-        (the session's own send path takes those)."""
+        with nothing done once closed."""
         with cython.critical_section(self):     # any thread: see close()
-            add = None if self._gone() or _byref(self, data) else self._add_frame
+            add = None if self._gone() else self._add_frame
         if add is None:
             return -2
         return _added(self, add(data, header_size))
@@ -289,7 +281,7 @@ cdef class TLSConn(_RxSource):
     def send_copy(self, data):
         """``batch.add_copy(data)`` and, when it added, ``mark()``: as send_frame."""
         with cython.critical_section(self):     # any thread: see close()
-            add = None if self._gone() or _byref(self, data) else self._add_copy
+            add = None if self._gone() else self._add_copy
         if add is None:
             return -2
         return _added(self, add(data))

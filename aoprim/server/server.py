@@ -51,6 +51,7 @@ from .listener import Listener, describe_address, make_listening_socket, sock_ad
 from .backends import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
 from .session import RawSession, Session, SessionContext
+from .wire import PlainWire
 from .stats import Stats, summary
 from .tx import Flusher, check_payload
 
@@ -430,14 +431,15 @@ class Server:
         ctx.session_gone = self._session_gone
         ctx.tls = None
         ctx.kick = self._kick
+        ctx.wire = PlainWire
         self._ctx = ctx
         self._session_cls = RawSession if st.framing == "raw" else Session
         flush = self._flusher.flush
         if st.ssl is not None:
-            from .tls import RawTLSSession, TLSFlush, TLSSession
+            from .tls import TLSFlush, TLSWire
             ctx.tls = self._stats.tls = TLSFlush()
             flush = ctx.tls.flush       # every batch is a TLS session's: none in the group
-            self._session_cls = RawTLSSession if st.framing == "raw" else TLSSession
+            ctx.wire = TLSWire
         self._listener = Listener(loop, self._lsock, st, self._accept, self._has_room)
         self._pid = os.getpid()
         _serving.add(self)

@@ -1,9 +1,16 @@
 """Layer 2 -- one connection: its state machine, its lifetime and its public API.
 
+One idea, a connection's life (over 800 lines): its states and every path from the accept
+to ``on_close`` -- sends, back-pressure, limits, the close paths -- share the invariants
+below; its parts are modules of their own (:mod:`.rx`, :mod:`.tx`, :mod:`.wire` and
+:mod:`.tls`, :mod:`.dispatch`).
+
 A session composes its parts: the receive side (:mod:`.rx`: the compiled ``Receiver`` is
 the loop's read callback and calls ``on_read`` itself), the send side (:mod:`.tx`: a
 ``SendBatch`` flushed by the server's per-iteration ``FlushGroup``; sends from other threads
-handed over one item per send) and its place in the dispatch (:mod:`.dispatch`).
+handed over one item per send), its wire (:mod:`.wire`: plain TCP, or TLS in :mod:`.tls`
+-- what lies between those two and the socket) and its place in the dispatch
+(:mod:`.dispatch`).
 
 States: OPEN -> CLOSING -> CLOSED.
 
@@ -70,6 +77,8 @@ if TYPE_CHECKING:
     from .server import Server
     from .stats import Stats
     from .tx import Flusher
+    from .wire import PlainWire
+    from .tls import TLSWire
 
     #: what send() takes: any bytes-like object (bytes, bytearray, memoryview, ...) or a
     #: pool Slot (retained, not copied)
@@ -128,7 +137,7 @@ class SessionContext:
     """What a session needs from its server, as public attributes (filled by Server)."""
 
     __slots__ = ("server", "loop", "settings", "flusher", "arena", "dispatch", "stats",
-                 "session_closed", "session_gone", "tls", "kick")
+                 "session_closed", "session_gone", "tls", "kick", "wire")
 
     server: Server
     loop: EventLoop
@@ -141,6 +150,7 @@ class SessionContext:
     session_gone: Callable[[Session], None]
     tls: TLSFlush | None
     kick: Callable[[], None]
+    wire: type[PlainWire] | type[TLSWire]     # each session's wire (see .wire)
 
 
 class _WriteLimits:
@@ -167,7 +177,8 @@ class Session:
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested", "_rst",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
                  "_rest", "_cb_hold", "_transport", "_cap", "_limit", "_limit_cause",
-                 "_progress_at", "_forks_at_accept", "__weakref__")
+                 "_progress_at", "_forks_at_accept", "_wire", "_add_frame", "_add_copy",
+                 "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
     #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
@@ -195,8 +206,9 @@ class Session:
         self._reason: str | None = None
         self._exc: BaseException | None = None
         self._rc: RefCount = RefCount(1, self._on_zero)
+        wire_cls = ctx.wire
         # (a TLS session's batch stays out of the FlushGroup: TLSFlush encrypts it)
-        self._batch = ctx.flusher.new_batch(sock, self, ctx.tls is None)
+        self._batch = ctx.flusher.new_batch(sock, self, wire_cls.in_flush_group)
         self._batch.owner_thread = loop.thread_id   # sends from other threads: -1 (slow path)
         self._hs = ctx.settings.header_size
         # a send above this takes _over_high: the high-water mark, or max_pending if lower
@@ -207,8 +219,14 @@ class Session:
         d = ctx.dispatch
         self.work = WorkState() if d.copy_frames else None
         self._rx = Rx(ctx.arena, self._fd, ctx.settings, d.frame_callback(self),
-                      self._rx_event, self, d.copy_frames, loop.time(), self._rx_proxy)
-        self._reader = self._rx.receiver.on_readable
+                      self._rx_event, self, d.copy_frames, loop.time(),
+                      not wire_cls.reads_proxy_header)
+        wire = self._wire = wire_cls(self, ctx, sock, self._batch, self._rx)
+        self._reader: Callable[[], object] | None = wire.reader
+        # the per-message adds (the batch's, or the wire's own that also marks it for its
+        # flush): a send is one call
+        self._add_frame = wire.add_frame
+        self._add_copy = wire.add_copy
         self._writing = False               # write interest armed (the socket would block)
         # (high, low, on_high, on_low): set_write_limits
         self._wm: tuple[int, int, Callable[[], object], Callable[[], object]] | None = None
@@ -222,8 +240,9 @@ class Session:
         self._close_requested = False
         self._rst = False                   # close with a reset (handler_failed's reset)
         # True while the handler has not met this session (no on_connect yet, so no on_close
-        # and no broadcasts): the PROXY protocol until the header is read, a failed start()
-        self._proxy_wait = ctx.settings.proxy_protocol is not None
+        # and no broadcasts): the PROXY protocol until the header is read, a wire's
+        # handshake until it is done (wire_open), a failed start()
+        self._proxy_wait = ctx.settings.proxy_protocol is not None or wire_cls.handshake
         self._sent_seen = 0                 # bytes the peer had taken when the sweep last
         self._owed_seen = False             #   looked, and whether output was owed then
         # the errno of the recv or send error that ended the session (a reset: ECONNRESET),
@@ -245,9 +264,6 @@ class Session:
         self._limit: str | None = None
         self._limit_cause: str | None = None
         self._progress_at = 0.0             # a transport's close: when the peer last took bytes
-
-    # the Receiver looks for the PROXY header (a TLS session reads it before the handshake)
-    _rx_proxy = True
 
     def __repr__(self) -> str:
         st = ("open", "closing", "closed")[self._state]
@@ -273,8 +289,9 @@ class Session:
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes accepted by send() and not yet written (approximate off the loop thread)."""
-        return self._batch.pending_bytes
+        """Bytes accepted by send() and not yet written (approximate off the loop thread);
+        over TLS, plaintext not yet encrypted plus ciphertext not yet sent."""
+        return self._batch.pending_bytes + self._wire.pending
 
     @property
     def socket(self) -> TransportSocket:
@@ -295,7 +312,7 @@ class Session:
             return self.peer
         if name == "sockname":
             return self.sockname
-        return default
+        return self._wire.extra_info(name, default)
 
     @property
     def sockname(self) -> Any:
@@ -321,9 +338,10 @@ class Session:
         else:
             # one C call: header + payload (copied when small, as one message; bytes by
             # reference and a Slot retained when large); ValueError when it does not fit.
-            # -1: called from another thread (the batch's owner_thread is the loop's):
-            # nothing was added, take the thread-safe path
-            p = self._batch.add_frame(data, self._hs)
+            # -1: called from another thread (the batch's owner_thread is the loop's),
+            # -2: the wire is closed (a teardown on the loop thread, just now): nothing was
+            # added, take the thread-safe path (which drops it once closed)
+            p = self._add_frame(data, self._hs)
             if p < 0:
                 self._send_slow(data)
                 return
@@ -344,9 +362,11 @@ class Session:
         except BaseException:
             self._abort("a frame could not be queued after its header", cause="send error")
             raise
-        return self._write_now(b)
+        p = self._write_now()
+        self._wire.sent()
+        return p
 
-    def _write_now(self, b: SendBatch) -> int:
+    def _write_now(self) -> int:
         """After a large by-reference send (loop thread): hand the batch to the kernel now,
         as asyncio's ``write()`` does, instead of at the iteration's end; returns the bytes
         still pending.  A large echo has nothing to coalesce with, and waiting costs cache:
@@ -354,24 +374,17 @@ class Session:
         pinned until the flush, so a burst of 10 x 512 KiB echoes copied 5 MiB in and out
         of memory that had left the CPU's cache, where writing at once frees the slot for
         the next read while its bytes are still cached.  Not while the socket is
-        waiting to be writable (the writer sends, in order), nor for a batch outside the
-        FlushGroup (TLS: it holds plaintext, encrypted by its own flush).  A write error is
-        handled as the iteration's flush reports one: the session is aborted."""
-        if self._writing or b.group is None:
-            return b.pending_bytes
-        try:
-            b.flush()
-        except OSError as e:
-            en = e.errno or errno.EIO
-            if self._state != CLOSED:
-                self._oserr = en
-                self._peer_failed = self._state == OPEN
-            self._abort(f"send failed: {os.strerror(en)}",
-                        cause="reset" if en in _RESET_ERRNOS else "send error")
+        waiting to be writable (the writer sends, in order).  The wire writes (TLS:
+        encrypts and sends, unless no application data may be encrypted yet or any more).
+        A write error is handled as the iteration's flush reports one: the session is
+        aborted."""
+        if self._writing:
+            return self.pending_bytes
+        status = self._wire.write_now()
+        if status < 0:
+            self.flushed(status)
             return 0
-        except RuntimeError:            # another thread holds the batch: the flush will
-            pass
-        return b.pending_bytes
+        return self.pending_bytes
 
     def _send_raw(self, data: _SendData) -> None:
         """send() with raw framing (installed as ``send`` by :class:`RawSession`)."""
@@ -392,13 +405,15 @@ class Session:
             b = self._batch
             if b.pending_bytes == 0 or 2 * data.nbytes >= self._ctx.arena.raw_read_size:
                 b.add(data)
-                p = self._write_now(b)
+                p = self._write_now()
             else:
                 p = b.add_copy(data)
+            self._wire.sent()
         else:
             # add_copy copies a view or bytearray (the memory under a frame view is reused
-            # after on_read), keeps bytes by reference, retains a Slot; -1: another thread
-            p = self._batch.add_copy(data)
+            # after on_read), keeps bytes by reference, retains a Slot; -1: another thread,
+            # -2: the wire is closed (as in send)
+            p = self._add_copy(data)
             if p < 0:
                 self._send_slow(data)
                 return
@@ -466,16 +481,10 @@ class Session:
         self._abort("aborted by the application")
 
     def _send_once(self) -> None:
-        """One non-blocking attempt to write what the batch holds (loop thread).  A TLS
-        session's batch is outside the FlushGroup: the server's TLS flush (the iteration
-        hook, run early) encrypts and sends it."""
-        b = self._batch
+        """One non-blocking attempt to write what the batch holds (loop thread): the wire's
+        (TLS: the server's TLS flush, the iteration hook, run early, encrypts and sends)."""
         try:
-            if b.group is not None:
-                if b.pending_bytes:
-                    b.flush()
-            elif self._ctx.tls is not None and self.pending_bytes:
-                self._ctx.tls.flush()
+            self._wire.flush_once()
         except (OSError, RuntimeError):
             pass            # (the abort follows: a send error changes nothing)
         except Exception as e:      # another TLS session's callback in the early flush
@@ -646,6 +655,7 @@ class Session:
                             "send error")   # (CLOSED: the items after this are released)
             finally:
                 release_item(item)      # a Slot: the batch holds its own reference now
+        self._wire.sent()
         if self._state != CLOSED and b.pending_bytes > self._hw:
             self._over_high()
 
@@ -659,6 +669,7 @@ class Session:
             p = b.add_frame(item, self._hs)
         else:
             p = b.add_copy(item)        # bytes by reference, a Slot retained
+        self._wire.sent()
         if p > self._hw:
             self._over_high()
         return True
@@ -698,7 +709,7 @@ class Session:
         p = self.pending_bytes
         if not self._wm_paused:
             if p > high and try_socket and self._transport:
-                self._write_now(self._batch)
+                self._write_now()
                 if self._state == CLOSED:
                     return
                 p = self.pending_bytes
@@ -723,6 +734,8 @@ class Session:
         still pending (would block or budget used up), -errno the write failed."""
         if self._state == CLOSED:
             return
+        if not status and self._state == CLOSING:
+            status = self._wire.end_output()    # (TLS: close_notify, once all is sent)
         if status < 0:
             e = -status
             if self._state != CLOSED:
@@ -762,15 +775,16 @@ class Session:
 
     def _requeue(self) -> None:
         """Have this session's batch flushed at the end of this iteration."""
-        self._ctx.flusher.requeue(self._batch)
+        self._wire.requeue()
 
     def _owes_output(self) -> int:
         """Something is still to be written before the write side may be shut."""
-        return self._batch.pending_msgs
+        return self._wire.owes_output()
 
     def _update_interest(self) -> None:
         if self._state == CLOSED:
             return
+        r: Callable[[], object] | None
         if self._lingering:
             r = self._discard_input
         else:
@@ -796,9 +810,10 @@ class Session:
     def _reading_resumed(self) -> None:
         """The last pause reason was cleared (loop thread)."""
         self._update_interest()
-        if self._rx.receiver.pending or self._rest is not None:
+        if self._rx.receiver.pending or self._rest is not None or self._wire.holds_input():
             # frames read before the pause and held back (the receiver stops between frames
-            # once held): no readiness event will come for them
+            # once held), input the wire holds (TLS: decrypted bytes in OpenSSL, records
+            # in its incoming buffer): no readiness event will come for them
             self._loop.call_soon(self._deliver_held)
 
     def hold_for_callbacks(self) -> None:
@@ -839,11 +854,14 @@ class Session:
                 return
             if self._state != OPEN or self._rx.paused or not self._rx.receiver.pending:
                 return
-        self._reader()
+        reader = self._reader
+        if reader is not None:          # (None only once closed)
+            reader()
 
     # -- hooks for the server's parts ---------------------------------------------------
     def start(self) -> None:
         """Register with the loop (loop thread, right after accept)."""
+        self._wire.start()
         self._update_interest()
 
     def fail_start(self, reason: str) -> None:
@@ -918,8 +936,10 @@ class Session:
                         level=logging.WARNING, cause="timeout")
 
     def _bytes_written(self) -> int:
-        """Bytes this session wrote to its socket so far (check_timeouts' progress)."""
-        return self._batch.stats["bytes"]
+        """Bytes this session wrote to its socket so far (check_timeouts' progress; over
+        TLS ciphertext: the batch's count is plaintext handed to OpenSSL, which stands still
+        while one large segment's ciphertext drains)."""
+        return self._wire.bytes_written()
 
     def forget_in_fork(self) -> None:
         """In a process forked from the serving one: close this process's copy of the
@@ -994,7 +1014,12 @@ class Session:
     def lost_error(self) -> OSError | None:
         """The OSError of the recv or send error that ended the stream (a reset:
         ConnectionResetError), or None: what asyncio hands ``connection_lost`` (the asyncio
-        adapter; ``on_close`` itself gets None for these)."""
+        adapter; ``on_close`` itself gets None for these); after a wire error (TLS: a
+        record that does not decrypt, the peer's fatal alert) the wire's (an
+        ``ssl.SSLError`` naming it, as asyncio's TLS transport hands ``connection_lost``)."""
+        e = self._wire.lost_error()
+        if e is not None:
+            return e
         err = self._oserr
         return None if err is None else OSError(err, os.strerror(err))
 
@@ -1058,7 +1083,13 @@ class Session:
     # -- receiving (loop thread) --------------------------------------------------------
     def _rx_event(self, owner: object, code: int, arg: Any) -> None:
         """The receiver's report: EOF, a recv error, a header above max_frame, or a handler
-        exception."""
+        exception.  A wire that failed (TLS: a record that does not decrypt) names the
+        cause instead."""
+        if self._state == OPEN:
+            failed = self._wire.failed()
+            if failed is not None:
+                self._abort(failed, cause="tls")
+                return
         if code == RX_EOF:
             self._peer_closed()
         elif code == RX_ERROR:
@@ -1085,13 +1116,41 @@ class Session:
         """The PROXY header: parsed (the client's address becomes ``peer``, then the
         handler's on_connect runs, before any frame), or refused (closed, counted)."""
         if code == RX_PROXY_ERROR:
-            self._close(f"PROXY protocol: {arg}", None, logging.WARNING, "proxy")
+            self.wire_proxy_refused(arg)
             return
-        self._proxy_peer_is(arg)
+        self.wire_proxy_header(arg)
         self._proxy_wait = False
         self.run_on_connect()
 
-    def _proxy_peer_is(self, arg: Any) -> None:
+    # -- the wire's calls (loop thread; see .wire) ---------------------------------------
+    def wire_open(self, reader: Callable[[], object]) -> None:
+        """The wire is ready for application data (TLS: the handshake is done): ``reader``
+        becomes the read callback, the handler meets the session (``on_connect``), and
+        input that came with the handshake's last flight is read at once."""
+        self._proxy_wait = False
+        self._reader = reader
+        self._update_interest()
+        self.run_on_connect()
+        if self._state == OPEN and not self._rx.paused and self._wire.holds_input():
+            reader()
+
+    def wire_failed(self, reason: str, level: int, cause: str) -> None:
+        """The wire cannot go on (a handshake that failed or timed out, a send OpenSSL
+        refused): the session is aborted."""
+        self._abort(reason, level=level, cause=cause)
+
+    def wire_holds_input(self) -> None:
+        """The wire holds input no readiness event will announce (TLS: the last read
+        filled its room, or met the end of the stream after its data): read it from a loop
+        callback."""
+        if self._state == OPEN and not self._rx.paused:
+            self._loop.call_soon(self._deliver_held)
+
+    def wire_proxy_refused(self, error: str) -> None:
+        """The PROXY header was refused (``error`` says why): closed, counted."""
+        self._close(f"PROXY protocol: {error}", None, logging.WARNING, "proxy")
+
+    def wire_proxy_header(self, arg: Any) -> None:
         """The PROXY header ``arg`` was read: the client's address becomes ``peer``, the
         balancer's ``proxy_peer``."""
         peer = self.peer
@@ -1142,7 +1201,7 @@ class Session:
                 raise
             self.handler_failed("eof_received", e)
             return True                 # handler_failed closes it
-        return bool(keep) and self._ctx.tls is None
+        return bool(keep) and self._wire.half_close
 
     # -- closing (loop thread) ----------------------------------------------------------
     def _close(self, reason: str, exc: BaseException | None = None, level: int = logging.INFO,
@@ -1307,6 +1366,10 @@ class Session:
             self._post_close()          # (no callback would run any more)
         else:
             self._loop.call_soon(self._post_close)
+        # the wire drops its references to us (TLS: a cycle through its compiled half and
+        # its read callback), so a closed session is freed by reference counting
+        self._wire.close()
+        self._reader = None
 
     def _post_close(self) -> None:
         """on_close, after the last on_read: run here (workers=0) or posted behind the

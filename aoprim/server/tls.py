@@ -13,7 +13,7 @@ measured figures.
 
 Per connection, on the loop thread:
 
-- **Handshake** (before ``on_connect``): the read callback is :meth:`TLSSession._hs_readable`:
+- **Handshake** (before ``on_connect``): the read callback is :meth:`TLSWire._hs_readable`:
   ciphertext from the socket (after the PROXY header, when the PROXY protocol is on: the
   header comes first, parsed here by a ``ProxyParser``) goes into the incoming BIO and
   ``do_handshake()`` runs; what it writes leaves with the per-iteration flush.  A handshake
@@ -26,7 +26,7 @@ Per connection, on the loop thread:
   with the ``SSLObject``'s ``read(n, buffer)`` (pulling ciphertext from the socket into the
   incoming BIO when OpenSSL holds none), and the Receiver cuts frames exactly as for plain
   TCP.  When the slot was filled, decrypted bytes may still wait inside OpenSSL, which no
-  readiness event will announce: :meth:`TLSSession._tls_more` schedules another read.
+  readiness event will announce: :meth:`TLSWire._tls_more` schedules another read.
 - **Send**: ``send()`` adds to the session's ``SendBatch`` as on plain TCP (the batch is not
   attached to the ``FlushGroup``: its bytes must not reach the fd unencrypted) and marks the
   session dirty (``TLSConn.mark``).  ``TLSFlush.flush`` (the loop's iteration hook on a TLS
@@ -38,9 +38,9 @@ Per connection, on the loop thread:
   with one ``send``.  Plaintext is encrypted only once the previous ciphertext left (at most
   ``flush_budget`` plaintext bytes per flush), so ``pending_bytes`` (and ``max_pending``,
   on the loop thread and where another thread's send is queued) counts the plaintext not
-  yet encrypted plus the ciphertext not yet sent.  The session's Python
-  (:meth:`TLSSession._tls_flushed`) runs only when a flush leaves something or the batch is
-  watched (closing, back-pressure, write limits).
+  yet encrypted plus the ciphertext not yet sent.  The wire's Python
+  (:meth:`TLSWire._tls_flushed`, which reports to ``Session.flushed``) runs only when a
+  flush leaves something or the batch is watched (closing, back-pressure, write limits).
 - **Close**: a graceful close encrypts what is owed, then ``close_notify`` (``unwrap``),
   then the lingering close (shut the write side, drain input).  A peer's ``close_notify`` or
   a bare EOF is the peer's EOF; a TLS error after the handshake closes the session (INFO).
@@ -54,27 +54,25 @@ import re
 import reprlib
 import ssl
 import stat
-import threading
 from typing import TYPE_CHECKING, Any
 
 from aoprim.server._proxyproto import ProxyParser
 from aoprim.server._tls import TLSConn, TLSFlush
 
-from .session import OPEN, CLOSED, Session, _BYREF_MIN
-
 if TYPE_CHECKING:
     import socket
+    from typing import Callable
 
-    from aoprim import SendBatch, Slot
+    from aoprim import SendBatch
 
     from .loop import Timer
-    from .session import SessionContext, _SendData
+    from .rx import Rx
+    from .session import Session, SessionContext
 
-__all__ = ["TLSFlush", "TLSSession", "RawTLSSession", "check_context", "server_context"]
+__all__ = ["TLSFlush", "TLSWire", "check_context", "server_context"]
 
 log = logging.getLogger("aoprim.server")
 
-_get_ident = threading.get_ident
 
 
 def check_context(ctx: object) -> ssl.SSLContext:
@@ -322,43 +320,56 @@ def _server_context(files: list[_PEMFile], certfile: str, keyfile: str | None,
     return check_context(ctx)
 
 
-class TLSSession(Session):
-    """A session of a server with ``ssl=``: the Session API, over TLS.  The per-message
-    work is its ``TLSConn`` (``_t``, compiled: aoprim.server._tls); the policy is here."""
+class TLSWire:
+    """A TLS session's wire (see :mod:`.wire`): the Session API over TLS.  The per-message
+    work is its ``TLSConn`` (``_t``, compiled: aoprim.server._tls); the policy is here.  It
+    acts on its session only through the session's ``wire_*`` methods and ``flushed()``."""
 
-    __slots__ = ("_sslobj", "_inc", "_out", "_t", "_hs_done", "_hs_timer", "_pp",
-                 "_notified")
+    __slots__ = ("reader", "add_frame", "add_copy", "_s", "_sock", "_loop", "_tls", "_batch", "_rx",
+                 "_sslobj", "_inc", "_out", "_t", "_hs_done", "_hs_timer", "_hs_timeout_s",
+                 "_pp", "_notified")
 
-    _rx_proxy = False           # the PROXY header is read here, before the handshake
+    in_flush_group = False      # the batch holds plaintext: TLSFlush encrypts and sends it
+    reads_proxy_header = True   # the PROXY header is read here, before the handshake
+    handshake = True            # the handler meets the session once the handshake is done
+    half_close = False          # as asyncio's TLS transport: a peer's EOF ends the session
 
-    def __init__(self, ctx: SessionContext, sock: socket.socket, sid: int, peer: Any) -> None:
-        super().__init__(ctx, sock, sid, peer)
+    def __init__(self, session: Session, ctx: SessionContext, sock: socket.socket,
+                 batch: SendBatch, rx: Rx) -> None:
         st = ctx.settings
+        self._s: Session | None = session
+        self._sock = sock
+        self._loop = ctx.loop
+        self._tls = ctx.tls
+        self._batch = batch
+        self._rx: Rx | None = rx
         self._inc = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
         self._sslobj = st.ssl.wrap_bio(self._inc, self._out, server_side=True)
-        self._t = TLSConn(ctx.tls, self, sock, self._sslobj, self._inc, self._out,
-                          self._batch, st.flush_budget)
-        self._t.attach(self._rx.receiver)
-        self._t.byref_min = _BYREF_MIN     # send_frame/send_copy leave those to send()
+        self._t = t = TLSConn(ctx.tls, self, sock, self._sslobj, self._inc, self._out,
+                              batch, st.flush_budget)
+        t.attach(rx.receiver)
+        # (every memoryview too: the session takes a large receive frame view before)
+        self.add_frame = t.send_frame
+        self.add_copy = t.send_copy
         self._hs_done = False
         self._hs_timer: Timer | None = None
+        self._hs_timeout_s = st.handshake_timeout
         self._pp: ProxyParser | None = (ProxyParser(st.proxy_mode, st.proxy_max_header)
                     if st.proxy_protocol is not None else None)
         self._notified = False      # close_notify written
-        self._proxy_wait = True     # the handler meets us once the handshake is done
-        self._reader = self._hs_readable
-        self._rx.wire = self._wire
+        self.reader: Callable[[], object] | None = self._hs_readable
+        rx.wire = self._counts
         if self._pp is not None:
-            self._rx.header_wait = self._header_wait    # proxy_header_timeout's clock
+            rx.header_wait = self._header_wait    # proxy_header_timeout's clock
 
-    # -- public ---------------------------------------------------------------------------
+    # -- what the session asks (see .wire) ---------------------------------------------------
     @property
-    def pending_bytes(self) -> int:
-        """Plaintext not yet encrypted plus ciphertext not yet sent (any thread)."""
-        return self._batch.pending_bytes + self._t.pending
+    def pending(self) -> int:
+        """Ciphertext not yet sent (any thread)."""
+        return self._t.pending
 
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
+    def extra_info(self, name: str, default: Any) -> Any:
         obj = self._sslobj
         if name == "ssl_object":
             return obj
@@ -369,123 +380,94 @@ class TLSSession(Session):
                 return obj.cipher()
             if name == "selected_alpn_protocol":
                 return obj.selected_alpn_protocol()
-        return super().get_extra_info(name, default)
+        return default
 
-    def send(self, data: _SendData) -> None:
-        if not self._state:
-            # Session.send's add_frame path, inline (one frame less per message), with the
-            # add and mark() in one compiled call (TLSConn.send_frame)
-            p = self._t.send_frame(data, self._hs)
-            if p >= 0:                      # the loop thread, the batch's owner
-                self._nout += 1
-                if p > self._hw:
-                    self._over_high()
-                return
-            if p == -1:
-                self._send_slow(data)       # another thread: queued for the loop
-                return
-            # -2: a memoryview of at least _BYREF_MIN bytes (by reference), or the
-            # TLS object already closed: the session's own send path decides
-        Session.send(self, data)
-        # marked on the loop thread only: a send from another thread was queued for the
-        # loop, whose _drain_foreign marks the session (the dirty list is the loop's)
-        if _get_ident() == self._loop.thread_id:
-            self._t.mark()
-
-    def send_broadcast(self, item: bytes | Slot) -> bool:
-        if Session.send_broadcast(self, item):
-            self._t.mark()
-            return True
-        return False
-
-    def _drain_foreign(self, items: list[bytes | Slot]) -> None:
-        Session._drain_foreign(self, items)
+    def sent(self) -> None:
         self._t.mark()
 
-    # -- hooks of Session -----------------------------------------------------------------
+    def requeue(self) -> None:
+        self._t.mark()
+
+    def flush_once(self) -> None:
+        """The server's TLS flush (the iteration hook, run early) encrypts and sends."""
+        if self._batch.pending_bytes or self._t.pending:
+            self._tls.flush()
+
     def start(self) -> None:
-        self._hs_timer = self._loop.call_later(self._ctx.settings.handshake_timeout,
-                                               self._hs_timeout)
-        Session.start(self)
+        self._hs_timer = self._loop.call_later(self._hs_timeout_s, self._hs_timeout)
 
-    def _requeue(self) -> None:
-        self._t.mark()
-
-    def _owes_output(self) -> int:
+    def owes_output(self) -> int:
         # plaintext is owed only while it can still be encrypted: once the handshake is done
         # and until close_notify -- and then close_notify itself is owed.  (Plaintext queued
         # before the handshake completed, or after close_notify, is never sent.)
         return bool(self._out.pending or self._t.pending or
                     (self._hs_done and not self._notified))
 
-    def _reading_resumed(self) -> None:
-        Session._reading_resumed(self)
+    def holds_input(self) -> bool:
         # decrypted bytes held in OpenSSL, the end read with the last data (``more``), or
         # whole records waiting in the incoming BIO (the request that came with the
-        # handshake's last flight while on_connect paused): no readiness event will
-        # announce them
-        if self._t.more or (self._hs_done and (self._inc.pending or self._sslobj.pending())):
-            self._loop.call_soon(self._deliver_held)
+        # handshake's last flight while on_connect paused)
+        return bool(self._t.more or (self._hs_done and (self._inc.pending or
+                                                        self._sslobj.pending())))
+
+    def failed(self) -> str | None:
+        reason = self._t.tls_reason
+        return None if reason is None else f"TLS error: {reason}"
 
     def lost_error(self) -> OSError | None:
-        """As ``Session.lost_error``; after a TLS error (a record that does not decrypt, the
-        peer's fatal alert) an ``ssl.SSLError`` naming it (``reason`` set), as asyncio's TLS
-        transport hands ``connection_lost``."""
+        """After a TLS error (a record that does not decrypt, the peer's fatal alert) an
+        ``ssl.SSLError`` naming it (``reason`` set), as asyncio's TLS transport hands
+        ``connection_lost``."""
         reason = self._t.tls_reason
         if reason is None:
-            return Session.lost_error(self)
+            return None
         e = ssl.SSLError(errno.EPROTO, f"TLS error: {reason}")
         e.reason = reason
         return e
 
-    def _rx_event(self, owner: object, code: int, arg: Any) -> None:
-        reason = self._t.tls_reason
-        if reason is not None and self._state == OPEN:
-            self._abort(f"TLS error: {reason}", cause="tls")
-            return
-        Session._rx_event(self, owner, code, arg)
-
-    def _teardown(self) -> None:
+    def close(self) -> None:
+        """The end of the session's teardown: drop every reference back to it."""
         if self._hs_timer is not None:
             self._hs_timer.cancel()
             self._hs_timer = None
-        Session._teardown(self)
         self._t.close()         # after the teardown's last flush report: drops the cycle
-        # the Rx's clocks and, while the handshake ran, our read callback are bound methods
-        # of ours: dropped, a closed session is freed by reference counting, not left for
-        # the cyclic GC (an SSLObject and its BIOs per closed session)
-        self._rx.wire = self._rx.header_wait = None
-        self._reader = None
+        rx = self._rx
+        if rx is not None:
+            # the Rx's clocks are bound methods of ours
+            rx.wire = rx.header_wait = None
+        self._rx = self._s = None
+        self.reader = None
 
-    def _wire(self) -> tuple[int, int]:
+    def _counts(self) -> tuple[int, int]:
         """(bytes received, bytes held) as the socket saw them, for the idle and frame
         clocks: ciphertext arriving is activity, and a begun record (OpenSSL keeps partial
         records) or decrypted bytes not yet delivered are a begun frame."""
         t = self._t
-        return (t.raw_in, self._rx.receiver.buffered + t.rec_begun + self._inc.pending +
-                self._sslobj.pending())
+        rx = self._rx
+        held = rx.receiver.buffered if rx is not None else 0
+        return (t.raw_in, held + t.rec_begun + self._inc.pending + self._sslobj.pending())
 
-    def _write_now(self, b: SendBatch) -> int:
-        """Session._write_now for a TLS batch (a transport's write above its high mark,
-        loop thread): encrypted and handed to the socket now, unless the socket is known
-        to be full (the writer sends, in order) or no application data may be encrypted
-        yet (handshake) or any more (close_notify written)."""
-        if self._writing or not self._hs_done or self._notified:
-            return self.pending_bytes
+    def write_now(self) -> int:
+        """Encrypt the pending plaintext and hand it to the socket now (a transport's write
+        above its high mark, loop thread), unless no application data may be encrypted yet
+        (handshake) or any more (close_notify written): 0 all sent, 1 some left, -errno."""
+        if not self._hs_done or self._notified:
+            return 1
         try:
-            status = self._t.write_now()
+            return self._t.write_now()
         except Exception as e:      # OpenSSL refused (as the iteration's flush reports it)
             self._tls_failed(e)
-            return 0
-        if status < 0:
-            self.flushed(status)    # the session is aborted, as after a failed flush
-            return 0
-        return self.pending_bytes
+            return 1
 
-    def _bytes_written(self) -> int:
-        """Ciphertext written to the socket (check_timeouts' progress: the batch's own
-        count is plaintext handed to OpenSSL, which stands still while one large
-        segment's ciphertext drains)."""
+    def end_output(self) -> int:
+        """The session is closing and its flush left nothing: once the plaintext owed is
+        encrypted and sent, ``close_notify``, sent as write_now."""
+        if self._hs_done and not self._notified and not self._batch.pending_bytes:
+            self._close_notify()
+            return self._t.send_ct()
+        return 0
+
+    def bytes_written(self) -> int:
         return self._t.raw_out
 
     def _header_wait(self) -> bool:
@@ -495,23 +477,27 @@ class TLSSession(Session):
     # -- handshake (loop thread) ----------------------------------------------------------
     def _hs_timeout(self) -> None:
         self._hs_timer = None
-        if not self._hs_done:
-            t = self._ctx.settings.handshake_timeout
-            self._abort(f"TLS handshake timeout (not done after {t:g} s)",
-                        level=logging.INFO, cause="timeout")
+        s = self._s
+        if not self._hs_done and s is not None:
+            t = self._hs_timeout_s
+            s.wire_failed(f"TLS handshake timeout (not done after {t:g} s)", logging.INFO,
+                          "timeout")
 
     def _hs_readable(self) -> None:
-        scratch = self._ctx.tls.scratch
+        s = self._s
+        if s is None:
+            return
+        scratch = self._tls.scratch
         try:
             n = self._sock.recv_into(scratch)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
-            self._abort(f"recv failed during the TLS handshake: {e.strerror}", cause="tls")
+            s.wire_failed(f"recv failed during the TLS handshake: {e.strerror}", logging.INFO,
+                          "tls")
             return
         if not n:
-            self._abort("peer closed during the TLS handshake", level=logging.INFO,
-                        cause="tls")
+            s.wire_failed("peer closed during the TLS handshake", logging.INFO, "tls")
             return
         self._t.raw_in += n
         data = memoryview(scratch)[:n]
@@ -519,18 +505,18 @@ class TLSSession(Session):
         if pp is not None:
             k = pp.feed(data)
             if pp.failed:
-                self._close(f"PROXY protocol: {pp.error}", None, logging.WARNING, "proxy")
+                s.wire_proxy_refused(pp.error or "refused")
                 return
             if not pp.done:
                 return
             self._pp = None
-            self._proxy_peer_is(pp.result)
+            s.wire_proxy_header(pp.result)
             data = data[k:]
         if data:
             self._t.feed(data)
-        self._handshake()
+        self._handshake(s)
 
-    def _handshake(self) -> None:
+    def _handshake(self, s: Session) -> None:
         obj = self._sslobj
         try:
             obj.do_handshake()
@@ -540,24 +526,16 @@ class TLSSession(Session):
             return
         except ssl.SSLError as e:
             self._send_now()        # the alert, best effort
-            self._abort(f"TLS handshake failed: {e.reason or e}", level=logging.INFO,
-                        cause="tls")
+            s.wire_failed(f"TLS handshake failed: {e.reason or e}", logging.INFO, "tls")
             return
         self._hs_done = True
         if self._hs_timer is not None:
             self._hs_timer.cancel()
             self._hs_timer = None
-        self._proxy_wait = False
         self._t.app = True
-        self._reader = self._t.on_readable
-        self._update_interest()
         self._t.mark()              # the last handshake flight / session tickets
-        log.debug("session %d: TLS %s %s", self.id, obj.version(), obj.cipher()[0])
-        self.run_on_connect()
-        # application data that came with the handshake's last flight
-        if self._state == OPEN and not self._rx.paused and (self._inc.pending or
-                                                              obj.pending()):
-            self._reader()
+        log.debug("session %d: TLS %s %s", s.id, obj.version(), obj.cipher()[0])
+        s.wire_open(self._t.on_readable)
 
     def _send_now(self) -> None:
         """Send what the TLS layer wrote (an alert), best effort, outside the flush."""
@@ -567,30 +545,27 @@ class TLSSession(Session):
         except OSError:
             pass
 
-    # -- receive (loop thread; the per-message work is TLSConn's) -------------------------
+    # -- called by TLSConn / TLSFlush (compiled) -----------------------------------------
     def _tls_more(self) -> None:
         """The last read filled its room, or met the end of the stream after its data:
         decrypted bytes may wait inside OpenSSL, or the end is still to be read, which no
         readiness event will announce."""
-        if self._state == OPEN and not self._rx.paused:
-            self._loop.call_soon(self._deliver_held)
+        s = self._s
+        if s is not None:
+            s.wire_holds_input()
 
-    # -- send (loop thread, from TLSFlush.flush) ------------------------------------------
     def _tls_flushed(self, status: int) -> None:
         """TLSFlush.flush's report for this session: status not 0 (0 all sent, 1 some left,
-        -errno) or the batch is watched.  Closing: once the plaintext owed is encrypted and
-        sent, ``close_notify``."""
-        if self._state == CLOSED:
-            return
-        if (not status and self._state != OPEN and self._hs_done and not self._notified
-                and not self._batch.pending_bytes):
-            self._close_notify()
-            status = self._t.send_ct()
-        self.flushed(status)
+        -errno) or the batch is watched; the session's end_output writes close_notify."""
+        s = self._s
+        if s is not None:
+            s.flushed(status)
 
     def _tls_failed(self, e: BaseException) -> None:
-        self._abort(f"TLS send failed: {type(e).__name__}: {e}", level=logging.WARNING,
-                    cause="send error")
+        s = self._s
+        if s is not None:
+            s.wire_failed(f"TLS send failed: {type(e).__name__}: {e}", logging.WARNING,
+                          "send error")
 
     def _close_notify(self) -> None:
         self._notified = True
@@ -601,27 +576,3 @@ class TLSSession(Session):
             pass            # the peer's close_notify is not awaited
         except ssl.SSLError:
             pass
-
-
-class RawTLSSession(TLSSession):
-    """A TLS session of a raw-framing server: ``send`` needs no header."""
-    __slots__ = ()
-
-    def send(self, data: _SendData) -> None:
-        if not self._state:
-            # Session._send_raw's copy path, inline (one frame less per message), with the
-            # add and mark() in one compiled call (TLSConn.send_copy)
-            p = self._t.send_copy(data)
-            if p >= 0:                      # the loop thread, the batch's owner
-                self._nout += 1
-                if p > self._hw:
-                    self._over_high()
-                return
-            if p == -1:
-                self._send_slow(data)       # another thread: queued for the loop
-                return
-            # -2: a memoryview of at least _BYREF_MIN bytes (by reference), or the
-            # TLS object already closed: the session's own send path decides
-        self._send_raw(data)
-        if _get_ident() == self._loop.thread_id:
-            self._t.mark()
