@@ -44,6 +44,8 @@ cdef class TLSConn(_RxSource):
     cdef object _out_read
     cdef object _add_frame           # batch.add_frame, batch.add_copy (bound)
     cdef object _add_copy
+    cdef public Py_ssize_t byref_min # send_frame/send_copy leave memoryviews this long to
+                                     #   the session (-1: none)
     cdef object out
     cdef object ct                   # ciphertext read from `out`, not all sent (or None)
     cdef Py_ssize_t ct_off           # bytes of ct already sent

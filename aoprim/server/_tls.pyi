@@ -40,6 +40,7 @@ class TLSConn:
     raw_in: int
     @property
     def raw_out(self) -> int: ...
+    byref_min: int
     app: bool
     tls_reason: str | None
     @property

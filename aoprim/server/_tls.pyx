@@ -51,6 +51,7 @@ cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.memoryview cimport PyMemoryView_GET_BUFFER
 from libc.stdint cimport int64_t
 from libc.errno cimport errno, EAGAIN, EINTR, EPROTO, EBADF
 
@@ -180,6 +181,12 @@ cdef class TLSFlush:
         return 0
 
 
+cdef inline bint _byref(TLSConn c, data) noexcept:
+    # a memoryview of at least byref_min bytes: the session's own (by-reference) send path
+    return (c.byref_min >= 0 and type(data) is memoryview and
+            PyMemoryView_GET_BUFFER(data).len >= c.byref_min)
+
+
 cdef inline object _added(TLSConn c, object p):
     # the batch's add returned p: mark the session dirty when it added (p >= 0)
     if p >= 0:
@@ -211,6 +218,7 @@ cdef class TLSConn(_RxSource):
         self._add_frame = batch.add_frame
         self._add_copy = batch.add_copy
         self.budget = budget if budget > 0 else 1
+        self.byref_min = -1         # send_frame/send_copy take every memoryview until set
 
     def attach(self, Receiver rx):
         """Become ``rx``'s source."""
@@ -265,15 +273,17 @@ cdef class TLSConn(_RxSource):
         old = None
 
     # -- send, the session's per-message half ---------------------------------------------
-    # Session.send's add over TLS in one call (the wire's add_frame / add_copy; u16 echo:
-    # one Python call less per frame): the batch's add, then mark()
+    # a TLS session's send in one call (Session._send_via_sink; u16 echo: one Python call
+    # less per frame, and the by-reference size test without Python bytecode): the batch's
+    # add, then mark()
 
     def send_frame(self, data, header_size):
         """``batch.add_frame(data, header_size)`` and, when it added, ``mark()``: returns
         add_frame's result (pending bytes; -1 from another thread, nothing added), or -2
-        with nothing done once closed."""
+        with nothing done for a memoryview of at least ``byref_min`` bytes, or once closed
+        (the session's own send path takes those)."""
         with cython.critical_section(self):     # any thread: see close()
-            add = None if self._gone() else self._add_frame
+            add = None if self._gone() or _byref(self, data) else self._add_frame
         if add is None:
             return -2
         return _added(self, add(data, header_size))
@@ -281,7 +291,7 @@ cdef class TLSConn(_RxSource):
     def send_copy(self, data):
         """``batch.add_copy(data)`` and, when it added, ``mark()``: as send_frame."""
         with cython.critical_section(self):     # any thread: see close()
-            add = None if self._gone() else self._add_copy
+            add = None if self._gone() or _byref(self, data) else self._add_copy
         if add is None:
             return -2
         return _added(self, add(data))

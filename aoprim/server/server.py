@@ -50,7 +50,7 @@ from .dispatch import InlineDispatch, WorkerDispatch, fork_returned
 from .listener import Listener, describe_address, make_listening_socket, sock_address
 from .backends import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
-from .session import RawSession, Session, SessionContext
+from .session import RawSession, RawSinkSession, Session, SessionContext, SinkSession
 from .wire import PlainWire
 from .stats import Stats, summary
 from .tx import Flusher, check_payload
@@ -440,6 +440,8 @@ class Server:
             ctx.tls = self._stats.tls = TLSFlush()
             flush = ctx.tls.flush       # every batch is a TLS session's: none in the group
             ctx.wire = TLSWire
+            # (the TLS wire's sink adds and marks in one compiled call: TLSConn.send_frame)
+            self._session_cls = RawSinkSession if st.framing == "raw" else SinkSession
         self._listener = Listener(loop, self._lsock, st, self._accept, self._has_room)
         self._pid = os.getpid()
         _serving.add(self)

@@ -61,7 +61,7 @@ from .proxy import client_address
 from .rx import (PAUSE_BACKLOG, PAUSE_BACKPRESSURE, PAUSE_CLOSING, PAUSE_EOF, PAUSE_SHUTDOWN,
                  PAUSE_USER, RX_EOF, RX_ERROR, RX_FORKED, RX_HANDLER, RX_PROXY, RX_PROXY_ERROR,
                  RX_TOO_LARGE, Rx)
-from .tx import ForeignSends, foreign_item, release_item
+from .tx import BYREF_MIN, ForeignSends, foreign_item, release_item
 
 if TYPE_CHECKING:
     from asyncio.trsock import TransportSocket
@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     #: pool Slot (retained, not copied)
     _SendData: TypeAlias = Union[Buffer, Slot]
 
-__all__ = ["Session", "SessionContext"]
+__all__ = ["Session", "SessionContext", "RawSession", "SinkSession", "RawSinkSession"]
 
 log = logging.getLogger("aoprim.server")
 
@@ -96,9 +96,7 @@ except ImportError:
     fcntl = None    # type: ignore[assignment]
 # Linux's SIOCOUTQNSD (linux/sockios.h): bytes in a socket's send queue not sent yet
 _SIOCOUTQNSD = 0x894B if fcntl is not None and sys.platform.startswith("linux") else None
-# sends of a receive frame view at least this long go by reference: see
-# Session._send_raw and Session._send_frame_view
-_BYREF_MIN = 32768
+_BYREF_MIN = BYREF_MIN
 _is_frame_view = Receiver.is_frame_view
 _frame_header = SendBatch.frame_header
 _RESET_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ECONNABORTED}
@@ -177,8 +175,7 @@ class Session:
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested", "_rst",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
                  "_rest", "_cb_hold", "_transport", "_cap", "_limit", "_limit_cause",
-                 "_progress_at", "_forks_at_accept", "_wire", "_add_frame", "_add_copy",
-                 "__weakref__")
+                 "_progress_at", "_forks_at_accept", "_wire", "_sink", "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
     #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
@@ -223,10 +220,9 @@ class Session:
                       not wire_cls.reads_proxy_header)
         wire = self._wire = wire_cls(self, ctx, sock, self._batch, self._rx)
         self._reader: Callable[[], object] | None = wire.reader
-        # the per-message adds (the batch's, or the wire's own that also marks it for its
-        # flush): a send is one call
-        self._add_frame = wire.add_frame
-        self._add_copy = wire.add_copy
+        # the wire's sink: SinkSession's send adds and marks for the wire's flush with one
+        # compiled call of it (TLS: TLSConn.send_frame)
+        self._sink = wire.sink
         self._writing = False               # write interest armed (the socket would block)
         # (high, low, on_high, on_low): set_write_limits
         self._wm: tuple[int, int, Callable[[], object], Callable[[], object]] | None = None
@@ -338,10 +334,9 @@ class Session:
         else:
             # one C call: header + payload (copied when small, as one message; bytes by
             # reference and a Slot retained when large); ValueError when it does not fit.
-            # -1: called from another thread (the batch's owner_thread is the loop's),
-            # -2: the wire is closed (a teardown on the loop thread, just now): nothing was
-            # added, take the thread-safe path (which drops it once closed)
-            p = self._add_frame(data, self._hs)
+            # -1: called from another thread (the batch's owner_thread is the loop's):
+            # nothing was added, take the thread-safe path
+            p = self._batch.add_frame(data, self._hs)
             if p < 0:
                 self._send_slow(data)
                 return
@@ -362,9 +357,7 @@ class Session:
         except BaseException:
             self._abort("a frame could not be queued after its header", cause="send error")
             raise
-        p = self._write_now()
-        self._wire.sent()
-        return p
+        return self._write_now()
 
     def _write_now(self) -> int:
         """After a large by-reference send (loop thread): hand the batch to the kernel now,
@@ -408,18 +401,56 @@ class Session:
                 p = self._write_now()
             else:
                 p = b.add_copy(data)
-            self._wire.sent()
         else:
             # add_copy copies a view or bytearray (the memory under a frame view is reused
-            # after on_read), keeps bytes by reference, retains a Slot; -1: another thread,
-            # -2: the wire is closed (as in send)
-            p = self._add_copy(data)
+            # after on_read), keeps bytes by reference, retains a Slot; -1: another thread
+            p = self._batch.add_copy(data)
             if p < 0:
                 self._send_slow(data)
                 return
         self._nout += 1
         if p > self._hw:
             self._over_high()
+
+    def _send_via_sink(self, data: _SendData) -> None:
+        """send() with u16/u32 framing for a wire whose sink adds and marks the session for
+        the wire's flush in one compiled call (installed as ``send`` by :class:`SinkSession`;
+        TLS: ``TLSConn.send_frame``, which also leaves large memoryviews to ``Session.send``'s
+        by-reference path, without Python bytecode for the size test)."""
+        if not self._state:
+            p = self._sink.send_frame(data, self._hs)
+            if p >= 0:                      # the loop thread, the batch's owner
+                self._nout += 1
+                if p > self._hw:
+                    self._over_high()
+                return
+            if p == -1:
+                self._send_slow(data)       # another thread: queued for the loop
+                return
+            # -2: a memoryview of at least _BYREF_MIN bytes, or the sink already closed:
+            # the session's own send path decides
+        Session.send(self, data)
+        # marked on the loop thread only: a send from another thread was queued for the
+        # loop, whose _drain_foreign marks the session (the dirty list is the loop's)
+        if _get_ident() == self._loop.thread_id:
+            self._wire.sent()
+
+    def _send_raw_via_sink(self, data: _SendData) -> None:
+        """send() with raw framing for a wire whose sink adds and marks in one call
+        (installed as ``send`` by :class:`RawSinkSession`): as _send_via_sink."""
+        if not self._state:
+            p = self._sink.send_copy(data)
+            if p >= 0:
+                self._nout += 1
+                if p > self._hw:
+                    self._over_high()
+                return
+            if p == -1:
+                self._send_slow(data)
+                return
+        self._send_raw(data)
+        if _get_ident() == self._loop.thread_id:
+            self._wire.sent()
 
     def close(self) -> None:
         """Close gracefully: stop reading, flush what is owed, shut the write side, close.
@@ -1394,3 +1425,15 @@ class RawSession(Session):
     """A session of a raw-framing server: ``send`` needs no header."""
     __slots__ = ()
     send = Session._send_raw
+
+
+class SinkSession(Session):
+    """A session whose wire has a sink that adds and marks in one call (TLS)."""
+    __slots__ = ()
+    send = Session._send_via_sink
+
+
+class RawSinkSession(Session):
+    """A raw-framing session whose wire has a sink that adds and marks in one call (TLS)."""
+    __slots__ = ()
+    send = Session._send_raw_via_sink

@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING, Any
 from aoprim.server._proxyproto import ProxyParser
 from aoprim.server._tls import TLSConn, TLSFlush
 
+from .tx import BYREF_MIN
+
 if TYPE_CHECKING:
     import socket
     from typing import Callable
@@ -325,7 +327,7 @@ class TLSWire:
     work is its ``TLSConn`` (``_t``, compiled: aoprim.server._tls); the policy is here.  It
     acts on its session only through the session's ``wire_*`` methods and ``flushed()``."""
 
-    __slots__ = ("reader", "add_frame", "add_copy", "_s", "_sock", "_loop", "_tls", "_batch", "_rx",
+    __slots__ = ("reader", "sink", "_s", "_sock", "_loop", "_tls", "_batch", "_rx",
                  "_sslobj", "_inc", "_out", "_t", "_hs_done", "_hs_timer", "_hs_timeout_s",
                  "_pp", "_notified")
 
@@ -349,9 +351,8 @@ class TLSWire:
         self._t = t = TLSConn(ctx.tls, self, sock, self._sslobj, self._inc, self._out,
                               batch, st.flush_budget)
         t.attach(rx.receiver)
-        # (every memoryview too: the session takes a large receive frame view before)
-        self.add_frame = t.send_frame
-        self.add_copy = t.send_copy
+        t.byref_min = BYREF_MIN     # send_frame/send_copy leave those to Session.send
+        self.sink: object = t       # (SinkSession's send: t.send_frame)
         self._hs_done = False
         self._hs_timer: Timer | None = None
         self._hs_timeout_s = st.handshake_timeout

@@ -33,10 +33,13 @@ if TYPE_CHECKING:
     from .config import Settings
     from .loop import EventLoop
 
-__all__ = ["Flusher", "ForeignSends", "IOV_MAX", "check_payload", "foreign_item",
-           "release_item"]
+__all__ = ["BYREF_MIN", "Flusher", "ForeignSends", "IOV_MAX", "check_payload",
+           "foreign_item", "release_item"]
 
 IOV_MAX = 1024
+# sends of a receive frame view at least this long go by reference: see
+# session.Session._send_raw and Session._send_frame_view
+BYREF_MIN = 32768
 
 
 class Flusher:

@@ -14,9 +14,11 @@ What a wire offers its session (loop thread unless said otherwise):
   ``reads_proxy_header`` (the wire reads the PROXY header itself, so the receiver does not),
   ``handshake`` (the handler meets the session only once the wire calls ``wire_open``),
   ``half_close`` (a peer's EOF may leave the session open for writing);
-- ``reader``: the first read callback; ``add_frame(data, header_size)`` /
-  ``add_copy(data)``: the per-message add (any thread; -1 or -2: nothing added, take the
-  session's slow path), which also has the batch flushed this iteration;
+- ``reader``: the first read callback; ``sink``: what the session's send adds to -- the
+  batch itself (plain), or an object whose ``send_frame(data, header_size)`` /
+  ``send_copy(data)`` add to the batch and mark it for the wire's flush in one compiled call
+  (any thread; -1: another thread, -2: a large memoryview or closed, nothing added), which
+  ``SinkSession`` / ``RawSinkSession`` call (TLS);
 - ``pending`` (any thread): bytes owed beyond the batch's (TLS: ciphertext not yet sent);
 - ``sent()``: the batch gained data outside ``add_*``; ``requeue()``: flush it this
   iteration anyway; ``flush_once()``: one non-blocking attempt now (before an abort);
@@ -52,7 +54,7 @@ class PlainWire:
     iteration's flush), the receiver reads the socket itself.  Holds no reference to its
     session."""
 
-    __slots__ = ("reader", "add_frame", "add_copy", "_batch", "_flusher")
+    __slots__ = ("reader", "sink", "_batch", "_flusher")
 
     in_flush_group = True
     reads_proxy_header = False
@@ -63,8 +65,7 @@ class PlainWire:
     def __init__(self, session: Session, ctx: SessionContext, sock: socket.socket,
                  batch: SendBatch, rx: Rx) -> None:
         self.reader: Callable[[], object] = rx.receiver.on_readable
-        self.add_frame = batch.add_frame
-        self.add_copy = batch.add_copy
+        self.sink: object = batch
         self._batch = batch
         self._flusher = ctx.flusher
 

@@ -527,10 +527,11 @@ def test_raw_sends_from_workers_mark_dirty_on_the_loop_thread_only(make_server, 
 
 
 def test_tlsconn_send_frame_and_send_copy_add_then_mark():
-    """The TLS wire's per-message adds (TLSConn.send_frame / send_copy): add to the batch
-    and mark the session dirty once (a result >= 0: the pending bytes), memoryviews of any
-    size included; another thread than the batch's owner gets -1, nothing added and no mark
-    (the dirty list is the loop thread's); a closed TLSConn -2, nothing added."""
+    """A TLS session's send, its compiled half: send_frame / send_copy add to the batch and mark the
+    session dirty once (a result >= 0: the pending bytes); a memoryview of at least
+    byref_min bytes, or a closed TLSConn, is left to the session's own send (-2, nothing
+    added, not marked); another thread than the batch's owner gets -1, nothing added and no
+    mark (the dirty list is the loop thread's)."""
     from aoprim import SendBatch
     from aoprim.server._tls import TLSConn, TLSFlush
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -542,26 +543,30 @@ def test_tlsconn_send_frame_and_send_copy_add_then_mark():
         batch.owner_thread = threading.get_ident()
         t = TLSConn(tls, object(), a, ctx.wrap_bio(inc, out, server_side=True), inc, out,
                     batch, 65536)
+        t.byref_min = 32768
         assert t.send_frame(b"abc", 2) == 5 and t.dirty and len(tls) == 1
         assert t.send_copy(bytearray(b"xy")) == 7 and len(tls) == 1    # marked once
+        big = memoryview(bytearray(32768))
+        assert t.send_frame(big, 2) == -2 and t.send_copy(big) == -2
+        assert t.send_copy(big[:-1]) == 7 + 32767                      # under: copied
+        assert batch.pending_bytes == 7 + 32767
         res = []
         th = threading.Thread(target=lambda: res.append((t.send_frame(b"q", 2),
                                                          t.send_copy(b"q"))))
         th.start()
         th.join()
-        assert res == [(-1, -1)] and batch.pending_bytes == 7
+        assert res == [(-1, -1)] and batch.pending_bytes == 7 + 32767
         tls.flush()                         # app not set: nothing encrypted, unmarked
         assert not t.dirty and len(tls) == 0
         th = threading.Thread(target=lambda: res.append(t.send_copy(b"q")))
         th.start()
         th.join()
         assert res[-1] == -1 and not t.dirty and len(tls) == 0          # no mark
-        big = memoryview(bytearray(32768))
-        assert t.send_copy(big) == 7 + 32768 and t.dirty
-        assert t.send_frame(big, 2) == 7 + 32768 + 32770 and len(tls) == 1
+        t.byref_min = -1                    # none left to the session
+        assert t.send_copy(big) == 7 + 32767 + 32768 and t.dirty
         t.close()
         assert t.send_frame(b"abc", 2) == -2 and t.send_copy(b"abc") == -2
-        assert batch.pending_bytes == 7 + 32768 + 32770
+        assert batch.pending_bytes == 7 + 32767 + 32768
         batch.clear()
     finally:
         a.close()
