@@ -112,6 +112,10 @@ __all__ = ["ProtocolHandler", "SessionTransport"]
 
 log = logging.getLogger("aoprim.server")
 _asyncio_log = logging.getLogger("asyncio")
+# what a protocol callback raises and asyncio's loop lets through: everything else -- an
+# Exception, and a CancelledError, GeneratorExit or a test framework's outcome exception
+# alike -- goes to the exception handler and ends that connection only
+_NOT_CAUGHT = (SystemExit, KeyboardInterrupt)
 _get_ident = threading.get_ident
 
 # what asyncio's TLS transport answers in get_extra_info (and the session's ALPN name)
@@ -490,7 +494,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
 
 def _callback_failed(loop: ProtocolLoop, fn: Callable[..., Any], args: tuple[Any, ...],
-                     e: Exception) -> None:
+                     e: BaseException) -> None:
     """``fn(*args)`` raised where asyncio would have run it as a loop callback
     (connection_made, connection_lost): the exception handler gets what asyncio's
     ``Handle`` gives it -- "Exception in callback ...", the exception and the handle."""
@@ -681,7 +685,9 @@ class SessionTransport(asyncio.Transport):
                 _call(self._loop, getattr(proto, name))
             else:
                 _call(self._loop, self._ctx.copy().run, getattr(proto, name))
-        except Exception as e:
+        except _NOT_CAUGHT:
+            raise
+        except BaseException as e:
             self._loop.call_exception_handler({
                 "message": f"protocol.{name}() failed", "exception": e,
                 "transport": self, "protocol": proto})
@@ -789,7 +795,16 @@ class ProtocolHandler(Handler):
         # (asyncio: its transport's callbacks'): what one connection's callbacks set,
         # another's never see
         ctx = self._base_ctx.copy()
-        _call(loop, ctx.run, self._made, session, loop, ctx)
+        try:
+            _call(loop, ctx.run, self._made, session, loop, ctx)
+        except _NOT_CAUGHT:
+            raise
+        except BaseException as e:
+            if isinstance(e, Exception):
+                raise               # (the session's handler_failed: logged, closed)
+            # the factory raised a CancelledError or the like: that connection only, as
+            # asyncio's accept (and as an Exception here)
+            session.handler_failed("on_connect", e)
 
     def _made(self, session: Session, loop: ProtocolLoop, ctx: contextvars.Context) -> None:
         proto = self._factory()
@@ -801,7 +816,9 @@ class ProtocolHandler(Handler):
                                     # raised: the handler never met the session then)
         try:
             proto.connection_made(tr)
-        except Exception as e:
+        except _NOT_CAUGHT:
+            raise
+        except BaseException as e:
             if tr._tls:
                 # as asyncio's TLS transport, which calls it from the handshake's end: a
                 # fatal error -- the connection is dropped, connection_lost(e)
@@ -824,7 +841,9 @@ class ProtocolHandler(Handler):
                 tr._ctx.run(self._deliver, tr, session, data)
             else:
                 _call(lp, tr._ctx.run, self._deliver, tr, session, data)
-        except Exception as e:
+        except _NOT_CAUGHT:
+            raise
+        except BaseException as e:
             self._failed(tr, session, e, tr._stage)
             return
         finally:
@@ -836,7 +855,7 @@ class ProtocolHandler(Handler):
             # next delivery -- the rest of this read burst waits in the receiver
             session.hold_for_callbacks()
 
-    def _failed(self, tr: SessionTransport, session: Session, e: Exception,
+    def _failed(self, tr: SessionTransport, session: Session, e: BaseException,
                 what: str) -> None:
         """A protocol callback raised: as asyncio's transport, the loop's exception handler
         gets it (not for an OSError, which asyncio only logs in debug mode), and the
@@ -921,7 +940,9 @@ class ProtocolHandler(Handler):
             return False
         try:
             keep = bool(_call(tr._loop, _in_context, tr, tr._protocol.eof_received))
-        except Exception as e:
+        except _NOT_CAUGHT:
+            raise
+        except BaseException as e:
             self._failed(tr, session, e, "eof_received")
             return True             # (closed by handler_failed)
         if keep and tr._tls:
@@ -960,7 +981,9 @@ class ProtocolHandler(Handler):
         proto = tr._protocol
         try:
             _call(tr._loop, _in_context, tr, proto.connection_lost, exc)
-        except Exception as e:
+        except _NOT_CAUGHT:
+            raise
+        except BaseException as e:
             # asyncio runs connection_lost as a loop callback: its exception goes to the
             # loop's exception handler
             _callback_failed(tr._loop, proto.connection_lost, (exc,), e)

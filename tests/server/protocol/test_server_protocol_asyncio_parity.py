@@ -240,3 +240,125 @@ def test_a_task_that_swallows_its_cancellation_is_named_when_the_shutdown_drops_
         release.set()
     assert "1 protocol task still running at shutdown_timeout" in caplog.text
     assert "the-stubborn-one" in caplog.text
+
+
+# -- a callback that raises a BaseException other than SystemExit / KeyboardInterrupt --------
+# (asyncio.CancelledError, GeneratorExit, a test framework's outcome exceptions): asyncio's
+# loop and transports catch those as they catch an Exception -- the exception handler, a
+# fatal error for that connection -- and serve on
+
+class _Cancels(asyncio.Protocol):
+    """Echoes; raises asyncio.CancelledError from the callback named ``where``."""
+
+    def __init__(self, where, lost):
+        self.where = where
+        self.lost = lost
+
+    def _maybe(self, name):
+        if self.where == name:
+            raise asyncio.CancelledError(f"{name} cancelled")
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self._maybe("connection_made")
+
+    def data_received(self, data):
+        self.transport.write(data)
+        self._maybe("data_received")
+
+    def eof_received(self):
+        self._maybe("eof_received")
+
+    def connection_lost(self, exc):
+        self.lost.append(exc)
+        self._maybe("connection_lost")
+
+
+def _ping_half_close(address):
+    """Send b"ping", half-close, read to the end: the bytes read, or the error's name."""
+    with socket.create_connection(address, timeout=10) as c:
+        c.sendall(b"ping")
+        c.shutdown(socket.SHUT_WR)
+        got = b""
+        try:
+            while True:
+                b = c.recv(4096)
+                if not b:
+                    return got
+                got += b
+        except OSError as e:
+            return type(e).__name__
+
+
+@pytest.mark.parametrize("where", ["factory", "connection_made", "data_received",
+                                   "eof_received", "connection_lost"])
+def test_a_callback_raising_cancelled_error_ends_that_connection_only_as_asyncio(
+        serve, where, caplog):
+    def factory_of(lost):
+        made = []
+
+        def make():
+            made.append(1)
+            if where == "factory" and len(made) == 1:
+                raise asyncio.CancelledError("factory cancelled")
+            return _Cancels(where, lost)
+        return make
+
+    theirs = []
+    # (asyncio's accept leaves the socket of a factory that raised to the GC, whose close
+    # with "ping" unread resets: ours closes it, at once)
+    seen_there = (on_asyncio(factory_of(theirs), _ping_half_close) if where != "factory"
+                  else None)
+    ours = []
+    srv = serve(factory_of(ours))
+    seen_here = _ping_half_close(srv.address)
+    assert seen_here == (seen_there if where != "factory" else b"")
+    if where != "factory":
+        wait_for(lambda: ours, 10, "connection_lost")
+        assert [type(e) for e in ours] == [type(e) for e in theirs]
+    if where in ("data_received", "eof_received", "connection_lost"):
+        # the loop's exception handler was told, with the exception
+        wait_for(lambda: any(r.name == "asyncio" and r.exc_info and
+                             isinstance(r.exc_info[1], asyncio.CancelledError)
+                             for r in caplog.records), 10, "the exception handler's record")
+    # the server serves on, as asyncio's would
+    again = _ping_half_close(srv.address)
+    assert again == (b"ping" if where == "factory" else seen_there)
+
+
+@pytest.mark.parametrize("where", ["pause_writing", "resume_writing"])
+def test_a_flow_callback_raising_cancelled_error_is_reported_and_the_connection_goes_on(
+        serve, where, caplog):
+    told = []
+
+    class Flow(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            transport.set_write_buffer_limits(high=1024, low=0)
+
+        def data_received(self, data):
+            self.transport.write(data * 2_000_000)  # 8 MB: more than the socket takes
+
+        def pause_writing(self):
+            told.append("pause")
+            if where == "pause_writing":
+                raise asyncio.CancelledError("pause_writing cancelled")
+
+        def resume_writing(self):
+            told.append("resume")
+            if where == "resume_writing":
+                raise asyncio.CancelledError("resume_writing cancelled")
+
+    srv = serve(Flow)
+    for _ in range(2):          # and again: the server serves on
+        with socket.create_connection(srv.address, timeout=10) as c:
+            c.sendall(b"ping")
+            got = 0
+            while got < 4 * 2_000_000:
+                b = c.recv(65536)
+                assert b, f"closed after {got} bytes"
+                got += len(b)
+    assert "pause" in told and "resume" in told
+    recs = [r for r in caplog.records if r.name == "asyncio" and
+            f"protocol.{where}() failed" in r.getMessage()]
+    assert recs and isinstance(recs[0].exc_info[1], asyncio.CancelledError)
