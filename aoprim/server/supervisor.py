@@ -49,7 +49,9 @@ Rules
       ``ready`` after 30 s.
       A crash while serving (a handler's ``os._exit``, a request that kills the process)
       is restarted for as long as the supervisor runs: no request can end the service.
-- SIGINT/SIGTERM are forwarded (once) to every child's process group; the supervisor waits
+- SIGINT/SIGTERM are forwarded (once) to every child's process group, each followed by
+  SIGCONT (a stopped process -- SIGSTOP, a debugger, job control -- acts on its signal only
+  once continued; systemd does the same); the supervisor waits
   up to ``stop_timeout`` seconds (and 1 s more: a child's own bound is ``stop_timeout``,
   and its own message -- what holds it -- comes first), kills what is left, and exits 0 if
   every child exited 0, else 1.  During that wait a second SIGINT (Ctrl-C twice) or a
@@ -921,6 +923,10 @@ class Supervisor:
         was_ready = {c: c.ready for c in live}
         for c in live:
             _signal(c.proc, sig if c.ready or sig == signal.SIGKILL else signal.SIGTERM)
+            if sig != signal.SIGKILL:
+                # a stopped process (SIGSTOP: a debugger, `kill -STOP`, job control) acts on
+                # its signal only once continued: SIGCONT right after it, as systemd sends
+                _signal(c.proc, signal.SIGCONT)
         for c in self._children:
             c.respawn_at = None
         deadline = time.monotonic() + (0.0 if sig == signal.SIGKILL
@@ -929,6 +935,8 @@ class Supervisor:
         self._drain_until = max(self._drain_until, deadline)    # for their last output
         for pgid in self._groups:
             _signal_group(pgid, sig)
+            if sig != signal.SIGKILL:
+                _signal_group(pgid, signal.SIGCONT)
             self._groups[pgid] = min(self._groups[pgid], stop_at)
         ok = True
         while live or self._groups:
@@ -1089,6 +1097,7 @@ class Supervisor:
         if self._left_behind(pid, now + self._stop_timeout):
             log.info("stopping what server process %d started", pid)
             _signal_group(pid, signal.SIGTERM)
+            _signal_group(pid, signal.SIGCONT)     # (a stopped one acts on it once continued)
         words = c.said.split(b"\n")[:-1]
         if not self._announced and not c.listened:
             # the first start: what a restart would only repeat

@@ -32,7 +32,7 @@ from aoprim.server.supervisor import Supervisor
 
 from proc_support import child_env
 from server_support import HOST, wait_for
-from test_supervisor import Lines, alive, cleanup, echo_once
+from test_supervisor import Lines, alive, children_of, cleanup, echo_once, serve
 from test_supervisor_serving import _has_ipv6_loopback
 
 
@@ -335,6 +335,33 @@ def test_a_second_sigint_or_a_sigquit_during_a_stop_kills_at_once(tmp_path, capl
         done.set()
         t.join(10)
         signal.signal(signal.SIGQUIT, old_quit)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+def test_a_stopped_child_is_continued_at_the_stop(sig):
+    """A child stopped by SIGSTOP (a debugger, `kill -STOP`, job control) when the service is
+    told to stop gets SIGCONT right after its stop signal, as systemd sends it: it acts on
+    the signal, stops cleanly and the supervisor exits 0 -- instead of waiting
+    --stop-timeout, killing it and exiting 1."""
+    p, port = serve("--procs", "2", "--stop-timeout", "5", "--stats-json")
+    kids = []
+    try:
+        kids = children_of(p.pid)
+        assert len(kids) == 2, kids
+        assert echo_once(port) == b"ping"
+        os.kill(kids[0], signal.SIGSTOP)
+        wait_for(lambda: (_stat(kids[0]) or ("", "T"))[1] in ("T", "t"), timeout=30,
+                 what="the child stopped")
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert "did not stop" not in err, err
+        assert "while stopping" not in err, err
+        assert out.count("stats {") == 2, out          # each child's clean stop, the stopped one too
+        assert not any(alive(pid) for pid in kids)
+    finally:
+        cleanup(p, kids)
 
 
 # -- IPv6 in the log -----------------------------------------------------------------------------
