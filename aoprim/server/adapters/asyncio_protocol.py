@@ -474,20 +474,37 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
                   exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
 
     def call_exception_handler(self, context: dict[str, Any]) -> None:
+        """As asyncio's: the handler set (or the default one) gets ``context``; nothing it
+        raises -- but SystemExit and KeyboardInterrupt -- reaches the caller (a protocol
+        callback, the server's flush): the default handler logs it, and what the default
+        handler itself raises (formatting a context whose ``repr()`` fails) is logged
+        once more, plainly."""
         handler = self._exception_handler
         if handler is None:
-            self.default_exception_handler(context)
+            try:
+                self.default_exception_handler(context)
+            except _NOT_CAUGHT:
+                raise
+            except BaseException:
+                _asyncio_log.error("Exception in default exception handler", exc_info=True)
             return
         try:
             handler(self, context)
-        except (SystemExit, KeyboardInterrupt):
+        except _NOT_CAUGHT:
             raise
         except BaseException as e:
             # as asyncio's loop (a CancelledError too): one record, on its logger, with the
             # context it was handling
-            self.default_exception_handler({
-                "message": "Unhandled error in exception handler", "exception": e,
-                "context": context})
+            try:
+                self.default_exception_handler({
+                    "message": "Unhandled error in exception handler", "exception": e,
+                    "context": context})
+            except _NOT_CAUGHT:
+                raise
+            except BaseException:
+                _asyncio_log.error("Exception in default exception handler while handling "
+                                   "an unexpected error in custom exception handler",
+                                   exc_info=True)
 
     def __repr__(self) -> str:
         return f"<ProtocolLoop over {self._ev!r}>"

@@ -362,3 +362,55 @@ def test_a_flow_callback_raising_cancelled_error_is_reported_and_the_connection_
     recs = [r for r in caplog.records if r.name == "asyncio" and
             f"protocol.{where}() failed" in r.getMessage()]
     assert recs and isinstance(recs[0].exc_info[1], asyncio.CancelledError)
+
+
+@pytest.mark.parametrize("where", ["pause_writing", "resume_writing"])
+def test_a_context_the_default_handler_cannot_format_is_one_record_and_nothing_else(
+        serve, where, caplog):
+    """asyncio guards its default exception handler: a context whose repr() fails (a
+    protocol with a broken __repr__) gives one "Exception in default exception handler"
+    record, and the failing callback's caller goes on -- the connection stays open."""
+    lost = []
+
+    class BrokenRepr(asyncio.Protocol):
+        def __repr__(self):
+            raise AttributeError("broken __repr__")
+
+        def connection_made(self, transport):
+            self.transport = transport
+            transport.set_write_buffer_limits(high=1024, low=0)
+
+        def data_received(self, data):
+            self.transport.write(data * 2_000_000)
+
+        def pause_writing(self):
+            if where == "pause_writing":
+                raised.append(where)
+                raise ValueError("pause_writing failed")
+
+        def resume_writing(self):
+            if where == "resume_writing":
+                raised.append(where)
+                raise ValueError("resume_writing failed")
+
+        def connection_lost(self, exc):
+            lost.append(exc)
+
+    raised = []
+    srv = serve(BrokenRepr)
+    for _ in range(2):
+        with socket.create_connection(srv.address, timeout=10) as c:
+            c.sendall(b"ping")
+            got = 0
+            while got < 4 * 2_000_000:
+                b = c.recv(65536)
+                assert b, f"closed after {got} bytes"
+                got += len(b)
+    wait_for(lambda: len(lost) == 2, 10, "both connection_lost")
+    assert lost == [None, None]
+    # (the socket takes a share of each write first: how often the mark is crossed is
+    # the peer's timing; each failure is one record)
+    assert raised and [r.getMessage() for r in caplog.records if r.name == "asyncio"] == \
+        ["Exception in default exception handler"] * len(raised)
+    assert not [r for r in caplog.records if r.name == "aoprim.server" and
+                r.levelno >= logging.ERROR]
