@@ -289,6 +289,12 @@ class Session:
         over TLS, plaintext not yet encrypted plus ciphertext not yet sent."""
         return self._batch.pending_bytes + self._wire.pending
 
+    def unsent_bytes(self) -> int:
+        """``pending_bytes`` plus what other threads sent that the loop thread has not
+        added yet (any thread): all a writer has handed over and the peer has not been
+        sent -- an asyncio transport's ``get_write_buffer_size()``, from a worker too."""
+        return self.pending_bytes + self._foreign.queued
+
     @property
     def socket(self) -> TransportSocket:
         """The connection's socket, for inspection and socket options: asyncio's
@@ -547,7 +553,7 @@ class Session:
         if not self._wm_paused:
             return False
         # (sends another thread made that the loop has not added yet count too)
-        p = self.pending_bytes + self._foreign.queued
+        p = self.unsent_bytes()
         cap = self._cap
         if p <= cap:
             return False

@@ -668,7 +668,8 @@ class SessionTransport(asyncio.Transport):
             "what was written) -- docs/server.md")
 
     def get_write_buffer_size(self) -> int:
-        return self._session.pending_bytes
+        # (with workers, what this worker wrote may still be queued for the loop thread)
+        return self._session.unsent_bytes()
 
     def get_write_buffer_limits(self) -> tuple[int, int]:
         return (self._low, self._high)

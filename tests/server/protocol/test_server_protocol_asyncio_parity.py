@@ -414,3 +414,40 @@ def test_a_context_the_default_handler_cannot_format_is_one_record_and_nothing_e
         ["Exception in default exception handler"] * len(raised)
     assert not [r for r in caplog.records if r.name == "aoprim.server" and
                 r.levelno >= logging.ERROR]
+
+
+def test_get_write_buffer_size_right_after_a_write_counts_it_on_every_thread(serve):
+    """A large write() to a peer that is not reading: get_write_buffer_size() right after it
+    reports the backlog the socket did not take -- on asyncio, and here with workers too,
+    where the bytes are still on their way to the loop thread."""
+    def make(seen, written):
+        class Big(asyncio.Protocol):
+            def connection_made(self, transport):
+                self.transport = transport
+
+            def data_received(self, data):
+                self.transport.write(b"x" * 8_000_000)
+                seen.append(self.transport.get_write_buffer_size())
+                written.set()
+        return Big
+
+    def client(written):
+        def run(address):
+            with socket.create_connection(address, timeout=10) as c:
+                c.sendall(b"go")
+                assert written.wait(10)
+                got = 0
+                while got < 8_000_000:
+                    b = c.recv(1 << 20)
+                    assert b
+                    got += len(b)
+            return got
+        return run
+
+    theirs, ev = [], threading.Event()
+    assert on_asyncio(make(theirs, ev), client(ev)) == 8_000_000
+    ours, ev = [], threading.Event()
+    srv = serve(make(ours, ev))
+    assert client(ev)(srv.address) == 8_000_000
+    # (the kernel takes a few MB at most before the peer reads: the rest is the backlog)
+    assert theirs[0] > 1_000_000 and ours[0] > 1_000_000, (theirs, ours)
