@@ -43,6 +43,7 @@ import argparse
 import errno
 import fcntl
 import importlib
+import io
 import json
 import logging
 import math
@@ -50,6 +51,7 @@ import os
 import select
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -820,14 +822,30 @@ def _serve_one(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _interpreter_options() -> list[str]:
+    """The options this interpreter was started with, for a child started with
+    ``sys.executable``: ``-X dev``, ``-W ...``, ``-O``, ``-X gil=N`` and the rest that
+    multiprocessing hands its children (``subprocess._args_from_interpreter_flags()``), and
+    ``-u``, which that leaves out (no ``sys.flags`` field says it: under ``-u`` the standard
+    streams have no buffer, their binary layer is the raw ``FileIO``)."""
+    options = subprocess._args_from_interpreter_flags()    # type: ignore[attr-defined]
+    std = sys.__stdout__ if sys.__stdout__ is not None else sys.__stderr__
+    if isinstance(getattr(std, "buffer", None), io.FileIO):
+        options.append("-u")
+    return options
+
+
 def _serve_procs(a: argparse.Namespace) -> int:
     if a.handler is not None:
         split_spec(a.handler)          # a malformed name fails once, before any child starts
     _check_settings(a)
     tail = [a.handler] if a.handler is not None else []
+    # the children run under this interpreter's options (a handler's print() reaches the
+    # log at once under -u; -X dev, -W error, -O, -X gil=0 hold for the handler's code)
+    python = [sys.executable, *_interpreter_options()]
 
     def child_argv(port: int, status_fd: int) -> list[str]:
-        return [sys.executable, "-m", "aoprim", "serve",
+        return [*python, "-m", "aoprim", "serve",
                 *a.child_argv(a, port=port, procs=1, reuse_port=True, status_fd=status_fd),
                 *tail]
 
