@@ -139,6 +139,41 @@ def _lift(sock: socket.socket) -> socket.socket:
     return lifted
 
 
+def _check_listening(sock: object) -> None:
+    """Refuse a ``sock=`` the server cannot accept on -- not a socket (``TypeError``), or
+    closed, not a stream socket, or not listening (``ValueError``) -- before the server
+    opens or starts anything: a server on it would log that it listens and never accept a
+    connection (a socket bound but not listening makes accept() fail with EINVAL, again and
+    again).  The socket is left as it is, the caller's."""
+    if not isinstance(sock, socket.socket):
+        raise TypeError(f"sock must be a socket.socket (bound and listening), not "
+                        f"{type(sock).__name__}")
+    fd = sock.fileno()
+    if fd < 0:
+        raise ValueError(f"sock= is closed ({sock!r}): pass a bound and listening socket")
+    try:
+        stype = sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    except OSError as e:        # EBADF: its fd was closed behind it; ENOTSOCK
+        raise ValueError(f"sock= cannot be used: fd {fd} is not an open socket "
+                         f"({e.strerror or e}): pass a bound and listening socket") from None
+    if stype != socket.SOCK_STREAM:
+        kind = {socket.SOCK_DGRAM: "a SOCK_DGRAM socket (UDP, or AF_UNIX datagrams)",
+                socket.SOCK_SEQPACKET: "a SOCK_SEQPACKET socket",
+                socket.SOCK_RAW: "a SOCK_RAW socket"}.get(stype, f"a socket of type {stype}")
+        raise ValueError(f"sock= is {kind}, fd {fd}: the server accepts connections on a "
+                         f"bound and listening SOCK_STREAM socket (TCP, or AF_UNIX stream)")
+    if not listening:
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            peer = None
+        what = (f"is connected to {describe_address(peer)}, not listening" if peer
+                else "is not listening")
+        raise ValueError(f"sock= {what} (fd {fd}): call bind() and listen() on it before "
+                         f"passing it, or pass host and port instead of sock=")
+
+
 def _is_base(k: type) -> bool:
     return (k.__module__, k.__qualname__) == _BASE
 
@@ -316,9 +351,8 @@ class Server:
         if st.ssl is not None:
             from .tls import check_context      # (imports ssl only when TLS is used)
             check_context(st.ssl)
-        if sock is not None and not isinstance(sock, socket.socket):
-            raise TypeError(f"sock must be a socket.socket (bound and listening), not "
-                            f"{type(sock).__name__}")
+        if sock is not None:
+            _check_listening(sock)
         self.settings = st
         self.handler = handler
         self.framing = st.framing
