@@ -131,6 +131,30 @@ def _unsent(fd: int, _buf: bytes = bytes(4)) -> int:
         return 0
 
 
+_SESSION_SOCKET: Any = None
+
+
+def _session_socket_type() -> Any:
+    """asyncio's ``TransportSocket`` with a session's ``shutdown()`` (made on first use:
+    asyncio is imported only for who asks)."""
+    global _SESSION_SOCKET
+    if _SESSION_SOCKET is None:
+        from asyncio.trsock import TransportSocket
+
+        class SessionSocket(TransportSocket):
+            __slots__ = ("_session",)
+
+            def __init__(self, sock: socket.socket, session: Session) -> None:
+                super().__init__(sock)
+                self._session = session
+
+            def shutdown(self, how: int) -> None:
+                self._session._shutdown_socket(how)
+
+        _SESSION_SOCKET = SessionSocket
+    return _SESSION_SOCKET
+
+
 class SessionContext:
     """What a session needs from its server, as public attributes (filled by Server)."""
 
@@ -300,10 +324,29 @@ class Session:
         """The connection's socket, for inspection and socket options: asyncio's
         ``TransportSocket`` over it, as ``get_extra_info("socket")`` on an asyncio transport,
         so it refuses ``setblocking(True)`` and ``settimeout()`` other than 0 (ValueError) --
-        the loop reads, writes and drains it assuming it never blocks.  Close the session
-        with close()/abort(), never the socket itself: the loop owns its fd."""
-        from asyncio.trsock import TransportSocket    # (asyncio only for who asks)
-        return TransportSocket(self._sock)
+        the loop reads, writes and drains it assuming it never blocks.  Its ``shutdown()``
+        first hands what was sent to the kernel (one non-blocking attempt, as asyncio's
+        ``write()`` has made before), so a ``shutdown(SHUT_WR)`` after ``send()`` does not
+        overtake the data; from another thread it runs on the loop thread, after what that
+        thread sent.  Close the session with close()/abort(), never the socket itself: the
+        loop owns its fd."""
+        return _session_socket_type()(self._sock, self)
+
+    def _shutdown_socket(self, how: int) -> None:
+        """The session socket's ``shutdown(how)`` (see ``socket``)."""
+        if _get_ident() != self._loop.thread_id:
+            # behind this thread's sends, which are queued for the loop thread
+            self._loop.call_soon_threadsafe(self._shutdown_later, how)
+            return
+        if self._state != CLOSED and not self._lingering:
+            self._send_once()
+        self._sock.shutdown(how)
+
+    def _shutdown_later(self, how: int) -> None:
+        try:
+            self._shutdown_socket(how)
+        except OSError:
+            pass        # (not connected any more, closed: as a send would find it)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         """As asyncio's transports: ``"peername"`` (the client's address: ``peer``, the

@@ -451,3 +451,31 @@ def test_get_write_buffer_size_right_after_a_write_counts_it_on_every_thread(ser
     assert client(ev)(srv.address) == 8_000_000
     # (the kernel takes a few MB at most before the peer reads: the rest is the backlog)
     assert theirs[0] > 1_000_000 and ours[0] > 1_000_000, (theirs, ours)
+
+
+def test_a_socket_shutdown_after_a_write_sends_the_write_first_as_asyncio(serve):
+    """get_extra_info("socket").shutdown(SHUT_WR) right after write(): the half-close one
+    reaches for (write_eof() is not supported here) -- the peer reads the reply, then the
+    end of the stream, as on asyncio (whose write() has sent it already)."""
+    class HalfCloses(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def data_received(self, data):
+            self.transport.write(b"reply:" + data)
+            self.transport.get_extra_info("socket").shutdown(socket.SHUT_WR)
+
+    def client(address):
+        with socket.create_connection(address, timeout=10) as c:
+            c.sendall(b"ping")
+            got = b""
+            while True:
+                b = c.recv(4096)
+                if not b:
+                    return got
+                got += b
+
+    assert on_asyncio(HalfCloses, client) == b"reply:ping"
+    srv = serve(HalfCloses)
+    for _ in range(3):
+        assert client(srv.address) == b"reply:ping"
