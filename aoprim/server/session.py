@@ -1321,6 +1321,16 @@ class Session:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        try:
+            linger = self._sock.getsockopt(_SOL_SOCKET, _SO_LINGER, 8)
+        except OSError:
+            linger = None
+        if linger == _LINGER_RESET:
+            # the application asked for an abortive close (SO_LINGER on with 0 s, set on
+            # the session's socket): as asyncio's close, the socket is closed once what
+            # was owed is sent -- the kernel resets the connection, no FIN, no lingering
+            self._teardown()
+            return
         unsent = _unsent(self._fd)     # (before the FIN joins the queue)
         try:
             self._sock.shutdown(socket.SHUT_WR)

@@ -479,3 +479,34 @@ def test_a_socket_shutdown_after_a_write_sends_the_write_first_as_asyncio(serve)
     srv = serve(HalfCloses)
     for _ in range(3):
         assert client(srv.address) == b"reply:ping"
+
+
+def test_so_linger_zero_then_close_resets_as_asyncio(serve):
+    """The abortive-close idiom: SO_LINGER (on, 0 s) on get_extra_info("socket"), then
+    close(): the peer's stream ends with a reset, not a clean end, as on asyncio."""
+    import struct
+
+    class Resets(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def data_received(self, data):
+            self.transport.write(b"reply:" + data)
+            self.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.close()
+
+    def client(address):
+        with socket.create_connection(address, timeout=10) as c:
+            c.sendall(b"ping")
+            try:
+                while c.recv(4096):
+                    pass
+            except ConnectionResetError:
+                return "reset"
+            return "end of stream"
+
+    assert on_asyncio(Resets, client) == "reset"
+    srv = serve(Resets)
+    for _ in range(3):
+        assert client(srv.address) == "reset"
