@@ -86,6 +86,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -465,7 +466,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
     def default_exception_handler(self, context: dict[str, Any]) -> None:
         exc = context.get("exception")
-        extra = "".join(f"\n{k}: {v!r}" for k, v in context.items()
+        extra = "".join(f"\n{k}: {_context_value(k, v)}" for k, v in context.items()
                         if k not in ("message", "exception"))
         # on asyncio's logger, as asyncio's loop logs it: logging set up for asyncio's
         # messages sees these too
@@ -508,6 +509,16 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
     def __repr__(self) -> str:
         return f"<ProtocolLoop over {self._ev!r}>"
+
+
+def _context_value(key: str, value: Any) -> str:
+    """One value of an exception handler's context as asyncio's default handler writes it:
+    the creation tracebacks of debug mode as tracebacks, anything else by its repr."""
+    if key in ("source_traceback", "handle_traceback") and isinstance(value, list):
+        what = "Object" if key == "source_traceback" else "Handle"
+        tb = "".join(traceback.format_list(value)).rstrip()
+        return f"{what} created at (most recent call last):\n{tb}"
+    return repr(value)
 
 
 def _callback_failed(loop: ProtocolLoop, fn: Callable[..., Any], args: tuple[Any, ...],

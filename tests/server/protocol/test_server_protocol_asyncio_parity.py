@@ -510,3 +510,42 @@ def test_so_linger_zero_then_close_resets_as_asyncio(serve):
     srv = serve(Resets)
     for _ in range(3):
         assert client(srv.address) == "reset"
+
+
+def test_debug_mode_creation_tracebacks_are_written_as_asyncio_writes_them(serve, caplog):
+    """Debug mode: a failing callback's record carries where its handle was made, as
+    asyncio's default handler writes it ("Object created at (most recent call last):" and
+    the protocol's own line), not the repr of a list of frames."""
+    class Fails(asyncio.Protocol):
+        def connection_made(self, transport):
+            loop = asyncio.get_running_loop()
+            loop.set_debug(True)
+            loop.call_soon(self.fails)      # the line the record names
+            self.transport = transport
+
+        def fails(self):
+            raise ValueError("callback failed")
+
+        def data_received(self, data):
+            self.transport.write(data)
+
+    def client(address):
+        with socket.create_connection(address, timeout=10) as c:
+            c.sendall(b"x")
+            assert c.recv(1) == b"x"
+
+    def record():
+        recs = [r.getMessage() for r in caplog.records if r.name == "asyncio" and
+                "callback failed" in repr(r.exc_info)]
+        return recs[0] if recs else None
+
+    on_asyncio(Fails, client)
+    there = record()
+    caplog.clear()
+    srv = serve(Fails)
+    client(srv.address)
+    wait_for(record, 10, "the record")
+    here = record()
+    for text in (there, here):
+        assert "source_traceback: Object created at (most recent call last):" in text
+        assert "in connection_made" in text and "FrameSummary" not in text
