@@ -134,6 +134,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from types import FrameType
 from typing import IO, Any, Callable, Sequence
 
@@ -164,6 +165,8 @@ _ERR_MAX = 1 << 18          # bytes of log lines kept for a stderr that is not r
 _KILL_GRACE = 1.0           # seconds past stop_timeout before a stopping child is killed: its
                             # own bound is stop_timeout (serve's), so its message comes first
 _SLOW_START = 30.0          # seconds after which a restart not yet listening is logged (once)
+_SPAWNS_KEPT = 32           # the newest spawns Supervisor.spawned records: a record of every
+                            # one would grow with each restart, for as long as it runs
 _GROUP_CHECK = 0.2          # seconds between two looks at the leftover process groups
                             # while they are being stopped
 _GROUP_IDLE = 5.0           # ... while they are not (a look forgets the empty ones: a
@@ -714,7 +717,8 @@ class Supervisor:
         self._reap_all = False            # every child re-parented to it is its to reap
         self._drain_until = 0.0           # monotonic time the last output is written until
         self.address: tuple[str, int] | None = None     # (host, port) once reserved
-        self.spawned: list[tuple[float, int, int]] = []  # (monotonic time, index, pid)
+        # the newest processes started, oldest first: (monotonic time, index, pid)
+        self.spawned: deque[tuple[float, int, int]] = deque(maxlen=_SPAWNS_KEPT)
 
     # -- the child's side of fork (runs between fork and exec: no locks, no logging) -----
 

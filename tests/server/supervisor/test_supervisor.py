@@ -607,6 +607,28 @@ def test_crashes_while_serving_never_end_the_service(child_script, caplog):
     assert not any(alive(pid) for _, _, pid in sup.spawned)
 
 
+@pytest.mark.timeout(120)
+def test_the_record_of_spawns_keeps_the_newest_only(child_script, caplog, monkeypatch):
+    """Supervisor.spawned kept every process ever started: a service whose children crash
+    while serving is restarted for as long as it runs, and the record grew with each
+    restart (about 130 bytes each, for ever)."""
+    from aoprim.server import supervisor
+    monkeypatch.setattr(supervisor, "_SPAWNS_KEPT", 3, raising=False)
+    caplog.set_level(logging.DEBUG, logger="aoprim.server")
+
+    def started():
+        return [r.args[0] for r in list(caplog.records)
+                if r.msg.startswith("started server process")]
+    sup = Supervisor(argv_of(child_script, "crash"), 1, HOST, 0, stdout=io.StringIO(),
+                     backoff=0.01, backoff_max=0.01)
+    run_supervisor(sup, lambda: len(started()) >= 10)
+    pids = started()
+    assert len(pids) >= 10
+    assert [pid for _, _, pid in sup.spawned] == pids[-3:]      # the newest 3, in order
+    assert [i for _, i, _ in sup.spawned] == [0, 0, 0]
+    assert not any(alive(pid) for pid in pids)
+
+
 @pytest.mark.parametrize("mode", ["stop0", "killed"])
 def test_a_child_stopped_without_the_supervisor_asking_is_replaced(child_script, caplog,
                                                                     mode):
