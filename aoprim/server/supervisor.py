@@ -103,7 +103,9 @@ Rules
   the next lines are tried as ever.  When the supervisor's stdout is
   gone (closed, or a pipe whose reader exited: ``| head -1``) the lines are dropped --
   logged once -- and everything else goes on: serving, restarts, the exit status.
-  What a child writes is passed on as it is: output it ends without a newline gets none.
+  Output a child ends without a newline (it died in the middle of a line: ``os._exit``, an
+  OOM kill) is ended with one when its pipe reaches its end, so that no other line is glued
+  to it.
 - Its own log lines never block it either: while it runs, the logging handlers that write
   to its stderr write through a second :class:`_Output` (256 KiB kept; a stderr that took
   nothing for 2 s has the lines beyond that dropped and counted).  When it ends it waits
@@ -882,7 +884,11 @@ class Supervisor:
                 if not self._paused:           # (paused: not in the selector)
                     self._sel.unregister(fd)
                 c.proc.stdout.close()
-                if c.buf:                      # its last output, without a newline: as it is
+                if c.buf:
+                    # its last output, without a newline (it died in the middle of a line:
+                    # os._exit, an OOM kill): ended with one, or the next line written --
+                    # another child's, the supervisor's own -- would be glued to it
+                    c.buf += b"\n"
                     self._line(c, bytes(c.buf))
                     c.buf.clear()
                 return

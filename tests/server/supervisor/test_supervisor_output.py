@@ -9,7 +9,8 @@
 - A stdout that cannot be opened again with a file description of the supervisor's own (a
   pipe or terminal of another user: ``EACCES``) is written by a thread of its own: a stalled
   reader never blocks the supervisor.
-- Output a child ends without a newline is passed on as it is: nothing is added.
+- Output a child ends without a newline (it died in the middle of a line) is passed on with a
+  newline added, so that no other line is glued to it.
 """
 import errno
 import io
@@ -51,6 +52,8 @@ CHILD = textwrap.dedent("""
             os.write(1, b"%04d " % i + b"x" * 995 + b"\\n")
     if mode == "nonl":                     # output without a final newline
         os.write(1, b"<\\x00\\x01tail>")
+    if mode == "line":                     # one whole line
+        os.write(1, b"whole %d\\n" % os.getpid())
     os.write(status, b"ready\\n")
     if mode == "nonl":
         sys.exit(3)                        # (a crash: restarted, its output passed on)
@@ -308,13 +311,16 @@ def test_a_stdout_of_another_user_gets_every_line_in_order(child_script, monkeyp
 # -- output without a final newline ------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-def test_output_without_a_final_newline_is_passed_on_as_it_is(child_script):
-    """A newline was added to a child's last output when it exited."""
+def test_a_dead_childs_unfinished_line_is_ended_with_a_newline(child_script):
+    """The piece a child left without a newline when it died (``os._exit``, an OOM kill in
+    the middle of a write) was passed on as it was, and the next line -- another child's,
+    or its restart's -- was glued to it: one output line holding two processes' records."""
     out = io.StringIO()
-    sup = Supervisor(argv_of(child_script, "nonl", "serve"), 1, HOST, 0, stdout=out,
+    sup = Supervisor(argv_of(child_script, "nonl", "line"), 1, HOST, 0, stdout=out,
                      backoff=0.01)
-    assert run_supervisor(sup, lambda: len(sup.spawned) == 2 and
-                          sup._children[0].ready) == 0
-    text = out.getvalue()
-    assert text.count("<\x00\x01tail>") == 1, repr(text)
-    assert "<\x00\x01tail>\n" not in text, repr(text)
+    assert run_supervisor(sup, lambda: "whole" in out.getvalue()) == 0
+    lines = out.getvalue().splitlines(keepends=True)
+    assert lines.count("<\x00\x01tail>\n") == 1, lines      # its bytes as they were, ended
+    assert [line for line in lines if "whole" in line] == \
+        ["whole %d\n" % sup.spawned[1][2]], lines
+    assert all(line.endswith("\n") for line in lines), lines
