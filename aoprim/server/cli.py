@@ -274,10 +274,17 @@ class _ServeOptions:
                     out.append(flag)
             elif isinstance(v, list):         # a repeatable option (action="append")
                 for item in v:
-                    out += [flag, text(item)]
+                    out += _option(flag, text(item))
             elif v is not None:
-                out += [flag, text(v)]
+                out += _option(flag, text(v))
         return out
+
+
+def _option(flag: str, value: str) -> list[str]:
+    """``flag`` and its ``value`` as a command line's arguments: one, ``--flag=value``, for a
+    value that starts with ``-`` (``--app-dir=-apps``), which argparse would otherwise take
+    for an option (``--app-dir: expected one argument``); else two."""
+    return [f"{flag}={value}"] if value.startswith("-") else [flag, value]
 
 
 class CommandParser(argparse.ArgumentParser):

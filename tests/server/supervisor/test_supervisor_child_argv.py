@@ -93,3 +93,50 @@ def test_children_run_under_the_interpreters_options(tmp_path, procs):
         assert p.returncode == 0, err
     finally:
         cleanup(p, kids)
+
+
+DASHED = ["--app-dir=-apps", "--host=-h", "--certfile=-cert.pem", "--keyfile=-key.pem",
+          "--ca-certs=-ca.pem", "--trusted-proxy=-net", "--trusted-proxy=::1"]
+
+
+def test_a_value_starting_with_a_dash_reaches_the_child_as_given():
+    """A child's settings came as `--app-dir -apps`, two arguments: argparse took `-apps`
+    for an option (`aoprim: --app-dir: expected one argument`, exit 2)."""
+    from aoprim.server.cli import build_parser
+    p = build_parser()
+    a = p.parse_args(["serve", *DASHED, "--procs", "2", "--port", "0"])
+    argv = a.child_argv(a, port=1234, procs=1, reuse_port=True, status_fd=7)
+    b = p.parse_args(["serve", *argv])
+    for name in ("app_dir", "host", "certfile", "keyfile", "ca_certs", "trusted_proxy"):
+        assert getattr(b, name) == getattr(a, name), (name, argv)
+    assert (b.port, b.procs, b.reuse_port, b.status_fd) == (1234, 1, True, 7)
+    assert b.app_dir == "-apps" and b.trusted_proxy == ["-net", "::1"]
+
+
+ECHO = "from aoprim.server.apps import Echo\n"
+
+
+@pytest.mark.timeout(120)
+def test_an_app_dir_starting_with_a_dash_serves_under_procs(tmp_path):
+    """`serve h:H --app-dir=-apps --procs 2`: each child exited 2 (`--app-dir: expected one
+    argument`), where `--procs 1` served."""
+    (tmp_path / "-apps").mkdir()
+    (tmp_path / "-apps" / "dash_echo.py").write_text(ECHO)
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
+                          "0", "--procs", "2", "--app-dir=-apps", "dash_echo:Echo"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=str(tmp_path), env=child_env())
+    kids = []
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("listening on "), (line, p.stderr.read() if p.poll() else "")
+        port = int(line.rsplit(":", 1)[1])
+        kids = children_of(p.pid)
+        with socket.create_connection((HOST, port), timeout=10) as s:
+            s.sendall(b"ping")
+            assert recv_exact(s, 4) == b"ping"
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=60)[1]
+        assert p.returncode == 0, err
+    finally:
+        cleanup(p, kids)
