@@ -80,9 +80,10 @@ delivered first by the next on_readable().  A too-large header (RX_TOO_LARGE) en
 stream's framing: the receiver drops what it kept and reads nothing more.  A BaseException
 from on_frame (KeyboardInterrupt) propagates; the frame it interrupted counts as delivered
 and the rest stays pending, as after RX_HANDLER.  If on_frame forked the process and the
-fork comes back -- on_frame returns or raises there -- the fork gets on_event RX_FORKED
-(arg None or the exception) and nothing else: no further frame, no RX_HANDLER (the owner
-ends the fork: the stream is the parent's).  If a heap buffer for a kept tail cannot
+fork comes back -- on_frame returns or raises there, a BaseException too (the fork's
+``sys.exit()``) -- the fork gets on_event RX_FORKED (arg None or the exception) and nothing
+else: no further frame, no RX_HANDLER (the owner ends the fork, with the status a
+``sys.exit()`` asked for, whichever thread this is: the stream is the parent's).  If a heap buffer for a kept tail cannot
 be allocated, on_event gets RX_ERROR with ENOMEM and the receiver reads nothing more.  An
 exception from on_event itself goes to sys.unraisablehook: on_readable() never raises but a
 BaseException.
@@ -815,7 +816,9 @@ cdef class Receiver:
         _bump(&self.frames_in, 1)
         try:
             self.on_frame(self.owner, data)
-        except Exception as e:
+        except BaseException as e:
+            if self.forks == _forks and not isinstance(e, Exception):
+                raise           # KeyboardInterrupt & co propagate (in a fork: RX_FORKED)
             exc = e
         finally:
             if not self.copy_frames:
@@ -836,8 +839,8 @@ cdef class Receiver:
                     self.fview = <PyObject *>data
         if self.forks != _forks:
             # on_frame forked and this is the fork, come back: the owner ends it (the
-            # view and the buffers go with the process).  (A BaseException -- the fork's
-            # sys.exit() -- has propagated already.)
+            # view and the buffers go with the process), a BaseException -- the fork's
+            # sys.exit() -- included: propagated, it would end only this thread
             data = None
             if on_event is not None:
                 on_event(owner, AOP_RX_FORKED, exc)

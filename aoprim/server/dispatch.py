@@ -104,12 +104,25 @@ def fork_returned(where: str, exc: BaseException | None = None,
     that returned or raised, or the loop callback that returned): end the process here --
     status 0 after a return (logged as a WARNING: a fork should end itself), 1 after an
     exception (logged with its traceback, unless ``logged``: the asyncio adapter's
-    exception handler did) -- on any thread.  Nothing of the server runs on in it: nothing
-    is sent, nothing of the parent's is shut down."""
+    exception handler did), the status a ``SystemExit`` asks for after ``sys.exit()`` (as
+    the interpreter's exit gives it: None 0, an int itself, anything else printed to
+    stderr and 1) -- on any thread, the loop's and a worker's too.  Nothing of the server
+    runs on in it: nothing is sent, nothing of the parent's is shut down."""
     if exc is None:
         log.warning("process %d, forked by handler code, returned into the server from %s: "
                     "it ends here (a fork should end itself: os._exit())", os.getpid(), where)
         end_fork(0)
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code is None:
+            end_fork(0)
+        if isinstance(code, int):
+            end_fork(code)
+        try:
+            print(code, file=sys.stderr)
+        except Exception:
+            pass
+        end_fork(1)
     log.error("process %d, forked by handler code: %s raised%s; the fork ends", os.getpid(),
               where, " (logged above)" if logged else "", exc_info=None if logged else exc)
     end_fork(1)
@@ -175,8 +188,10 @@ class InlineDispatch(_ForkAware):
     def propagates(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by a hook, leaves the loop (stopping the server) instead
         of closing that session only: every ``BaseException`` that is not an
-        ``Exception``."""
-        return not isinstance(exc, Exception)
+        ``Exception`` -- but in a process handler code forked, where the hook's failure
+        ends the fork (``fork_returned``: a ``sys.exit(n)`` with status n, on whichever
+        thread the loop runs)."""
+        return not isinstance(exc, Exception) and not self.in_fork()
 
     def frame_callback(self, session: Session) -> FrameCallback:
         return self.handler.on_read
@@ -229,17 +244,16 @@ class WorkerDispatch(_ForkAware):
     def propagates(self, exc: BaseException) -> bool:
         """Whether ``exc``, raised by a hook, leaves the thread that ran it instead of
         closing that session only: a ``KeyboardInterrupt`` on the main thread (the user's
-        interrupt of a ``serve_forever()`` there); in a forked process, any
-        ``BaseException`` that is not an ``Exception`` (the fork's ``sys.exit()``).
-        Anything else -- ``SystemExit``, ``asyncio.CancelledError``, a
-        ``KeyboardInterrupt`` raised on a worker or a loop thread of ``start()`` -- closes
-        that session only, on every thread: the server and its workers serve on."""
+        interrupt of a ``serve_forever()`` there).  Anything else -- ``SystemExit``,
+        ``asyncio.CancelledError``, a ``KeyboardInterrupt`` raised on a worker or a loop
+        thread of ``start()`` -- closes that session only, on every thread: the server
+        and its workers serve on.  (In a process handler code forked, the session's
+        ``handler_failed`` ends the fork instead: ``fork_returned``, a ``sys.exit(n)``
+        with status n.)"""
         if isinstance(exc, Exception):
             return False
-        if isinstance(exc, KeyboardInterrupt) and \
-                threading.current_thread() is threading.main_thread():
-            return True
-        return self.in_fork()
+        return (isinstance(exc, KeyboardInterrupt) and
+                threading.current_thread() is threading.main_thread())
 
     @property
     def threads(self) -> list[threading.Thread]:

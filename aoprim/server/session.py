@@ -1072,9 +1072,7 @@ class Session:
             self._ctx.dispatch.returned("on_close")
         except BaseException as e:      # (on a worker: the thread must live on)
             if self._ctx.dispatch.in_fork():
-                if not isinstance(e, Exception):
-                    raise               # a fork's sys.exit() ends the fork
-                fork_returned("on_close", e)
+                fork_returned("on_close", e)    # (a fork's sys.exit(n): status n)
             log.error("session %d: handler on_close raised", self.id, exc_info=e)
             self._ctx.stats.handler_errors.fetch_add(1)
 

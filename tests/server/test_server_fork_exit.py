@@ -1,0 +1,43 @@
+"""A process a handler forks that ends with ``sys.exit(n)`` exits with ``n`` -- from every
+hook's thread: the loop thread of ``start()``, a worker, the main thread -- as the
+interpreter's exit would give it (None 0, an int itself, anything else 1), without running
+the parent's exit handlers."""
+import os
+import socket
+import sys
+
+import pytest
+
+from aoprim.server import Handler
+from aoprim.server.loop import BACKENDS
+
+from server_support import make_server  # noqa: F401  (a fixture)
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+class ForksAndExits(Handler):
+    """Each frame names the exit code (b"3", b"none", b"text"); the fork exits with it and
+    the parent replies with the fork's status."""
+
+    def on_read(self, session, data):
+        arg = bytes(data)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(None if arg == b"none" else "bye" if arg == b"text" else int(arg))
+        session.send(b"%d" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("arg, status", [(b"3", 3), (b"0", 0), (b"none", 0), (b"text", 1)])
+def test_a_forks_sys_exit_is_its_status(make_server, workers, arg, status):
+    srv = make_server(ForksAndExits(), framing="raw", workers=workers)
+    with socket.create_connection(srv.address, timeout=20) as c:
+        c.sendall(arg)
+        assert int(c.recv(16)) == status
