@@ -7,7 +7,6 @@ it; docs/server.md "--procs N").
 - A child gets the supervisor's settings as they were given, a value that starts with ``-``
   (``--app-dir=-apps``) included: argparse never takes one for an option.
 """
-import os
 import signal
 import socket
 import subprocess
@@ -86,7 +85,8 @@ def test_children_run_under_the_interpreters_options(tmp_path, procs):
             if len(seen) == len(kids):
                 break
         assert sorted(seen) == sorted(kids), (seen, kids)
-        want = f"dev=1 optimize=1 warnings=default,error::DeprecationWarning unbuffered=1 gil={gil}"
+        want = ("dev=1 optimize=1 warnings=default,error::DeprecationWarning unbuffered=1 "
+                f"gil={gil}")
         assert set(seen.values()) == {want}, seen
         p.send_signal(signal.SIGTERM)
         err = p.communicate(timeout=60)[1]

@@ -358,7 +358,7 @@ def test_a_stopped_child_is_continued_at_the_stop(sig):
         assert p.returncode == 0, err
         assert "did not stop" not in err, err
         assert "while stopping" not in err, err
-        assert out.count("stats {") == 2, out          # each child's clean stop, the stopped one too
+        assert out.count("stats {") == 2, out      # a clean stop each, the stopped one too
         assert not any(alive(pid) for pid in kids)
     finally:
         cleanup(p, kids)
