@@ -374,6 +374,9 @@ class Server:
         self._started = False
         self._pid = os.getpid()             # the serving process (see _in_fork)
         self._old_signals: dict[int, Any] = {}  # what serve_forever's handlers replaced
+        # taken by whoever runs the loop first: start()'s thread, or start() itself when it
+        # gives up before that thread began (then the thread must not run the loop)
+        self._run_claim = threading.Lock()
         # PROXY protocol: who may connect (checked at accept, before reading); None: off
         self._trusted = (TrustedPeers(st.trusted_proxies) if st.proxy_protocol is not None
                          else None)
@@ -418,7 +421,9 @@ class Server:
             raise
 
     # -- set-up --------------------------------------------------------------------------
-    def _prepare(self) -> None:
+    def _claim_start(self) -> None:
+        """Mark the server started (once, in the process that made it); from here on, a
+        start that does not reach its loop gives back what it took (:meth:`_undo_start`)."""
         if self._started:
             raise RuntimeError("a Server can be started once")
         if os.getpid() != self._pid:
@@ -430,15 +435,34 @@ class Server:
                 f"the fork, or serve one port from several processes with reuse_port=True or "
                 f"`python -m aoprim serve --procs N`")
         self._started = True
+
+    def _undo_start(self) -> None:
+        """A start that failed or was interrupted before its loop ran -- a
+        ``KeyboardInterrupt`` in ``serve_forever()``'s first moments, a thread that could
+        not start -- gives back everything it took: the worker threads it started are
+        stopped and joined, the listening socket, the receive arena and the loop closed.
+        ``shutdown()`` and ``close()`` then find a stopped server.  Each step may have been
+        done already (by a cleanup that was itself interrupted): each is idempotent."""
+        if self._in_fork():
+            self._forget_in_fork()
+            return
         try:
-            self._prepare_parts()
-        except BaseException:
-            # nothing runs: give back what the constructor took, so that shutdown() (done
-            # at once) and the caller's cleanup find a stopped server
-            self._lsock.close()
+            d = self._dispatch
+            if d is not None:
+                d.stop()        # (the queue closed: the workers find nothing and exit)
+                if not d.join(self.settings.shutdown_timeout):
+                    log.error("worker threads did not exit within %.1f s of a failed "
+                              "start", self.settings.shutdown_timeout)
+        finally:
+            if self._listener is not None:
+                self._listener.close()
+            else:
+                self._lsock.close()
+            if self._arena is not None:
+                self._arena.close()
             self._loop.close()
+            _serving.discard(self)
             self._done.set()
-            raise
 
     def _prepare_parts(self) -> None:
         st = self.settings
@@ -488,34 +512,61 @@ class Server:
                  ", TLS" if st.ssl is not None else "")
 
     def start(self) -> Self:
-        """Serve in a background thread; returns once the server accepts connections."""
-        self._prepare()
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="aoprim-loop",
-                                        daemon=True)
-        self._thread.start()
-        ready.wait()
+        """Serve in a background thread; returns once the server accepts connections.  If
+        it raises (the thread cannot start; a ``KeyboardInterrupt`` while it waits), nothing
+        of the server is left running."""
+        self._claim_start()
+        try:
+            self._prepare_parts()
+            ready = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(ready,),
+                                            name="aoprim-loop", daemon=True)
+            self._thread.start()
+            ready.wait()
+        except BaseException:
+            if self._run_claim.acquire(blocking=False):
+                # the loop thread did not start or has not begun: it never will (_run
+                # returns at once), so nothing runs and the start is undone here
+                self._thread = None
+                self._undo_start()
+            else:
+                self.shutdown()         # it serves: stopped as any server is
+            raise
         return self
 
     def serve_forever(self) -> None:
-        """Serve in the calling thread until shutdown() or SIGINT/SIGTERM (main thread)."""
-        self._prepare()
+        """Serve in the calling thread until shutdown() or SIGINT/SIGTERM (main thread).
+
+        On the main thread its signal handlers are in place before anything starts: a
+        SIGINT or SIGTERM asks for the graceful shutdown.  Whatever ends it before its loop
+        runs gives back what was started (:meth:`_undo_start`)."""
+        self._claim_start()
         old = self._old_signals
-        if threading.current_thread() is threading.main_thread():
-            def on_signal(signum: int, frame: FrameType | None) -> None:
-                log.info("received %s: shutting down", signal.Signals(signum).name)
-                self._loop.call_soon_threadsafe(self._begin_shutdown)
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                old[sig] = signal.signal(sig, on_signal)
         try:
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    old[sig] = signal.signal(sig, self._on_signal)
+            self._prepare_parts()
             self._run(None)
+        except BaseException:
+            if not self._done.is_set():     # (_run's own cleanup did not run or finish)
+                self._undo_start()
+            raise
         finally:
             if not self._in_fork():     # (a fork's were put back at the fork)
                 for sig, h in old.items():
                     signal.signal(sig, h)
             old.clear()
 
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """serve_forever()'s SIGINT/SIGTERM handler (main thread): asks the loop for the
+        graceful shutdown."""
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+        self._loop.call_soon_threadsafe(self._begin_shutdown)
+
     def _run(self, ready: threading.Event | None) -> None:
+        if not self._run_claim.acquire(blocking=False):
+            return      # start() gave up before this thread began: it undid the start
         try:
             self._loop.call_soon(self._listener.start)
             if ready is not None:

@@ -1,0 +1,145 @@
+"""A start that fails or is interrupted before its loop runs -- a ``KeyboardInterrupt`` (a
+Ctrl-C) while ``serve_forever()`` starts its worker threads, a worker or loop thread that
+cannot start -- gives back everything it started: the worker threads are stopped and
+joined, every fd is closed, and ``shutdown()``/``close()`` afterwards return at once."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from aoprim.server import Server
+from aoprim.server.apps import Echo
+from aoprim.server.loop import BACKENDS
+from aoprim.server.workers import WorkerPool
+
+from server_support import HOST
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _fds():
+    return sorted(os.listdir("/proc/self/fd"))
+
+
+def _aoprim_threads():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("aoprim"))
+
+
+def _fail_after_two_workers(monkeypatch, exc):
+    """WorkerPool.start starts two of its threads, then ``exc`` comes: the KeyboardInterrupt
+    of a Ctrl-C landing between two thread starts, or the third thread refused."""
+    def start(pool):
+        for t in pool.threads[:2]:
+            t.start()
+        raise exc
+    monkeypatch.setattr(WorkerPool, "start", start)
+
+
+def _assert_given_back(srv, fds, threads):
+    assert _aoprim_threads() == threads, "threads of the failed start left running"
+    assert _fds() == fds, "fds of the failed start left open"
+    srv.shutdown(timeout=2)         # (TimeoutError if it thought a loop was still running)
+    srv.close()
+    assert _aoprim_threads() == threads and _fds() == fds
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), RuntimeError("can't start new thread")],
+                         ids=["KeyboardInterrupt", "RuntimeError"])
+def test_serve_forever_interrupted_while_its_workers_start_stops_them(monkeypatch, backend,
+                                                                       exc):
+    fds, threads = _fds(), _aoprim_threads()
+    handler = signal.getsignal(signal.SIGINT)
+    srv = Server(Echo(), HOST, backend=backend, workers=4, shutdown_timeout=0.5)
+    _fail_after_two_workers(monkeypatch, exc)
+    with pytest.raises(type(exc)):
+        srv.serve_forever()
+    assert signal.getsignal(signal.SIGINT) is handler, "SIGINT's handler not put back"
+    _assert_given_back(srv, fds, threads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_start_whose_workers_cannot_all_start_stops_those_started(monkeypatch, backend):
+    fds, threads = _fds(), _aoprim_threads()
+    srv = Server(Echo(), HOST, backend=backend, workers=4, shutdown_timeout=0.5)
+    _fail_after_two_workers(monkeypatch, RuntimeError("can't start new thread"))
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        srv.start()
+    _assert_given_back(srv, fds, threads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("workers", [0, 4])
+def test_start_whose_loop_thread_cannot_start_gives_everything_back(monkeypatch, backend,
+                                                                     workers):
+    """The loop thread refused (the process at its thread limit: RLIMIT_NPROC, a pids
+    cgroup) after the workers started: they are stopped, the loop and socket closed."""
+    real = threading.Thread.start
+
+    def start(thread):
+        if thread.name == "aoprim-loop":
+            raise RuntimeError("can't start new thread")
+        real(thread)
+    fds, threads = _fds(), _aoprim_threads()
+    srv = Server(Echo(), HOST, backend=backend, workers=workers, shutdown_timeout=0.5)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        srv.start()
+    monkeypatch.undo()
+    _assert_given_back(srv, fds, threads)
+
+
+# A real Ctrl-C at a random moment of serve_forever()'s first milliseconds, in a process of
+# its own (the signal goes to the whole process): each start ends in a clean return (the
+# SIGINT found serve_forever's handler) or a KeyboardInterrupt (it came before), and no
+# thread or fd of any of them is left.
+RACE = textwrap.dedent("""
+    import os, random, signal, sys, threading
+    from aoprim.server import Server
+    from aoprim.server.apps import Echo
+
+    backend, n = sys.argv[1], int(sys.argv[2])
+    random.seed(int(sys.argv[3]))
+    fds = len(os.listdir("/proc/self/fd"))
+    outcomes = {"returned": 0, "KeyboardInterrupt": 0}
+    for _ in range(n):
+        srv = t = None
+        try:
+            try:
+                srv = Server(Echo(), "127.0.0.1", 0, backend=backend, workers=4,
+                             shutdown_timeout=0.5)
+                t = threading.Timer(random.random() * 0.004, os.kill,
+                                    (os.getpid(), signal.SIGINT))
+                t.start()
+                srv.serve_forever()
+                outcomes["returned"] += 1
+            finally:
+                if t is not None:
+                    t.join()                # the SIGINT is sent: its handler runs here
+                for _ in range(1000):
+                    pass
+        except KeyboardInterrupt:
+            outcomes["KeyboardInterrupt"] += 1
+        if srv is not None:
+            srv.shutdown(timeout=5)
+            srv.close()
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    print(outcomes["returned"], outcomes["KeyboardInterrupt"], len(left),
+          len(os.listdir("/proc/self/fd")) - fds, sorted(set(left)), flush=True)
+""")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_racing_serve_forever_start_leaves_no_thread(backend):
+    n = 30
+    r = subprocess.run([sys.executable, "-c", RACE, backend, str(n), "7"],
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr[-3000:]
+    returned, interrupted, threads_left, fds_left, names = r.stdout.split(maxsplit=4)
+    assert int(returned) + int(interrupted) == n, r.stdout
+    assert (int(threads_left), int(fds_left)) == (0, 0), \
+        f"{r.stdout} (returned, interrupted, threads and fds left, their names)"
