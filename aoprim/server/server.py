@@ -374,6 +374,10 @@ class Server:
         self._started = False
         self._pid = os.getpid()             # the serving process (see _in_fork)
         self._old_signals: dict[int, Any] = {}  # what serve_forever's handlers replaced
+        # serve_forever's signals: the loop iteration of the last shutdown request (None:
+        # none yet), and whether a second SIGINT raised KeyboardInterrupt
+        self._asked_at: int | None = None
+        self._interrupted = False
         # taken by whoever runs the loop first: start()'s thread, or start() itself when it
         # gives up before that thread began (then the thread must not run the loop)
         self._run_claim = threading.Lock()
@@ -538,8 +542,11 @@ class Server:
         """Serve in the calling thread until shutdown() or SIGINT/SIGTERM (main thread).
 
         On the main thread its signal handlers are in place before anything starts: a
-        SIGINT or SIGTERM asks for the graceful shutdown.  Whatever ends it before its loop
-        runs gives back what was started (:meth:`_undo_start`)."""
+        SIGINT or SIGTERM asks for the graceful shutdown; a second SIGINT that comes before
+        the loop has come round since the first -- a handler holds it: a blocking call, a
+        deadlock -- raises ``KeyboardInterrupt`` where the main thread is, out of that
+        code, as ``asyncio.run()`` does.  Whatever ends it before its loop runs gives back
+        what was started (:meth:`_undo_start`)."""
         self._claim_start()
         old = self._old_signals
         try:
@@ -559,9 +566,25 @@ class Server:
             old.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """serve_forever()'s SIGINT/SIGTERM handler (main thread): asks the loop for the
-        graceful shutdown."""
-        log.info("received %s: shutting down", signal.Signals(signum).name)
+        """serve_forever()'s SIGINT/SIGTERM handler (main thread): the first asks the loop
+        for the graceful shutdown; a SIGINT that finds the loop on the same iteration as
+        the last request -- it has not come back to wait for events since, so a callback or
+        a handler holds it and the shutdown cannot start -- raises ``KeyboardInterrupt``
+        out of the code that holds it.  A request that found the loop going round (a
+        duplicate SIGINT, the shutdown under way: bounded by ``shutdown_timeout``) is only
+        logged.  (A SIGTERM never raises: a service manager may send it twice.)"""
+        name = signal.Signals(signum).name
+        now = self._loop.iterations
+        if signum == signal.SIGINT and self._asked_at == now:
+            log.warning("received %s again while the loop is held (by a handler that does "
+                        "not return?): raising KeyboardInterrupt", name)
+            self._interrupted = True
+            raise KeyboardInterrupt
+        # (recorded before anything that may run a nested handler: a SIGINT right behind
+        # this one, in the log call, sees it)
+        first, self._asked_at = self._asked_at is None, now
+        log.info("received %s: %s", name, "shutting down" if first else
+                 "the shutdown is under way")
         self._loop.call_soon_threadsafe(self._begin_shutdown)
 
     def _run(self, ready: threading.Event | None) -> None:
@@ -572,8 +595,11 @@ class Server:
             if ready is not None:
                 self._loop.call_soon(ready.set)
             self._loop.run()
-        except BaseException:
-            if not self._in_fork():     # (a fork's sys.exit() unwinding: not a crash)
+        except BaseException as e:
+            # (a fork's sys.exit() unwinding, or the KeyboardInterrupt of a second SIGINT,
+            # logged by the signal handler: not a crash)
+            if not self._in_fork() and not (self._interrupted and
+                                            isinstance(e, KeyboardInterrupt)):
                 log.exception("event loop crashed")
             raise
         finally:
