@@ -158,9 +158,11 @@ def _check_listening(sock: object) -> None:
         raise ValueError(f"sock= cannot be used: fd {fd} is not an open socket "
                          f"({e.strerror or e}): pass a bound and listening socket") from None
     if stype != socket.SOCK_STREAM:
-        kind = {socket.SOCK_DGRAM: "a SOCK_DGRAM socket (UDP, or AF_UNIX datagrams)",
-                socket.SOCK_SEQPACKET: "a SOCK_SEQPACKET socket",
-                socket.SOCK_RAW: "a SOCK_RAW socket"}.get(stype, f"a socket of type {stype}")
+        kinds: dict[int, str] = {
+            socket.SOCK_DGRAM: "a SOCK_DGRAM socket (UDP, or AF_UNIX datagrams)",
+            socket.SOCK_SEQPACKET: "a SOCK_SEQPACKET socket",
+            socket.SOCK_RAW: "a SOCK_RAW socket"}
+        kind = kinds.get(stype, f"a socket of type {stype}")
         raise ValueError(f"sock= is {kind}, fd {fd}: the server accepts connections on a "
                          f"bound and listening SOCK_STREAM socket (TCP, or AF_UNIX stream)")
     if not listening:
@@ -561,8 +563,8 @@ class Server:
             raise
         finally:
             if not self._in_fork():     # (a fork's were put back at the fork)
-                for sig, h in old.items():
-                    signal.signal(sig, h)
+                for num, h in old.items():
+                    signal.signal(num, h)
             old.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
