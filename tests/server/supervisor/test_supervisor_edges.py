@@ -346,7 +346,7 @@ def test_a_dead_childs_output_held_by_its_helper_is_not_waited_for(child_script,
         text = out.getvalue()
         assert text.count("child helper-crash up") == 1 and text.count("child helper up") == 3
         assert sorted(int(x) for x in re.findall(r"bye (\d+)", text)) == \
-            sorted(pid for _, _, pid in sup.spawned[1:])
+            sorted(pid for _, _, pid in list(sup.spawned)[1:])
     finally:
         for pid in helpers:
             if alive(pid):
