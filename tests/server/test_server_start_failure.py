@@ -93,6 +93,34 @@ def test_start_whose_loop_thread_cannot_start_gives_everything_back(monkeypatch,
     _assert_given_back(srv, fds, threads)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_start_interrupted_once_its_loop_serves_stops_it(monkeypatch, backend):
+    """A KeyboardInterrupt in start()'s wait for its loop thread, which already serves:
+    start() raises it, and the server it started is shut down, not left serving."""
+    waited = []
+
+    class Interrupted(threading.Event):
+        def wait(self, timeout=None):
+            super().wait(timeout)       # (the loop thread is serving then)
+            waited.append(self)
+            raise KeyboardInterrupt
+    made = []
+
+    def event():
+        # start()'s own event is the first one made (workers=0: no worker threads)
+        made.append(Interrupted() if not made else real_event())
+        return made[-1]
+    real_event = threading.Event
+    fds, threads = _fds(), _aoprim_threads()
+    srv = Server(Echo(), HOST, backend=backend, shutdown_timeout=0.5)
+    monkeypatch.setattr(threading, "Event", event)
+    with pytest.raises(KeyboardInterrupt):
+        srv.start()
+    monkeypatch.undo()
+    assert waited, "the interruption did not happen in start()'s wait"
+    _assert_given_back(srv, fds, threads)
+
+
 # A real Ctrl-C at a random moment of serve_forever()'s first milliseconds, in a process of
 # its own (the signal goes to the whole process): each start ends in a clean return (the
 # SIGINT found serve_forever's handler) or a KeyboardInterrupt (it came before), and no
