@@ -543,19 +543,21 @@ class Server:
     def serve_forever(self) -> None:
         """Serve in the calling thread until shutdown() or SIGINT/SIGTERM (main thread).
 
-        On the main thread its signal handlers are in place before anything starts: a
-        SIGINT or SIGTERM asks for the graceful shutdown; a second SIGINT that comes before
-        the loop has come round since the first -- a handler holds it: a blocking call, a
-        deadlock -- raises ``KeyboardInterrupt`` where the main thread is, out of that
-        code, as ``asyncio.run()`` does.  Whatever ends it before its loop runs gives back
-        what was started (:meth:`_undo_start`)."""
+        On the main thread its signal handlers go in once the server is prepared, just
+        before its loop runs (until then a signal acts as the caller's handler says: a
+        ``KeyboardInterrupt``, the command line's stop): a SIGINT or SIGTERM asks for the
+        graceful shutdown; a second SIGINT that comes before the loop has come round since
+        the first -- a handler holds it: a blocking call, a deadlock -- raises
+        ``KeyboardInterrupt`` where the main thread is, out of that code, as
+        ``asyncio.run()`` does.  Whatever ends it before its loop runs gives back what was
+        started (:meth:`_undo_start`)."""
         self._claim_start()
         old = self._old_signals
         try:
+            self._prepare_parts()
             if threading.current_thread() is threading.main_thread():
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     old[sig] = signal.signal(sig, self._on_signal)
-            self._prepare_parts()
             self._run(None)
         except BaseException:
             if not self._done.is_set():     # (_run's own cleanup did not run or finish)
