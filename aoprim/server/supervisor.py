@@ -55,7 +55,9 @@ Rules
   up to ``stop_timeout`` seconds (and 1 s more: a child's own bound is ``stop_timeout``,
   and its own message -- what holds it -- comes first), kills what is left, and exits 0 if
   every child exited 0, else 1.  During that wait a second SIGINT (Ctrl-C twice) or a
-  SIGQUIT kills the children at once; a repeated SIGTERM or SIGHUP changes nothing
+  SIGQUIT kills the children at once -- a SIGINT within 0.2 s of the last is that Ctrl-C,
+  relayed by a wrapper in the terminal's process group (``timeout``), and changes nothing;
+  a repeated SIGTERM or SIGHUP changes nothing
   (``timeout`` sends SIGTERM to the command and then to its process group, systemd to every
   process of the unit: a clean stop stays one).  SIGHUP (its terminal hung up) and SIGQUIT stop the service the same
   way, the children getting SIGTERM: their default action would end the supervisor alone,
@@ -158,6 +160,11 @@ KEEP_IGNORED = (signal.SIGHUP, signal.SIGQUIT)
 # SIGHUP does not (``timeout`` sends SIGTERM to the command and then to its group; systemd
 # signals every process of the unit)
 _KILL_NOW = (signal.SIGINT, signal.SIGQUIT)
+# a SIGINT this soon after the last one is the same Ctrl-C, relayed: the terminal signals its
+# foreground process group, and a wrapper in that group (``timeout``, a shell script that
+# traps and forwards) sends the supervisor its own copy milliseconds later -- a person's
+# second Ctrl-C takes longer
+_SAME_CTRL_C = 0.2
 _MAX_LINE = 65536           # a longer stdout line is passed on in pieces of this size
 _OUT_MAX = 1 << 20          # bytes of output kept for a stdout that is not read, at most
 _STALL = 2.0                # seconds a stdout may take nothing before it counts as stalled
@@ -710,6 +717,7 @@ class Supervisor:
         self._children = [_Child(i) for i in range(procs)]
         self._sel: selectors.BaseSelector = None    # type: ignore[assignment]  # (run() makes it)
         self._signals: list[int] = []     # stop signals received, not yet handled
+        self._sigint_at = -math.inf         # when the last SIGINT counted came
         self._announced = False           # "listening on" was printed
         # process groups of exited children that still have processes (what a child
         # started): pgid -> monotonic time they are killed at if still there
@@ -1086,8 +1094,14 @@ class Supervisor:
         """The supervisor's signal handler: a stop signal is noted, to be handled by
         ``run()``.  A caller may install it before ``run()`` (which keeps what was noted),
         so that no stop signal falls between its own handler and the supervisor's."""
-        if signum != signal.SIGCHLD:
-            self._signals.append(signum)
+        if signum == signal.SIGCHLD:
+            return
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if now - self._sigint_at < _SAME_CTRL_C:
+                return          # the same Ctrl-C, relayed by a wrapper (see _SAME_CTRL_C)
+            self._sigint_at = now
+        self._signals.append(signum)
 
     def _fail(self, message: str, status: int) -> int:
         self._err.write(f"aoprim: {message}\n", keep=True)

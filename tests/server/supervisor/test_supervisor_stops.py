@@ -25,10 +25,11 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
-from aoprim.server.supervisor import Supervisor
+from aoprim.server.supervisor import _SAME_CTRL_C, Supervisor
 
 from proc_support import child_env
 from server_support import HOST, wait_for
@@ -267,21 +268,26 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _twice(sup, first, second, then=lambda: True):
+def _twice(sup, first, second, then=lambda: True, gap=0.0):
     """Once both children serve: ``first``, then ``second`` a few ms later (as `timeout`
     sends SIGTERM to the command and then to its group), or once ``then()`` holds (a
-    signal sent again before the first was handled is one: the kernel merges them)."""
+    signal sent again before the first was handled is one: the kernel merges them) and
+    ``gap`` seconds have passed (a person's second Ctrl-C)."""
     done = threading.Event()
+    done.sent = []              # the signals sent, in order
 
     def run():
         while not done.wait(0.01):
             if len(sup.spawned) == 2 and all(c.ready for c in sup._children):
                 os.kill(os.getpid(), first)
+                done.sent.append(first)
+                sent = time.monotonic()
                 done.wait(0.003)
-                while not then():
+                while not then() or time.monotonic() - sent < gap:
                     if done.wait(0.01):
                         return
                 os.kill(os.getpid(), second)
+                done.sent.append(second)
                 return
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -326,7 +332,9 @@ def test_a_second_sigint_or_a_sigquit_during_a_stop_kills_at_once(tmp_path, capl
     old_quit = signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     sup = Supervisor(lambda port, fd: [sys.executable, str(script), str(port), str(fd)], 2,
                      HOST, 0, stdout=out, stop_timeout=20)
-    done, t = _twice(sup, first, second, lambda: "stopping 2 server processes" in caplog.text)
+    # (a second SIGINT within _SAME_CTRL_C of the first is that Ctrl-C relayed: see below)
+    done, t = _twice(sup, first, second, lambda: "stopping 2 server processes" in caplog.text,
+                     gap=2 * _SAME_CTRL_C)
     try:
         assert sup.run() == 1, caplog.text
         assert caplog.text.count("did not stop: killing it") == 2, caplog.text
@@ -335,6 +343,31 @@ def test_a_second_sigint_or_a_sigquit_during_a_stop_kills_at_once(tmp_path, capl
         done.set()
         t.join(10)
         signal.signal(signal.SIGQUIT, old_quit)
+
+
+@pytest.mark.timeout(60)
+def test_one_ctrl_c_relayed_by_a_wrapper_is_one_clean_stop(tmp_path, caplog):
+    """One Ctrl-C at a terminal under `timeout` (or any wrapper that relays SIGINT): the
+    terminal's SIGINT and the wrapper's reach the supervisor milliseconds apart -- one
+    Ctrl-C, a clean stop (it was taken for Ctrl-C twice: every child killed, exit 1)."""
+    caplog.set_level(logging.INFO, logger="aoprim.server")
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    out = io.StringIO()
+    sup = Supervisor(lambda port, fd: [sys.executable, str(script), str(port), str(fd)], 2,
+                     HOST, 0, stdout=out, stop_timeout=20)
+    done, t = _twice(sup, signal.SIGINT, signal.SIGINT,
+                     lambda: "stopping 2 server processes" in caplog.text)
+    try:
+        assert sup.run() == 0, caplog.text
+        t.join(10)
+        assert done.sent == [signal.SIGINT, signal.SIGINT]
+        assert "did not stop" not in caplog.text and "killing" not in caplog.text
+        assert sorted(int(x) for x in re.findall(r"bye (\d+)", out.getvalue())) == \
+            sorted(pid for _, _, pid in sup.spawned)
+    finally:
+        done.set()
+        t.join(10)
 
 
 @pytest.mark.timeout(120)
