@@ -32,6 +32,7 @@ share before it closes it (Session._teardown), so a fork that lives on cannot ke
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import logging
@@ -39,6 +40,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any, cast
 
@@ -57,7 +59,7 @@ from .tx import Flusher, check_payload
 
 if TYPE_CHECKING:
     import ssl as _ssl
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator
     from types import FrameType, TracebackType
 
     from typing_extensions import Buffer, Self, Unpack
@@ -174,6 +176,51 @@ def _check_listening(sock: object) -> None:
                 else "is not listening")
         raise ValueError(f"sock= {what} (fd {fd}): call bind() and listen() on it before "
                          f"passing it, or pass host and port instead of sock=")
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """On the main thread, a SIGINT or SIGTERM that arrives inside the block -- the server
+    starting its threads -- is held and handled as the caller's handler says (the default
+    SIGINT's ``KeyboardInterrupt``, the command line's stop) once the block is done: raised
+    inside ``Thread.start()``, such an exception could leave a thread half started, which
+    no join sees (or a phantom entry in ``threading``'s tables).  Signals whose handler is
+    not a Python callable (``SIG_DFL``, ``SIG_IGN``) are left as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, FrameType | None]] = []
+    prev: dict[int, Any] = {}
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held.append((signum, frame))
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            h = signal.getsignal(sig)
+            if callable(h):
+                prev[sig] = signal.signal(sig, hold)
+        yield
+    finally:
+        for num, h in prev.items():
+            signal.signal(num, h)
+        for num, frame in held:
+            prev[num](num, frame)       # (raises, as the caller's handler does)
+
+
+def _join_starting(threads: Iterable[threading.Thread], timeout: float) -> bool:
+    """Join the threads of ``threads`` still starting: a ``KeyboardInterrupt`` in
+    ``Thread.start()``'s wait for the new thread leaves one that runs but has no ident yet
+    (a join skips it).  Each is waited for, a millisecond at a time, until it has begun --
+    one listed by ``threading.enumerate()`` is started or starting -- then joined; all
+    within ``timeout`` seconds.  False if one is still alive then."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        while (t.ident is None and t in threading.enumerate()
+               and time.monotonic() < deadline):
+            time.sleep(0.001)
+        if t.ident is not None:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
 
 
 def _is_base(k: type) -> bool:
@@ -456,7 +503,8 @@ class Server:
             d = self._dispatch
             if d is not None:
                 d.stop()        # (the queue closed: the workers find nothing and exit)
-                if not d.join(self.settings.shutdown_timeout):
+                if not (d.join(self.settings.shutdown_timeout) and
+                        _join_starting(d.threads, self.settings.shutdown_timeout)):
                     log.error("worker threads did not exit within %.1f s of a failed "
                               "start", self.settings.shutdown_timeout)
         finally:
@@ -523,11 +571,12 @@ class Server:
         of the server is left running."""
         self._claim_start()
         try:
-            self._prepare_parts()
-            ready = threading.Event()
-            self._thread = threading.Thread(target=self._run, args=(ready,),
-                                            name="aoprim-loop", daemon=True)
-            self._thread.start()
+            with _signals_held():
+                self._prepare_parts()
+                ready = threading.Event()
+                self._thread = threading.Thread(target=self._run, args=(ready,),
+                                                name="aoprim-loop", daemon=True)
+                self._thread.start()
             ready.wait()
         except BaseException:
             if self._run_claim.acquire(blocking=False):
@@ -554,7 +603,8 @@ class Server:
         self._claim_start()
         old = self._old_signals
         try:
-            self._prepare_parts()
+            with _signals_held():
+                self._prepare_parts()
             if threading.current_thread() is threading.main_thread():
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     old[sig] = signal.signal(sig, self._on_signal)
