@@ -423,9 +423,9 @@ class Server:
         self._started = False
         self._pid = os.getpid()             # the serving process (see _in_fork)
         self._old_signals: dict[int, Any] = {}  # what serve_forever's handlers replaced
-        # serve_forever's signals: the loop iteration of the last shutdown request (None:
-        # none yet), and whether a second SIGINT raised KeyboardInterrupt
-        self._asked_at: int | None = None
+        # serve_forever's signals: whether one asked for the shutdown, whether the loop has
+        # yet to take the last request, and whether a second SIGINT raised KeyboardInterrupt
+        self._asked = self._request_pending = False
         self._interrupted = False
         # taken by whoever runs the loop first: start()'s thread, or start() itself when it
         # gives up before that thread began (then the thread must not run the loop)
@@ -595,8 +595,8 @@ class Server:
         On the main thread its signal handlers go in once the server is prepared, just
         before its loop runs (until then a signal acts as the caller's handler says: a
         ``KeyboardInterrupt``, the command line's stop): a SIGINT or SIGTERM asks for the
-        graceful shutdown; a second SIGINT that comes before the loop has come round since
-        the first -- a handler holds it: a blocking call, a deadlock -- raises
+        graceful shutdown; a second SIGINT that comes before the loop has taken the first
+        -- a handler holds it: a blocking call, a deadlock -- raises
         ``KeyboardInterrupt`` where the main thread is, out of that code, as
         ``asyncio.run()`` does.  Whatever ends it before its loop runs gives back what was
         started (:meth:`_undo_start`)."""
@@ -621,25 +621,31 @@ class Server:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """serve_forever()'s SIGINT/SIGTERM handler (main thread): the first asks the loop
-        for the graceful shutdown; a SIGINT that finds the loop on the same iteration as
-        the last request -- it has not come back to wait for events since, so a callback or
-        a handler holds it and the shutdown cannot start -- raises ``KeyboardInterrupt``
-        out of the code that holds it.  A request that found the loop going round (a
-        duplicate SIGINT, the shutdown under way: bounded by ``shutdown_timeout``) is only
-        logged.  (A SIGTERM never raises: a service manager may send it twice.)"""
+        for the graceful shutdown; a SIGINT that comes while the loop has not yet taken the
+        last request -- a callback or a handler holds it, so the shutdown cannot start --
+        raises ``KeyboardInterrupt`` out of the code that holds it.  A request once the
+        loop took the last one (the shutdown under way, bounded by ``shutdown_timeout``) is
+        only logged.  (A SIGTERM never raises: a service manager may send it twice.)  The
+        handler and the loop both run on the main thread: the flags need no lock."""
         name = signal.Signals(signum).name
-        now = self._loop.iterations
-        if signum == signal.SIGINT and self._asked_at == now:
+        if signum == signal.SIGINT and self._request_pending:
             log.warning("received %s again while the loop is held (by a handler that does "
                         "not return?): raising KeyboardInterrupt", name)
             self._interrupted = True
             raise KeyboardInterrupt
-        # (recorded before anything that may run a nested handler: a SIGINT right behind
-        # this one, in the log call, sees it)
-        first, self._asked_at = self._asked_at is None, now
+        # (set before anything that may run a nested handler: a SIGINT right behind this
+        # one, in the log call, sees it)
+        first, self._asked = not self._asked, True
+        self._request_pending = True
         log.info("received %s: %s", name, "shutting down" if first else
                  "the shutdown is under way")
-        self._loop.call_soon_threadsafe(self._begin_shutdown)
+        self._loop.call_soon_threadsafe(self._take_request)
+
+    def _take_request(self) -> None:
+        """The loop takes a shutdown request of serve_forever's signal handler (loop thread:
+        the main thread)."""
+        self._request_pending = False
+        self._begin_shutdown()
 
     def _run(self, ready: threading.Event | None) -> None:
         if not self._run_claim.acquire(blocking=False):

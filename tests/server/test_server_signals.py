@@ -173,7 +173,7 @@ def test_a_second_ctrl_c_during_a_shutdown_under_way_is_only_logged(child, backe
     c = child(backend, 1)
     s = _stick(c)
     c.signal(signal.SIGINT)
-    c.expect("INFO aoprim server shutting down (1 sessions)")   # (the loop came round)
+    c.expect("INFO aoprim server shutting down (1 sessions)")   # (the loop took it)
     c.signal(signal.SIGINT)
     c.expect("INFO received SIGINT: the shutdown is under way")
     c.release()
