@@ -67,7 +67,7 @@ from .config import Settings
 from .framing import FRAMINGS
 from .listener import check_port, describe_address, listen_error
 from .proxy import PROXY_MODES
-from .server import as_handler
+from .server import CTRL_C_TWICE, as_handler
 from .supervisor import STOP_SIGNALS, Supervisor, check_seconds, group_members, stop_signals
 
 if TYPE_CHECKING:
@@ -800,9 +800,14 @@ def _serve_one(a: argparse.Namespace) -> int:
         # raised by a handler on the loop thread (SIGINT/SIGTERM only start a clean shutdown
         # while serve_forever runs): the server stopped because of it, which is a failure
         # whatever status it carries -- a handler must not end the process as if told to
-        # stop (0) or as if the settings were wrong (2)
-        log.error("a handler raised %s while serving: the server stopped (exit status 1)",
-                  f"{type(e).__name__}({', '.join(map(repr, e.args))})")
+        # stop (0) or as if the settings were wrong (2); or serve_forever's own at a second
+        # Ctrl-C while a handler held the loop (logged there)
+        if isinstance(e, KeyboardInterrupt) and e.args == (CTRL_C_TWICE,):
+            log.error("interrupted by a second Ctrl-C while a handler held the loop: the "
+                      "server stopped (exit status 1)")
+        else:
+            log.error("a handler raised %s while serving: the server stopped (exit status "
+                      "1)", f"{type(e).__name__}({', '.join(map(repr, e.args))})")
         failed.append(True)
     finally:
         if os.getpid() == serving_pid:          # (a fork leaving: none of this is its)

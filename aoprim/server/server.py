@@ -36,6 +36,7 @@ import contextlib
 import difflib
 import inspect
 import logging
+import math
 import os
 import signal
 import socket
@@ -71,9 +72,16 @@ if TYPE_CHECKING:
     from .handler import Handler
     from .loop import EventLoop
 
-__all__ = ["Server", "as_handler"]
+__all__ = ["Server", "as_handler", "CTRL_C_TWICE", "SAME_CTRL_C"]
 
 log = logging.getLogger("aoprim.server")
+# the message of the KeyboardInterrupt serve_forever raises at a second SIGINT while a
+# handler holds the loop (the command line tells it from one a handler raised)
+CTRL_C_TWICE = "Ctrl-C twice while a handler held the loop"
+# a SIGINT this soon after the last one is that same Ctrl-C, relayed: the terminal signals
+# its foreground process group, and a wrapper in it (``timeout``, a script that forwards
+# it) sends its own copy milliseconds later -- a person's second Ctrl-C takes longer
+SAME_CTRL_C = 0.2
 
 # broadcasts up to this size (header included) are copied into each batch (SendBatch's
 # default copy limit)
@@ -427,6 +435,7 @@ class Server:
         # yet to take the last request, and whether a second SIGINT raised KeyboardInterrupt
         self._asked = self._request_pending = False
         self._interrupted = False
+        self._sigint_at = -math.inf         # when the last SIGINT counted came
         # taken by whoever runs the loop first: start()'s thread, or start() itself when it
         # gives up before that thread began (then the thread must not run the loop)
         self._run_claim = threading.Lock()
@@ -628,11 +637,16 @@ class Server:
         only logged.  (A SIGTERM never raises: a service manager may send it twice.)  The
         handler and the loop both run on the main thread: the flags need no lock."""
         name = signal.Signals(signum).name
-        if signum == signal.SIGINT and self._request_pending:
-            log.warning("received %s again while the loop is held (by a handler that does "
-                        "not return?): raising KeyboardInterrupt", name)
-            self._interrupted = True
-            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if now - self._sigint_at < SAME_CTRL_C:
+                return          # the same Ctrl-C, relayed by a wrapper (see SAME_CTRL_C)
+            self._sigint_at = now
+            if self._request_pending:
+                log.warning("received %s again while the loop is held (by a handler that "
+                            "does not return?): raising KeyboardInterrupt", name)
+                self._interrupted = True
+                raise KeyboardInterrupt(CTRL_C_TWICE)
         # (set before anything that may run a nested handler: a SIGINT right behind this
         # one, in the log call, sees it)
         first, self._asked = not self._asked, True

@@ -163,7 +163,8 @@ _KILL_NOW = (signal.SIGINT, signal.SIGQUIT)
 # a SIGINT this soon after the last one is the same Ctrl-C, relayed: the terminal signals its
 # foreground process group, and a wrapper in that group (``timeout``, a shell script that
 # traps and forwards) sends the supervisor its own copy milliseconds later -- a person's
-# second Ctrl-C takes longer
+# second Ctrl-C takes longer.  (serve_forever's handler has the same window: server.py's
+# SAME_CTRL_C; this module imports no server code.)
 _SAME_CTRL_C = 0.2
 _MAX_LINE = 65536           # a longer stdout line is passed on in pieces of this size
 _OUT_MAX = 1 << 20          # bytes of output kept for a stdout that is not read, at most

@@ -12,10 +12,12 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
 from aoprim.server.loop import BACKENDS
+from aoprim.server.server import SAME_CTRL_C
 
 from server_support import wait_for
 
@@ -32,6 +34,17 @@ SERVER = textwrap.dedent("""
 
     class Stuck(Handler):
         def on_read(self, session, data):
+            if bytes(data) == b"r":
+                # one Ctrl-C as a wrapper relays it: the terminal's SIGINT, then the
+                # wrapper's copy milliseconds later -- each taken by the handler (the
+                # loops between run it) while this call holds the loop
+                for _ in range(2):
+                    os.kill(os.getpid(), signal.SIGINT)
+                    for _ in range(10000):
+                        pass
+                print("relayed", flush=True)
+                session.send(data)
+                return
             print("in on_read", flush=True)
             os.read(0, 1)
             session.send(data)
@@ -88,6 +101,13 @@ class Child:
 
     def signal(self, sig):
         self.p.send_signal(sig)
+        self.signalled = time.monotonic()
+
+    def after_the_same_ctrl_c(self):
+        """A person's second Ctrl-C: later than a wrapper's relayed copy of the first
+        (SAME_CTRL_C), which counts as the same one."""
+        while time.monotonic() - self.signalled < 2 * SAME_CTRL_C:
+            time.sleep(0.01)
 
     def _wchan(self):
         try:
@@ -155,6 +175,7 @@ def test_a_second_ctrl_c_interrupts_a_handler_that_holds_the_loop(child, backend
     c.signal(signal.SIGINT)
     c.expect("INFO received SIGINT: shutting down")
     c.back_in_read()
+    c.after_the_same_ctrl_c()
     c.signal(signal.SIGINT)
     assert c.expect("KeyboardInterrupt") == "KeyboardInterrupt through on_read"
     assert any(line.startswith("WARNING received SIGINT again while the loop is held")
@@ -167,6 +188,23 @@ def test_a_second_ctrl_c_interrupts_a_handler_that_holds_the_loop(child, backend
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_one_ctrl_c_relayed_by_a_wrapper_is_one_graceful_shutdown(child, backend):
+    """Under `timeout` (or a script that forwards it) one Ctrl-C reaches the server twice,
+    milliseconds apart: one request for the graceful shutdown, not Ctrl-C twice -- even
+    while a handler holds the loop."""
+    c = child(backend, 0)
+    with socket.create_connection(("127.0.0.1", c.port), timeout=10) as s:
+        s.sendall(b"r")
+        c.expect("relayed")
+        c.expect("serve_forever returned")
+    assert c.expect("threads left:") == "threads left: [] rx slots: 0"
+    assert c.p.wait(timeout=15) == 0
+    assert [line for line in c.seen if "received SIGINT" in line] == \
+        ["INFO received SIGINT: shutting down"], c.seen
+    assert not [line for line in c.seen if "KeyboardInterrupt" in line], c.seen
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_second_ctrl_c_during_a_shutdown_under_way_is_only_logged(child, backend):
     """The loop goes round (a worker holds the handler, not the loop): the second SIGINT
     does not interrupt the graceful shutdown, which ends once the handler returns."""
@@ -174,6 +212,7 @@ def test_a_second_ctrl_c_during_a_shutdown_under_way_is_only_logged(child, backe
     s = _stick(c)
     c.signal(signal.SIGINT)
     c.expect("INFO aoprim server shutting down (1 sessions)")   # (the loop took it)
+    c.after_the_same_ctrl_c()
     c.signal(signal.SIGINT)
     c.expect("INFO received SIGINT: the shutdown is under way")
     c.release()
