@@ -67,7 +67,7 @@ from .config import Settings
 from .framing import FRAMINGS
 from .listener import check_port, describe_address, listen_error
 from .proxy import PROXY_MODES
-from .server import CTRL_C_TWICE, as_handler
+from .server import CTRL_C_TWICE, as_handler, hide_with_devnull
 from .supervisor import STOP_SIGNALS, Supervisor, check_seconds, group_members, stop_signals
 
 if TYPE_CHECKING:
@@ -570,16 +570,7 @@ def _hide_in_forks(status: _StatusPipe) -> None:
 
     def after_in_child() -> None:
         if status.is_open():
-            try:
-                null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-            except OSError:
-                null = -1
-            if null >= 0:
-                try:
-                    os.dup2(null, status.fd, inheritable=False)
-                except OSError:
-                    pass
-                os.close(null)
+            hide_with_devnull({status.fd})      # (at the fd limit too)
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM

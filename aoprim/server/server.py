@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from .handler import Handler
     from .loop import EventLoop
 
-__all__ = ["Server", "as_handler", "CTRL_C_TWICE", "SAME_CTRL_C"]
+__all__ = ["Server", "as_handler", "hide_with_devnull", "CTRL_C_TWICE", "SAME_CTRL_C"]
 
 log = logging.getLogger("aoprim.server")
 # the message of the KeyboardInterrupt serve_forever raises at a second SIGINT while a
@@ -375,6 +375,38 @@ def _prefault(pool: SlabPool) -> None:
     finally:
         for s in slots:
             s.release()
+
+
+def hide_with_devnull(fds: Iterable[int]) -> None:
+    """Put ``/dev/null`` in place of each fd of ``fds`` (-1 skipped): a fork hiding what is
+    its parent's, the numbers still owned by the copied objects, whose close() then closes
+    nothing the fork opened since (fds 0-2 stay inheritable).  At the fd limit (EMFILE: a
+    busy server) the lowest of them is closed first to make room -- ``/dev/null`` then
+    takes the lowest free number, that one or a lower one, and goes over the rest."""
+    want = sorted(set(fds) - {-1})
+    if not want:
+        return
+    try:
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        try:
+            os.close(want[0])
+        except OSError:
+            pass
+        try:
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return              # (the first is closed at least)
+    for fd in want:
+        if fd != null:
+            try:
+                os.dup2(null, fd, inheritable=fd <= 2)
+            except OSError:
+                pass
+    if null not in want:
+        os.close(null)
+    elif null <= 2:
+        os.set_inheritable(null, True)
 
 
 class Server:
@@ -706,18 +738,7 @@ class Server:
         # subprocess started with a preexec_fn (which runs this hook) may be handed one as
         # its stdout; the parent's abort of a connection a fork may share shuts it down
         # first (Session._teardown), so the peer is not left waiting for the fork's exit
-        fds = {self._lsock.fileno()} | (set(self._loop.own_fds) - {0, 1, 2})
-        try:
-            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            null = -1
-        if null >= 0:
-            for fd in sorted(fds - {-1, null}):
-                try:
-                    os.dup2(null, fd, inheritable=fd <= 2)
-                except OSError:
-                    pass
-            os.close(null)
+        hide_with_devnull({self._lsock.fileno()} | (set(self._loop.own_fds) - {0, 1, 2}))
         old = self._old_signals
         if old:
             try:
