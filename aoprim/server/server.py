@@ -816,13 +816,18 @@ class Server:
         return len(self._sessions) < self.settings.max_connections
 
     def _accept(self, sock: socket.socket, addr: Any) -> None:
+        try:
+            if sock.fileno() <= 2:
+                # first of all: a refusal below logs, and the log must not reach this client
+                sock = _lift(sock)
+        except OSError:
+            sock.close()
+            return
         if self._trusted is not None and not self._trusted(addr):    # PROXY protocol
             self._stats.connections_total += 1
             refuse_untrusted(sock, addr, self._stats)
             return
         try:
-            if sock.fileno() <= 2:
-                sock = _lift(sock)
             sock.setblocking(False)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
