@@ -138,7 +138,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from types import FrameType
 from typing import IO, Any, Callable, Sequence
 
@@ -728,8 +727,9 @@ class Supervisor:
         self._reap_all = False            # every child re-parented to it is its to reap
         self._drain_until = 0.0           # monotonic time the last output is written until
         self.address: tuple[str, int] | None = None     # (host, port) once reserved
-        # the newest processes started, oldest first: (monotonic time, index, pid)
-        self.spawned: deque[tuple[float, int, int]] = deque(maxlen=_SPAWNS_KEPT)
+        # the newest processes started, oldest first: (monotonic time, index, pid) -- a
+        # tuple replaced at each spawn, so another thread may iterate it while it grows
+        self.spawned: tuple[tuple[float, int, int], ...] = ()
 
     # -- the child's side of fork (runs between fork and exec: no locks, no logging) -----
 
@@ -776,7 +776,7 @@ class Supervisor:
         c.ready = False
         c.timed_out = c.slow_noted = False
         c.respawn_at = None
-        self.spawned.append((c.started, c.index, c.proc.pid))
+        self.spawned = (*self.spawned, (c.started, c.index, c.proc.pid))[-_SPAWNS_KEPT:]
         log.debug("started server process %d (place %d)", c.proc.pid, c.index)
 
     def _start(self, c: _Child, now: float) -> bool:

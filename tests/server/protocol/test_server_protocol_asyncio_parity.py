@@ -277,10 +277,10 @@ class _Cancels(asyncio.Protocol):
 def _ping_half_close(address):
     """Send b"ping", half-close, read to the end: the bytes read, or the error's name."""
     with socket.create_connection(address, timeout=10) as c:
-        c.sendall(b"ping")
-        c.shutdown(socket.SHUT_WR)
         got = b""
         try:
+            c.sendall(b"ping")
+            c.shutdown(socket.SHUT_WR)
             while True:
                 b = c.recv(4096)
                 if not b:
@@ -312,7 +312,10 @@ def test_a_callback_raising_cancelled_error_ends_that_connection_only_as_asyncio
     ours = []
     srv = serve(factory_of(ours))
     seen_here = _ping_half_close(srv.address)
-    assert seen_here == (seen_there if where != "factory" else b"")
+    if where != "factory":
+        assert seen_here == seen_there
+    else:   # closed at once: an end of stream, or a reset if it came before the half-close
+        assert seen_here in (b"", "ConnectionResetError", "OSError", "BrokenPipeError")
     if where != "factory":
         wait_for(lambda: ours, 10, "connection_lost")
         assert [type(e) for e in ours] == [type(e) for e in theirs]
