@@ -549,14 +549,7 @@ class Server:
                     log.error("worker threads did not exit within %.1f s of a failed "
                               "start", self.settings.shutdown_timeout)
         finally:
-            if self._listener is not None:
-                self._listener.close()
-            else:
-                self._lsock.close()
-            if self._arena is not None:
-                self._arena.close()
-            self._loop.close()
-            _serving.discard(self)
+            self._close_parts()
             self._done.set()
 
     def _prepare_parts(self) -> None:
@@ -721,6 +714,18 @@ class Server:
     def _in_fork(self) -> bool:
         """True in a process forked from the serving one (by handler code)."""
         return os.getpid() != self._pid
+
+    def _close_parts(self) -> None:
+        """The end of a stop, or of a start that failed: the listening socket (through its
+        listener, once made), the receive arena, the loop; no longer serving."""
+        if self._listener is not None:
+            self._listener.close()
+        else:
+            self._lsock.close()
+        if self._arena is not None:
+            self._arena.close()
+        self._loop.close()
+        _serving.discard(self)
 
     def _hide_in_fork(self) -> None:
         """At a fork, in the child (see the module docstring): ``/dev/null`` in place of the
@@ -983,14 +988,7 @@ class Server:
             except Exception:
                 log.exception("the handler's shutdown failed")
             self._loop.run_ready()
-        if self._listener is not None:
-            self._listener.close()
-        else:
-            self._lsock.close()
-        if self._arena is not None:
-            self._arena.close()
-        self._loop.close()
-        _serving.discard(self)
+        self._close_parts()
         log.info("aoprim server stopped: %s", summary(self.stats()))
 
     # -- public ----------------------------------------------------------------------------
