@@ -57,10 +57,10 @@ def test_children_run_under_the_interpreters_options(tmp_path, procs):
     its stdout was block-buffered)."""
     (tmp_path / "flagsapp.py").write_text(FLAGS)
     options = ["-u", "-X", "dev", "-W", "error::DeprecationWarning", "-O"]
-    gil = None
+    # what sys._is_gil_enabled() says (3.13+; None before): on a GIL build always True
+    gil = True if hasattr(sys, "_is_gil_enabled") else None
     if FREE_THREADED:
         options += ["-X", "gil=1"]          # (the build's default is off: on shows it passed)
-        gil = True
     env = child_env()
     env.pop("PYTHONUNBUFFERED", None)       # -u alone says it
     env.pop("PYTHONDEVMODE", None)
