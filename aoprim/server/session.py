@@ -51,6 +51,7 @@ import socket
 import sys
 import threading
 import traceback
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 from aoprim import RefCount, SendBatch, Slot
@@ -96,7 +97,6 @@ except ImportError:
     fcntl = None    # type: ignore[assignment]
 # Linux's SIOCOUTQNSD (linux/sockios.h): bytes in a socket's send queue not sent yet
 _SIOCOUTQNSD = 0x894B if fcntl is not None and sys.platform.startswith("linux") else None
-_BYREF_MIN = BYREF_MIN
 _is_frame_view = Receiver.is_frame_view
 _frame_header = SendBatch.frame_header
 _RESET_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ECONNABORTED}
@@ -142,14 +142,20 @@ def _session_socket_type() -> Any:
         from asyncio.trsock import TransportSocket
 
         class SessionSocket(TransportSocket):
+            # (the session by weak reference: a socket object kept by the application
+            # does not keep a closed session, its wire and its buffers' owners alive)
             __slots__ = ("_session",)
 
             def __init__(self, sock: socket.socket, session: Session) -> None:
                 super().__init__(sock)
-                self._session = session
+                self._session = weakref.ref(session)
 
             def shutdown(self, how: int) -> None:
-                self._session._shutdown_socket(how)
+                session = self._session()
+                if session is None:
+                    self._sock.shutdown(how)    # (nothing left to send first)
+                else:
+                    session._shutdown_socket(how)
 
         _SESSION_SOCKET = SessionSocket
     return _SESSION_SOCKET
@@ -377,7 +383,7 @@ class Session:
         if self._state:
             self._send_slow(data)
             return
-        if (type(data) is memoryview and data.nbytes >= _BYREF_MIN and _is_frame_view(data)
+        if (type(data) is memoryview and data.nbytes >= BYREF_MIN and _is_frame_view(data)
                 and _get_ident() == self._loop.thread_id):
             p = self._send_frame_view(data)
         else:
@@ -433,7 +439,7 @@ class Session:
         if self._state:
             self._send_slow(data)
             return
-        if (type(data) is memoryview and data.nbytes >= _BYREF_MIN and _is_frame_view(data)
+        if (type(data) is memoryview and data.nbytes >= BYREF_MIN and _is_frame_view(data)
                 and _get_ident() == self._loop.thread_id):
             # a large frame view of receive memory: read-only, and its memory
             # is pinned -- never read over -- while any export of it lives, so the batch
@@ -476,7 +482,7 @@ class Session:
             if p == -1:
                 self._send_slow(data)       # another thread: queued for the loop
                 return
-            # -2: a memoryview of at least _BYREF_MIN bytes, or the sink already closed:
+            # -2: a memoryview of at least BYREF_MIN bytes, or the sink already closed:
             # the session's own send path decides
         Session.send(self, data)
         # marked on the loop thread only: a send from another thread was queued for the
@@ -749,7 +755,9 @@ class Session:
             p = b.add_frame(item, self._hs)
         else:
             p = b.add_copy(item)        # bytes by reference, a Slot retained
-        self._wire.sent()
+        if not self._wire.in_flush_group:
+            self._wire.sent()           # (TLS: marked for its flush; a plain batch's add was
+                                        #  seen by the FlushGroup -- no call per recipient)
         if p > self._hw:
             self._over_high()
         return True
