@@ -361,10 +361,12 @@ def test_a_flow_callback_raising_cancelled_error_is_reported_and_the_connection_
                 b = c.recv(65536)
                 assert b, f"closed after {got} bytes"
                 got += len(b)
-    assert "pause" in told and "resume" in told
-    recs = [r for r in caplog.records if r.name == "asyncio" and
-            f"protocol.{where}() failed" in r.getMessage()]
-    assert recs and isinstance(recs[0].exc_info[1], asyncio.CancelledError)
+    # resume_writing runs once the last byte is in the kernel: the peer may have read it first
+    wait_for(lambda: "pause" in told and "resume" in told, 10, "pause and resume")
+    recs = wait_for(lambda: [r for r in caplog.records if r.name == "asyncio" and
+                             f"protocol.{where}() failed" in r.getMessage()],
+                    10, f"the record of {where}'s exception")
+    assert isinstance(recs[0].exc_info[1], asyncio.CancelledError)
 
 
 @pytest.mark.parametrize("where", ["pause_writing", "resume_writing"])

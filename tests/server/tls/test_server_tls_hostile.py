@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -530,6 +531,27 @@ print(json.dumps({"done": n, "failures": failures, "seconds": time.monotonic() -
 """
 
 
+def holders(objs, depth=4):
+    """Describe what keeps each of ``objs`` alive: chains of referrer types, ``depth`` deep."""
+    out = []
+    for o in objs[:3]:
+        chain, seen, cur = [], {id(objs)}, [o]
+        for _ in range(depth):
+            nxt = []
+            for c in cur:
+                for r in gc.get_referrers(c):
+                    if id(r) in seen or r is cur or r is nxt or r is chain:
+                        continue
+                    seen.add(id(r))
+                    nxt.append(r)
+            if not nxt:
+                break
+            chain.append(", ".join(sorted({type(r).__qualname__ for r in nxt})))
+            cur = nxt[:8]
+        out.append(f"{o!r} (server_side={o.server_side}) <- " + " <- ".join(chain))
+    return f"{len(objs)} left; " + "; ".join(out)
+
+
 def _cycles(srv, certs, n, timeout):
     p = subprocess.run([sys.executable, "-c", _CYCLER, srv.address[0], str(srv.address[1]),
                         str(n), certs.ca_cert], capture_output=True, text=True,
@@ -541,6 +563,8 @@ def _cycles(srv, certs, n, timeout):
 @pytest.mark.timeout(600)
 def test_ten_thousand_handshakes_in_a_row_memory_flat(make_server, tls_certs, logs, backend):
     n = HANDSHAKES if backend == "selectors" else HANDSHAKES_OTHER
+    # the SSLObjects other tests in this process left are theirs to answer for
+    before = weakref.WeakSet(o for o in gc.get_objects() if isinstance(o, ssl.SSLObject))
     h, srv, fds, good = start(make_server, tls_certs)
     warm = max(200, n // 10)
     r0 = _cycles(srv, tls_certs, warm, 120)          # the allocator's first fill
@@ -563,8 +587,12 @@ def test_ten_thousand_handshakes_in_a_row_memory_flat(make_server, tls_certs, lo
     # to 0 inside the last one, which still holds its session until it returns)
     def left():
         gc.collect()
-        return sum(isinstance(o, ssl.SSLObject) for o in gc.get_objects())
-    wait_for(lambda: left() == 0, 10, "no SSLObject left")
+        return [o for o in gc.get_objects()
+                if isinstance(o, ssl.SSLObject) and o not in before]
+    try:
+        wait_for(lambda: not left(), 10, "no SSLObject left")
+    except AssertionError:
+        raise AssertionError(f"SSLObjects outlived their sessions: {holders(left())}") from None
 
 
 # -- nothing in clear before the handshake; shutdown with handshakes in flight ------------------
