@@ -69,6 +69,7 @@ from .listener import check_port, describe_address, listen_error
 from .proxy import PROXY_MODES
 from .server import CTRL_C_TWICE, as_handler, hide_with_devnull
 from .supervisor import STOP_SIGNALS, Supervisor, check_seconds, group_members, stop_signals
+from .workers import ThreadLimitError
 
 if TYPE_CHECKING:
     import ssl
@@ -592,25 +593,47 @@ class _StopWatchdog:
     ``print()`` meets a pipe nobody reads blocks there, on the loop thread or a worker,
     and the shutdown that SIGTERM starts could never run; this thread ends the process
     instead (one line on stderr, written by a thread of its own so that a stalled stderr
-    cannot hold it either).  A daemon thread: a process that ended in time is not kept."""
+    cannot hold it either).  A daemon thread: a process that ended in time is not kept.
+    Its thread starts with the process (:meth:`start`), not at the stop: a server at its
+    thread limit (its workers took what RLIMIT_NPROC or a pids cgroup allows) could start
+    no thread when SIGTERM comes, and the stop must not need one."""
 
     def __init__(self, seconds: float) -> None:
         self._seconds = seconds
         self._armed = False
+        self._go = threading.Event()
+        self._why = ""
         self.deadline = math.inf          # monotonic time it ends the process at, once armed
         self.before_exit: Callable[[], None] | None = None   # run just before it does
         self.ended = False                # serving and its last output are done: what is
                                           # left is the interpreter's exit
 
+    def start(self) -> None:
+        """Start the watching thread (it waits until armed); :class:`UsageError` if the
+        process can start no thread."""
+        try:
+            threading.Thread(target=self._run, name="aoprim-stop-watchdog",
+                             daemon=True).start()
+        except RuntimeError as e:       # "can't start new thread"
+            raise UsageError(f"cannot start a thread ({e}): the process is at its thread "
+                             f"limit (RLIMIT_NPROC, a pids cgroup's pids.max, "
+                             f"kernel.threads-max)") from None
+
     def arm(self, why: str) -> None:
+        """Start the count (once): called by the stop signals' handler, on the main thread,
+        and by the end of serving.  ``_armed`` is set first, so a signal that lands inside
+        this call (its handler calls it again) returns at once and never waits for the
+        event's lock held below it."""
         if not self._armed:
             self._armed = True
             self.deadline = time.monotonic() + self._seconds
-            threading.Thread(target=self._run, args=(why,), name="aoprim-stop-watchdog",
-                             daemon=True).start()
+            self._why = why
+            self._go.set()
 
-    def _run(self, why: str) -> None:
-        time.sleep(self._seconds)
+    def _run(self) -> None:
+        self._go.wait()
+        time.sleep(max(0.0, self.deadline - time.monotonic()))
+        why = self._why
         msg = (f"aoprim: the server did not stop within {self._seconds:g} s of {why} "
                f"({self._blocker(self.ended)}): exiting with status 1\n").encode()
         say = threading.Thread(target=_write_all, args=(2, msg), daemon=True)
@@ -751,15 +774,16 @@ def _serve_one(a: argparse.Namespace) -> int:
         if heirs is not None:
             heirs.finish(time.monotonic() + a.stop_timeout)
         raise
+    watchdog = _StopWatchdog(a.stop_timeout)
+    watchdog.start()
+    if heirs is not None:
+        watchdog.before_exit = heirs.kill_rest
     try:
         srv = Server(handler, a.host, a.port, **_settings(a))
     except (ValueError, TypeError, OSError, BackendUnavailable) as e:
         raise UsageError(_reason(e)) from None
     host, port = srv.address[:2]
     failed = []
-    watchdog = _StopWatchdog(a.stop_timeout)
-    if heirs is not None:
-        watchdog.before_exit = heirs.kill_rest
 
     def announce() -> None:
         # run by the loop's first callback, before any accept (so before any handler code):
@@ -782,7 +806,11 @@ def _serve_one(a: argparse.Namespace) -> int:
     srv.loop.call_soon(announce)
     serving_pid = os.getpid()
     try:
-        srv.serve_forever()
+        try:
+            srv.serve_forever()
+        except ThreadLimitError as e:
+            # (its start gave back what it took; one line, as for a port already in use)
+            raise UsageError(f"--workers {a.workers}: {e}") from None
     except (SystemExit, KeyboardInterrupt) as e:
         if os.getpid() != serving_pid:
             # a handler's fork ending itself (sys.exit in the child): the fork's own exit,

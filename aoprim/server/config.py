@@ -56,10 +56,48 @@ def _physical_memory() -> int | None:
     return n if n > 0 else None
 
 
+def _cgroup_pids_max(proc_cgroup: str = "/proc/self/cgroup",
+                     mount: str = "/sys/fs/cgroup") -> int | None:
+    """The smallest ``pids.max`` on this process's cgroup path, from its own group up to
+    the root (None: none set): the tasks -- threads included -- the group may hold, as
+    systemd's ``TasksMax=`` and ``docker --pids-limit`` set it.  cgroup v1's pids
+    controller where it is mounted, else v2 (the ``0::`` line of /proc/self/cgroup)."""
+    found = None
+    try:
+        with open(proc_cgroup) as f:
+            for ln in f:
+                num, ctrls, path = ln.rstrip("\n").split(":", 2)
+                if "pids" in ctrls.split(","):      # v1: the pids controller is there
+                    found = (os.path.join(mount, "pids"), path)
+                    break
+                if num == "0" and not ctrls:
+                    found = (mount, path)
+    except (OSError, ValueError):
+        return None
+    if found is None:
+        return None
+    root, path = found
+    limits = []
+    parts = [p for p in path.split("/") if p]
+    for i in range(len(parts), 0, -1):
+        try:
+            with open(os.path.join(root, *parts[:i], "pids.max")) as f:
+                v = f.read().strip()
+        except OSError:
+            continue
+        if v.isdigit():
+            limits.append(int(v))
+    return min(limits) if limits else None
+
+
 def _max_threads() -> int | None:
     """The most threads this process may start (None: no limit known): the user's
-    RLIMIT_NPROC (Linux counts threads in it) and the kernel's threads-max."""
+    RLIMIT_NPROC (Linux counts threads in it), a pids cgroup's ``pids.max`` and the
+    kernel's threads-max."""
     limits = []
+    pids = _cgroup_pids_max()
+    if pids is not None:
+        limits.append(pids)
     try:
         import resource
         soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
@@ -204,7 +242,8 @@ class Settings:
         _seconds("frame_timeout", self.frame_timeout)
         threads = _max_threads()
         _int("workers", self.workers, 0, hi=threads,
-             why="the threads this process may start: RLIMIT_NPROC, kernel.threads-max")
+             why="the threads this process may start: RLIMIT_NPROC, pids.max, "
+                 "kernel.threads-max")
         if not isinstance(self.backend, str):
             raise TypeError(f"backend must be a str, not {type(self.backend).__name__}")
         _int("flush_budget", self.flush_budget, 1, hi=_BUDGET_MAX,

@@ -55,6 +55,7 @@ from .backends import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
 from .session import RawSession, RawSinkSession, Session, SessionContext, SinkSession
 from .wire import PlainWire
+from .workers import ThreadLimitError
 from .stats import Stats, summary
 from .tx import Flusher, check_payload
 
@@ -610,7 +611,13 @@ class Server:
                 ready = threading.Event()
                 self._thread = threading.Thread(target=self._run, args=(ready,),
                                                 name="aoprim-loop", daemon=True)
-                self._thread.start()
+                try:
+                    self._thread.start()
+                except RuntimeError as e:   # "can't start new thread"
+                    raise ThreadLimitError(
+                        f"cannot start the server's loop thread ({e}): the process is at "
+                        f"its thread limit (RLIMIT_NPROC, a pids cgroup's pids.max, "
+                        f"kernel.threads-max)") from None
             ready.wait()
         except BaseException:
             if self._run_claim.acquire(blocking=False):

@@ -20,9 +20,15 @@ from typing import Any, Callable
 
 from aoprim import Closed, MPMCQueue
 
-__all__ = ["WorkerPool"]
+__all__ = ["ThreadLimitError", "WorkerPool"]
 
 log = logging.getLogger("aoprim.server")
+
+
+class ThreadLimitError(RuntimeError):
+    """A thread the server needs could not start: the process is at its thread limit
+    (RLIMIT_NPROC, which Linux counts threads in; a pids cgroup's ``pids.max``, as
+    systemd's ``TasksMax=`` and ``docker --pids-limit`` set; ``kernel.threads-max``)."""
 
 
 class WorkerPool:
@@ -42,8 +48,16 @@ class WorkerPool:
                         for i in range(n)]
 
     def start(self) -> None:
-        for t in self.threads:
-            t.start()
+        """Start the threads; :class:`ThreadLimitError` if one cannot start (those started
+        are the caller's to stop: ``close()`` and ``join()``)."""
+        for i, t in enumerate(self.threads):
+            try:
+                t.start()
+            except RuntimeError as e:       # "can't start new thread"
+                raise ThreadLimitError(
+                    f"cannot start worker thread {i + 1} of {len(self.threads)} ({e}): the "
+                    f"process is at its thread limit (RLIMIT_NPROC, a pids cgroup's "
+                    f"pids.max, kernel.threads-max)") from None
 
     def close(self) -> None:
         self.queue.close()

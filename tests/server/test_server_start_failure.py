@@ -3,7 +3,9 @@ Ctrl-C) while ``serve_forever()`` starts its worker threads, a worker or loop th
 cannot start -- gives back everything it started: the worker threads are stopped and
 joined, every fd is closed, and ``shutdown()``/``close()`` afterwards return at once."""
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -209,3 +211,88 @@ def test_ctrl_c_racing_serve_forever_start_leaves_no_thread(backend):
     assert int(returned) + int(interrupted) == n, r.stdout
     assert (int(threads_left), int(fds_left)) == (0, 0), \
         f"{r.stdout} (returned, interrupted, threads and fds left, their names)"
+
+
+# -- a real thread limit: `serve` as an unprivileged user under RLIMIT_NPROC ---------------
+
+NOBODY = 65534
+
+
+def _tasks_of(uid):
+    """Threads of every process of ``uid`` (RLIMIT_NPROC counts them all)."""
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                st = dict(ln.split(":", 1) for ln in f if ":" in ln)
+        except (OSError, ValueError):
+            continue
+        if int(st["Uid"].split()[1]) == uid:
+            n += int(st["Threads"])
+    return n
+
+
+def _serve_limited(limit, *args):
+    """``python -m aoprim serve ARGS`` as uid 65534 with RLIMIT_NPROC ``limit`` (root may
+    read what it reads: CAP_DAC_OVERRIDE kept in its ambient set)."""
+    from proc_support import NEUTRAL_CWD, child_env
+    pre = ["prlimit", f"--nproc={limit}", "setpriv", f"--reuid={NOBODY}",
+           f"--regid={NOBODY}", "--clear-groups", "--inh-caps=+dac_override",
+           "--ambient-caps=+dac_override"]
+    return subprocess.Popen(pre + [sys.executable, "-m", "aoprim", "serve", "--host", HOST,
+                                   "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=NEUTRAL_CWD, env=child_env(HOME=NEUTRAL_CWD))
+
+
+needs_root_and_tools = pytest.mark.skipif(
+    os.geteuid() != 0 or not all(map(shutil.which, ("prlimit", "setpriv"))),
+    reason="runs `serve` as another user under RLIMIT_NPROC: needs root, prlimit and setpriv")
+
+
+@needs_root_and_tools
+def test_serve_at_its_thread_limit_stops_cleanly_and_one_thread_more_is_one_line():
+    """``serve --workers W`` whose threads -- main, the stop watchdog, W workers -- are
+    exactly what RLIMIT_NPROC allows serves, and SIGTERM stops it cleanly (the stop needs
+    no new thread); one worker more is refused with one ``aoprim:`` line and exit 2, as a
+    port in use is; ``--procs 2`` over the limit the same, once the children find it.
+    (One test for both backends: the limit counts every process of the user, so two of
+    these at once would share it.)"""
+    for backend in BACKENDS:
+        _at_the_thread_limit(backend)
+
+
+def _run_limited(limit, backend, *args):
+    """Serve under ``limit``: if it listens, one echo and a SIGTERM.  What it did ("served"
+    or "refused"), its exit status and its stderr."""
+    p = _serve_limited(limit, *args, "--backend", backend)
+    try:
+        line = p.stdout.readline()
+        if not line.startswith("listening on "):
+            out, err = p.communicate(timeout=30)
+            return "refused", p.returncode, line + out + err
+        port = int(line.split()[-1].rsplit(":", 1)[1])
+        with socket.create_connection((HOST, port), timeout=10) as c:
+            c.sendall(b"ping")
+            assert c.recv(4) == b"ping"
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+        return "served", p.returncode, err
+    finally:
+        if p.poll() is None:        # (a failure above: not left to count against the next)
+            p.kill()
+            p.communicate()
+
+
+def _at_the_thread_limit(backend):
+    w = 6
+    limit = _tasks_of(NOBODY) + 2 + w
+    did, rc, err = _run_limited(limit, backend, "--workers", str(w))
+    assert (did, rc) == ("served", 0) and "Traceback" not in err and "ERROR" not in err, err
+    for args in (["--workers", str(w + 1)], ["--procs", "2", "--workers", str(w)]):
+        did, rc, err = _run_limited(limit, backend, *args)
+        # (a server that took every thread the limit allows must still stop cleanly)
+        assert "Traceback" not in err and "crashed" not in err, (args, did, err)
+        assert (did, rc) == ("refused", 2), (args, did, rc, err)
+        lines = [ln for ln in err.splitlines() if ln.startswith("aoprim: ")]
+        assert lines and "thread limit" in lines[0], (args, err)

@@ -12,7 +12,7 @@ import pytest
 
 from aoprim.server import Server
 from aoprim.server.apps import Echo
-from aoprim.server.config import Settings
+from aoprim.server.config import Settings, _cgroup_pids_max
 
 from server_support import HOST, read_frame, frame, make_server  # noqa: F401
 
@@ -33,7 +33,32 @@ def max_threads():
             limits.append(int(f.read()))
     except OSError:
         pass
+    pids = _cgroup_pids_max()     # (its own test below)
+    if pids is not None:
+        limits.append(pids)
     return min(limits) if limits else None
+
+
+@pytest.mark.parametrize("cgroup, files, expected", [
+    # v2: the smallest pids.max from the process's own group up ("max": none there)
+    ("0::/system.slice/app.service\n",
+     {"system.slice/app.service/pids.max": "max", "system.slice/pids.max": "40"}, 40),
+    ("0::/a/b\n", {"a/b/pids.max": "12", "a/pids.max": "30"}, 12),
+    ("0::/a/b\n", {"a/b/pids.max": "max"}, None),
+    ("0::/\n", {}, None),
+    # v1: the pids controller's own hierarchy, wherever its line is
+    ("12:pids:/docker/x\n0::/docker/x\n", {"pids/docker/x/pids.max": "25",
+                                             "docker/x/pids.max": "7"}, 25),
+    ("4:memory:/m\n", {}, None),
+    ("not a cgroup file\n", {}, None),
+])
+def test_the_workers_bound_reads_a_pids_cgroup(tmp_path, cgroup, files, expected):
+    (tmp_path / "cgroup").write_text(cgroup)
+    for rel, text in files.items():
+        f = tmp_path / "fs" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text + "\n")
+    assert _cgroup_pids_max(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == expected
 
 
 # setting -> (lowest, highest or None: no upper bound).  Each upper bound is a limit of the
