@@ -68,7 +68,8 @@ from .framing import FRAMINGS
 from .listener import check_port, describe_address, listen_error
 from .proxy import PROXY_MODES
 from .server import CTRL_C_TWICE, as_handler, hide_with_devnull
-from .supervisor import STOP_SIGNALS, Supervisor, check_seconds, group_members, stop_signals
+from .supervisor import (STOP_SIGNALS, USAGE, Supervisor, check_seconds, group_members,
+                         stop_signals)
 from .workers import ThreadLimitError
 
 if TYPE_CHECKING:
@@ -90,7 +91,9 @@ HOOKS = ("on_connect", "on_read", "on_close")
 
 
 class UsageError(Exception):
-    """A mistake in the command line or in what it names: one ``aoprim: ...`` line, exit 2."""
+    """A mistake in the command line or in what it names: one ``aoprim: ...`` line, exit 2
+    (``told``: a supervised child said it on its status pipe; its supervisor prints it)."""
+    told = False
 
 
 class _Stop(BaseException):
@@ -497,6 +500,10 @@ def _stdout_to_devnull() -> None:
         pass
 
 
+_USAGE_MAX = 2000      # characters of a usage message sent on the status pipe (one write,
+                       # well under PIPE_BUF: it arrives whole)
+
+
 class _StatusPipe:
     """The supervisor's status pipe (``--status-fd``), kept out of the handler's way: the
     inherited fd is moved to a high number, close-on-exec, and its number is taken out of
@@ -761,6 +768,18 @@ def _watch_stop_signals(watchdog: _StopWatchdog, heirs: _Heirs | None = None) ->
 
 def _serve_one(a: argparse.Namespace) -> int:
     status = _StatusPipe(a.status_fd) if a.status_fd is not None else None
+    try:
+        return _serve(a, status)
+    except UsageError as e:
+        # a supervised child tells its supervisor, which prints it once for all its
+        # children (N children that fail alike are one line, not N); the child prints it
+        # itself only if the supervisor is gone
+        if status is not None and status.tell(USAGE + json.dumps(str(e)[:_USAGE_MAX]).encode()):
+            e.told = True
+        raise
+
+
+def _serve(a: argparse.Namespace, status: _StatusPipe | None) -> int:
     # a supervised child: what it starts is stopped with it if the supervisor dies
     heirs = _Heirs(os.getppid()) if status is not None else None
     try:
@@ -927,5 +946,6 @@ def main(argv: list[str] | None = None) -> int:
         # (a no-op handler, not SIG_IGN, which children would inherit)
         signal.signal(signal.SIGINT, _ignore)
         signal.signal(signal.SIGTERM, _ignore)
-        print(f"aoprim: {e}", file=sys.stderr, flush=True)
+        if not e.told:
+            print(f"aoprim: {e}", file=sys.stderr, flush=True)
         return 2

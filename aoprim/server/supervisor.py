@@ -119,13 +119,18 @@ The status pipe
 ``child_argv(port, status_fd)`` gives each child the number of an inherited pipe's write end.
 The child writes ``ready\n`` once it accepts connections (its settings were accepted, no
 handler code has run yet), and ``stopped\n`` when it was told to stop (SIGINT/SIGTERM) and
-has shut down cleanly, just before it exits 0.  Nothing else is read from it.  ``stopped``
-matters only when the supervisor asked for the stop: said on its own, the child is replaced.
+has shut down cleanly, just before it exits 0.  ``stopped`` matters only when the supervisor
+asked for the stop: said on its own, the child is replaced.  A child that cannot serve as
+told (a handler that does not import, a port in use: what ``serve`` alone says in one
+``aoprim: ...`` line, exit 2) writes ``usage "MESSAGE"\n`` (the message as a JSON string)
+instead of printing it, and exits 2: the supervisor prints each message once, however many
+children fail alike (a typo in MODULE:HANDLER fails in all N).  Nothing else is read.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import logging
 import math
 import os
@@ -149,6 +154,7 @@ _PR_SET_PDEATHSIG = 1
 _PR_GET_CHILD_SUBREAPER = 37
 _READY = b"ready"           # the child's status messages (see "The status pipe")
 _STOPPED = b"stopped"
+USAGE = b"usage "           # ... and the prefix of a usage error's message
 # the signals that stop the service; the children get the first two as they came, the
 # others as SIGTERM (a child's own handlers are for SIGINT/SIGTERM only)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -670,7 +676,7 @@ def _stderr_handlers(logger: logging.Logger, fd: int) -> list[logging.StreamHand
 class _Child:
     """One of the N places: the process filling it now, and its history."""
     __slots__ = ("index", "proc", "buf", "status", "said", "started", "ready", "listened",
-                 "crashes", "early", "respawn_at", "timed_out", "slow_noted")
+                 "crashes", "early", "respawn_at", "timed_out", "slow_noted", "usage")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -686,6 +692,7 @@ class _Child:
         self.respawn_at: float | None = None    # monotonic time of the pending restart
         self.timed_out = False    # the current process was killed for not saying "ready"
         self.slow_noted = False   # ... or logged once as slow to say it
+        self.usage: str | None = None   # the usage error the current process said, if any
 
 
 class Supervisor:
@@ -719,6 +726,7 @@ class Supervisor:
         self._signals: list[int] = []     # stop signals received, not yet handled
         self._sigint_at = -math.inf         # when the last SIGINT counted came
         self._announced = False           # "listening on" was printed
+        self._usage_said: set[str] = set()  # the children's usage errors printed (once each)
         # process groups of exited children that still have processes (what a child
         # started): pgid -> monotonic time they are killed at if still there
         self._groups: dict[int, float] = {}
@@ -771,6 +779,7 @@ class Supervisor:
         self._sel.register(status_r, selectors.EVENT_READ, (c, status_r))
         c.status = status_r
         c.said = b""
+        c.usage = None
         c.buf.clear()
         c.started = time.monotonic()
         c.ready = False
@@ -860,6 +869,13 @@ class Supervisor:
                 c.status = None
             break
         words = c.said.split(b"\n")[:-1]
+        for w in words:
+            if w.startswith(USAGE) and c.usage is None:
+                try:
+                    said = json.loads(w[len(USAGE):])
+                except ValueError:
+                    said = None
+                c.usage = said if isinstance(said, str) else repr(w[len(USAGE):])
         if _READY in words and not c.ready:
             c.ready = c.listened = True
             c.early = 0
@@ -977,7 +993,10 @@ class Supervisor:
                     still.append(c)
                     continue
                 self._read(c, final=True)
-                if not (rc == 0 or (rc == -signal.SIGTERM and not was_ready[c])):
+                if rc == 2 and c.usage is not None and c.usage in self._usage_said:
+                    pass        # a sibling failed alike, before the stop reached it: said
+                elif not (rc == 0 or (rc == -signal.SIGTERM and not was_ready[c])):
+                    self._say_usage(c, rc)
                     # the supervisor's exit status says the stop was not clean: say which
                     # process and how (a crash in its on_close, a segfault, an OOM kill)
                     log.error("server process %d exited with %s while stopping",
@@ -1104,6 +1123,13 @@ class Supervisor:
             self._sigint_at = now
         self._signals.append(signum)
 
+    def _say_usage(self, c: _Child, rc: int, once: bool = True) -> None:
+        """Print the usage error child ``c`` said on its status pipe (it exited 2 without
+        printing it); ``once``: not if another child's same message was printed."""
+        if rc == 2 and c.usage is not None and not (once and c.usage in self._usage_said):
+            self._usage_said.add(c.usage)
+            self._err.write(f"aoprim: {c.usage}\n", keep=True)
+
     def _fail(self, message: str, status: int) -> int:
         self._err.write(f"aoprim: {message}\n", keep=True)
         self._stop_all()
@@ -1124,6 +1150,8 @@ class Supervisor:
             _signal_group(pid, signal.SIGTERM)
             _signal_group(pid, signal.SIGCONT)     # (a stopped one acts on it once continued)
         words = c.said.split(b"\n")[:-1]
+        # (each restart's failure is said: at the first start, one line for all children)
+        self._say_usage(c, rc, once=not self._announced)
         if not self._announced and not c.listened:
             # the first start: what a restart would only repeat
             if rc == 2:

@@ -432,6 +432,20 @@ def test_procs_bad_setting_is_printed_once_and_no_child_starts():
     assert "started server process" not in r.stderr and "listening" not in r.stdout
 
 
+@pytest.mark.parametrize("procs", [1, 4])
+def test_a_handler_no_child_can_import_is_said_once_for_every_child(procs):
+    """A typo in MODULE:HANDLER fails in each of the N children alike: the supervisor says
+    it once (each child tells it on its status pipe instead of printing it), and the
+    siblings that failed the same way before the stop reached them are no stop gone wrong."""
+    r = subprocess.run([sys.executable, "-m", "aoprim", "serve", "nosuchmod_typo:H", "--host",
+                        HOST, "--port", "0", "--procs", str(procs)],
+                       capture_output=True, text=True, timeout=60, cwd=CWD)
+    assert r.returncode == 2, r.stderr
+    said = [ln for ln in r.stderr.splitlines() if "cannot import 'nosuchmod_typo'" in ln]
+    assert said == [said[0]] and said[0].startswith("aoprim: cannot import"), r.stderr
+    assert "while stopping" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_children_of_a_killed_supervisor_exit_without_a_traceback():
     p, port = start_server("--app", "echo", "--procs", "2")
     try:
