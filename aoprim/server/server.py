@@ -61,7 +61,7 @@ from .tx import Flusher, check_payload
 
 if TYPE_CHECKING:
     import ssl as _ssl
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Callable, Iterable, Iterator
     from types import FrameType, TracebackType
 
     from typing_extensions import Buffer, Self, Unpack
@@ -458,6 +458,7 @@ class Server:
         self._dispatch: InlineDispatch | WorkerDispatch | None = None
         self._listener: Listener | None = None
         self._flusher: Flusher | None = None
+        self._flush: Callable[[], object] | None = None    # the loop's flush hook, once made
         self._ctx: SessionContext | None = None
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
@@ -594,6 +595,7 @@ class Server:
         _serving.add(self)
         self._dispatch.start(loop)
         loop.add_iteration_hook(flush)
+        self._flush = flush
         self._fallbacks_seen = 0
         loop.call_later(st.sweep_every or 1.0, self._sweep)
         log.info("aoprim server listening on %s (framing=%s, workers=%d, backend=%s%s)",
@@ -704,8 +706,22 @@ class Server:
         except BaseException as e:
             # (a fork's sys.exit() unwinding, or the KeyboardInterrupt of a second SIGINT,
             # logged by the signal handler: not a crash)
-            if not self._in_fork() and not (self._interrupted and
-                                            isinstance(e, KeyboardInterrupt)):
+            if self._in_fork():
+                raise
+            if isinstance(e, (SystemExit, KeyboardInterrupt)):
+                # a callback ended the program (sys.exit() after a last write, a Ctrl-C's
+                # KeyboardInterrupt): not a crash.  What this iteration queued is handed to
+                # the kernel first, as asyncio's write() had already done, so the closes
+                # below are the peer's clean end of stream, not a reset over a lost reply
+                self._flush_once()
+                if not (self._interrupted and isinstance(e, KeyboardInterrupt)):
+                    # serve_forever's caller gets the exception; start()'s thread has no
+                    # caller: it is said here, and the thread ends quietly
+                    log.log(logging.INFO if ready is None else logging.WARNING,
+                            "%r raised on the loop thread: the server stops", e)
+                if ready is not None:
+                    return
+            else:
                 log.exception("event loop crashed")
             raise
         finally:
@@ -716,6 +732,17 @@ class Server:
             else:
                 self._cleanup()
             self._done.set()
+
+    def _flush_once(self) -> None:
+        """Hand what the sessions queued to the kernel, once, without waiting (a loop that
+        a SystemExit or KeyboardInterrupt ended: see _run)."""
+        flush = self._flush
+        if flush is None:
+            return
+        try:
+            flush()
+        except Exception:
+            log.exception("the last flush failed")
 
     # -- forks of the serving process ------------------------------------------------------
     def _in_fork(self) -> bool:

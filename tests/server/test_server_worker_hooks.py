@@ -7,6 +7,7 @@ raised on the main thread stops ``serve_forever()`` there."""
 import asyncio
 import logging
 import socket
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -233,3 +234,41 @@ def test_on_connect_keyboardinterrupt_on_the_main_thread_stops_serve_forever(bac
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["first b'' second b'x'",
                                      "serve_forever raised KeyboardInterrupt"], r.stdout
+
+
+class SendThenExit(Handler):
+    """Answers, then ends the program from the loop thread (workers=0): a "shutdown" command."""
+    def __init__(self, exc):
+        self.exc = exc
+
+    def on_read(self, session, data):
+        session.send(b"bye")
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [SystemExit(0), KeyboardInterrupt()], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_reply_sent_just_before_sys_exit_on_the_loop_thread_reaches_the_peer(
+        make_server, tls_certs, caplog, exc, tls):  # noqa: F811
+    """asyncio's write() hands the bytes to the kernel at once, so a protocol that answers and
+    then calls sys.exit() delivers its answer; here the send is queued until the loop's flush:
+    a loop that SystemExit/KeyboardInterrupt ends hands what was queued to the kernel before
+    it closes the sessions, and the peer reads the reply and a clean end of stream (not a
+    reset).  Not logged as a crash."""
+    kw = {"ssl": tls_certs.server_ctx()} if tls else {}
+    srv = make_server(SendThenExit(exc), framing="raw", **kw)
+    c = socket.create_connection(srv.address, timeout=10)
+    if tls:
+        c = tls_certs.client_ctx().wrap_socket(c, server_hostname="localhost")
+    with c:
+        c.sendall(b"shutdown")
+        got = b""
+        try:
+            while (d := c.recv(100)):
+                got += d
+        except ssl.SSLEOFError:         # (the TLS close: the server's close_notify is owed)
+            pass
+    assert got == b"bye"
+    wait_for(lambda: srv._done.is_set(), 10, "the server to stop")
+    assert not [r for r in caplog.records if "crashed" in r.getMessage()]
+    assert [r for r in caplog.records if f"{exc!r} raised on the loop thread" in r.getMessage()]
