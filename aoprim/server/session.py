@@ -139,23 +139,38 @@ def _session_socket_type() -> Any:
     asyncio is imported only for who asks)."""
     global _SESSION_SOCKET
     if _SESSION_SOCKET is None:
+        import operator
         from asyncio.trsock import TransportSocket
 
         class SessionSocket(TransportSocket):
             # (the session by weak reference: a socket object kept by the application
             # does not keep a closed session, its wire and its buffers' owners alive)
-            __slots__ = ("_session",)
+            __slots__ = ("_session", "wr_shut")
 
             def __init__(self, sock: socket.socket, session: Session) -> None:
                 super().__init__(sock)
                 self._session = weakref.ref(session)
+                # shutdown(SHUT_WR or SHUT_RDWR) was called on another thread than the
+                # loop's, which runs it later: a writer on that thread must send behind
+                # it (the asyncio adapter's write() does)
+                self.wr_shut = False
 
             def shutdown(self, how: int) -> None:
                 session = self._session()
                 if session is None:
                     self._sock.shutdown(how)    # (nothing left to send first)
-                else:
-                    session._shutdown_socket(how)
+                    return
+                if _get_ident() != session._loop.thread_id:
+                    # it runs on the loop thread later: what the kernel would refuse at
+                    # once is refused here, at the call, as on the loop thread
+                    how = operator.index(how)
+                    if self._sock.fileno() < 0:
+                        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+                    if how not in (socket.SHUT_RD, socket.SHUT_WR, socket.SHUT_RDWR):
+                        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+                    if how != socket.SHUT_RD:
+                        self.wr_shut = True
+                session._shutdown_socket(how)
 
         _SESSION_SOCKET = SessionSocket
     return _SESSION_SOCKET
@@ -205,7 +220,8 @@ class Session:
                  "_wm_paused", "_timer", "_lingering", "_sockname", "_close_requested", "_rst",
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
                  "_rest", "_cb_hold", "_transport", "_cap", "_limit", "_limit_cause",
-                 "_progress_at", "_forks_at_accept", "_wire", "_sink", "__weakref__")
+                 "_progress_at", "_forks_at_accept", "_wire", "_sink", "_await_answer",
+                 "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
     #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
@@ -259,6 +275,8 @@ class Session:
         self._wm_paused = False
         self._timer: Timer | None = None    # close linger / lingering-close timer
         self._lingering = False             # draining unread input after SHUT_WR
+        # (lingering) an abortive TLS close waits for the peer's answer to close_notify
+        self._await_answer = False
         self._sockname: Any = None
         # a close decided on another thread (close(), abort(), a hook's exception on a
         # worker, max_pending of a queued send) that the loop has not run yet: from then on
@@ -1334,8 +1352,20 @@ class Session:
         if linger == _LINGER_RESET:
             # the application asked for an abortive close (SO_LINGER on with 0 s, set on
             # the session's socket): as asyncio's close, the socket is closed once what
-            # was owed is sent -- the kernel resets the connection, no FIN, no lingering
-            self._teardown()
+            # was owed is sent -- the kernel resets the connection, no FIN.  Over TLS,
+            # asyncio's close first waits for the peer's answer to its close_notify (the
+            # peer's close_notify or EOF): the reset would otherwise discard the part of
+            # the reply still in the kernel, unread.  So does this one: no FIN, the
+            # peer's input drained, closed at its answer or after close_linger seconds
+            if self._ctx.tls is None or self._wire.failed() is not None:
+                self._teardown()
+                return
+            self._await_answer = True
+            self._lingering = True
+            self._writing = False
+            self._update_interest()
+            self._timer = self._loop.call_later(self._ctx.settings.close_linger,
+                                                self._teardown)
             return
         unsent = _unsent(self._fd)     # (before the FIN joins the queue)
         try:
@@ -1378,8 +1408,10 @@ class Session:
         return total
 
     def _discard_input(self) -> None:
-        """The lingering close's read callback: the peer's EOF (or an error) ends it."""
-        if self._drain_input() is None:
+        """The lingering close's read callback: the peer's EOF (or an error) ends it; so
+        does, for an abortive TLS close, its answer once it has taken the whole reply."""
+        got = self._drain_input()
+        if got is None or (got and self._await_answer and not _unsent(self._fd)):
             self._teardown()
 
     def _abort(self, reason: str, exc: BaseException | None = None, level: int = logging.INFO,
@@ -1409,7 +1441,7 @@ class Session:
             self._timer.cancel()
             self._timer = None
         self._loop.remove(self._fd)
-        self._writing = self._lingering = False
+        self._writing = self._lingering = self._await_answer = False
         self._rx.close()
         self._foreign.close()           # releases what other threads queued
         b = self._batch

@@ -643,3 +643,48 @@ def test_a_peer_that_takes_none_of_a_reply_is_still_cut_by_the_idle_timeout(
         wait_for(lambda: srv.stats()["closes"].get("timeout") == 1, 10, "the idle timeout")
     finally:
         s.close()
+
+
+class ReplyThenResetClose(asyncio.Protocol):
+    """Answers a request with 1 MB, then SO_LINGER (on, 0 s) and close(): an abortive close
+    (no TIME_WAIT), which asyncio's TLS transport makes only once the peer has answered its
+    close_notify."""
+    SIZE = 1_000_000
+
+    def __init__(self, closed):
+        self.closed = closed
+
+    def connection_made(self, t):
+        self.t = t
+
+    def data_received(self, data):
+        self.t.write(b"r" * self.SIZE)
+        self.t.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                   struct.pack("ii", 1, 0))
+        self.t.close()
+        self.closed.set()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_abortive_tls_close_waits_for_the_peers_answer_before_the_reset(backend, tls_certs,
+                                                                          workers):
+    """A reset right after the last records reach the kernel would discard what the peer
+    has not yet read; as asyncio's, the TLS close waits for the peer's answer to its
+    close_notify (or its EOF), then resets: the peer reads the whole reply, then
+    close_notify."""
+    closed = threading.Event()
+    srv = serve_protocol(lambda: ReplyThenResetClose(closed), backend=backend,
+                         workers=workers, ssl=tls_certs.server_ctx())
+    try:
+        raw = socket.create_connection(srv.address, timeout=20)
+        with tls_certs.client_ctx().wrap_socket(raw, server_hostname="localhost") as s:
+            s.sendall(b"go")
+            assert closed.wait(10)      # the close is made before the reply is read
+            got = 0
+            while (d := s.recv(65536)):         # b"": the server's close_notify
+                got += len(d)
+            assert got == ReplyThenResetClose.SIZE
+        wait_for(lambda: srv.stats()["connections"] == 0, 15, "the session to close")
+    finally:
+        srv.shutdown(timeout=15)
