@@ -98,13 +98,17 @@ def serve_protocol(protocol_factory: Callable[[], asyncio.BaseProtocol],
     Returns the started :class:`Server` (serving in a background thread; ``srv.address``,
     ``srv.shutdown()``), or with ``forever=True`` serves in the calling thread until
     ``shutdown()`` or SIGINT/SIGTERM, then returns the stopped server.  Other keyword
-    arguments go to :class:`Server` (framing is ``raw``).
+    arguments go to :class:`Server` (framing is ``raw``); a ``sock=`` bound but not
+    listening yet is made to listen (``backlog``), as asyncio's ``create_server(sock=)``.
     """
-    from .adapters.asyncio_protocol import ProtocolHandler
+    from .adapters.asyncio_protocol import ProtocolHandler, listen_as_asyncio
     _check_protocol_factory(protocol_factory)
     kwargs.setdefault("framing", "raw")
     if kwargs["framing"] != "raw":
         raise ValueError("asyncio protocols parse their own stream: framing must be 'raw'")
+    if kwargs.get("sock") is not None:
+        # as asyncio's create_server(sock=): a bound socket is made to listen
+        listen_as_asyncio(kwargs["sock"], kwargs.get("backlog"))
     srv = Server(ProtocolHandler(protocol_factory), host, port, **kwargs)
     if forever:
         srv.serve_forever()

@@ -83,6 +83,7 @@ import contextvars
 import functools
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -98,6 +99,8 @@ from asyncio.events import _get_running_loop, _set_running_loop
 from asyncio.log import logger as _asyncio_log
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..config import Settings
+from ..dispatch import fork_returned
 from ..handler import Handler
 
 if TYPE_CHECKING:
@@ -109,7 +112,7 @@ if TYPE_CHECKING:
     from ..server import Server
     from ..session import Session
 
-__all__ = ["ProtocolHandler", "SessionTransport"]
+__all__ = ["ProtocolHandler", "SessionTransport", "listen_as_asyncio"]
 
 log = logging.getLogger("aoprim.server")
 _asyncio_log = logging.getLogger("asyncio")
@@ -282,12 +285,28 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
     def _run_handle(self, h: _Handle | _Timer) -> None:
         if h.cancelled():
             return
-        if self._debug:
-            t0 = self.time()
-            _call(self, h.fire)
-            self._check_slow(t0, h)
-            return
-        _call(self, h.fire)     # (asyncio's: an exception goes to call_exception_handler)
+        try:
+            if self._debug:
+                t0 = self.time()
+                _call(self, h.fire)
+                self._check_slow(t0, h)
+                return
+            _call(self, h.fire)     # (asyncio's: an exception goes to call_exception_handler)
+        except _NOT_CAUGHT as e:
+            # what asyncio's Handle and Task let through (a task step's too)
+            self._fork_check(f"loop callback {_format_handle(h)}", e)
+            raise
+
+    def _fork_check(self, where: str, e: BaseException) -> None:
+        """``e`` (SystemExit, KeyboardInterrupt) leaves a loop callback, a task step or
+        ``pause_writing``/``resume_writing``: in a process the protocol's code forked from
+        the server's, that ends the fork here (a ``sys.exit(n)`` with status n), as the
+        same exception out of a protocol callback does -- it never reaches the server's
+        loop, nor ``serve_forever()``'s caller in the fork."""
+        srv = self._server()
+        d = getattr(srv, "_dispatch", None) if srv is not None else None
+        if d is not None and d.in_fork():
+            fork_returned(where, e)
 
     def _check_slow(self, t0: float, what: object) -> None:
         """Debug mode: log a callback that ran ``slow_callback_duration`` or longer, with
@@ -309,14 +328,33 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             if context is None:
                 return asyncio.Task(coro, loop=self, name=name)
             return asyncio.Task(coro, loop=self, name=name, context=context)
-        # as asyncio's loop: the factory is called (loop, coro[, context=]), then named
-        if context is None:
-            task = factory(self, coro)
+        if _get_ident() != self._ev.thread_id:
+            # another thread (a worker): the task must not start eagerly here.  asyncio's
+            # current task is one per loop, not per thread, and the loop thread may be
+            # running another task's step at this moment -- the two would swap it under
+            # each other and every later step would fail ("Cannot enter into task").
+            # asyncio's Task starts eagerly only while loop.is_running(): it answers
+            # False to this thread for the factory's call (see is_running), so any eager
+            # factory -- asyncio.eager_task_factory, create_eager_task_factory(...) --
+            # schedules the first step on the loop thread instead
+            prev = getattr(_here, "not_eager", False)
+            _here.not_eager = True
+            try:
+                task = self._call_factory(factory, coro, context)
+            finally:
+                _here.not_eager = prev
         else:
-            task = factory(self, coro, context=context)
+            task = self._call_factory(factory, coro, context)
         if name is not None:
             task.set_name(name)
         return task   # type: ignore[no-any-return]
+
+    def _call_factory(self, factory: Callable[..., Any], coro: Any,
+                      context: contextvars.Context | None) -> Any:
+        # as asyncio's loop: the factory is called (loop, coro[, context=]), then named
+        if context is None:
+            return factory(self, coro)
+        return factory(self, coro, context=context)
 
     def set_task_factory(self, factory: Callable[..., Any] | None) -> None:
         if factory is not None and not callable(factory):
@@ -450,7 +488,8 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         self._debug = bool(enabled)
 
     def is_running(self) -> bool:
-        return not self._ev.closed
+        # (False inside a task factory called off the loop thread: see create_task)
+        return not self._ev.closed and not getattr(_here, "not_eager", False)
 
     def is_closed(self) -> bool:
         return self._ev.closed
@@ -643,6 +682,7 @@ class SessionTransport(asyncio.Transport):
         self._closing = False
         self._paused_reading = False
         self._low = self._high = 0
+        self._sock: Any = None          # get_extra_info("socket"), made at the first ask
         session.set_transport_rules()
         self.set_write_buffer_limits()
 
@@ -662,6 +702,14 @@ class SessionTransport(asyncio.Transport):
             return
         if s.over_max_pending():
             return          # (dropped: connection_lost gets the error naming max_pending)
+        sk = self._sock
+        if sk is not None and sk.wr_shut and _get_ident() != self._loop._ev.thread_id:
+            # after this thread's get_extra_info("socket").shutdown(SHUT_WR), which runs
+            # later on the loop thread: the bytes follow it there, where the send fails
+            # as it does after a shutdown on the loop thread (EPIPE: connection_lost gets
+            # the BrokenPipeError), instead of reaching the peer ahead of the FIN
+            self._loop._ev.call_soon_threadsafe(s.send, bytes(data))
+            return          # (False once the server has shut down: dropped, as after close)
         s.send(data)
 
     def writelines(self, list_of_data: Iterable[Buffer]) -> None:
@@ -714,7 +762,8 @@ class SessionTransport(asyncio.Transport):
                 _call(self._loop, getattr(proto, name))
             else:
                 _call(self._loop, self._ctx.copy().run, getattr(proto, name))
-        except _NOT_CAUGHT:
+        except _NOT_CAUGHT as e:
+            self._loop._fork_check(f"{proto!r}.{name}()", e)
             raise
         except BaseException as e:
             self._loop.call_exception_handler({
@@ -760,7 +809,12 @@ class SessionTransport(asyncio.Transport):
         if name == "sockname":
             return s.sockname
         if name == "socket":
-            return s.socket
+            # one object per transport, as asyncio's (it holds the session weakly: no
+            # cycle keeps a closed session alive); setdefault: one wins a race of threads
+            sk = self._sock
+            if sk is None:
+                sk = self._sock = self._extra.setdefault("socket", s.socket)
+            return sk
         if name in _TLS_NAMES:
             # asyncio's TLS transport's names ("sslcontext": uvicorn's is_ssl() asks it to
             # choose the https scheme), from the session's SSLObject; None over plain TCP
@@ -782,6 +836,34 @@ class SessionTransport(asyncio.Transport):
         # (a BufferedProtocol gets its bytes through get_buffer/buffer_updated)
         self._protocol = protocol
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
+
+
+def listen_as_asyncio(sock: object, backlog: object) -> None:
+    """``serve_protocol(..., sock=)``: as asyncio's ``create_server(sock=)``, which calls
+    ``listen(backlog)`` on the socket it is given, a stream socket that is bound but not
+    listening yet (what uvicorn's ``bind_socket`` hands over) is made to listen here, with
+    the server's ``backlog``.  Anything else is left as it is -- a listening socket keeps
+    its backlog -- for the server's own check, which refuses what it cannot accept on
+    (closed, not a stream socket, connected, not bound: no port is picked for it)."""
+    if not isinstance(sock, socket.socket) or sock.fileno() < 0:
+        return
+    if backlog is None:
+        backlog = Settings.backlog      # (the default)
+    if type(backlog) is not int or not 0 <= backlog < 1 << 31:
+        return              # (the server's settings refuse it, naming it)
+    try:
+        if (sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) != socket.SOCK_STREAM
+                or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+            return
+        name = sock.getsockname()
+        if not (name[1] if isinstance(name, tuple) else name):
+            return          # not bound (port 0, no path)
+        try:
+            sock.getpeername()
+        except OSError:
+            sock.listen(backlog)
+    except OSError:
+        return              # (the server's check says what is wrong with it)
 
 
 class ProtocolHandler(Handler):
