@@ -79,7 +79,10 @@ def _cgroup_pids_max(proc_cgroup: str = "/proc/self/cgroup",
     root, path = found
     limits = []
     parts = [p for p in path.split("/") if p]
-    for i in range(len(parts), 0, -1):
+    # (down to the mount's own top: inside a cgroup namespace -- a container's view -- the
+    # process's group is that top, which holds the container's limit; the host's root
+    # group has no pids.max)
+    for i in range(len(parts), -1, -1):
         try:
             with open(os.path.join(root, *parts[:i], "pids.max")) as f:
                 v = f.read().strip()

@@ -46,6 +46,9 @@ def max_threads():
     ("0::/a/b\n", {"a/b/pids.max": "12", "a/pids.max": "30"}, 12),
     ("0::/a/b\n", {"a/b/pids.max": "max"}, None),
     ("0::/\n", {}, None),
+    # a cgroup namespace (a container): the group is the mount's top, whose pids.max counts
+    ("0::/\n", {"pids.max": "40"}, 40),
+    ("8:pids:/\n", {"pids/pids.max": "33"}, 33),
     # v1: the pids controller's own hierarchy, wherever its line is
     ("12:pids:/docker/x\n0::/docker/x\n", {"pids/docker/x/pids.max": "25",
                                              "docker/x/pids.max": "7"}, 25),
