@@ -1025,6 +1025,13 @@ class Session:
             self._owed_seen = unsent > 0 or self.pending_bytes > 0
         else:
             self._owed_seen = False
+        w = self.work
+        if w is not None and w.scheduled:
+            # a worker runs (or is about to run) what the peer sent: a request that takes
+            # longer than idle_timeout is the server's time, not an idle peer -- the idle
+            # clock restarts (it counts again once the worker is done); the frame clock,
+            # the peer's own pace, runs on
+            active = True
         reason = rx.sweep(now, idle_timeout, frame_timeout, proxy_timeout, held, active)
         if reason is not None:
             self._abort(reason, level=logging.WARNING, cause="timeout")

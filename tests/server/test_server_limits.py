@@ -247,6 +247,29 @@ def test_idle_timeout(make_server, connect, logs):
     still_served(busy)
 
 
+class SlowRequest(Handler):
+    """A request that takes the server 1 s (a database call: what workers are for)."""
+    def on_read(self, session, data):
+        threading.Event().wait(1.0)
+        session.send(b"reply:" + bytes(data))
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_idle_timeout_does_not_cut_a_request_its_worker_is_running(make_server, connect, logs,
+                                                                   workers):
+    """The idle clock measures the peer, not the server: a request whose handler takes
+    longer than idle_timeout on a worker is answered (with workers=1, the second client's
+    request queued behind the first too); the peer idle once answered is then cut."""
+    srv = make_server(SlowRequest(), framing="u16", idle_timeout=0.3, workers=workers)
+    a, b = connect(srv), connect(srv)
+    a.sendall(frame(b"a"))
+    b.sendall(frame(b"b"))
+    assert read_frame(a) == b"reply:a"
+    assert read_frame(b) == b"reply:b"
+    assert recv_until_closed(a, timeout=5)[0] == b""     # then idle: cut
+    assert "idle timeout" in logs.text
+
+
 def test_frame_timeout_stops_slowloris(make_server, connect, logs):
     srv = make_server(Echo(), framing="u16", frame_timeout=0.5)
     slow, good = connect(srv), connect(srv)
