@@ -101,19 +101,48 @@ def serve_protocol(protocol_factory: Callable[[], asyncio.BaseProtocol],
     arguments go to :class:`Server` (framing is ``raw``); a ``sock=`` bound but not
     listening yet is made to listen (``backlog``), as asyncio's ``create_server(sock=)``.
     """
-    from .adapters.asyncio_protocol import ProtocolHandler, listen_as_asyncio
+    from .adapters.asyncio_protocol import ProtocolHandler
     _check_protocol_factory(protocol_factory)
     kwargs.setdefault("framing", "raw")
     if kwargs["framing"] != "raw":
         raise ValueError("asyncio protocols parse their own stream: framing must be 'raw'")
     if kwargs.get("sock") is not None:
         # as asyncio's create_server(sock=): a bound socket is made to listen
-        listen_as_asyncio(kwargs["sock"], kwargs.get("backlog"))
+        _listen_as_asyncio(kwargs["sock"], kwargs.get("backlog"))
     srv = Server(ProtocolHandler(protocol_factory), host, port, **kwargs)
     if forever:
         srv.serve_forever()
         return srv
     return srv.start()
+
+
+def _listen_as_asyncio(sock: object, backlog: object) -> None:
+    """``serve_protocol(..., sock=)``: as asyncio's ``create_server(sock=)``, which calls
+    ``listen(backlog)`` on the socket it is given, a stream socket that is bound but not
+    listening yet (what uvicorn's ``bind_socket`` hands over) is made to listen here, with
+    the server's ``backlog``.  Anything else is left as it is -- a listening socket keeps
+    its backlog -- for the server's own check, which refuses what it cannot accept on
+    (closed, not a stream socket, connected, not bound: no port is picked for it)."""
+    import socket
+    if not isinstance(sock, socket.socket) or sock.fileno() < 0:
+        return
+    if backlog is None:
+        backlog = Settings.backlog      # (the default)
+    if type(backlog) is not int or not 0 <= backlog < 1 << 31:
+        return              # (the server's settings refuse it, naming it)
+    try:
+        if (sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) != socket.SOCK_STREAM
+                or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+            return
+        name = sock.getsockname()
+        if not (name[1] if isinstance(name, tuple) else name):
+            return          # not bound (port 0, no path)
+        try:
+            sock.getpeername()
+        except OSError:
+            sock.listen(backlog)
+    except OSError:
+        return              # (the server's check says what is wrong with it)
 
 
 def _check_protocol_factory(factory: object) -> None:

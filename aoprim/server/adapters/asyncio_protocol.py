@@ -83,7 +83,6 @@ import contextvars
 import functools
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -99,8 +98,6 @@ from asyncio.events import _get_running_loop, _set_running_loop
 from asyncio.log import logger as _asyncio_log
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..config import Settings
-from ..dispatch import fork_returned
 from ..handler import Handler
 
 if TYPE_CHECKING:
@@ -112,7 +109,7 @@ if TYPE_CHECKING:
     from ..server import Server
     from ..session import Session
 
-__all__ = ["ProtocolHandler", "SessionTransport", "listen_as_asyncio"]
+__all__ = ["ProtocolHandler", "SessionTransport"]
 
 log = logging.getLogger("aoprim.server")
 _asyncio_log = logging.getLogger("asyncio")
@@ -155,6 +152,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
     def __init__(self, ev: EventLoop, server: Server) -> None:
         self._ev = ev
         self._server = weakref.ref(server)     # (no cycle: the server holds our handler)
+        self._pid = os.getpid()     # the serving process's (see _fork_check)
         self._exception_handler: Callable[..., object] | None = None
         self._task_factory: Callable[..., Any] | None = None
         # run_in_executor(None, ...): made at the first call, shut down with the server
@@ -294,19 +292,22 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             _call(self, h.fire)     # (asyncio's: an exception goes to call_exception_handler)
         except _NOT_CAUGHT as e:
             # what asyncio's Handle and Task let through (a task step's too)
-            self._fork_check(f"loop callback {_format_handle(h)}", e)
+            self._fork_check(e)
             raise
 
-    def _fork_check(self, where: str, e: BaseException) -> None:
+    def _fork_check(self, e: BaseException) -> None:
         """``e`` (SystemExit, KeyboardInterrupt) leaves a loop callback, a task step or
-        ``pause_writing``/``resume_writing``: in a process the protocol's code forked from
-        the server's, that ends the fork here (a ``sys.exit(n)`` with status n), as the
-        same exception out of a protocol callback does -- it never reaches the server's
-        loop, nor ``serve_forever()``'s caller in the fork."""
-        srv = self._server()
-        d = getattr(srv, "_dispatch", None) if srv is not None else None
-        if d is not None and d.in_fork():
-            fork_returned(where, e)
+        ``pause_writing``/``resume_writing``.  In a process the protocol's code forked from
+        the server's, it must end the fork there, as the same exception out of a protocol
+        callback does -- not unwind the loop thread (``start()``'s: the fork's only
+        thread ends, status 0) or reach ``serve_forever()``'s caller in the fork.  The
+        server's loop hands a callback's exception in a fork to the fork's end (the
+        ``forked()`` contract of its event loop: "one that raises calls ``end(where,
+        exc)``"), which exits with a ``SystemExit``'s status: raised as :class:`_ForkExit`,
+        a ``SystemExit`` the loop catches as an ``Exception``."""
+        if os.getpid() != self._pid:
+            code = e.code if isinstance(e, SystemExit) else 1
+            raise _ForkExit(code) from e
 
     def _check_slow(self, t0: float, what: object) -> None:
         """Debug mode: log a callback that ran ``slow_callback_duration`` or longer, with
@@ -592,6 +593,12 @@ for _name, _value in vars(asyncio.AbstractEventLoop).items():
 del _name, _value
 
 
+class _ForkExit(SystemExit, Exception):
+    """A ``sys.exit(n)`` (or a ``KeyboardInterrupt``: 1) out of a loop callback in a process
+    forked from the server's: an ``Exception`` too, so the server's loop hands it to the
+    fork's end, which exits with its status (see ``ProtocolLoop._fork_check``)."""
+
+
 class _Handle(asyncio.Handle):
     """asyncio's Handle; fire() runs it as a loop does (its context, an exception to the
     loop's exception handler)."""
@@ -763,7 +770,7 @@ class SessionTransport(asyncio.Transport):
             else:
                 _call(self._loop, self._ctx.copy().run, getattr(proto, name))
         except _NOT_CAUGHT as e:
-            self._loop._fork_check(f"{proto!r}.{name}()", e)
+            self._loop._fork_check(e)
             raise
         except BaseException as e:
             self._loop.call_exception_handler({
@@ -813,7 +820,8 @@ class SessionTransport(asyncio.Transport):
             # cycle keeps a closed session alive); setdefault: one wins a race of threads
             sk = self._sock
             if sk is None:
-                sk = self._sock = self._extra.setdefault("socket", s.socket)
+                sk = self._sock = self._extra.setdefault(  # type: ignore[attr-defined]
+                    "socket", s.socket)
             return sk
         if name in _TLS_NAMES:
             # asyncio's TLS transport's names ("sslcontext": uvicorn's is_ssl() asks it to
@@ -836,34 +844,6 @@ class SessionTransport(asyncio.Transport):
         # (a BufferedProtocol gets its bytes through get_buffer/buffer_updated)
         self._protocol = protocol
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
-
-
-def listen_as_asyncio(sock: object, backlog: object) -> None:
-    """``serve_protocol(..., sock=)``: as asyncio's ``create_server(sock=)``, which calls
-    ``listen(backlog)`` on the socket it is given, a stream socket that is bound but not
-    listening yet (what uvicorn's ``bind_socket`` hands over) is made to listen here, with
-    the server's ``backlog``.  Anything else is left as it is -- a listening socket keeps
-    its backlog -- for the server's own check, which refuses what it cannot accept on
-    (closed, not a stream socket, connected, not bound: no port is picked for it)."""
-    if not isinstance(sock, socket.socket) or sock.fileno() < 0:
-        return
-    if backlog is None:
-        backlog = Settings.backlog      # (the default)
-    if type(backlog) is not int or not 0 <= backlog < 1 << 31:
-        return              # (the server's settings refuse it, naming it)
-    try:
-        if (sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) != socket.SOCK_STREAM
-                or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
-            return
-        name = sock.getsockname()
-        if not (name[1] if isinstance(name, tuple) else name):
-            return          # not bound (port 0, no path)
-        try:
-            sock.getpeername()
-        except OSError:
-            sock.listen(backlog)
-    except OSError:
-        return              # (the server's check says what is wrong with it)
 
 
 class ProtocolHandler(Handler):
