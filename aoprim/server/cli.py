@@ -437,8 +437,12 @@ def _max_procs() -> tuple[int, str]:
 
 
 def _settings(a: argparse.Namespace) -> dict[str, Any]:
-    """The Server keyword arguments the options give (host and port aside)."""
-    return dict(framing=a.framing, max_frame=a.max_frame, max_connections=a.max_connections,
+    """The Server keyword arguments the options give (host and port aside).  The
+    server's ``shutdown_timeout`` is a third of ``--stop-timeout`` (5 s of the default 15):
+    its graceful shutdown takes at most that, then the workers get as long again to exit,
+    all inside the stop's bound -- an operator who gives the stop more time gives the
+    requests in progress more too."""
+    return dict(shutdown_timeout=a.stop_timeout / 3, framing=a.framing, max_frame=a.max_frame, max_connections=a.max_connections,
                 max_pending=a.max_pending, idle_timeout=a.idle_timeout,
                 frame_timeout=a.frame_timeout, workers=a.workers, backend=a.backend,
                 reuse_port=a.reuse_port, proxy_protocol=a.proxy_protocol,

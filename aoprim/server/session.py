@@ -1081,6 +1081,11 @@ class Session:
         if w is not None:
             with w.lock:
                 frames = sum(1 for item in w.backlog if type(item) is bytes)
+                running = w.scheduled
+            if running:
+                # (a worker has it: inside a hook for it, or about to be -- what that hook
+                # sends from now on is dropped)
+                lost.append("a worker still busy with it (what its hook sends is dropped)")
             if frames:
                 lost.append(f"{frames} frames queued for the handler dropped")
         return ", ".join(lost) or "nothing unsent"
