@@ -1082,12 +1082,12 @@ class Session:
             with w.lock:
                 frames = sum(1 for item in w.backlog if type(item) is bytes)
                 running = w.scheduled
+            if frames:
+                lost.append(f"{frames} frames queued for the handler dropped")
             if running:
                 # (a worker has it: inside a hook for it, or about to be -- what that hook
                 # sends from now on is dropped)
                 lost.append("a worker still busy with it (what its hook sends is dropped)")
-            if frames:
-                lost.append(f"{frames} frames queued for the handler dropped")
         return ", ".join(lost) or "nothing unsent"
 
     def run_on_connect(self) -> None:

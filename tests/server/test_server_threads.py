@@ -221,6 +221,7 @@ def test_the_shutdown_timeout_says_what_each_session_it_cut_lost(caplog):
                   r"the handler dropped", caplog.text)
     assert m, caplog.text
     assert 0 < int(m[1]) <= 256 * 65537 and int(m[2]) == 5
+    assert "a worker still busy with it" in caplog.text      # (its on_read still runs)
     for t in list(threading.enumerate()):
         if t.name.startswith("aoprim-worker"):
             t.join(10)
