@@ -39,6 +39,7 @@ handler's way (``_StatusPipe``), and a process a handler forks loses the server'
 """
 from __future__ import annotations
 
+import _thread
 import argparse
 import errno
 import fcntl
@@ -104,8 +105,30 @@ class _Stop(BaseException):
     --procs sibling stopped while starting served on until it was killed)."""
 
 
+_STOP_PID = 0          # the process that put _raise_stop in place (main())
+
+
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stop()
+    """SIGINT/SIGTERM in the serving process: :class:`_Stop`.  In any process forked from it
+    (a handler's ``fork`` Pool, made at import or while serving, keeps the handlers it
+    inherited), the signal acts as in a plain Python program: SIGTERM's default action
+    (the handler is put back to it and the signal raised again), SIGINT a
+    KeyboardInterrupt -- never a ``_Stop`` traceback or a stop raised into the server."""
+    if os.getpid() == _STOP_PID:
+        raise _Stop()
+    if signum == signal.SIGINT:
+        signal.signal(signum, signal.default_int_handler)
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+
+
+def _stop_on_signals() -> None:
+    """Until the server installs its own handlers, SIGINT/SIGTERM end the process quietly."""
+    global _STOP_PID
+    _STOP_PID = os.getpid()
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
 
 
 # -- loading the user's handler -------------------------------------------------------------
@@ -504,8 +527,38 @@ def _stdout_to_devnull() -> None:
         pass
 
 
-_USAGE_MAX = 2000      # characters of a usage message sent on the status pipe (one write,
-                       # well under PIPE_BUF: it arrives whole)
+# bytes of a usage message sent on the status pipe, at most: well under a pipe's 64 KiB, so
+# the child's write never waits for the supervisor (which keeps this much of what a child
+# says); a longer message is cut, with a mark that says so
+_USAGE_MAX = 16384
+
+
+def _json_word(text: str) -> bytes:
+    try:
+        return USAGE + json.dumps(text, ensure_ascii=False).encode()
+    except UnicodeEncodeError:         # a lone surrogate (an undecodable file name): escaped
+        return USAGE + json.dumps(text).encode()
+
+
+def _usage_word(message: str) -> bytes:
+    """``usage "MESSAGE"`` for the status pipe: the message as a JSON string in UTF-8
+    (``ensure_ascii=False``: a Cyrillic or CJK character is its 2-3 bytes, not a
+    6-byte ``\\uXXXX``), at most _USAGE_MAX bytes; a longer one is cut at a character's
+    boundary and ends with `` ... (N more characters cut)``."""
+    word = _json_word(message)
+    if len(word) <= _USAGE_MAX:
+        return word
+    # the longest start whose JSON fits, mark included (each character is 1 to 12 bytes)
+    keep, lo, hi = "", 0, len(message)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        text = f"{message[:mid]} ... ({len(message) - mid} more characters cut)"
+        cand = _json_word(text)
+        if len(cand) <= _USAGE_MAX:
+            keep, lo = cand, mid + 1
+        else:
+            hi = mid - 1
+    return keep
 
 
 class _StatusPipe:
@@ -544,8 +597,10 @@ class _StatusPipe:
         """Write ``word``; False if the pipe is gone (or the fd is no longer that pipe)."""
         if not self.is_open():
             return False
+        data = word + b"\n"
         try:
-            os.write(self.fd, word + b"\n")
+            while data:                # (a pipe takes a long word in parts)
+                data = data[os.write(self.fd, data):]
         except OSError:
             return False
         return True
@@ -605,44 +660,43 @@ class _StopWatchdog:
     and the shutdown that SIGTERM starts could never run; this thread ends the process
     instead (one line on stderr, written by a thread of its own so that a stalled stderr
     cannot hold it either).  A daemon thread: a process that ended in time is not kept.
-    Its thread starts with the process (:meth:`start`), not at the stop: a server at its
-    thread limit (its workers took what RLIMIT_NPROC or a pids cgroup allows) could start
-    no thread when SIGTERM comes, and the stop must not need one."""
+    Its thread starts when it is armed, not before: a process with a second thread is
+    multi-threaded, and CPython 3.12+ warns at every ``fork()`` a handler makes
+    (``DeprecationWarning: This process ... is multi-threaded``).  A server at its thread
+    limit (its workers took what RLIMIT_NPROC or a pids cgroup allows) can start no thread
+    at the stop, which must not need one: the kernel then keeps the bound instead --
+    SIGALRM at its default action after ``seconds`` (``setitimer``), which kills the
+    process if it has not ended (one log line says so)."""
 
     def __init__(self, seconds: float) -> None:
         self._seconds = seconds
         self._armed = False
-        self._go = threading.Event()
         self._why = ""
         self.deadline = math.inf          # monotonic time it ends the process at, once armed
         self.before_exit: Callable[[], None] | None = None   # run just before it does
         self.ended = False                # serving and its last output are done: what is
                                           # left is the interpreter's exit
 
-    def start(self) -> None:
-        """Start the watching thread (it waits until armed); :class:`UsageError` if the
-        process can start no thread."""
-        try:
-            threading.Thread(target=self._run, name="aoprim-stop-watchdog",
-                             daemon=True).start()
-        except RuntimeError as e:       # "can't start new thread"
-            raise UsageError(f"cannot start a thread ({e}): the process is at its thread "
-                             f"limit (RLIMIT_NPROC, a pids cgroup's pids.max, "
-                             f"kernel.threads-max)") from None
-
     def arm(self, why: str) -> None:
         """Start the count (once): called by the stop signals' handler, on the main thread,
         and by the end of serving.  ``_armed`` is set first, so a signal that lands inside
-        this call (its handler calls it again) returns at once and never waits for the
-        event's lock held below it."""
+        this call (its handler calls it again) returns at once.  The thread is started with
+        ``_thread``, which takes none of ``threading``'s locks: this runs in a signal
+        handler, which may have interrupted the main thread while it held one."""
         if not self._armed:
             self._armed = True
             self.deadline = time.monotonic() + self._seconds
             self._why = why
-            self._go.set()
+            try:
+                _thread.start_new_thread(self._run, ())
+            except RuntimeError as e:      # "can't start new thread": at its thread limit
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.setitimer(signal.ITIMER_REAL, self._seconds)
+                log.warning("cannot start the stop's watchdog thread (%s): if the server "
+                            "has not stopped %g s after %s, SIGALRM kills it", e,
+                            self._seconds, why)
 
     def _run(self) -> None:
-        self._go.wait()
         time.sleep(max(0.0, self.deadline - time.monotonic()))
         why = self._why
         msg = (f"aoprim: the server did not stop within {self._seconds:g} s of {why} "
@@ -778,7 +832,7 @@ def _serve_one(a: argparse.Namespace) -> int:
         # a supervised child tells its supervisor, which prints it once for all its
         # children (N children that fail alike are one line, not N); the child prints it
         # itself only if the supervisor is gone
-        if status is not None and status.tell(USAGE + json.dumps(str(e)[:_USAGE_MAX]).encode()):
+        if status is not None and status.tell(_usage_word(str(e))):
             e.told = True
         raise
 
@@ -798,7 +852,6 @@ def _serve(a: argparse.Namespace, status: _StatusPipe | None) -> int:
             heirs.finish(time.monotonic() + a.stop_timeout)
         raise
     watchdog = _StopWatchdog(a.stop_timeout)
-    watchdog.start()
     if heirs is not None:
         watchdog.before_exit = heirs.kill_rest
     try:
@@ -930,9 +983,7 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # until the server installs its own handlers, SIGINT/SIGTERM end the process quietly
-    signal.signal(signal.SIGINT, _raise_stop)
-    signal.signal(signal.SIGTERM, _raise_stop)
+    _stop_on_signals()
     try:
         args = sys.argv[1:] if argv is None else list(argv)
         a = build_parser().parse_args(args)
@@ -952,4 +1003,21 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _ignore)
         if not e.told:
             print(f"aoprim: {e}", file=sys.stderr, flush=True)
+        if _other_threads():
+            # a thread the handler's import started (a config watcher) that is not a
+            # daemon: the interpreter would wait for it at exit, for ever, with the stop
+            # signals ignored above -- the exit is not the handler's to hold
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+            os._exit(2)
         return 2
+
+
+def _other_threads() -> bool:
+    """Whether a non-daemon thread other than the main one runs (the interpreter waits for
+    it at exit)."""
+    return any(not t.daemon and t is not threading.main_thread() and t.is_alive()
+               for t in threading.enumerate())

@@ -49,10 +49,11 @@ Rules
       ``ready`` after 30 s.
       A crash while serving (a handler's ``os._exit``, a request that kills the process)
       is restarted for as long as the supervisor runs: no request can end the service.
-- SIGINT/SIGTERM are forwarded (once) to every child's process group, each followed by
-  SIGCONT (a stopped process -- SIGSTOP, a debugger, job control -- acts on its signal only
-  once continued; systemd does the same); the supervisor waits
-  up to ``stop_timeout`` seconds (and 1 s more: a child's own bound is ``stop_timeout``,
+- SIGINT/SIGTERM are forwarded (once) to every child -- the child alone, as ``kill PID``
+  stops ``serve`` alone; what it started is its own to stop, see below -- each followed by
+  SIGCONT to its process group (a stopped process -- SIGSTOP, a debugger, job control --
+  acts on its signal only once continued; systemd does the same); the supervisor waits up
+  to ``stop_timeout`` seconds (and 1 s more: a child's own bound is ``stop_timeout``,
   and its own message -- what holds it -- comes first), kills what is left, and exits 0 if
   every child exited 0, else 1.  During that wait a second SIGINT (Ctrl-C twice) or a
   SIGQUIT kills the children at once -- a SIGINT within 0.2 s of the last is that Ctrl-C,
@@ -65,8 +66,11 @@ Rules
   supervisor's is of no use).  Either one ignored when the supervisor starts (``nohup``, a
   shell's background job) stays ignored, as it does for ``serve`` alone.
 - What a child started (a handler's subprocess, a process it forked) is in the child's
-  process group and does not outlive it: at a stop it gets the child's signal and the same
-  ``stop_timeout``, then SIGKILL if still there; when a child exits on its own (a crash, an
+  process group and does not outlive it: at a stop it is the child's to stop first (a
+  ``fork`` Pool its module made is ended by the Pool's finalizer at the child's exit; killed
+  with the child, a worker holding the Pool's queue lock would hang that exit), gets
+  SIGTERM once the child exited, and SIGKILL if still there ``stop_timeout`` after the
+  stop began; when a child exits on its own (a crash, an
   operator's ``kill PID``) its group gets SIGTERM then, and SIGKILL ``stop_timeout`` later.
   (Left for the service's stop, it would outlive a supervisor killed meanwhile -- SIGKILL,
   an OOM kill -- and nothing would stop it; so only what ignores SIGTERM and is inside
@@ -171,6 +175,8 @@ _KILL_NOW = (signal.SIGINT, signal.SIGQUIT)
 # second Ctrl-C takes longer.  (serve_forever's handler has the same window: server.py's
 # SAME_CTRL_C; this module imports no server code.)
 _SAME_CTRL_C = 0.2
+_SAID_MAX = 1 << 16         # bytes of a child's status pipe kept: more than the longest usage
+                            # message a child sends (cli.py's _USAGE_MAX) and its words
 _MAX_LINE = 65536           # a longer stdout line is passed on in pieces of this size
 _OUT_MAX = 1 << 20          # bytes of output kept for a stdout that is not read, at most
 _STALL = 2.0                # seconds a stdout may take nothing before it counts as stalled
@@ -676,7 +682,8 @@ def _stderr_handlers(logger: logging.Logger, fd: int) -> list[logging.StreamHand
 class _Child:
     """One of the N places: the process filling it now, and its history."""
     __slots__ = ("index", "proc", "buf", "status", "said", "started", "ready", "listened",
-                 "crashes", "early", "respawn_at", "timed_out", "slow_noted", "usage")
+                 "crashes", "early", "respawn_at", "timed_out", "slow_noted", "usage",
+                 "usage_shown")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -693,6 +700,7 @@ class _Child:
         self.timed_out = False    # the current process was killed for not saying "ready"
         self.slow_noted = False   # ... or logged once as slow to say it
         self.usage: str | None = None   # the usage error the current process said, if any
+        self.usage_shown = False  # ... printed (or left out: a sibling's same one was)
 
 
 class Supervisor:
@@ -780,6 +788,7 @@ class Supervisor:
         c.status = status_r
         c.said = b""
         c.usage = None
+        c.usage_shown = False
         c.buf.clear()
         c.started = time.monotonic()
         c.ready = False
@@ -860,8 +869,8 @@ class Supervisor:
                 chunk = None
             if chunk:
                 c.said += chunk
-                if len(c.said) > 4096:     # only two short words are expected
-                    c.said = c.said[-4096:]
+                if len(c.said) > _SAID_MAX:    # two short words and one usage message
+                    c.said = c.said[-_SAID_MAX:]
                 continue
             if chunk == b"" or final:
                 self._sel.unregister(fd)
@@ -876,6 +885,9 @@ class Supervisor:
                 except ValueError:
                     said = None
                 c.usage = said if isinstance(said, str) else repr(w[len(USAGE):])
+                # printed as it arrives, not at the child's exit, which a thread its
+                # handler's import started may hold back
+                self._say_usage(c, 2, once=not self._announced)
         if _READY in words and not c.ready:
             c.ready = c.listened = True
             c.early = 0
@@ -957,11 +969,18 @@ class Supervisor:
         live = [c for c in self._children if c.proc is not None]
         was_ready = {c: c.ready for c in live}
         for c in live:
-            _signal(c.proc, sig if c.ready or sig == signal.SIGKILL else signal.SIGTERM)
-            if sig != signal.SIGKILL:
-                # a stopped process (SIGSTOP: a debugger, `kill -STOP`, job control) acts on
-                # its signal only once continued: SIGCONT right after it, as systemd sends
-                _signal(c.proc, signal.SIGCONT)
+            if sig == signal.SIGKILL:
+                _signal(c.proc, sig)
+                continue
+            # the child alone, as `kill PID` stops `serve` alone: what it started (a
+            # multiprocessing Pool its module made) is its own to stop at its exit, and a
+            # Pool whose workers were killed at the same moment -- one of them holding the
+            # Pool's queue lock -- hangs that exit; what is left of its group gets SIGTERM
+            # once it exited (below), and SIGKILL at the same deadline
+            _signal_one(c.proc, sig if c.ready else signal.SIGTERM)
+            # a stopped process (SIGSTOP: a debugger, `kill -STOP`, job control) acts on
+            # its signal only once continued: SIGCONT right after it, as systemd sends
+            _signal(c.proc, signal.SIGCONT)
         for c in self._children:
             c.respawn_at = None
         deadline = time.monotonic() + (0.0 if sig == signal.SIGKILL
@@ -1002,7 +1021,9 @@ class Supervisor:
                     log.error("server process %d exited with %s while stopping",
                               c.proc.pid, _how(rc))
                     ok = False
-                self._left_behind(c.proc.pid, stop_at)    # (signalled with it)
+                if self._left_behind(c.proc.pid, stop_at):
+                    _signal_group(c.proc.pid, signal.SIGTERM)
+                    _signal_group(c.proc.pid, signal.SIGCONT)
                 c.proc = None
             live = still
             now = time.monotonic()
@@ -1124,11 +1145,14 @@ class Supervisor:
         self._signals.append(signum)
 
     def _say_usage(self, c: _Child, rc: int, once: bool = True) -> None:
-        """Print the usage error child ``c`` said on its status pipe (it exited 2 without
-        printing it); ``once``: not if another child's same message was printed."""
-        if rc == 2 and c.usage is not None and not (once and c.usage in self._usage_said):
-            self._usage_said.add(c.usage)
-            self._err.write(f"aoprim: {c.usage}\n", keep=True)
+        """Print the usage error child ``c`` said on its status pipe (it exits 2 without
+        printing it), once per process; ``once``: not if another child's same message was
+        printed."""
+        if rc == 2 and c.usage is not None and not c.usage_shown:
+            c.usage_shown = True
+            if not (once and c.usage in self._usage_said):
+                self._usage_said.add(c.usage)
+                self._err.write(f"aoprim: {c.usage}\n", keep=True)
 
     def _fail(self, message: str, status: int) -> int:
         self._err.write(f"aoprim: {message}\n", keep=True)
@@ -1337,6 +1361,16 @@ def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
             proc.send_signal(sig)
         except ProcessLookupError:
             pass
+
+
+def _signal_one(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal child ``proc`` alone (not once it was reaped)."""
+    if proc.returncode is not None:
+        return
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:

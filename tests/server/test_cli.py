@@ -559,3 +559,215 @@ def test_a_handlers_fork_ending_with_sys_exit_exits_with_its_own_status(tmp_path
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+# -- a supervised child's usage error; a usage error with a handler's thread running ------
+
+def _serve_run(tmp_path, spec, *args, timeout=30):
+    """``serve SPEC`` from ``tmp_path`` until it exits: (exit status, stderr); a process
+    that has not exited within ``timeout`` seconds is killed, and that is the test's
+    failure."""
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", spec, "--app-dir",
+                          str(tmp_path), "--host", HOST, "--port", "0", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=CWD,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"serve {spec} {args} did not exit within {timeout} s: "
+                             f"{err[-2000:]}") from None
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return p.returncode, err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("text", [
+    "ошибка конфигурации: поле не задано; " * 40,      # 1480 chars, 8.9 KB as \uXXXX JSON
+    "".join(f"field required: setting_{i}; " for i in range(120)),   # 3000+ ASCII chars
+], ids=["cyrillic", "ascii"])
+def test_a_childs_long_usage_message_is_printed_whole_and_once(tmp_path, text):
+    """A --procs child sends its usage error on the status pipe: a long one (a localized
+    configuration error, a list of missing settings) arrives whole, once for both
+    children."""
+    (tmp_path / "longmsg.py").write_text(f"raise RuntimeError({text!r})\n", encoding="utf-8")
+    rc, err = _serve_run(tmp_path, "longmsg:H", "--procs", "2")
+    assert rc == 2, err
+    said = [ln for ln in err.splitlines() if ln.startswith("aoprim: importing 'longmsg'")]
+    assert len(said) == 1, err[-3000:]
+    assert said[0].endswith(f"RuntimeError: {text} ({tmp_path / 'longmsg.py'}:1)"), said[0][-300:]
+
+
+def test_a_usage_message_over_the_bound_is_cut_with_a_mark():
+    """What a child sends is at most _USAGE_MAX bytes of UTF-8 JSON, cut at a character
+    with a mark that says how much was left out."""
+    from aoprim.server.cli import _USAGE_MAX, _usage_word
+    from aoprim.server.supervisor import USAGE
+    for text in ("é" * 20000, "x" * 40000, "\U0001F600" * 9000, "\udcff" * 5000):
+        word = _usage_word(text)
+        assert len(word) <= _USAGE_MAX and word.startswith(USAGE)
+        said = json.loads(word[len(USAGE):])
+        kept, mark = said.split(" ... ")
+        assert text.startswith(kept) and len(kept) > 1000, (len(kept), mark)
+        assert mark == f"({len(text) - len(kept)} more characters cut)"
+    short = "no module named 'приложение'"
+    assert _usage_word(short) == USAGE + json.dumps(short, ensure_ascii=False).encode()
+
+
+LINGERING = '''
+import threading, time
+# a configuration watcher: not a daemon, so the interpreter waits for it at exit
+threading.Thread(target=time.sleep, args=(45,), name="config-watcher").start()
+
+class Handler:
+    def on_connect(self, session): pass
+    def on_read(self, session, data): pass
+    def on_close(self, session, reason): pass
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("procs", [1, 2])
+def test_a_usage_error_exits_though_the_handlers_import_left_a_thread_running(tmp_path,
+                                                                               procs):
+    """A usage error (a typo in the handler's name) after the module started a non-daemon
+    thread: one ``aoprim:`` line and exit 2, without waiting for that thread."""
+    (tmp_path / "watcher.py").write_text(LINGERING)
+    rc, err = _serve_run(tmp_path, "watcher:Hnadler", "--procs", str(procs), timeout=30)
+    assert rc == 2, err
+    said = [ln for ln in err.splitlines() if ln.startswith("aoprim: ")]
+    assert said[0] == "aoprim: module 'watcher' has no attribute 'Hnadler'", err
+    assert sum("has no attribute" in ln for ln in said) == 1, err
+    assert "Traceback" not in err, err
+
+
+def _threads_of(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(ln for ln in f if ln.startswith("Threads:")).split()[1])
+
+
+@pytest.mark.timeout(60)
+def test_serve_without_workers_is_one_thread_until_its_stop():
+    """``serve --workers 0`` runs in one thread (CPython 3.12+ warns at each fork a handler
+    makes in a process with more: ``This process ... is multi-threaded``); its stop still
+    has its bound (the watchdog's thread starts at the stop)."""
+    p, port = start_server("--app", "echo", "--workers", "0")
+    try:
+        with socket.create_connection((HOST, port), timeout=10) as s:
+            s.sendall(b"x")
+            assert recv_exact(s, 1) == b"x"
+            assert _threads_of(p.pid) == 1
+        rc, out, err = stop(p, signal.SIGTERM)
+        assert rc == 0 and "Traceback" not in err, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+FORKS = '''
+import os, time
+
+def _waiting_fork():
+    """A fork that waits; its exit status says what a stop signal did to it: killed by
+    SIGTERM (-15), KeyboardInterrupt (5), or any other exception (7)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, b"!")       # its own code runs: the fork's set-up is done
+            time.sleep(60)
+        except KeyboardInterrupt:
+            os._exit(5)
+        except BaseException:
+            os._exit(7)
+        os._exit(0)
+    os.close(w)
+    os.read(r, 1)
+    os.close(r)
+    return pid
+
+AT_IMPORT = _waiting_fork()         # forked before serve_forever runs
+
+class Forks:
+    """``import``: the fork made at import; ``fork``: a new fork; ``wait PID``: its exit
+    status."""
+    def on_connect(self, session): pass
+    def on_close(self, session, reason): pass
+    def on_read(self, session, data):
+        cmd = bytes(data).split()
+        if cmd[0] == b"import":
+            session.send(str(AT_IMPORT).encode())
+        elif cmd[0] == b"fork":
+            session.send(str(_waiting_fork()).encode())
+        else:
+            _, st = os.waitpid(int(cmd[1]), 0)
+            session.send(str(os.waitstatus_to_exitcode(st)).encode())
+'''
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, -signal.SIGTERM),
+                                         (signal.SIGINT, 5)])
+def test_a_process_forked_from_serve_acts_on_stop_signals_as_a_python_program(
+        tmp_path, sig, status):
+    """A process forked from the serving process -- by its module's import or by a handler
+    -- dies of SIGTERM and gets KeyboardInterrupt at SIGINT, as a plain Python program,
+    and never a stop of serve's own."""
+    (tmp_path / "forks.py").write_text(FORKS)
+    p, port = start_server("forks:Forks", "--app-dir", str(tmp_path))
+    try:
+        for cmd in (b"import", b"fork"):
+            with socket.create_connection((HOST, port), timeout=10) as c:
+                c.sendall(cmd)
+                pid = int(c.recv(16))
+            os.kill(pid, sig)
+            with socket.create_connection((HOST, port), timeout=10) as c:
+                c.sendall(b"wait %d" % pid)
+                assert int(c.recv(16)) == status, cmd
+        rc, out, err = stop(p, signal.SIGTERM)
+        assert rc == 0 and "Traceback" not in err and "ERROR" not in err, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+POOL = '''
+import multiprocessing
+
+pool = multiprocessing.get_context("fork").Pool(2)      # at import: CPU work offloaded
+
+class Pooled:
+    def on_connect(self, session): pass
+    def on_close(self, session, reason): pass
+    def on_read(self, session, data):
+        session.send(str(pool.apply(pow, (2, int(bytes(data))))).encode())
+'''
+
+
+@pytest.mark.timeout(90)
+def test_procs_stop_with_a_pool_made_at_import_is_clean(tmp_path):
+    """``--procs 2`` whose module makes a ``fork`` multiprocessing Pool at import: SIGTERM
+    stops each child cleanly, the Pool's own finalizer ending its workers (killed at the
+    same moment, a worker holding the Pool's queue lock hung the child's exit until
+    --stop-timeout), and the supervisor exits 0."""
+    (tmp_path / "pooled.py").write_text(POOL)
+    p, port = start_server("pooled:Pooled", "--app-dir", str(tmp_path), "--procs", "2",
+                           "--stop-timeout", "20")
+    try:
+        for _ in range(4):
+            with socket.create_connection((HOST, port), timeout=10) as c:
+                c.sendall(b"8")
+                assert c.recv(16) == b"256"
+        rc, out, err = stop(p, signal.SIGTERM)
+        assert rc == 0, err
+        assert "did not stop" not in err and "Traceback" not in err, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -252,9 +252,10 @@ needs_root_and_tools = pytest.mark.skipif(
 
 @needs_root_and_tools
 def test_serve_at_its_thread_limit_stops_cleanly_and_one_thread_more_is_one_line():
-    """``serve --workers W`` whose threads -- main, the stop watchdog, W workers -- are
-    exactly what RLIMIT_NPROC allows serves, and SIGTERM stops it cleanly (the stop needs
-    no new thread); one worker more is refused with one ``aoprim:`` line and exit 2, as a
+    """``serve --workers W`` whose threads -- main and W workers -- are exactly what
+    RLIMIT_NPROC allows serves, and SIGTERM stops it cleanly: the stop's watchdog cannot
+    start its thread, and says that the kernel keeps the bound instead (SIGALRM); one
+    worker more is refused with one ``aoprim:`` line and exit 2, as a
     port in use is; ``--procs 2`` over the limit the same, once the children find it.
     (One test for both backends: the limit counts every process of the user, so two of
     these at once would share it.)"""
@@ -286,9 +287,10 @@ def _run_limited(limit, backend, *args):
 
 def _at_the_thread_limit(backend):
     w = 6
-    limit = _tasks_of(NOBODY) + 2 + w
+    limit = _tasks_of(NOBODY) + 1 + w
     did, rc, err = _run_limited(limit, backend, "--workers", str(w))
     assert (did, rc) == ("served", 0) and "Traceback" not in err and "ERROR" not in err, err
+    assert "cannot start the stop's watchdog thread" in err and "SIGALRM" in err, err
     for args in (["--workers", str(w + 1)], ["--procs", "2", "--workers", str(w)]):
         did, rc, err = _run_limited(limit, backend, *args)
         # (a server that took every thread the limit allows must still stop cleanly)
