@@ -49,13 +49,12 @@ from aoprim import SlabPool, Slot
 from aoprim.server._rxbuf import RxArena
 
 from .config import Settings
-from .dispatch import InlineDispatch, WorkerDispatch, fork_returned
+from .dispatch import InlineDispatch, ThreadLimitError, WorkerDispatch, fork_returned
 from .listener import Listener, describe_address, make_listening_socket, sock_address
 from .backends import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
 from .session import RawSession, RawSinkSession, Session, SessionContext, SinkSession
 from .wire import PlainWire
-from .workers import ThreadLimitError
 from .stats import Stats, summary
 from .tx import Flusher, check_payload
 
