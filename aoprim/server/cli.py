@@ -549,7 +549,7 @@ def _usage_word(message: str) -> bytes:
     if len(word) <= _USAGE_MAX:
         return word
     # the longest start whose JSON fits, mark included (each character is 1 to 12 bytes)
-    keep, lo, hi = "", 0, len(message)
+    keep, lo, hi = _json_word(""), 0, len(message)
     while lo <= hi:
         mid = (lo + hi) // 2
         text = f"{message[:mid]} ... ({len(message) - mid} more characters cut)"
