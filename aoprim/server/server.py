@@ -668,7 +668,19 @@ class Server:
         raises ``KeyboardInterrupt`` out of the code that holds it.  A request once the
         loop took the last one (the shutdown under way, bounded by ``shutdown_timeout``) is
         only logged.  (A SIGTERM never raises: a service manager may send it twice.)  The
-        handler and the loop both run on the main thread: the flags need no lock."""
+        handler and the loop both run on the main thread: the flags need no lock.
+
+        In a process forked from the serving one, a signal that lands before the fork's
+        hook has put the old handlers back (``_hide_in_fork``) acts as in a plain Python
+        program -- SIGTERM's default action, SIGINT a ``KeyboardInterrupt`` -- instead of
+        asking a loop that is the parent's."""
+        if self._in_fork():
+            if signum == signal.SIGINT:
+                signal.signal(signum, signal.default_int_handler)
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
         name = signal.Signals(signum).name
         if signum == signal.SIGINT:
             now = time.monotonic()

@@ -3,6 +3,7 @@ hook's thread: the loop thread of ``start()``, a worker, the main thread -- as t
 interpreter's exit would give it (None 0, an int itself, anything else 1), without running
 the parent's exit handlers."""
 import os
+import signal
 import socket
 import sys
 
@@ -41,3 +42,25 @@ def test_a_forks_sys_exit_is_its_status(make_server, workers, arg, status):
     with socket.create_connection(srv.address, timeout=20) as c:
         c.sendall(arg)
         assert int(c.recv(16)) == status
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 5)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_serve_forevers_signal_handler_in_a_fork_acts_as_plain_python(make_server, sig, status):
+    """A stop signal that reaches a fork before its hook put the old handlers back finds
+    serve_forever's handler: in the fork it acts as in a plain Python program (SIGTERM's
+    default action; SIGINT a KeyboardInterrupt), never a request to the parent's loop."""
+    srv = make_server(ForksAndExits(), framing="raw")
+    pid = os.fork()
+    if pid == 0:                        # (the fork: only this thread; always os._exit)
+        try:
+            srv._on_signal(sig, None)
+            os._exit(3)                 # asked the parent's loop and returned
+        except KeyboardInterrupt:
+            os._exit(5)
+        except BaseException:
+            os._exit(4)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == status
+    with socket.create_connection(srv.address, timeout=20) as c:     # the parent serves on
+        c.sendall(b"0")
+        assert int(c.recv(16)) == 0
