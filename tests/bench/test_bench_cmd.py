@@ -308,6 +308,10 @@ def test_a_tree_swaps_aoprim_aio_and_the_backends_not_the_asyncio_servers(monkey
 
 _TOY_SERVER = """
 import signal, socket, sys, time
+# (what it inherited, for a failure's message: an ignored or blocked SIGINT survives exec)
+sys.stderr.write(f"SIGINT {signal.getsignal(signal.SIGINT)!r}, blocked "
+                 f"{sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}\\n")
+sys.stderr.flush()
 if sys.argv[1] == "refuse":
     print("no port for you", flush=True)
     sys.stderr.write("toy: bind failed\\n")
@@ -335,8 +339,8 @@ def test_compared_servers_start_and_stop_in_one_place(tmp_path):
     script.write_text(_TOY_SERVER)
     p, port = servers.start_server([sys.executable, str(script), "polite"], "toy")
     assert 0 < port < 65536 and p.poll() is None
-    out, _ = servers.stop_server(p)
-    assert p.returncode == 0 and out == "stats {}\n"
+    out, err = servers.stop_server(p)
+    assert p.returncode == 0 and out == "stats {}\n", err
     assert servers.stop_server(p) == ("", "") and p.stdout.closed and p.stderr.closed
     p, port = servers.start_server([sys.executable, str(script), "deaf"], "deaf toy")
     servers.stop_server(p, timeout=0.5)
