@@ -994,6 +994,9 @@ def main(argv: list[str] | None = None) -> int:
             return _serve_procs(a)
         return _serve_one(a)
     except (_Stop, KeyboardInterrupt):
+        # stopped before serving (while the handler's module loads, or the server starts):
+        # a non-daemon thread that import started must not hold the exit either
+        _exit_past_threads(0)
         return 0
     except UsageError as e:
         # exiting anyway: a stop signal now (a --procs supervisor stopping this child's
@@ -1003,17 +1006,23 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _ignore)
         if not e.told:
             print(f"aoprim: {e}", file=sys.stderr, flush=True)
-        if _other_threads():
-            # a thread the handler's import started (a config watcher) that is not a
-            # daemon: the interpreter would wait for it at exit, for ever, with the stop
-            # signals ignored above -- the exit is not the handler's to hold
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError, AttributeError):
-                    pass
-            os._exit(2)
+        _exit_past_threads(2)
         return 2
+
+
+def _exit_past_threads(status: int) -> None:
+    """Exit with ``status`` at once if a non-daemon thread other than the main one runs --
+    one the handler's import started (a config watcher): the interpreter would wait for it
+    at exit, for ever, with the stop signals ignored or already taken -- an exit before
+    serving is not the handler's to hold.  (Else return: the normal exit follows.)"""
+    if not _other_threads():
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(status)
 
 
 def _other_threads() -> bool:

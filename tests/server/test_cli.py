@@ -645,6 +645,38 @@ def test_a_usage_error_exits_though_the_handlers_import_left_a_thread_running(tm
     assert "Traceback" not in err, err
 
 
+SLOW_IMPORT = '''
+import sys, threading
+threading.Thread(target=threading.Event().wait, name="watcher").start()   # not a daemon
+print("loading", flush=True)
+threading.Event().wait(60)             # a long import (a model loading)
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("procs", [1, 2])
+def test_a_stop_while_the_handler_loads_exits_though_its_import_left_a_thread(tmp_path, procs):
+    """SIGTERM while the handler's module still loads, after it started a non-daemon thread:
+    the process exits 0 at once instead of waiting for that thread for ever (``--procs``:
+    each child alike, and the supervisor with them)."""
+    (tmp_path / "slowload.py").write_text(SLOW_IMPORT)
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "slowload:H", "--app-dir",
+                          str(tmp_path), "--host", HOST, "--port", "0", "--procs", str(procs),
+                          "--stop-timeout", "60"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=CWD,
+                         start_new_session=True)
+    try:
+        for _ in range(procs):
+            assert p.stdout.readline() == "loading\n"
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0 and "Traceback" not in err, err
+
+
 def _threads_of(pid):
     with open(f"/proc/{pid}/status") as f:
         return int(next(ln for ln in f if ln.startswith("Threads:")).split()[1])
