@@ -107,7 +107,10 @@ def serve_protocol(protocol_factory: Callable[[], asyncio.BaseProtocol],
     if kwargs["framing"] != "raw":
         raise ValueError("asyncio protocols parse their own stream: framing must be 'raw'")
     if kwargs.get("sock") is not None:
-        # as asyncio's create_server(sock=): a bound socket is made to listen
+        # as asyncio's create_server(sock=): a bound socket is made to listen -- once the
+        # settings are known good (a refused call leaves the caller's socket as it was)
+        settings = {k: v for k, v in kwargs.items() if k != "sock"}
+        Settings(**settings)
         _listen_as_asyncio(kwargs["sock"], kwargs.get("backlog"))
     srv = Server(ProtocolHandler(protocol_factory), host, port, **kwargs)
     if forever:

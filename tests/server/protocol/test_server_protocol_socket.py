@@ -166,6 +166,18 @@ def test_serve_protocol_leaves_an_unbound_socket_to_the_refusal(serve):
         assert not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
 
 
+@pytest.mark.parametrize("bad", [{"idle_timeout": -1}, {"no_such_setting": 1}],
+                         ids=["bad value", "unknown setting"])
+def test_a_refused_serve_protocol_leaves_a_bound_socket_not_listening(serve, bad):
+    """Settings are checked before the socket is made to listen: a call refused for them
+    leaves the caller's socket as it was (asyncio checks its arguments first too), not
+    listening with a backlog nobody accepts."""
+    with _bound() as s:
+        with pytest.raises((ValueError, TypeError)):
+            serve(Echo, sock=s, **bad)
+        assert not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+
+
 class Replies(Handler):
     def on_read(self, session, data):
         session.send(data)
