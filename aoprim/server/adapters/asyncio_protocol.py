@@ -764,13 +764,19 @@ class SessionTransport(asyncio.Transport):
         a copy, as with workers the connection's own may be in use on a worker.  An
         exception goes to the loop's exception handler, as asyncio's."""
         proto = self._protocol
+        inside = _CONN.get() is self
         try:
-            if _CONN.get() is self:
+            if inside:
                 _call(self._loop, getattr(proto, name))
             else:
                 _call(self._loop, self._ctx.copy().run, getattr(proto, name))
         except _NOT_CAUGHT as e:
-            self._loop._fork_check(e)
+            # inside the protocol's own write() it leaves as it came: the application's
+            # code around that write (an ``except Exception``) must not catch a fork's
+            # SystemExit; the callback boundary it unwinds to ends the fork.  From the
+            # flush no application code is in between: ended here
+            if not inside:
+                self._loop._fork_check(e)
             raise
         except BaseException as e:
             self._loop.call_exception_handler({

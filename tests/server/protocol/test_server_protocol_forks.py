@@ -77,3 +77,43 @@ def test_a_fork_from_a_loop_callback_exits_with_its_sys_exit_status(serve, where
     pad = BIG if where == "resume_writing" else 0
     assert data[pad:] == b"status:7;", (len(data), data[-40:], how)
     assert data[:pad] == b"x" * pad
+
+
+class ExitInsideWrite(asyncio.Protocol):
+    """A fork whose write() calls pause_writing, which ends the fork with sys.exit(5), in
+    code that guards the write with ``except Exception`` (as much application code does)."""
+
+    def connection_made(self, transport):
+        self.t = transport
+        self.pid = os.getpid()
+
+    def pause_writing(self):
+        if os.getpid() != self.pid:
+            sys.exit(5)
+
+    def data_received(self, data):
+        pid = os.fork()
+        if pid == 0:
+            self.t.set_write_buffer_limits(high=1)
+            try:
+                self.t.write(b"x" * 10_000_000)
+            except Exception:
+                os._exit(3)             # caught: the fork's SystemExit taken for an error
+            os._exit(4)                 # went on past sys.exit(5)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        self.t.write(b"status:%d;" % status)
+        self.t.close()
+
+
+def test_a_forks_sys_exit_inside_write_is_no_exception_to_the_code_around_it(serve, workers):
+    """asyncio: a SystemExit raised by pause_writing inside write() passes the application's
+    ``except Exception`` and ends the fork with its status; so here.  (What the fork wrote
+    before it may reach the peer: the fork shares the socket, as asyncio's does.)"""
+    if workers:
+        pytest.skip("on a worker, write() hands the bytes to the loop thread, which calls "
+                    "pause_writing there (docs/server.md): none comes inside a fork's write")
+    srv = serve(ExitInsideWrite)
+    with socket.create_connection(srv.address, timeout=30) as c:
+        c.sendall(b"go")
+        data, how = recv_until_closed(c, timeout=30)
+    assert data.endswith(b"status:5;") and data.strip(b"x") == b"status:5;", (data[-40:], how)
