@@ -8,6 +8,7 @@ clear message.  Set AOPRIM_ALLOW_CHECKOUT=1 to test an in-place build on purpose
 import gc
 import os
 import pathlib
+import signal
 import sys
 import threading
 
@@ -24,6 +25,15 @@ if _pkg.parent == ROOT and not os.environ.get("AOPRIM_ALLOW_CHECKOUT"):
     pytest.exit(f"aoprim was imported from the checkout ({_pkg}), not from the installed "
                 "package: run `pip install '.[test]'` and `pytest` (not `python -m pytest`)",
                 returncode=4)
+
+# SIGINT as in an interactive Python: a suite started as a background job of a shell without
+# job control (`cmd &` in a script, `nohup`) inherits SIGINT and SIGQUIT ignored, and Python
+# then installs no KeyboardInterrupt handler -- nor does any Python process a test starts,
+# as an ignored signal survives exec.  The tests of Ctrl-C (the server's handlers, a stop
+# sent as SIGINT to a server under test) need the ordinary disposition, here and in their
+# subprocesses (a Python-level handler becomes the default action at exec).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The shared helpers (tests/support/: support.py, server_support.py, tlscerts.py, ...) are
 # imported by name from there; the checkout root never goes on sys.path.  The subject folders
