@@ -646,10 +646,18 @@ def test_a_usage_error_exits_though_the_handlers_import_left_a_thread_running(tm
 
 
 SLOW_IMPORT = '''
-import sys, threading
-threading.Thread(target=threading.Event().wait, name="watcher").start()   # not a daemon
+import signal, sys, threading
+
+def watch():
+    # (the stop signals go to the main thread: one the kernel hands to this thread cannot
+    # wake a main thread blocked in a wait -- CPython runs handlers on the main thread only)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    threading.Event().wait()
+
+threading.Thread(target=watch, name="watcher").start()   # not a daemon
 print("loading", flush=True)
-threading.Event().wait(60)             # a long import (a model loading)
+import time
+time.sleep(60)                         # a long import (a model loading)
 '''
 
 
