@@ -68,7 +68,7 @@ from .config import Settings
 from .framing import FRAMINGS
 from .listener import check_port, describe_address, listen_error
 from .proxy import PROXY_MODES
-from .server import CTRL_C_TWICE, as_handler, hide_with_devnull
+from .server import CTRL_C_TWICE, as_handler, as_plain_python, hide_with_devnull
 from .supervisor import (STOP_SIGNALS, USAGE, Supervisor, check_seconds, group_members,
                          stop_signals)
 from .workers import ThreadLimitError
@@ -116,11 +116,7 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     KeyboardInterrupt -- never a ``_Stop`` traceback or a stop raised into the server."""
     if os.getpid() == _STOP_PID:
         raise _Stop()
-    if signum == signal.SIGINT:
-        signal.signal(signum, signal.default_int_handler)
-        raise KeyboardInterrupt
-    signal.signal(signum, signal.SIG_DFL)
-    signal.raise_signal(signum)
+    as_plain_python(signum)
 
 
 def _stop_on_signals() -> None:

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from aoprim import Closed, Full, SpinLock
 
-from .workers import ThreadLimitError, WorkerPool
+from .workers import AT_THREAD_LIMIT, ThreadLimitError, WorkerPool
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -64,8 +64,8 @@ if TYPE_CHECKING:
 #: a receiver's frame callback: (session, frame)
 FrameCallback = Callable[[Any, Any], object]
 
-__all__ = ["InlineDispatch", "WorkerDispatch", "WorkState", "ThreadLimitError", "EOF_MARK",
-           "CLOSE_MARK", "SHUTDOWN_MARK"]
+__all__ = ["InlineDispatch", "WorkerDispatch", "WorkState", "ThreadLimitError",
+           "AT_THREAD_LIMIT", "EOF_MARK", "CLOSE_MARK", "SHUTDOWN_MARK"]
 
 log = logging.getLogger("aoprim.server")
 

@@ -49,7 +49,8 @@ from aoprim import SlabPool, Slot
 from aoprim.server._rxbuf import RxArena
 
 from .config import Settings
-from .dispatch import InlineDispatch, ThreadLimitError, WorkerDispatch, fork_returned
+from .dispatch import (AT_THREAD_LIMIT, InlineDispatch, ThreadLimitError, WorkerDispatch,
+                       fork_returned)
 from .listener import Listener, describe_address, make_listening_socket, sock_address
 from .backends import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
@@ -213,6 +214,18 @@ def _signals_held() -> Iterator[None]:
             signal.signal(num, h)
         for num, frame in held:
             prev[num](num, frame)       # (raises, as the caller's handler does)
+
+
+def as_plain_python(signum: int) -> None:
+    """Act on SIGINT/SIGTERM as a plain Python program does (in a process forked from the
+    serving one, whose inherited handlers are not its own): SIGINT raises
+    ``KeyboardInterrupt`` (its handler put back to Python's); SIGTERM's handler goes back to
+    the default action and the signal is raised again, ending the process."""
+    if signum == signal.SIGINT:
+        signal.signal(signum, signal.default_int_handler)
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
 
 
 def _join_starting(threads: Iterable[threading.Thread], timeout: float) -> bool:
@@ -615,10 +628,8 @@ class Server:
                 try:
                     self._thread.start()
                 except RuntimeError as e:   # "can't start new thread"
-                    raise ThreadLimitError(
-                        f"cannot start the server's loop thread ({e}): the process is at "
-                        f"its thread limit (RLIMIT_NPROC, a pids cgroup's pids.max, "
-                        f"kernel.threads-max)") from None
+                    raise ThreadLimitError(f"cannot start the server's loop thread "
+                                           f"({e}){AT_THREAD_LIMIT}") from None
             ready.wait()
         except BaseException:
             if self._run_claim.acquire(blocking=False):
@@ -675,11 +686,7 @@ class Server:
         program -- SIGTERM's default action, SIGINT a ``KeyboardInterrupt`` -- instead of
         asking a loop that is the parent's."""
         if self._in_fork():
-            if signum == signal.SIGINT:
-                signal.signal(signum, signal.default_int_handler)
-                raise KeyboardInterrupt
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
+            as_plain_python(signum)
             return
         name = signal.Signals(signum).name
         if signum == signal.SIGINT:

@@ -20,9 +20,14 @@ from typing import Any, Callable
 
 from aoprim import Closed, MPMCQueue
 
-__all__ = ["ThreadLimitError", "WorkerPool"]
+__all__ = ["AT_THREAD_LIMIT", "ThreadLimitError", "WorkerPool"]
 
 log = logging.getLogger("aoprim.server")
+
+
+# what a thread that cannot start says of the reason
+AT_THREAD_LIMIT = (": the process is at its thread limit (RLIMIT_NPROC, a pids cgroup's "
+                   "pids.max, kernel.threads-max)")
 
 
 class ThreadLimitError(RuntimeError):
@@ -54,10 +59,8 @@ class WorkerPool:
             try:
                 t.start()
             except RuntimeError as e:       # "can't start new thread"
-                raise ThreadLimitError(
-                    f"cannot start worker thread {i + 1} of {len(self.threads)} ({e}): the "
-                    f"process is at its thread limit (RLIMIT_NPROC, a pids cgroup's "
-                    f"pids.max, kernel.threads-max)") from None
+                raise ThreadLimitError(f"cannot start worker thread {i + 1} of "
+                                       f"{len(self.threads)} ({e}){AT_THREAD_LIMIT}") from None
 
     def close(self) -> None:
         self.queue.close()
