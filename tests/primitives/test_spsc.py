@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from aoprim import Closed, Full, SPSCQueue
+from aoprim import Closed, Empty, Full, SPSCQueue
 from support import run_threads, scaled
 
 
@@ -138,12 +138,28 @@ def _until(cond, what, timeout=10.0):
         time.sleep(0.001)
 
 
-def _raises(fn, exc):
+def _refused(fn, not_yet):
+    """True when fn() is refused as a second thread on a side (RuntimeError); False when it
+    ran as the only one and found the ring empty or full (not_yet: the other thread has not
+    claimed the side yet).  On a free-threaded build every operation claims its side, so this
+    probe can also be the claim the other thread runs into: that thread retries (_claiming)."""
     try:
         fn()
-    except exc:
+    except RuntimeError:
         return True
-    return False
+    except not_yet:
+        return False
+    raise AssertionError(f"{fn!r} neither refused nor found the ring {not_yet.__name__}")
+
+
+def _claiming(op):
+    """Run op() in the thread that owns a side, again when the probe held the side at the
+    instant op() claimed it (free-threaded builds)."""
+    while True:
+        try:
+            return op()
+        except RuntimeError:
+            time.sleep(0.001)
 
 
 @pytest.mark.timeout(30)
@@ -153,13 +169,13 @@ def test_second_producer_during_a_blocking_put_gets_runtimeerror():
     done = threading.Event()
 
     def producer():
-        q.put("second", timeout=20)             # waits without the GIL, side claimed
+        _claiming(lambda: q.put("second", timeout=20))  # waits without the GIL, side claimed
         done.set()
 
     t = threading.Thread(target=producer, daemon=True)
     t.start()
     # while the first producer waits, a second one is refused (not Full, not a corrupt ring)
-    _until(lambda: _raises(lambda: q.put_nowait("intruder"), RuntimeError),
+    _until(lambda: _refused(lambda: q.put_nowait("intruder"), Full),
            "the producer to park")
     with pytest.raises(RuntimeError, match="one producer"):
         q.put("intruder", timeout=0.01)
@@ -179,11 +195,11 @@ def test_second_consumer_during_a_blocking_get_gets_runtimeerror():
     got = []
 
     def consumer():
-        got.append(q.get(timeout=20))
+        got.append(_claiming(lambda: q.get(timeout=20)))
 
     t = threading.Thread(target=consumer, daemon=True)
     t.start()
-    _until(lambda: _raises(q.get_nowait, RuntimeError), "the consumer to park")
+    _until(lambda: _refused(q.get_nowait, Empty), "the consumer to park")
     with pytest.raises(RuntimeError, match="one consumer"):
         q.get(timeout=0.01)
     with pytest.raises(RuntimeError):
