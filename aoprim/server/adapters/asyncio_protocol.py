@@ -248,7 +248,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
 
     def _arm(self, h: _Timer) -> None:
         if not h.cancelled():
-            h._ev_timer = self._ev.call_at(h.when(), self._run_handle, h)
+            when = h.when()
+            if when != when:        # NaN: asyncio runs it in the next iteration, as if due
+                when = 0.0          # (the native loop refuses NaN; 0.0 is in the past)
+            h._ev_timer = self._ev.call_at(when, self._run_handle, h)
 
     def _owns_this_thread(self) -> bool:
         """Whether the calling thread is one the server made (start()'s loop thread, a

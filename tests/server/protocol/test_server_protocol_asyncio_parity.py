@@ -554,3 +554,45 @@ def test_debug_mode_creation_tracebacks_are_written_as_asyncio_writes_them(serve
     for text in (there, here):
         assert "source_traceback: Object created at (most recent call last):" in text
         assert "in connection_made" in text and "FrameSummary" not in text
+
+
+def _sleeps_then_answers(delay):
+    """A protocol whose task sleeps ``delay`` (and arms ``call_later(delay)``) when a line
+    arrives, then writes what each came back with and closes."""
+    class SleepsThenAnswers(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def data_received(self, data):
+            loop = asyncio.get_running_loop()
+            fired = loop.create_future()
+            loop.call_later(delay, fired.set_result, b"timer ")
+
+            async def answer():
+                try:
+                    await asyncio.sleep(delay)
+                    said = b"slept "
+                except Exception as e:
+                    said = type(e).__name__.encode() + b" "
+                self.transport.write(said + await fired)
+                self.transport.close()
+            loop.create_task(answer())
+    return SleepsThenAnswers
+
+
+def _ask(address):
+    with socket.create_connection(address, timeout=10) as c:
+        c.sendall(b"go\n")
+        got = b""
+        while b := c.recv(100):
+            got += b
+        return got
+
+
+@pytest.mark.parametrize("delay", [float("nan"), -1.0, 0.0], ids=["nan", "negative", "zero"])
+def test_a_delay_asyncio_takes_as_now_is_now(serve, delay):
+    # asyncio runs a timer whose time is NaN (or in the past) in its next iteration:
+    # sleep(nan) returns at once and call_later(nan) fires
+    theirs = on_asyncio(_sleeps_then_answers(delay), _ask)
+    srv = serve(_sleeps_then_answers(delay))
+    assert _ask(srv.address) == theirs == b"slept timer "
