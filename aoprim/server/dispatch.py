@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
@@ -117,7 +118,7 @@ def fork_returned(where: str, exc: BaseException | None = None,
         if code is None:
             end_fork(0)
         if isinstance(code, int):
-            end_fork(code)
+            end_fork(_exit_status(code))
         try:
             print(code, file=sys.stderr)
         except Exception:
@@ -125,10 +126,22 @@ def fork_returned(where: str, exc: BaseException | None = None,
         end_fork(1)
     log.error("process %d, forked by handler code: %s raised%s; the fork ends", os.getpid(),
               where, " (logged above)" if logged else "", exc_info=None if logged else exc)
+    # an uncaught KeyboardInterrupt ends plain Python by SIGINT's default action (status
+    # -SIGINT to a waitpid(), 130 to a shell), so a caller can tell it from a failure
+    if isinstance(exc, KeyboardInterrupt):
+        end_fork(128 + signal.SIGINT, signal.SIGINT)    # (128 + SIGINT: CPython's fallback)
     end_fork(1)
 
 
-def end_fork(status: int) -> NoReturn:
+def _exit_status(code: int) -> int:
+    """``sys.exit(code)``'s status as the interpreter gives it: the code read as a C long
+    (anything beyond it is -1) and cast to a C int; the kernel keeps its low 8 bits."""
+    if not -2**63 <= code < 2**63:
+        return -1
+    return ((code & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+
+
+def end_fork(status: int, signum: int | None = None) -> NoReturn:
     """End this process, a fork of the serving one, with ``status``: stdout and stderr are
     flushed first (log records are written as they are made), then ``os._exit()`` -- as
     multiprocessing ends the processes it forks.  Not the interpreter's exit: that would
@@ -137,7 +150,8 @@ def end_fork(status: int) -> NoReturn:
     losing the parent's tasks; nor ``logging.shutdown()``, which would write a buffering
     handler's copy of the parent's records again.  The flush runs on a thread of its own,
     waited for one second at most: a stream's lock may be held by a thread of the parent
-    (blocked on a full pipe), which does not exist in the fork and never lets it go."""
+    (blocked on a full pipe), which does not exist in the fork and never lets it go.
+    ``signum``: end by that signal's default action instead (``status`` if it returns)."""
     def flush() -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -151,6 +165,17 @@ def end_fork(status: int) -> NoReturn:
         t.join(1.0)
     except Exception:           # (no thread can start: the streams stay unflushed)
         pass
+    if signum is not None:
+        try:
+            signal.signal(signum, signal.SIG_DFL)      # (raises off the main thread)
+        except ValueError:
+            pass
+        try:
+            # this thread, with the signal let through: its default action ends the process
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            signal.pthread_kill(threading.get_ident(), signum)
+        except OSError:
+            pass
     os._exit(status)
 
 EOF_MARK = object()     # (EOF_MARK, reason, ...): close once the frames before it ran
@@ -249,10 +274,10 @@ class WorkerDispatch(_ForkAware):
         thread of ``start()`` -- closes that session only, on every thread: the server
         and its workers serve on.  (In a process handler code forked, the session's
         ``handler_failed`` ends the fork instead: ``fork_returned``, a ``sys.exit(n)``
-        with status n.)"""
+        with status n -- though the forking worker is the fork's main thread.)"""
         if isinstance(exc, Exception):
             return False
-        return (isinstance(exc, KeyboardInterrupt) and
+        return (isinstance(exc, KeyboardInterrupt) and not self.in_fork() and
                 threading.current_thread() is threading.main_thread())
 
     @property

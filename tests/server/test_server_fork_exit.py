@@ -31,12 +31,20 @@ class ForksAndExits(Handler):
         arg = bytes(data)
         pid = os.fork()
         if pid == 0:
+            if arg == b"interrupt":
+                raise KeyboardInterrupt
             sys.exit(None if arg == b"none" else "bye" if arg == b"text" else int(arg))
         session.send(b"%d" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("arg, status", [(b"3", 3), (b"0", 0), (b"none", 0), (b"text", 1)])
+@pytest.mark.parametrize("arg, status", [
+    (b"3", 3), (b"0", 0), (b"none", 0), (b"text", 1),
+    # as the interpreter reads a code: a C long cast to int, anything larger -1
+    (b"%d" % (2**40 + 3), 3), (b"%d" % 2**70, 255), (b"%d" % -2**70, 255), (b"-1", 255),
+    # an uncaught KeyboardInterrupt: plain Python ends by SIGINT's default action
+    (b"interrupt", -signal.SIGINT)],
+    ids=["3", "0", "none", "text", "long", "huge", "minus-huge", "minus-1", "interrupt"])
 def test_a_forks_sys_exit_is_its_status(make_server, workers, arg, status):
     srv = make_server(ForksAndExits(), framing="raw", workers=workers)
     with socket.create_connection(srv.address, timeout=20) as c:
