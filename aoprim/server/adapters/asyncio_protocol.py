@@ -330,8 +330,12 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         factory = self._task_factory
         if factory is None:
             if context is None:
-                return asyncio.Task(coro, loop=self, name=name)
-            return asyncio.Task(coro, loop=self, name=name, context=context)
+                task = asyncio.Task(coro, loop=self, name=name)
+            else:
+                task = asyncio.Task(coro, loop=self, name=name, context=context)
+            if task._source_traceback:      # (debug mode) as asyncio's loop: drop this
+                del task._source_traceback[-1]  # frame, the caller's line is the last
+            return task
         if _get_ident() != self._ev.thread_id:
             # another thread (a worker): the task must not start eagerly here.  asyncio's
             # current task is one per loop, not per thread, and the loop thread may be

@@ -596,3 +596,30 @@ def test_a_delay_asyncio_takes_as_now_is_now(serve, delay):
     theirs = on_asyncio(_sleeps_then_answers(delay), _ask)
     srv = serve(_sleeps_then_answers(delay))
     assert _ask(srv.address) == theirs == b"slept timer "
+
+
+def test_debug_mode_a_tasks_source_traceback_ends_at_the_callers_line(serve):
+    """Debug mode: where a task was made (``_source_traceback``, which asyncio's messages
+    about the task print) ends at the line that called ``loop.create_task``, as on
+    asyncio's loop -- not a line of the loop's own ``create_task``."""
+    def made_where(seen):
+        class MakesATask(asyncio.Protocol):
+            def connection_made(self, transport):
+                loop = asyncio.get_running_loop()
+                loop.set_debug(True)
+                task = loop.create_task(asyncio.sleep(0))
+                seen.append([(f.name, f.line) for f in task._source_traceback[-2:]])
+                transport.write(b"x")
+        return MakesATask
+
+    def client(address):
+        with socket.create_connection(address, timeout=10) as c:
+            assert c.recv(1) == b"x"
+
+    there, here = [], []
+    on_asyncio(made_where(there), client)
+    srv = serve(made_where(here))
+    client(srv.address)
+    wait_for(lambda: here, 10, "the protocol's connection_made")
+    assert there[0][-1] == ("connection_made", "task = loop.create_task(asyncio.sleep(0))")
+    assert here[0][-1] == there[0][-1]
