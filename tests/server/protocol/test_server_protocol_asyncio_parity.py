@@ -592,10 +592,12 @@ def _ask(address):
 @pytest.mark.parametrize("delay", [float("nan"), -1.0, 0.0], ids=["nan", "negative", "zero"])
 def test_a_delay_asyncio_takes_as_now_is_now(serve, delay):
     # asyncio runs a timer whose time is NaN (or in the past) in its next iteration:
-    # sleep(nan) returns at once and call_later(nan) fires
+    # call_later(nan) fires, and sleep(nan) returns at once (from 3.13 asyncio.sleep
+    # itself refuses NaN with ValueError, before it reaches the loop)
     theirs = on_asyncio(_sleeps_then_answers(delay), _ask)
     srv = serve(_sleeps_then_answers(delay))
-    assert _ask(srv.address) == theirs == b"slept timer "
+    assert _ask(srv.address) == theirs
+    assert theirs in (b"slept timer ", b"ValueError timer ")
 
 
 def test_debug_mode_a_tasks_source_traceback_ends_at_the_callers_line(serve):
