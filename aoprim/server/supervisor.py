@@ -732,6 +732,7 @@ class Supervisor:
         self._children = [_Child(i) for i in range(procs)]
         self._sel: selectors.BaseSelector = None    # type: ignore[assignment]  # (run() makes it)
         self._signals: list[int] = []     # stop signals received, not yet handled
+        self._suspend = False               # a SIGTSTP (Ctrl-Z) received, not yet handled
         self._sigint_at = -math.inf         # when the last SIGINT counted came
         self._announced = False           # "listening on" was printed
         self._usage_said: set[str] = set()  # the children's usage errors printed (once each)
@@ -820,6 +821,34 @@ class Supervisor:
             c.respawn_at = now + self._next_delay(c, now)
             log.error("%s: retrying in %.2g s", what, c.respawn_at - now)
         return True
+
+    def _suspend_all(self) -> float:
+        """Ctrl-Z (SIGTSTP): stop every server process and what each started, then the
+        supervisor itself, as a shell stops a job; once the supervisor is continued (``fg``,
+        ``bg``, SIGCONT), continue them all.  Each child leads a process group of its own,
+        which the terminal's SIGTSTP does not reach, so without this a stopped service's
+        processes would keep accepting connections that nothing then reads past a full
+        pipe.  SIGSTOP, which no handler can catch, for the children and for the
+        supervisor (SIGTSTP would be discarded if its process group is orphaned).  The
+        time spent stopped is not counted against a restart's start_timeout.  Returns
+        that time."""
+        groups = [c.proc.pid for c in self._children
+                  if c.proc is not None and c.proc.returncode is None]
+        groups += [g for g in self._groups if g not in groups]
+        for pgid in groups:
+            _signal_group(pgid, signal.SIGSTOP)
+        log.info("received SIGTSTP: %d server processes stopped; SIGCONT continues them",
+                 len(groups))
+        stopped_at = time.monotonic()
+        os.kill(os.getpid(), signal.SIGSTOP)       # returns once continued
+        stopped = time.monotonic() - stopped_at
+        for pgid in groups:
+            _signal_group(pgid, signal.SIGCONT)
+        for c in self._children:
+            if c.proc is not None and c.started:
+                c.started += stopped                # (a restart's start_timeout)
+        log.info("continued after %.1f s: server processes continued", stopped)
+        return stopped
 
     def _starting(self, c: _Child, now: float) -> float | None:
         """A restart of place ``c`` that has not said "ready": killed (with its process
@@ -1137,6 +1166,9 @@ class Supervisor:
         so that no stop signal falls between its own handler and the supervisor's."""
         if signum == signal.SIGCHLD:
             return
+        if signum == signal.SIGTSTP:
+            self._suspend = True
+            return
         if signum == signal.SIGINT:
             now = time.monotonic()
             if now - self._sigint_at < _SAME_CTRL_C:
@@ -1226,7 +1258,11 @@ class Supervisor:
         self._sel.register(wake_r, selectors.EVENT_READ, None)
         # (a stop signal ignored at the start stays so; a caller that put this handler in
         # place already has left it out too)
-        old = {s: signal.signal(s, self.on_signal) for s in [*stop_signals(), signal.SIGCHLD]}
+        # SIGTSTP (Ctrl-Z) suspends the whole service (_suspend_all), unless it is ignored
+        # at the start (not a job of an interactive shell's)
+        tstp = [signal.SIGTSTP] if signal.getsignal(signal.SIGTSTP) == signal.SIG_DFL else []
+        old = {s: signal.signal(s, self.on_signal)
+               for s in [*stop_signals(), signal.SIGCHLD, *tstp]}
         old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         self._reap_all = _is_reaper(self._prctl)
         reserve = None
@@ -1283,6 +1319,9 @@ class Supervisor:
         deadline = time.monotonic() + (math.inf if self._start_timeout is None
                                        else self._start_timeout)
         while True:
+            if self._suspend and not self._signals:
+                self._suspend = False
+                deadline += self._suspend_all()
             if self._signals:
                 sig = self._signals.pop(0)
                 log.info("received %s: stopping %d server processes",

@@ -19,7 +19,7 @@ import pytest
 
 from proc_support import child_env
 from server_support import HOST, wait_for
-from test_supervisor import alive, cleanup
+from test_supervisor import _stat, alive, children_of, cleanup
 
 SPAWNER = """
 import subprocess
@@ -168,3 +168,51 @@ def test_the_children_s_stdout_bytes_are_passed_on_as_written(tmp_path, encoding
         assert p.wait(60) == 0
     finally:
         cleanup(p)
+
+
+def _state(pid):
+    """The process's state letter (T: stopped), or None once it is gone."""
+    st = _stat(pid)
+    return st and st[0]
+
+
+def _tstp_default():
+    _default_stop_signals()
+    signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_z_stops_and_continues_the_whole_service(tmp_path):
+    """SIGTSTP (Ctrl-Z) stops the supervisor, every server process and what a handler
+    started, as a shell stops a job; SIGCONT (``fg``/``bg``) continues them all, and the
+    service serves again.  Each child leads a process group of its own, which the
+    terminal's SIGTSTP does not reach: they served on while the supervisor was stopped."""
+    (tmp_path / "spawner.py").write_text(SPAWNER.replace("COMMAND", repr(SLEEPS)))
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST,
+                          "--port", "0", "--procs", "2", "--log-level", "WARNING",
+                          "spawner:Spawner"], stdout=subprocess.PIPE, cwd=str(tmp_path),
+                         env=child_env(), preexec_fn=_tstp_default)
+    helper = None
+    try:
+        line = p.stdout.readline()
+        assert line.startswith(b"listening on "), line
+        port = int(line.rsplit(b":", 1)[1])
+        with socket.create_connection((HOST, port), timeout=30):
+            helper = int(p.stdout.readline().split()[1])
+        kids = children_of(p.pid)
+        assert len(kids) == 2
+        everyone = [p.pid, *kids, helper]
+        p.send_signal(signal.SIGTSTP)
+        wait_for(lambda: all(_state(pid) == "T" for pid in everyone), timeout=30,
+                 what="the supervisor, its children and the helper stopped")
+        p.send_signal(signal.SIGCONT)
+        wait_for(lambda: not any(_state(pid) == "T" for pid in everyone), timeout=30,
+                 what="all of them continued")
+        for _ in range(4):                      # both children serve again
+            with socket.create_connection((HOST, port), timeout=30) as c:
+                c.sendall(b"ping")
+                assert c.recv(4) == b"ping"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        cleanup(p, [helper] if helper else [])
