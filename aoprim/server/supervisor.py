@@ -403,7 +403,9 @@ class _Output:
         """Write ``text`` (whole lines, or a piece of a line too long to keep) or keep it to
         be written; ``keep``: never dropped (the supervisor's own ``listening on`` line).
         Bytes (a child's output) are written as they are; a str (the supervisor's own
-        lines) is encoded in the stream's encoding."""
+        lines) is encoded in the stream's encoding, with a backslash escape for what it
+        cannot encode (as Python's own stderr writes a lone surrogate: an undecodable file
+        name in a child's usage message reads as with ``serve`` alone)."""
         if self.lost:
             return
         if self._text:
@@ -416,7 +418,7 @@ class _Output:
             else:
                 self._took()
             return
-        data = text if isinstance(text, bytes) else text.encode(self._enc, "replace")
+        data = text if isinstance(text, bytes) else text.encode(self._enc, "backslashreplace")
         if self._pending:
             # over the limit only by what was read before reading paused (or an exited
             # child's last output, or a log line), unless the stream stalled: then dropped

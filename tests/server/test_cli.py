@@ -602,6 +602,21 @@ def test_a_childs_long_usage_message_is_printed_whole_and_once(tmp_path, text):
     assert said[0].endswith(f"RuntimeError: {text} ({tmp_path / 'longmsg.py'}:1)"), said[0][-300:]
 
 
+@pytest.mark.timeout(120)
+def test_a_usage_message_with_an_undecodable_character_reads_as_with_procs_1(tmp_path):
+    """A message holding a lone surrogate (a file name that is not UTF-8) is printed by the
+    supervisor as ``serve`` alone prints it (Python's stderr: a backslash escape), not as
+    ``?``."""
+    (tmp_path / "oddname.py").write_text('raise RuntimeError("no such file: x\\udcffy")\n')
+    said = {}
+    for procs in ("1", "2"):
+        rc, err = _serve_run(tmp_path, "oddname:H", "--procs", procs)
+        assert rc == 2, err
+        said[procs] = [ln for ln in err.splitlines() if ln.startswith("aoprim: importing")]
+    assert len(said["2"]) == 1 and said["2"] == said["1"], said
+    assert "no such file: x\\udcffy" in said["1"][0], said
+
+
 def test_a_usage_message_over_the_bound_is_cut_with_a_mark():
     """What a child sends is at most _USAGE_MAX bytes of UTF-8 JSON, cut at a character
     with a mark that says how much was left out."""
