@@ -205,6 +205,15 @@ class _WriteLimits:
         self.args = args
 
 
+class _WriterPaused:
+    """``writer_paused()`` on another thread, queued behind the sends that crossed the high
+    mark (as _WriteLimits: no bytes)."""
+    __slots__ = ()
+
+
+_WRITER_PAUSED = _WriterPaused()
+
+
 class Session:
     """One connection.  Public: ``send``, ``close``, ``abort``, ``peer``, ``proxy_peer``,
     ``id``, ``closed``, ``close_reason``, ``server``, ``user`` (free for the application),
@@ -607,7 +616,7 @@ class Session:
         mp = self._ctx.settings.max_pending
         self._cap = _PAUSED_CAP_FACTOR * (mp if self._wm is None else max(mp, self._wm[0]))
 
-    def over_max_pending(self) -> bool:
+    def over_max_pending(self, told: bool = False) -> bool:
         """A transport's check before a send (any thread).  Writes are never cut for size
         while the writer has not been told to pause (``on_high`` of the write limits: the
         protocol's ``pause_writing()``) -- asyncio buffers them all, and an HTTP response
@@ -616,8 +625,9 @@ class Session:
         (``high``: the write limits' high-water mark; 64 MiB with the defaults) means the
         writer ignores ``pause_writing`` and the peer does not read: the session is dropped
         (a reset; connection_lost gets a ConnectionAbortedError naming the limit) and True
-        is returned."""
-        if not self._wm_paused:
+        is returned.  ``told``: the writer knows it was told (it paused itself on another
+        thread: writer_paused, which the loop thread may not have taken yet)."""
+        if not (told or self._wm_paused):
             return False
         # (sends another thread made that the loop has not added yet count too)
         p = self.unsent_bytes()
@@ -692,6 +702,40 @@ class Session:
             on_high()
             self._ctx.kick()
 
+    def send_room(self) -> int:
+        """What the kernel may still take at once (a hint, for a writer on another thread
+        deciding whether a backlog is one the socket will not take, as asyncio's
+        ``write()`` tries the socket before it counts): 0 while the socket is known to be
+        full (the loop waits for it to be writable), else its send buffer's size
+        (``SO_SNDBUF``; 0 once the socket is gone)."""
+        if self._writing:
+            return 0
+        try:
+            return self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        except OSError:
+            return 0
+
+    def writer_paused(self) -> None:
+        """The write limits' ``on_high`` was run by the writer itself, on another thread,
+        inside the write that left more than ``high`` unsent (the asyncio adapter's
+        ``write()`` on a worker, as asyncio's ``write()`` pauses the protocol before it
+        returns): the loop thread takes the session as paused -- no second ``on_high``,
+        and ``on_low`` once the backlog drains to ``low``.  Queued behind that thread's
+        sends; dropped after close."""
+        if _get_ident() != self._loop.thread_id:
+            if self._state == OPEN and not self._close_requested:
+                self._foreign.push(_WRITER_PAUSED)      # type: ignore[arg-type]
+            return
+        self._writer_paused_here()
+
+    def _writer_paused_here(self) -> None:
+        if self._wm is None or self._wm_paused:
+            return
+        self._wm_paused = True
+        self._sync_watch()
+        self._check_wm()        # (drained already: on_low now; else at a flush's report)
+        self._ctx.kick()
+
     # -- sending (slow paths) -----------------------------------------------------------
     def _send_slow(self, data: _SendData) -> None:
         """send() when closed (dropped) or from a thread other than the loop's: validate and
@@ -739,6 +783,13 @@ class Session:
         for item in items:
             if self._state == CLOSED:
                 release_item(item)
+                continue
+            if item is _WRITER_PAUSED:
+                if b.pending_bytes > self._hw:      # (the sends before it, as below)
+                    self._over_high()
+                    if self._state == CLOSED:
+                        continue
+                self._writer_paused_here()
                 continue
             if type(item) is _WriteLimits:
                 # a write-limit change made on that thread between its sends: the sends

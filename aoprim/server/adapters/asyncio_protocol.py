@@ -37,7 +37,9 @@ Writing.  The transport's write buffer is the session's ``SendBatch``:
 ``resume_writing`` are called when it crosses the limits of ``set_write_buffer_limits``
 -- as asyncio, ``pause_writing`` only for what is left once the socket was tried (over TLS:
 the plaintext not yet encrypted and sent counts), and ``set_write_buffer_limits`` may pause
-but never resumes.  The rule for ``max_pending``: a protocol's writes are never cut for
+but never resumes.  On a worker, whose writes wait for the loop thread, the write that leaves
+more unsent than the high mark plus what the socket may still take pauses the protocol
+before it returns (``write``); whichever thread pauses first does, once (``_told``).  The rule for ``max_pending``: a protocol's writes are never cut for
 size while it has not been told ``pause_writing()`` (asyncio buffers them all: a head, a
 large body and a terminator written in one callback reach the peer whole); once told, a
 write finding more than ``16 * max(max_pending, high-water mark)`` bytes pending (64 MiB by
@@ -97,6 +99,8 @@ from asyncio.coroutines import _is_debug_mode  # type: ignore[attr-defined]
 from asyncio.events import _get_running_loop, _set_running_loop
 from asyncio.log import logger as _asyncio_log
 from typing import TYPE_CHECKING, Any, Callable
+
+from aoprim import AtomicInt
 
 from ..handler import Handler
 
@@ -696,6 +700,9 @@ class SessionTransport(asyncio.Transport):
         self._closing = False
         self._paused_reading = False
         self._low = self._high = 0
+        # 1 from the protocol's pause_writing() to its resume_writing(): the loop thread's
+        # flush and a worker's write() both may pause it, and exactly one of them does
+        self._told = AtomicInt(0)
         self._sock: Any = None          # get_extra_info("socket"), made at the first ask
         session.set_transport_rules()
         self.set_write_buffer_limits()
@@ -714,7 +721,7 @@ class SessionTransport(asyncio.Transport):
             if not self._tls and not s.over_max_pending():
                 s.send_after_close(data)
             return
-        if s.over_max_pending():
+        if s.over_max_pending(self._told.load() == 1):
             return          # (dropped: connection_lost gets the error naming max_pending)
         sk = self._sock
         if sk is not None and sk.wr_shut and _get_ident() != self._loop._ev.thread_id:
@@ -725,6 +732,19 @@ class SessionTransport(asyncio.Transport):
             self._loop._ev.call_soon_threadsafe(s.send, bytes(data))
             return          # (False once the server has shut down: dropped, as after close)
         s.send(data)
+        if _get_ident() != self._loop._ev.thread_id and self._told.load() == 0:
+            # a worker's write: its bytes wait for the loop thread, which would pause the
+            # protocol only at its flush -- while this callback writes on without limit.
+            # Paused here instead, before write() returns, as asyncio's write() does, for
+            # the backlog the socket will not take: asyncio counts what is left after it
+            # tried the socket; here nothing was offered to it yet, so what the kernel may
+            # still take (send_room) is allowed for on top of the high mark.  The session
+            # resumes the protocol once the loop drained the backlog to the low mark
+            u = s.unsent_bytes()
+            if (u > self._high and u > self._high + s.send_room()
+                    and self._told.compare_exchange(0, 1)):
+                self._flow("pause_writing")
+                s.writer_paused()
 
     def writelines(self, list_of_data: Iterable[Buffer]) -> None:
         data = b"".join(list_of_data)
@@ -759,10 +779,13 @@ class SessionTransport(asyncio.Transport):
         self._session.set_write_limits(high, low, self._pause_writing, self._resume_writing)
 
     def _pause_writing(self) -> None:
-        self._flow("pause_writing")
+        # (the session's on_high: not again if a worker's write() paused the protocol)
+        if self._told.compare_exchange(0, 1):
+            self._flow("pause_writing")
 
     def _resume_writing(self) -> None:
-        self._flow("resume_writing")
+        if self._told.compare_exchange(1, 0):
+            self._flow("resume_writing")
 
     def _flow(self, name: str) -> None:
         """The protocol's ``pause_writing``/``resume_writing``: inside a write (this

@@ -11,6 +11,7 @@ import asyncio
 import asyncio.trsock
 import socket
 import struct
+import sys
 import threading
 
 import pytest
@@ -19,6 +20,7 @@ from aoprim.server import Handler, Server, serve_protocol
 from aoprim.server.loop import BACKENDS
 
 from server_support import HOST, wait_for
+from tlscerts import tls_certs  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -295,3 +297,79 @@ def test_nothing_delivered_while_paused(kind, backend, workers):
     finally:
         c.close()
         srv.shutdown(timeout=10)
+
+
+class _WritesUntilPaused(asyncio.Protocol):
+    """asyncio's producer pattern: write 16 KiB chunks until pause_writing() (or 32 MiB);
+    records where and when the pause came.  The peer reads nothing until it is told."""
+    CHUNK = 16 * 1024
+    CAP = 32 * 2**20
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def connection_made(self, transport):
+        self.t = transport
+        self.paused = False
+
+    def data_received(self, data):
+        self.seen["writer"] = threading.current_thread()
+        n = 0
+        while not self.paused and n < self.CAP:
+            self.t.write(b"z" * self.CHUNK)
+            n += self.CHUNK
+            self.seen["most buffered"] = max(self.seen.get("most buffered", 0),
+                                             self.t.get_write_buffer_size())
+        self.seen["written"] = n
+
+    def pause_writing(self):
+        self.paused = True
+        self.seen.setdefault("pauses", []).append(threading.current_thread())
+
+    def resume_writing(self):
+        self.seen["resumed"] = True
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_over_the_high_mark_pauses_the_writer_inside_it_on_every_thread(
+        backend, workers, tls, tls_certs):
+    """As asyncio's write(): the write that leaves more than the high-water mark unsent
+    (beyond what the socket takes) calls pause_writing() before it returns, on the thread
+    that wrote (a worker too), so a protocol writing until paused buffers at most about a
+    socket buffer and one high mark, as on asyncio -- with workers it wrote on for
+    megabytes until the loop thread's flush paused it; once the peer reads,
+    resume_writing() comes and every byte arrives."""
+    seen = {}
+    srv = serve_protocol(lambda: _WritesUntilPaused(seen), HOST, 0, backend=backend,
+                         workers=workers, ssl=tls_certs.server_ctx() if tls else None)
+    try:
+        raw = socket.create_connection(srv.address, timeout=30)
+        c = tls_certs.client_ctx().wrap_socket(raw, server_hostname="localhost") if tls else raw
+        with c:
+            c.sendall(b"go")
+            wait_for(lambda: "written" in seen, 30, "the writer to stop")
+            high = (512 if tls else 64) * 1024
+            assert seen["written"] < _WritesUntilPaused.CAP, seen
+            # once; inside the write, on the writer's thread -- unless, on a free-threaded
+            # build, the loop thread's flush (running beside the worker) found the socket
+            # full first
+            assert len(seen["pauses"]) == 1, seen
+            if getattr(sys, "_is_gil_enabled", lambda: True)():
+                assert seen["pauses"] == [seen["writer"]], seen
+            # at most what a socket may take (the kernel's largest autotuned send buffer),
+            # one high mark and a chunk or two (TLS: records in flight)
+            with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+                sndbuf_max = int(f.read().split()[2])
+            assert seen["most buffered"] <= high + sndbuf_max + 2 * _WritesUntilPaused.CHUNK, \
+                seen
+            got = 0
+            while got < seen["written"]:
+                b = c.recv(1 << 20)
+                assert b, (got, seen)
+                got += len(b)
+            assert got == seen["written"]
+            wait_for(lambda: seen.get("resumed"), 30, "resume_writing")
+    finally:
+        srv.shutdown(timeout=15)
