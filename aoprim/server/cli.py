@@ -508,6 +508,10 @@ def _print_stats(srv: Server) -> None:
         print("stats " + json.dumps(srv.stats()), flush=True)
     except (BrokenPipeError, ValueError):
         _stdout_to_devnull()
+    except OSError as e:
+        # a full disk, an I/O error: the line is lost, the stop is still a clean one
+        log.warning("stdout cannot be written (%s): the stats line is lost", e.strerror or e)
+        _stdout_to_devnull()
 
 
 def _stdout_to_devnull() -> None:
@@ -874,6 +878,13 @@ def _serve(a: argparse.Namespace, status: _StatusPipe | None) -> int:
         except BrokenPipeError:
             failed.append(True)
             srv.shutdown()              # (on the loop thread: starts the shutdown)
+        except OSError as e:
+            # a full disk, an I/O error on stdout: serving goes on (as under --procs), and
+            # what it prints is dropped from here on (pointed at /dev/null: the line left
+            # in the stream's buffer would fail every later write, and the exit's flush)
+            log.warning("stdout cannot be written (%s): what serve prints there is dropped; "
+                        "serving goes on", e.strerror or e)
+            _stdout_to_devnull()
 
     srv.loop.call_soon(announce)
     serving_pid = os.getpid()

@@ -826,3 +826,38 @@ def test_procs_stop_with_a_pool_made_at_import_is_clean(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("stats", [[], ["--stats-json"]], ids=["plain", "stats-json"])
+def test_stdout_on_a_full_disk_costs_the_lines_not_the_service(stats):
+    """stdout on a full disk (/dev/full: every write fails with ENOSPC): one WARNING,
+    serving goes on, and a SIGTERM is a clean stop -- exit 0, no traceback (the stats line
+    raised out of main, exit 1; the 'listening on' line was a loop callback's error)."""
+    with socket.socket() as probe:          # a free port (stdout cannot tell it)
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    with open("/dev/full", "wb") as full:
+        p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--app", "echo",
+                              "--host", HOST, "--port", str(port), *stats], stdout=full,
+                             stderr=subprocess.PIPE, text=True, cwd=CWD)
+    try:
+        lines = []
+        for line in p.stderr:
+            lines.append(line)
+            if "stdout cannot be written" in line:
+                break
+        assert lines and "WARNING" in lines[-1] and "No space left" in lines[-1], lines
+        with socket.create_connection((HOST, port), timeout=10) as c:     # serving
+            c.sendall(b"ping")
+            assert recv_exact(c, 4) == b"ping"
+        p.send_signal(signal.SIGTERM)
+        err = "".join(lines) + p.stderr.read()
+        assert p.wait(30) == 0, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stderr.close()
+    assert "Traceback" not in err and "ERROR" not in err, err
