@@ -823,7 +823,10 @@ class Server:
         starts the shutdown: the shutdown waits for those threads.  ``timeout`` (default
         ``2 * shutdown_timeout + 5`` s): TimeoutError if the loop has not stopped by then.
         Thread-safe; idempotent.  In a process forked from the serving one it only closes
-        the fork's copies of the sessions' sockets (see the module docstring)."""
+        the fork's copies of the sessions' sockets (see the module docstring).  A
+        ``timeout`` that is NaN or below 0 raises ValueError before anything is done."""
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         if self._started and self._in_fork():
             self._forget_in_fork()
             return

@@ -529,3 +529,16 @@ def test_bind_failure_leaks_nothing():
         Server(Echo(), HOST, blocker.getsockname()[1])
     assert len(os.listdir("/proc/self/fd")) == before
     blocker.close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0], ids=["nan", "negative"])
+def test_a_shutdown_timeout_that_is_no_time_is_refused_before_anything_stops(bad):
+    srv = Server(Echo(), HOST, 0)
+    srv.start()
+    try:
+        with pytest.raises(ValueError, match="timeout"):
+            srv.shutdown(timeout=bad)
+        with socket.create_connection(srv.address[:2], timeout=10):
+            pass                                # still serving
+    finally:
+        srv.shutdown(timeout=15)
