@@ -64,9 +64,8 @@ cdef extern from "aop_slab.h" nogil:
 
 cdef class SlabPool:
     cdef aop_slab_t *slab       # the C pool: arena, free ring, statistics (owned)
-    cdef PyObject **cache       # cache[2i], cache[2i+1]: idle Slot objects of index i, or
-                                # NULL (owned refs).  Touched only by the current owner of
-                                # index i.  Two: one per thread of a pair (see _slab.pyx).
+    cdef PyObject **cache       # cache[i]: the idle Slot object of index i, or NULL (owned
+                                # ref).  Touched only by the current owner of index i.
     cdef object __weakref__
 
     # nogil C-level API (same free ring as acquire()/Slot.release()).

@@ -13,22 +13,13 @@ Slot objects and pool indices (the generation question)
   (``state``), so a stale Python reference from an earlier tenure can only ever touch its own,
   dead, counters: every operation on it raises (RefCountError / BufferError).
 - Objects are recycled to make steady-state acquire/release allocate nothing: a released Slot
-  parks in one of its index's two cache entries.  The next acquire of that index reuses a
-  parked object only if the cache holds its *sole* reference (``aop_sole_reference``:
-  ``Py_REFCNT == 1`` under the GIL; on a free-threaded build, owned by the acquiring thread
-  with local count 1 and shared count 0, the one exact test there): then no stale reference
+  parks in ``pool.cache[index]``.  The next acquire of that index reuses the parked object
+  only if the cache holds its *sole* reference (``aop_sole_reference``: ``Py_REFCNT == 1``
+  under the GIL; on a free-threaded build, owned by the acquiring thread with local count 1
+  and shared count 0, the one exact test there): then no stale reference
   exists anywhere, nobody can observe the reuse, and object identity acts as the generation.
-  A parked object of this thread with other references is retired for good (its stale
-  holders keep a dead Slot) and a fresh object is made.  So a stale reference can never
-  reach the next holder's slot.
-- Two entries per index, for free-threaded builds: an object belongs to the thread that made
-  it (biased reference counting), and a thread that dropped another thread's object would
-  hand it to that thread's merge queue (a lock and a wake-up) -- with one shared pool, every
-  other acquire.  So an acquire there reuses only an object of its own thread and leaves the
-  other parked for its owner; two threads sharing a pool each keep one object per index.
-  The release parks into a free entry, and only when both hold objects of other threads
-  (three or more threads on one index) retires one of them.  Under the GIL every object is
-  "this thread's" and one entry is used (AOP_PARKED_PER_INDEX).
+  Otherwise the parked object is retired for good (its stale holders keep a dead Slot) and a
+  fresh object is made.  So a stale reference can never reach the next holder's slot.
 - An idle (parked) Slot holds no reference to the pool; a held Slot does (the pool and its
   arena outlive every Slot that is out).  The pool holds only idle Slots.  No cycles.
 - A held Slot that is garbage-collected gives its index back and warns once (ResourceWarning).
@@ -77,23 +68,6 @@ cdef extern from *:
      * (relaxed: no other thread holds a reference, so no write to order against).  Objects
      * owned by another thread answer 0, which only costs a fresh object (CPython's own
      * uniqueness test, _PyObject_IsUniquelyReferenced in 3.14, is the same). */
-    /* Parked Slot objects an index keeps: two on a free-threaded build (one per thread
-     * of a pair), one under the GIL (a compile-time constant: the loops over them fold). */
-    #ifdef Py_GIL_DISABLED
-    #define AOP_PARKED_PER_INDEX 2
-    #else
-    #define AOP_PARKED_PER_INDEX 1
-    #endif
-    /* 1 when `o` belongs to this thread (its local reference count is this thread's to
-     * change; dropping it here frees it here).  Always 1 under the GIL. */
-    static inline int aop_owned_here(PyObject *o) {
-    #ifdef Py_GIL_DISABLED
-        return _Py_IsOwnedByCurrentThread(o);
-    #else
-        (void)o;
-        return 1;
-    #endif
-    }
     static inline int aop_sole_reference(PyObject *o) {
     #ifdef Py_GIL_DISABLED
         return _Py_IsOwnedByCurrentThread(o)
@@ -105,8 +79,6 @@ cdef extern from *:
     }
     """
     bint aop_sole_reference(PyObject *o) noexcept nogil
-    bint aop_owned_here(PyObject *o) noexcept nogil
-    int AOP_PARKED_PER_INDEX
 
 # state-word constants come from aop_slab.h (compile-time)
 cdef extern from "aop_slab.h":
@@ -137,7 +109,7 @@ cdef class SlabPool:
             raise ValueError(f"slot_size must be >= 1, got {size}")
         if n < 1 or n > AOP_SLAB_MAX_SLOTS:
             raise ValueError(f"slots must be in 1..{AOP_SLAB_MAX_SLOTS}, got {n}")
-        self.cache = <PyObject **>calloc(2 * n, sizeof(PyObject *))
+        self.cache = <PyObject **>calloc(n, sizeof(PyObject *))
         if self.cache == NULL:
             raise MemoryError()
         self.slab = aop_slab_new(size, n, &err)
@@ -151,7 +123,7 @@ cdef class SlabPool:
         cdef Py_ssize_t i
         cdef PyObject *o
         if self.cache != NULL:
-            for i in range(2 * self.slab.nslots if self.slab != NULL else 0):
+            for i in range(self.slab.nslots if self.slab != NULL else 0):
                 o = self.cache[i]
                 if o != NULL:
                     self.cache[i] = NULL
@@ -183,22 +155,20 @@ cdef class SlabPool:
 
     cdef Slot _bind(self, int64_t index):
         """Make the Slot object for a tenure of ``index`` (which this thread now owns)."""
-        cdef PyObject **entry = &self.cache[2 * index]
-        cdef PyObject *o
-        cdef Slot s = None
-        cdef int k
-        for k in range(AOP_PARKED_PER_INDEX):
-            o = entry[k]
-            if o == NULL or not aop_owned_here(o):
-                continue             # (another thread's object stays parked for it)
-            entry[k] = NULL
+        cdef PyObject *o = self.cache[index]
+        cdef Slot s
+        if o != NULL:
+            self.cache[index] = NULL
             if aop_sole_reference(o):
                 # the cache holds the only reference: nobody can see this object, reuse it
                 s = <Slot>o          # +1
                 Py_DECREF_p(o)       # -1: the cache's reference is now ours
-                break
-            # stale references exist: retire the object (it stays dead: refs == 0)
-            Py_DECREF_p(o)
+            else:
+                # stale references exist: retire the object (it stays dead: refs == 0)
+                Py_DECREF_p(o)
+                s = None
+        else:
+            s = None
         if s is None:
             s = Slot.__new__(Slot)
             s._index = index
@@ -271,15 +241,6 @@ cdef class SlabPool:
         return {"slot_size": self.slot_size, "slots": self.slots,
                 "available": self.available, "in_use": self.in_use,
                 "high_water": self.high_water, "failed_acquires": self.failed_acquires}
-
-    def _parked(self, index):
-        """How many idle Slot objects index ``index`` keeps for reuse (0-2; see the top of
-        this module).  For tests, on a quiescent pool: the entries belong to whoever holds
-        the index."""
-        cdef Py_ssize_t i = _as_index(index, "index")
-        if i < 0 or i >= self.slab.nslots:
-            raise ValueError(f"slot index {i} out of range")
-        return (self.cache[2 * i] != NULL) + (self.cache[2 * i + 1] != NULL)
 
     def __repr__(self):
         return (f"<SlabPool slot_size={self.slab.slot_size} slots={self.slab.nslots} "
@@ -363,23 +324,12 @@ cdef class Slot:
         cdef PyObject *p = self.pool         # our reference: keeps the pool alive until done
         cdef SlabPool pool = <SlabPool>p
         cdef int64_t i = self._index
-        cdef PyObject **entry = &pool.cache[2 * i]
-        cdef PyObject *old = NULL
         self.pool = NULL                     # idle objects hold no pool reference
-        # we own index i: its cache entries are ours to write; the push below (release store
-        # of the cell) publishes them to the next acquirer of i.  Park in a free entry; with
-        # both taken (other threads' objects: _bind took ours), this one replaces entry 0's.
+        # we own index i: the cache entry is ours to write (it is NULL: we are i's object);
+        # the push below (release store of the cell) publishes it to the next acquirer of i
         Py_INCREF(self)
-        if entry[0] == NULL:
-            entry[0] = <PyObject *>self
-        elif AOP_PARKED_PER_INDEX == 2 and entry[1] == NULL:
-            entry[1] = <PyObject *>self
-        else:
-            old = entry[0]
-            entry[0] = <PyObject *>self
+        pool.cache[i] = <PyObject *>self
         aop_slab_push(pool.slab, i)
-        if old != NULL:
-            Py_DECREF_p(old)                 # idle: references nothing of ours
         Py_DECREF_p(p)                       # may free the pool (it then drops the cache)
         return 0
 

@@ -2,8 +2,6 @@
 and the no-allocation steady state."""
 import ctypes
 import gc
-import sys
-import threading
 import time
 import tracemalloc
 import warnings
@@ -488,36 +486,3 @@ def test_stress_slots_released_by_another_thread(threads):
                 timeout=110)
     assert sum(got) == threads * n
     assert (p.available, p.in_use) == (8, 0)
-
-
-@pytest.mark.timeout(60)
-def test_two_threads_taking_turns_each_keep_an_object_of_their_own():
-    """On a free-threaded build a Slot object belongs to the thread that made it, and one
-    thread dropping another's hands it to that thread's reference-count merge queue.  Two
-    threads taking turns on one index therefore each reuse an object of their own (two
-    parked), never each other's; under the GIL the one object serves both.  Either way the
-    turns allocate nothing after the first, and nothing is left held."""
-    p = SlabPool(16, 1)
-    turn = [threading.Event(), threading.Event()]
-    rounds = 200
-    seen = [set(), set()]
-
-    def taker(me):
-        def run():
-            for _ in range(rounds):
-                assert turn[me].wait(30), "the other thread's turn never ended"
-                turn[me].clear()
-                s = p.acquire()
-                seen[me].add(id(s))          # (alive while parked: ids stay unique)
-                s.release()
-                del s
-                turn[1 - me].set()
-        return run
-
-    turn[0].set()
-    run_threads([taker(0), taker(1)], timeout=50)
-    assert (p.available, p.in_use) == (1, 0)
-    free_threaded = not getattr(sys, "_is_gil_enabled", lambda: True)()
-    assert p._parked(0) == (2 if free_threaded else 1)
-    assert [len(ids) for ids in seen] == [1, 1]
-    assert (seen[0] == seen[1]) is not free_threaded
