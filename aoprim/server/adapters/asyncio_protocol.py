@@ -700,8 +700,11 @@ class SessionTransport(asyncio.Transport):
         self._closing = False
         self._paused_reading = False
         self._low = self._high = 0
-        # 1 from the protocol's pause_writing() to its resume_writing(): the loop thread's
-        # flush and a worker's write() both may pause it, and exactly one of them does
+        # The protocol's writing state, which the loop thread's flush and a worker's
+        # write() both may change: 0 writing; 1 a worker's write() is pausing it (its
+        # pause_writing() runs); 2 paused, and a resume_writing() may come.  Exactly one
+        # of them pauses (0 -> 1 or 0 -> 2), and the resume (2 -> 0, the loop thread at
+        # the low mark) never overtakes a worker's pause_writing() still running
         self._told = AtomicInt(0)
         self._sock: Any = None          # get_extra_info("socket"), made at the first ask
         session.set_transport_rules()
@@ -721,7 +724,7 @@ class SessionTransport(asyncio.Transport):
             if not self._tls and not s.over_max_pending():
                 s.send_after_close(data)
             return
-        if s.over_max_pending(self._told.load() == 1):
+        if s.over_max_pending(self._told.load() != 0):
             return          # (dropped: connection_lost gets the error naming max_pending)
         sk = self._sock
         if sk is not None and sk.wr_shut and _get_ident() != self._loop._ev.thread_id:
@@ -743,8 +746,14 @@ class SessionTransport(asyncio.Transport):
             u = s.unsent_bytes()
             if (u > self._high and u > self._high + s.send_room()
                     and self._told.compare_exchange(0, 1)):
-                self._flow("pause_writing")
-                s.writer_paused()
+                try:
+                    self._flow("pause_writing")
+                finally:
+                    # done: a resume may come now.  The loop thread learns of the pause
+                    # behind this worker's sends (a resume it skipped while the pause
+                    # ran comes then, if the backlog is already down to the low mark)
+                    self._told.store(2)
+                    s.writer_paused()
 
     def writelines(self, list_of_data: Iterable[Buffer]) -> None:
         data = b"".join(list_of_data)
@@ -779,12 +788,15 @@ class SessionTransport(asyncio.Transport):
         self._session.set_write_limits(high, low, self._pause_writing, self._resume_writing)
 
     def _pause_writing(self) -> None:
-        # (the session's on_high: not again if a worker's write() paused the protocol)
-        if self._told.compare_exchange(0, 1):
+        # (the session's on_high, loop thread: not again if a worker's write() paused the
+        # protocol; on this thread the pause is over before any resume can come)
+        if self._told.compare_exchange(0, 2):
             self._flow("pause_writing")
 
     def _resume_writing(self) -> None:
-        if self._told.compare_exchange(1, 0):
+        # (the session's on_low, loop thread: not while a worker's pause_writing() runs --
+        # then the session's writer_paused, queued behind it, checks the low mark again)
+        if self._told.compare_exchange(2, 0):
             self._flow("resume_writing")
 
     def _flow(self, name: str) -> None:

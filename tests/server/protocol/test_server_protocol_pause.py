@@ -13,6 +13,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 
 import pytest
 
@@ -371,5 +372,76 @@ def test_a_write_over_the_high_mark_pauses_the_writer_inside_it_on_every_thread(
                 got += len(b)
             assert got == seen["written"]
             wait_for(lambda: seen.get("resumed"), 30, "resume_writing")
+    finally:
+        srv.shutdown(timeout=15)
+
+
+class _PumpsUntilPaused(asyncio.Protocol):
+    """Each request byte asks for ``TOTAL`` bytes, written in 64 KiB chunks until
+    pause_writing() and on from resume_writing() -- on a worker, data_received and the
+    writes it makes run beside the loop thread's flush and its resume_writing().
+    pause_writing() takes a while (a log line, a lock): the window in which a resume must
+    not overtake it.  Records every flow callback that comes out of turn."""
+    TOTAL = 4 * 2**20
+    CHUNK = b"z" * 65536
+
+    def __init__(self, wrong):
+        self.wrong = wrong
+        self.paused = self.pausing = False
+        self.left = 0
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def pump(self):
+        while not self.paused and self.left > 0:
+            n = min(self.left, len(self.CHUNK))
+            self.left -= n
+            self.t.write(self.CHUNK[:n])
+
+    def data_received(self, data):
+        self.left += self.TOTAL * len(data)
+        self.pump()
+
+    def pause_writing(self):
+        if self.paused or self.pausing:
+            self.wrong.append("pause_writing while paused")
+        self.pausing = True
+        time.sleep(0.005)
+        self.paused, self.pausing = True, False
+
+    def resume_writing(self):
+        if self.pausing:
+            self.wrong.append("resume_writing while pause_writing ran")
+        elif not self.paused:
+            self.wrong.append("resume_writing while not paused")
+        self.paused = False
+        self.pump()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_resume_never_overtakes_a_workers_pause_and_no_round_stalls(backend, workers):
+    """A fast reader drains what a worker's write() paused for while that pause_writing()
+    still runs: the loop thread's resume_writing() came first (a resume while pausing),
+    the pause then held for good, and the connection stalled (nothing more was written).
+    Now the resume waits for the pause, and every round's bytes arrive."""
+    wrong = []
+    srv = serve_protocol(lambda: _PumpsUntilPaused(wrong), HOST, 0, backend=backend,
+                         workers=workers)
+    try:
+        with socket.create_connection(srv.address, timeout=10) as c:
+            for r in range(12):
+                c.sendall(b"g")
+                got = 0
+                while got < _PumpsUntilPaused.TOTAL:
+                    try:
+                        b = c.recv(1 << 20)
+                    except socket.timeout:
+                        raise AssertionError(f"round {r} stalled at {got} bytes; {wrong}")
+                    assert b, (r, got, wrong)
+                    got += len(b)
+                assert got == _PumpsUntilPaused.TOTAL, (r, got)
+        assert wrong == []
     finally:
         srv.shutdown(timeout=15)
