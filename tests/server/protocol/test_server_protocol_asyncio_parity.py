@@ -338,6 +338,10 @@ def test_a_flow_callback_raising_cancelled_error_is_reported_and_the_connection_
         def connection_made(self, transport):
             self.transport = transport
             transport.set_write_buffer_limits(high=1024, low=0)
+            # a small send buffer: the kernel cannot take the whole 8 MB write at once (a
+            # quiet machine's loopback, its reader keeping up, took it all: no pause came)
+            transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET,
+                                                         socket.SO_SNDBUF, 65536)
 
         def data_received(self, data):
             self.transport.write(data * 2_000_000)  # 8 MB: more than the socket takes
@@ -384,6 +388,10 @@ def test_a_context_the_default_handler_cannot_format_is_one_record_and_nothing_e
         def connection_made(self, transport):
             self.transport = transport
             transport.set_write_buffer_limits(high=1024, low=0)
+            # a small send buffer: the kernel cannot take the whole 8 MB write at once (a
+            # quiet machine's loopback, its reader keeping up, took it all: no pause came)
+            transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET,
+                                                         socket.SO_SNDBUF, 65536)
 
         def data_received(self, data):
             self.transport.write(data * 2_000_000)
