@@ -121,6 +121,10 @@ def test_pause_and_resume_writing_at_the_limits(servers):
     class Producer(asyncio.Protocol):
         def connection_made(self, transport):
             self.t = transport
+            # a small send buffer: the kernel must not take the whole 4 MiB (a quiet
+            # machine's loopback took it, into the client's receive buffer: no pause)
+            transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET,
+                                                         socket.SO_SNDBUF, 65536)
             transport.set_write_buffer_limits(high=128 * 1024, low=16 * 1024)
             assert transport.get_write_buffer_limits() == (16 * 1024, 128 * 1024)
 

@@ -370,9 +370,13 @@ def test_pythonasynciodebug_turns_debug_mode_on(serve, monkeypatch):
 # -- write() after close() while the backlog is sent ---------------------------------------
 
 class WritesAfterClose(asyncio.Protocol):
-    """Writes 8 MiB (more than the socket takes at once), closes, then writes a trailer."""
+    """Writes 8 MiB (more than the socket takes at once: its send buffer is made small, as
+    a quiet machine's loopback, its reader keeping up, could take the whole write),
+    closes, then writes a trailer."""
 
     def connection_made(self, transport):
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                     65536)
         transport.write(b"a" * (8 << 20))
         transport.close()
         transport.write(b"TRAILER")
