@@ -784,21 +784,17 @@ class Session:
             if self._state == CLOSED:
                 release_item(item)
                 continue
-            if item is _WRITER_PAUSED:
-                if b.pending_bytes > self._hw:      # (the sends before it, as below)
-                    self._over_high()
-                    if self._state == CLOSED:
-                        continue
-                self._writer_paused_here()
-                continue
-            if type(item) is _WriteLimits:
-                # a write-limit change made on that thread between its sends: the sends
-                # before it are checked against the old limits first
+            if item is _WRITER_PAUSED or type(item) is _WriteLimits:
+                # a write-limit change, or that thread's own pause, made between its
+                # sends: the sends before it are checked against the old state first
                 if b.pending_bytes > self._hw:
                     self._over_high()
                     if self._state == CLOSED:
                         continue
-                self.set_write_limits(*item.args)
+                if item is _WRITER_PAUSED:
+                    self._writer_paused_here()
+                else:
+                    self.set_write_limits(*item.args)   # type: ignore[union-attr]
                 continue
             try:
                 if hs:

@@ -704,7 +704,9 @@ class SessionTransport(asyncio.Transport):
         # write() both may change: 0 writing; 1 a worker's write() is pausing it (its
         # pause_writing() runs); 2 paused, and a resume_writing() may come.  Exactly one
         # of them pauses (0 -> 1 or 0 -> 2), and the resume (2 -> 0, the loop thread at
-        # the low mark) never overtakes a worker's pause_writing() still running
+        # the low mark) never overtakes a worker's pause_writing() still running.
+        # AtomicInt is sequentially consistent: a worker's store(2) comes before its
+        # writer_paused() push (the session queue's lock orders the two for the loop)
         self._told = AtomicInt(0)
         self._sock: Any = None          # get_extra_info("socket"), made at the first ask
         session.set_transport_rules()
