@@ -152,6 +152,10 @@ def test_set_write_buffer_limits_pauses_but_never_resumes_by_itself(serve, worke
 
         def connection_made(self, transport):
             self.t = transport
+            # a small send buffer: a quiet machine's loopback can take the whole 8 MiB
+            # into the client's receive buffer, leaving no backlog for the limits to see
+            transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET,
+                                                         socket.SO_SNDBUF, 65536)
 
         def pause_writing(self):
             self.log.append("pause")
