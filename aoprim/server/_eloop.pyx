@@ -45,7 +45,13 @@ Invariants
   appends and then swaps the flag to 1; if it read 0 it writes the eventfd.  Both the clear
   and the swap are sequentially consistent (a Dekker pair: each side writes one location and
   then reads the other), so either the loop's drain sees the item, or the producer sees the
-  flag clear and writes the eventfd -- never neither.  At worst a wake-up is spurious.
+  flag clear and writes the eventfd -- never neither.  The loop also clears the flag right
+  after each read of the eventfd: the write it consumed may be that of a producer whose
+  item an earlier drain already ran (appended before the drain's count, swapped after its
+  clear), and a flag left set with nothing left to read would make every later producer
+  skip its write while the loop sleeps.  The queue is looked at again before the next wait,
+  so whenever the loop waits, either the flag is clear or an eventfd write is unread.  At
+  worst a wake-up is spurious.
 - ``close()`` never pulls the eventfd from under a producer: a producer counts itself in
   ``_inflight`` before it reads ``_closed`` and out after its eventfd write; ``close()`` sets
   ``_closed`` and then waits (GIL released) until ``_inflight`` is 0 before it closes the fds.
@@ -684,6 +690,10 @@ cdef class EpollCore:
                 fd = self._events[i].data.fd
                 if fd == self._evfd:
                     self._drain_wakeup()
+                    # seq_cst: the write just read may be that of a producer whose item was
+                    # drained already; cleared after the read, and the queue is looked at
+                    # again before the next wait (the Dekker pair of the invariants above)
+                    aop_store_u32(&self._wake_pending, 0, AOP_SEQ_CST)
                     continue
                 if fd == self._sigfd:           # a signal arrived: run its handlers
                     self._drain_sigfd()

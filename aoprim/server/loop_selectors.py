@@ -16,7 +16,13 @@ Invariants:
 - No lost wake-up: ``_wake_pending`` is cleared (under ``_lock``) by the loop *before* it
   drains the deque, and by ``run_ready()``, so a callback appended after the drain always
   finds the flag clear and writes the eventfd again; and the loop never blocks while its
-  deque is non-empty (it polls with a zero timeout).  At worst a wake-up is spurious.
+  deque is non-empty (it polls with a zero timeout).  It is also cleared in an iteration
+  that finds the deque empty and the flag set: that iteration's wait may have read the
+  eventfd write of a producer whose callback an earlier drain already ran (it appended
+  between that drain's clear and its count) -- a set flag with nothing left to read would
+  make every later producer skip its write while the loop sleeps.  So whenever the loop
+  waits, either the flag is clear or an eventfd write is unread.  At worst a wake-up is
+  spurious.
 - Timers: a heap of :class:`_Timer` ordered by (when, seq).  The timer phase runs only the
   timers with ``seq`` at most the last one issued when the phase began (a timer scheduled by
   a timer waits for the next iteration).  Cancelled timers stay in the heap until popped, or
@@ -459,10 +465,14 @@ class SelectorsLoop(EventLoop):
                     if self._fork_end is not None:
                         self._fork_end(f"loop callback {t.callback!r}", None)
                 t = None
-            if ready:
+            if ready or self._wake_pending:
                 # cleared before draining: a later call_soon_threadsafe writes again.  Under
                 # the producers' lock, so the clear and their append-then-test are ordered
-                # without relying on the GIL (a free-threaded build)
+                # without relying on the GIL (a free-threaded build).  Cleared with the deque
+                # empty too: this iteration's wait may have read the write of a producer
+                # whose callback was drained already (the invariants above).  The unlocked
+                # test sees a flag set before an eventfd write this thread has read (the
+                # write and the read are syscalls: ordered by the kernel)
                 with lock:
                     self._wake_pending = False
                 for _ in range(len(ready)):

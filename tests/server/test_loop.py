@@ -50,6 +50,37 @@ def test_call_soon_threadsafe_wakes_a_blocked_loop(loop):
         assert [i for kk, i in got if kk == k] == list(range(n))
 
 
+def test_wake_ups_from_idle_by_several_threads_at_once_are_never_lost(loop):
+    # Each producer waits for its callback before the next: the loop goes idle between them
+    # over and over, while the others' calls land anywhere in its iteration (between its
+    # clear of the pending flag and its count of the queue, too).  A lost wake-up is a
+    # callback that never runs: its wait times out.
+    t = run_in_thread(loop)
+    rounds = 1000
+    done = [0] * 4
+    lost = []
+
+    def producer(k):
+        for i in range(rounds):
+            ev = threading.Event()
+            loop.call_soon_threadsafe(ev.set)
+            if not ev.wait(5):
+                lost.append((k, i))
+                return
+            done[k] += 1
+
+    ps = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(30)
+    loop.stop()
+    t.join(10)
+    assert not t.is_alive()
+    assert not lost, f"callbacks never run (producer, round): {lost}"
+    assert done == [rounds] * 4
+
+
 def test_stop_from_another_thread_while_idle(loop):
     t = run_in_thread(loop)
     time.sleep(0.05)        # let it block in select with no timers: only a wake-up ends it
