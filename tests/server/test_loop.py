@@ -1,4 +1,5 @@
 """Layer 1: readiness callbacks, call_soon(_threadsafe) wake-ups, timers, backends."""
+import functools
 import os
 import socket
 import threading
@@ -8,6 +9,7 @@ import pytest
 
 from aoprim.server.backends import create_loop
 from aoprim.server.loop import BACKENDS, BackendUnavailable, EventLoop, Timer
+from support import run_threads
 
 
 @pytest.fixture(params=BACKENDS)
@@ -69,11 +71,7 @@ def test_wake_ups_from_idle_by_several_threads_at_once_are_never_lost(loop):
                 return
             done[k] += 1
 
-    ps = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
-    for p in ps:
-        p.start()
-    for p in ps:
-        p.join(30)
+    run_threads([functools.partial(producer, k) for k in range(4)])
     loop.stop()
     t.join(10)
     assert not t.is_alive()
