@@ -24,7 +24,8 @@ for every pool, the slots visibly held by survivors (Slots with references or vi
 blocks of live tables) are distinct tenures and fit in ``in_use``; once everything is
 dropped and collected, every pool's ``in_use`` is exactly 0.
 
-Scale: AOPRIM_FUZZ_EXAMPLES (default 300: about 5 s; 100 on a free-threaded build).  Long run, under the sanitizers:
+Scale: AOPRIM_FUZZ_EXAMPLES (default 300: about 5 s; 100 on a free-threaded build).  Long
+run, under the sanitizers:
     AOPRIM_FUZZ_EXAMPLES=5000 .ci/sanitize tests/primitives/test_gc_fuzz.py
 
 The defect shape it guards: were BlockTable's Cython-generated tp_clear to empty ``_tail``
@@ -53,11 +54,11 @@ from aoprim import (AtomicInt, BlockTable, Closed, Empty, FlushGroup, Full, MPMC
 from aoprim.server._eloop import EpollCore
 from aoprim.server._receiver import Receiver
 from aoprim.server._rxbuf import RxArena
+from support import FREE_THREADED
 
 # The free-threaded build's collector walks every object in the process on each collection,
 # frozen ones too (gc.freeze() only spares them the analysis): in a full suite's heap 300
 # examples there take over 120 s (about 5 s with the GIL), so its default is 100.
-FREE_THREADED = not getattr(sys, "_is_gil_enabled", lambda: True)()
 EXAMPLES = int(os.environ.get("AOPRIM_FUZZ_EXAMPLES", "100" if FREE_THREADED else "300"))
 SAFE = os.environ.get("AOPRIM_FUZZ_SAFE") == "1"     # keep tables out of the collector
 

@@ -21,11 +21,9 @@ import weakref
 import pytest
 
 from aoprim import Closed, Empty, Full, MPMCQueue, SPSCQueue
-from support import run_threads, scaled
+from support import FREE_THREADED, run_threads, scaled
 
 pytestmark = pytest.mark.timeout(180)
-
-FREE_THREADED = not getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 class Item:

@@ -72,11 +72,11 @@ def test_wake_ups_from_idle_by_several_threads_at_once_are_never_lost(loop):
             done[k] += 1
 
     run_threads([functools.partial(producer, k) for k in range(4)])
+    assert not lost, f"callbacks never run (producer, round): {lost}"
+    assert done == [rounds] * 4
     loop.stop()
     t.join(10)
     assert not t.is_alive()
-    assert not lost, f"callbacks never run (producer, round): {lost}"
-    assert done == [rounds] * 4
 
 
 def test_stop_from_another_thread_while_idle(loop):

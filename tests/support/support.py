@@ -1,6 +1,10 @@
 """Helpers shared by the tests (importable because conftest puts tests/ on sys.path)."""
 import os
+import sys
 import threading
+
+# A free-threaded build running without the GIL (sys._is_gil_enabled: 3.13+)
+FREE_THREADED = not getattr(sys, "_is_gil_enabled", lambda: True)()
 
 # Scale factor for stress tests: AOPRIM_STRESS=10 for a long soak.
 STRESS = float(os.environ.get("AOPRIM_STRESS", "1"))
@@ -69,9 +73,7 @@ def skip_nomemory_on_free_threaded():
     hangs at interpreter exit, spinning in ``_mi_page_free_collect``), so what the test
     checks cannot be told from the interpreter's own damage -- and a damaged test worker
     hangs later tests."""
-    import sys
-
     import pytest
-    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+    if FREE_THREADED:
         pytest.skip("_testcapi.set_nomemory corrupts the free-threaded build's mimalloc heaps "
                     "(CPython's own allocations do not survive the injected failures)")
