@@ -109,14 +109,53 @@ _STOP_PID = 0          # the process that put _raise_stop in place (main())
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    """SIGINT/SIGTERM in the serving process: :class:`_Stop`.  In any process forked from it
-    (a handler's ``fork`` Pool, made at import or while serving, keeps the handlers it
-    inherited), the signal acts as in a plain Python program: SIGTERM's default action
-    (the handler is put back to it and the signal raised again), SIGINT a
-    KeyboardInterrupt -- never a ``_Stop`` traceback or a stop raised into the server."""
+    """SIGINT/SIGTERM in the serving process: :class:`_Stop`.  A process forked from it gets
+    plain handlers at the fork (``_plain_signals_in_forks``); one forked where no fork hook
+    runs (C code's own fork()) still has this handler, and there the signal acts as in a
+    plain Python program: SIGTERM's default action (the handler is put back to it and the
+    signal raised again), SIGINT a KeyboardInterrupt -- never a ``_Stop`` traceback or a
+    stop raised into the server."""
     if os.getpid() == _STOP_PID:
         raise _Stop()
     as_plain_python(signum)
+
+
+_FORK_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+_forking = threading.local()        # the forking thread's signal mask before the fork
+
+
+def _plain_signals_in_forks() -> None:
+    """In every process forked from this one (a ``fork`` multiprocessing Pool's workers,
+    made at import or while serving; a handler's ``os.fork()``), SIGINT and SIGTERM act
+    as in a plain Python program from the fork on: SIGTERM's default action, SIGINT
+    Python's KeyboardInterrupt, no signal wake-up fd.  SIGTERM must be the kernel's
+    default, not a Python handler that acts as it: a Python handler runs only once the
+    interpreter looks, and a signal that lands while the process is inside a C call that
+    retries on its own (a Pool worker's ``sem_wait`` woken and going back to sleep) is
+    never looked at -- the Pool's finalizer, which ends its workers with SIGTERM and then
+    joins them, would wait forever.  Both signals are blocked in the forking thread across
+    the fork, so one sent to the new process before its handlers are reset waits (pending)
+    and gets the default action once they are."""
+
+    def before() -> None:
+        _forking.mask = signal.pthread_sigmask(signal.SIG_BLOCK, _FORK_SIGNALS)
+
+    def unblock() -> None:
+        mask = getattr(_forking, "mask", None)
+        _forking.mask = None
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    def in_child() -> None:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.set_wakeup_fd(-1)
+        except (ValueError, OSError):   # (not the main thread: as_plain_python stays)
+            pass
+        unblock()
+
+    os.register_at_fork(before=before, after_in_parent=unblock, after_in_child=in_child)
 
 
 def _stop_on_signals() -> None:
@@ -626,28 +665,17 @@ def _tell(pipe: _StatusPipe | None, word: bytes) -> bool:
 def _hide_in_forks(status: _StatusPipe) -> None:
     """In a process forked from this one by handler code (a ``fork`` multiprocessing worker,
     ``os.fork()``), put ``/dev/null`` in place of the status pipe -- while its fd is still
-    that pipe: a number the handler reused is the handler's -- and give SIGINT/SIGTERM back
-    their default action.  (The server hides its listening socket and its loop's fds itself,
-    those it still has at the fork: see aoprim.server.server.)  A forked process that
-    outlives this one must not keep the serving process's signal handlers (it would ignore
-    SIGTERM) nor be able to tell the supervisor anything.  ``/dev/null`` rather than
-    close(): the Python object copied into the fork still owns that number, and its close()
-    must not close an fd the fork opened meanwhile.  A subprocess (fork + exec) loses it by
-    close-on-exec anyway."""
+    that pipe: a number the handler reused is the handler's.  (The server hides its
+    listening socket and its loop's fds itself, those it still has at the fork: see
+    aoprim.server.server; the signals are ``_plain_signals_in_forks``'.)  A forked process
+    that outlives this one must not be able to tell the supervisor anything.
+    ``/dev/null`` rather than close(): the Python object copied into the fork still owns
+    that number, and its close() must not close an fd the fork opened meanwhile.  A
+    subprocess (fork + exec) loses it by close-on-exec anyway."""
 
     def after_in_child() -> None:
         if status.is_open():
             hide_with_devnull({status.fd})      # (at the fd limit too)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM
-                              else signal.default_int_handler)
-            except ValueError:             # forked from a thread Python does not take for
-                pass                       # the main one: the handlers stay
-        try:
-            signal.set_wakeup_fd(-1)
-        except ValueError:
-            pass
 
     os.register_at_fork(after_in_child=after_in_child)
 
@@ -840,6 +868,7 @@ def _serve_one(a: argparse.Namespace) -> int:
 def _serve(a: argparse.Namespace, status: _StatusPipe | None) -> int:
     # a supervised child: what it starts is stopped with it if the supervisor dies
     heirs = _Heirs(os.getppid()) if status is not None else None
+    _plain_signals_in_forks()           # (before the handler's module can fork)
     try:
         if a.handler is not None:
             _put_on_path(a.app_dir)

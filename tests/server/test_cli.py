@@ -13,6 +13,7 @@ import pytest
 
 from aoprim.server import Handler, Server
 
+from proc_support import end, signal_masks
 from server_support import HOST, frame, read_frame, recv_exact
 
 # A neutral working directory by default; test_serve_from_the_checkout_root covers the
@@ -56,9 +57,7 @@ def test_serve_echo_answers_and_exits_0_on_signal(sig, backend):
         stats = json.loads(out.split("stats ", 1)[1])
         assert stats["frames_in"] >= 1 and stats["connections_total"] == 1
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(ROOT, "aoprim")),
@@ -75,9 +74,7 @@ def test_serve_from_the_checkout_root():
         rc, out, err = stop(p, signal.SIGINT)
         assert rc == 0 and "Traceback" not in err, err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 def test_serve_chat_framed_with_workers():
@@ -97,9 +94,7 @@ def test_serve_chat_framed_with_workers():
         rc, out, err = stop(p, signal.SIGTERM)
         assert rc == 0 and "Traceback" not in err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 def test_serve_procs_supervises_and_forwards_shutdown():
@@ -116,9 +111,7 @@ def test_serve_procs_supervises_and_forwards_shutdown():
         assert "Traceback" not in err
         assert out.count("stats ") == 2          # both children shut down cleanly
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 def test_uring_backend_is_a_clear_error():
@@ -148,9 +141,7 @@ def test_loadgen_against_the_cli_server(procs):
         rc, out, err = stop(p, signal.SIGTERM)
         assert rc == 0
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 def test_loadgen_catches_a_corrupted_echo():
@@ -288,9 +279,7 @@ def test_serve_the_users_handler_from_the_current_directory(app_dir, spec, paylo
         assert rc == 0 and "Traceback" not in err, err
         assert json.loads(out.split("stats ", 1)[1])["frames_in"] == 1
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 def test_serve_the_users_handler_from_app_dir(app_dir):
@@ -299,9 +288,7 @@ def test_serve_the_users_handler_from_app_dir(app_dir):
         assert _talk(port, b"dir") == b"DIR"
         assert stop(p, signal.SIGINT)[0] == 0
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 def test_serve_the_users_handler_with_procs(app_dir):
@@ -313,9 +300,7 @@ def test_serve_the_users_handler_with_procs(app_dir):
         assert rc == 0 and "Traceback" not in err, err
         assert out.count("stats ") == 2
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -407,9 +392,7 @@ def test_the_installed_command_also_imports_from_the_current_directory(app_dir, 
         assert _talk(int(line.rsplit(":", 1)[1]), b"cmd") == b"CMD"
         assert stop(p, signal.SIGTERM)[0] == 0
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 def test_the_load_generator_is_a_tool_not_part_of_the_server():
@@ -456,9 +439,7 @@ def test_children_of_a_killed_supervisor_exit_without_a_traceback():
         # stderr is shared with the children: EOF once the last of them has exited
         out, err = p.communicate(timeout=30)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
     assert "shutting down" in err       # the children did stop
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
@@ -520,9 +501,7 @@ def test_listening_is_printed_once_the_loop_runs():
         rc, out, err = stop(p, signal.SIGTERM)
         assert rc == 0 and "Traceback" not in err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 FORKER = '''
@@ -556,9 +535,7 @@ def test_a_handlers_fork_ending_with_sys_exit_exits_with_its_own_status(tmp_path
         rc, out, err = stop(p, signal.SIGTERM)
         assert rc == 0 and "raised SystemExit" not in err and "Traceback" not in err, err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 # -- a supervised child's usage error; a usage error with a handler's thread running ------
@@ -719,9 +696,7 @@ def test_serve_without_workers_is_one_thread_until_its_stop():
         rc, out, err = stop(p, signal.SIGTERM)
         assert rc == 0 and "Traceback" not in err, err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 FORKS = '''
@@ -780,6 +755,13 @@ def test_a_process_forked_from_serve_acts_on_stop_signals_as_a_python_program(
             with socket.create_connection((HOST, port), timeout=10) as c:
                 c.sendall(cmd)
                 pid = int(c.recv(16))
+            # the kernel's view: SIGTERM has its default action (a Python handler can miss
+            # a signal that lands while the process is inside a C call that retries, such
+            # as a Pool worker's sem_wait), and neither signal is left blocked
+            mask = signal_masks(pid)
+            bits = {s: 1 << (s - 1) for s in (signal.SIGINT, signal.SIGTERM)}
+            assert not mask["SigCgt"] & bits[signal.SIGTERM], (cmd, mask)
+            assert not mask["SigBlk"] & (bits[signal.SIGINT] | bits[signal.SIGTERM]), (cmd, mask)
             os.kill(pid, sig)
             with socket.create_connection((HOST, port), timeout=10) as c:
                 c.sendall(b"wait %d" % pid)
@@ -787,9 +769,7 @@ def test_a_process_forked_from_serve_acts_on_stop_signals_as_a_python_program(
         rc, out, err = stop(p, signal.SIGTERM)
         assert rc == 0 and "Traceback" not in err and "ERROR" not in err, err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 POOL = '''
@@ -823,9 +803,7 @@ def test_procs_stop_with_a_pool_made_at_import_is_clean(tmp_path):
         assert rc == 0, err
         assert "did not stop" not in err and "Traceback" not in err, err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 @pytest.mark.timeout(60)
@@ -856,8 +834,6 @@ def test_stdout_on_a_full_disk_costs_the_lines_not_the_service(stats):
         err = "".join(lines) + p.stderr.read()
         assert p.wait(30) == 0, err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
         p.stderr.close()
     assert "Traceback" not in err and "ERROR" not in err, err

@@ -20,6 +20,7 @@ from aoprim.server import Handler, Server
 from aoprim.server.apps import Chat, Echo
 from aoprim.server.loop import BACKENDS
 
+from proc_support import end
 from tls_clients import RawTLS
 from tlscerts import tls_certs  # noqa: F401  (fixture)
 
@@ -354,9 +355,7 @@ def test_emfile_pauses_accepting_instead_of_dying(tmp_path):
         assert "pausing accepts" in err
         assert "Traceback" not in err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

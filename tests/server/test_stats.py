@@ -12,6 +12,7 @@ from aoprim.server.apps import Echo
 from aoprim.server.loop import BACKENDS
 from aoprim.server.stats import summary
 
+from proc_support import end
 from server_support import HOST, make_server, recv_exact, wait_for  # noqa: F401
 
 
@@ -69,9 +70,7 @@ def _serve_one_echo(backend, *flags):
             assert recv_exact(s, 4) == b"ping"
         rc, out, err = cli_t.stop(p, signal.SIGINT)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
     assert rc == 0, err
     return out, err
 
@@ -107,9 +106,7 @@ def test_procs_children_follow_the_flag(flags, lines):
     try:
         rc, out, err = cli_t.stop(p, signal.SIGINT)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
     assert rc == 0, err
     assert sum(ln.startswith("stats ") for ln in out.splitlines()) == lines, out
     assert len([ln for ln in err.splitlines() if "server stopped" in ln]) == 2, err

@@ -56,6 +56,26 @@ def fd_count(pid="self"):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def signal_masks(pid):
+    """The signal sets /proc shows for ``pid`` -- SigBlk, SigIgn, SigCgt -- as ints (bit
+    ``n - 1`` is signal ``n``)."""
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v, 16) for k, v in (line.split(":", 1) for line in f)
+                if k in ("SigBlk", "SigIgn", "SigCgt")}
+
+
+def end(p):
+    """Kill the subprocess ``p`` if it still runs, reap it and close its pipes: a test that
+    failed midway leaves neither a process nor a pipe, which a later test's garbage
+    collection would report (as an unraisable ResourceWarning) in that test's name."""
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+    for f in (p.stdin, p.stdout, p.stderr):
+        if f is not None:
+            f.close()
+
+
 def cpu_seconds(pid):
     """utime + stime of a process, in seconds."""
     with open(f"/proc/{pid}/stat") as f:

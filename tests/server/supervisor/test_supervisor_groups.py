@@ -21,7 +21,7 @@ import pytest
 from aoprim.server import supervisor as supervisor_mod
 from aoprim.server.supervisor import Supervisor
 
-from proc_support import child_env
+from proc_support import child_env, end
 from server_support import HOST, wait_for
 from test_supervisor import Lines, alive, argv_of, run_supervisor
 
@@ -272,8 +272,6 @@ def test_a_stalled_stderr_does_not_stop_the_supervisor(child_script, tmp_path):
         assert "dropped" not in text
         out.join()
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
         p.stdout.close()
         os.close(r)

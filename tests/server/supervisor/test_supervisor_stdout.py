@@ -12,7 +12,7 @@ import pytest
 
 from aoprim.server.loop import BACKENDS
 
-from proc_support import child_env
+from proc_support import child_env, end
 from server_support import HOST, recv_exact
 from test_supervisor import Lines
 
@@ -70,9 +70,7 @@ def test_a_pipe_whose_reader_exited_drops_the_lines_and_serving_goes_on(tmp_path
         assert p.poll() is None
         finish(p, err)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
         p.stderr.close()
 
 
@@ -93,7 +91,5 @@ def test_no_stdout_at_all_drops_the_lines_and_serving_goes_on(tmp_path, backend)
             assert echo(port, b"after%d" % i) == b"after%d" % i
         finish(p, err)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
         p.stderr.close()

@@ -15,6 +15,7 @@ from aoprim.server import Handler, Server
 from aoprim.server.apps import Echo
 from aoprim.server.loop import BACKENDS
 
+from proc_support import end
 from tlscerts import CLIENT_CN, tls_certs  # noqa: F401  (fixture)
 from server_support import (HOST, assert_no_leaks, frame, make_server,  # noqa: F401
                                  open_fds, recv_exact, wait_for)
@@ -433,9 +434,7 @@ def test_cli_serves_tls_with_client_certs(tls_certs, procs):
         assert rc == 0, err
         assert "Traceback" not in err and " ERROR " not in err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end(p)
 
 
 @pytest.mark.parametrize("args, message", [
