@@ -18,9 +18,9 @@ running loop, so ``asyncio.get_running_loop()``, ``loop.call_later``/``call_at``
 ``asyncio.timeout`` and ``run_in_executor``/``asyncio.to_thread`` work as on asyncio's
 loop, and so does its debug mode (``PYTHONASYNCIODEBUG``, ``set_debug``: slow callbacks
 logged); what they schedule runs on the server's loop thread (with ``workers=0`` the thread of
-the protocol's own callbacks, so no lock is needed; with ``workers=N`` the protocol's
-callbacks run on a worker and the loop's on the loop thread: state both touch needs a
-lock).  The loop's I/O methods raise ``NotImplementedError``.  Each connection has its own
+the protocol's own callbacks; with ``workers=N`` the protocol's callbacks run on a worker
+and the loop's on the loop thread, but one connection's code never on both at once: see
+:class:`_Strand`; state shared between connections needs a lock).  The loop's I/O methods raise ``NotImplementedError``.  Each connection has its own
 ``contextvars.Context``, copied at accept from the context of the code that made the
 server (``serve_protocol()``'s caller), in which its callbacks run (what one connection
 sets, another never sees; its tasks and loop callbacks copy it, as asyncio's).  The default
@@ -195,6 +195,12 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         if _get_ident() == ev.thread_id:
             self._nsoon += 1
             ev.call_soon(self._run_handle, h)
+            return h
+        st = getattr(_here, "strand", None)
+        if st is not None and not ev.closed:
+            # inside a protocol callback on a worker: handed over once it returns, behind
+            # what it did to its session (a pause_reading, its writes), as asyncio runs it
+            st.keep(ev.call_soon_threadsafe, self._run_handle, h)
         elif not ev.call_soon_threadsafe(self._run_handle, h):
             raise RuntimeError("Event loop is closed (the server has shut down)")
         return h
@@ -219,6 +225,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         h.drop_frame()              # (debug mode: the caller's line is where it was made)
         if _get_ident() == self._ev.thread_id:
             self._arm(h)
+            return h
+        st = getattr(_here, "strand", None)
+        if st is not None and not self._ev.closed:
+            st.keep(self._post, True, h)    # (as call_soon: once the callback returns)
         elif not self._post(True, h):
             raise RuntimeError("Event loop is closed (the server has shut down)")
         return h
@@ -288,6 +298,17 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             t.cancel()
 
     def _run_handle(self, h: _Handle | _Timer) -> None:
+        if h.cancelled():
+            return
+        # with workers: a callback or task step of a connection (run in its context or a
+        # copy) waits while a worker runs one of that connection's protocol callbacks
+        tr = h._context.get(_CONN)      # type: ignore[attr-defined]
+        if tr is not None and tr._strand is not None:
+            tr._strand.run_or_defer(self._fire, h)
+            return
+        self._fire(h)
+
+    def _fire(self, h: _Handle | _Timer) -> None:
         if h.cancelled():
             return
         try:
@@ -683,6 +704,92 @@ def _in_context(tr: SessionTransport, fn: Callable[..., Any], *args: Any) -> Any
     return tr._ctx.run(fn, *args)
 
 
+class _Strand:
+    """With ``workers=N``: one connection's code never runs on two threads at once, as on
+    asyncio's one thread.  Its protocol callbacks run on a worker (``data_received``,
+    ``eof_received``, ``connection_lost``), its tasks and loop callbacks on the loop thread;
+    asyncio's objects that both touch (an ``Event`` that ``data_received`` sets and a task
+    waits on, a ``Future``, a task's state) are not made for two threads.  So a worker
+    holds the connection's strand while a protocol callback runs (``enter``/``leave``),
+    and the loop thread runs the connection's callbacks and task steps -- those whose
+    context is the connection's or a copy of it -- only while it can take the strand
+    (``run_or_defer``); one it cannot is kept, in order, and handed back to the loop
+    thread when the worker leaves.  What a protocol callback schedules therefore runs
+    after it returns, as on asyncio's loop.
+
+    What the worker's protocol callback itself schedules (``call_soon``, a task it wakes, a
+    timer) is kept the same way and handed over when it leaves -- after what the callback
+    did to its session meanwhile (a ``pause_reading``, its writes), which goes to the loop
+    thread at once: asyncio applies those at once, and runs the scheduled code later.
+
+    ``_lock`` is held by whoever runs the connection's code; ``_m`` makes "the loop thread
+    found the strand taken and kept a callback" and "the worker gave the strand back and
+    took the kept callbacks" one step each, so that no kept callback is missed.  ``_owner``
+    (the holding thread's ident) lets a callback that runs inside another on the same
+    thread (``pause_writing`` inside a ``write``) pass; only the holder writes it.  Each
+    kept item is a call the leaving thread makes (a hand-over to the loop thread)."""
+    __slots__ = ("_lock", "_m", "_owner", "_depth", "_kept", "_ev")
+
+    def __init__(self, ev: EventLoop) -> None:
+        self._lock = threading.Lock()
+        self._m = threading.Lock()
+        self._owner = 0
+        self._depth = 0
+        self._kept: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
+        self._ev = ev
+
+    def enter(self) -> None:
+        """Take the strand (waiting while the loop thread runs one of the connection's
+        callbacks: a task step, short)."""
+        me = _get_ident()
+        if self._owner == me:
+            self._depth += 1
+            return
+        self._lock.acquire()
+        self._owner = me
+        self._depth = 1
+        _here.strand = self
+
+    def keep(self, fn: Callable[..., object], *args: Any) -> None:
+        """The holder: call ``fn(*args)`` when it leaves, in order with the rest kept."""
+        with self._m:
+            self._kept.append((fn, args))
+
+    def leave(self) -> None:
+        """Give the strand back; what was kept meanwhile goes to the loop thread, in
+        order."""
+        self._depth -= 1
+        if self._depth:
+            return
+        _here.strand = None
+        with self._m:
+            self._owner = 0
+            self._lock.release()
+            kept, self._kept = self._kept, []
+        for fn, args in kept:
+            # (a hand-over to a closed loop fails quietly: the server is gone)
+            fn(*args)
+
+    def run_or_defer(self, fn: Callable[..., object], *args: Any) -> None:
+        """Loop thread: ``fn(*args)`` holding the strand, or kept for the worker's
+        ``leave`` if a worker holds it."""
+        if self._owner == _get_ident():
+            fn(*args)
+            return
+        with self._m:
+            if not self._lock.acquire(False):
+                self._kept.append((self._ev.call_soon_threadsafe,
+                                   (self.run_or_defer, fn, *args)))
+                return
+            self._owner = _get_ident()
+            self._depth = 1
+            _here.strand = self
+        try:
+            fn(*args)
+        finally:
+            self.leave()
+
+
 class SessionTransport(asyncio.Transport):
     """An ``asyncio.Transport`` over one session."""
 
@@ -702,13 +809,18 @@ class SessionTransport(asyncio.Transport):
         self._low = self._high = 0
         # The protocol's writing state, which the loop thread's flush and a worker's
         # write() both may change: 0 writing; 1 a worker's write() is pausing it (its
-        # pause_writing() runs); 2 paused, and a resume_writing() may come.  Exactly one
-        # of them pauses (0 -> 1 or 0 -> 2), and the resume (2 -> 0, the loop thread at
-        # the low mark) never overtakes a worker's pause_writing() still running.
+        # pause_writing() runs); 2 paused, and a resume_writing() may come; 3 (workers)
+        # the flush decided to pause while a callback of the connection ran: told by that
+        # callback's next write() (3 -> 1) or after it (3 -> 2), or undone by the low mark
+        # first (3 -> 0).  Exactly one of them pauses (0 -> 1, 0 -> 2 or through 3), and
+        # the resume (2 -> 0, the loop thread at the low mark) never overtakes a worker's
+        # pause_writing() still running.
         # AtomicInt is sequentially consistent: a worker's store(2) comes before its
         # writer_paused() push (the session queue's lock orders the two for the loop)
         self._told = AtomicInt(0)
         self._sock: Any = None          # get_extra_info("socket"), made at the first ask
+        # with workers: the connection's code on one thread at a time (see _Strand)
+        self._strand = _Strand(session._loop) if session.work is not None else None
         session.set_transport_rules()
         self.set_write_buffer_limits()
 
@@ -726,7 +838,8 @@ class SessionTransport(asyncio.Transport):
             if not self._tls and not s.over_max_pending():
                 s.send_after_close(data)
             return
-        if s.over_max_pending(self._told.load() != 0):
+        told = self._told.load()
+        if s.over_max_pending(told == 1 or told == 2):
             return          # (dropped: connection_lost gets the error naming max_pending)
         sk = self._sock
         if sk is not None and sk.wr_shut and _get_ident() != self._loop._ev.thread_id:
@@ -737,17 +850,24 @@ class SessionTransport(asyncio.Transport):
             self._loop._ev.call_soon_threadsafe(s.send, bytes(data))
             return          # (False once the server has shut down: dropped, as after close)
         s.send(data)
-        if _get_ident() != self._loop._ev.thread_id and self._told.load() == 0:
+        if _get_ident() != self._loop._ev.thread_id:
             # a worker's write: its bytes wait for the loop thread, which would pause the
             # protocol only at its flush -- while this callback writes on without limit.
             # Paused here instead, before write() returns, as asyncio's write() does, for
             # the backlog the socket will not take: asyncio counts what is left after it
             # tried the socket; here nothing was offered to it yet, so what the kernel may
-            # still take (send_room) is allowed for on top of the high mark.  The session
-            # resumes the protocol once the loop drained the backlog to the low mark
-            u = s.unsent_bytes()
-            if (u > self._high and u > self._high + s.send_room()
-                    and self._told.compare_exchange(0, 1)):
+            # still take (send_room) is allowed for on top of the high mark.  Or the loop
+            # thread's flush decided it first (3), beside this callback: told here.  The
+            # session resumes the protocol once the loop drained the backlog to the low
+            # mark
+            told = self._told.load()
+            if told == 0:
+                u = s.unsent_bytes()
+                pause = (u > self._high and u > self._high + s.send_room()
+                         and self._told.compare_exchange(0, 1))
+            else:
+                pause = told == 3 and self._told.compare_exchange(3, 1)
+            if pause:
                 try:
                     self._flow("pause_writing")
                 finally:
@@ -792,23 +912,44 @@ class SessionTransport(asyncio.Transport):
     def _pause_writing(self) -> None:
         # (the session's on_high, loop thread: not again if a worker's write() paused the
         # protocol; on this thread the pause is over before any resume can come)
-        if self._told.compare_exchange(0, 2):
-            self._flow("pause_writing")
+        st = self._strand
+        if st is None or _CONN.get() is self:
+            if self._told.compare_exchange(0, 2):
+                self._flow("pause_writing")
+            return
+        # with workers: decided here (3), told once no callback of the connection runs --
+        # by a worker's next write() inside its callback, or after that callback
+        if self._told.compare_exchange(0, 3):
+            st.run_or_defer(self._tell_pause)
+
+    def _tell_pause(self) -> None:
+        if self._told.compare_exchange(3, 2):       # (not if a worker's write() told it)
+            self._flow("pause_writing", False)
 
     def _resume_writing(self) -> None:
         # (the session's on_low, loop thread: not while a worker's pause_writing() runs --
         # then the session's writer_paused, queued behind it, checks the low mark again)
-        if self._told.compare_exchange(2, 0):
-            self._flow("resume_writing")
+        st = self._strand
+        if st is None or _CONN.get() is self:
+            if self._told.compare_exchange(2, 0):
+                self._flow("resume_writing")
+            return
+        if not self._told.compare_exchange(3, 0):   # (a pause never told: none to undo)
+            st.run_or_defer(self._tell_resume)
 
-    def _flow(self, name: str) -> None:
+    def _tell_resume(self) -> None:
+        if self._told.compare_exchange(2, 0):
+            self._flow("resume_writing", False)
+
+    def _flow(self, name: str, inside: bool | None = None) -> None:
         """The protocol's ``pause_writing``/``resume_writing``: inside a write (this
         connection's callback or task) in the caller's context, as asyncio; from the
         flush, in a copy of the connection's context (asyncio: its writer callback's) --
         a copy, as with workers the connection's own may be in use on a worker.  An
         exception goes to the loop's exception handler, as asyncio's."""
+        if inside is None:
+            inside = _CONN.get() is self
         proto = self._protocol
-        inside = _CONN.get() is self
         try:
             if inside:
                 _call(self._loop, getattr(proto, name))
@@ -973,6 +1114,17 @@ class ProtocolHandler(Handler):
         tr: SessionTransport = session.user
         if tr._closing:
             return
+        st = tr._strand
+        if st is None:
+            self._read(tr, session, data)
+            return
+        st.enter()
+        try:
+            self._read(tr, session, data)
+        finally:
+            st.leave()
+
+    def _read(self, tr: SessionTransport, session: Session, data: memoryview | bytes) -> None:
         lp = tr._loop
         n0 = lp._nsoon
         if lp._debug:
@@ -1079,6 +1231,16 @@ class ProtocolHandler(Handler):
         tr: SessionTransport | None = session.user
         if tr is None or tr._closing:
             return False
+        st = tr._strand
+        if st is None:
+            return self._eof(tr, session)
+        st.enter()
+        try:
+            return self._eof(tr, session)
+        finally:
+            st.leave()
+
+    def _eof(self, tr: SessionTransport, session: Session) -> bool:
         try:
             keep = bool(_call(tr._loop, _in_context, tr, tr._protocol.eof_received))
         except _NOT_CAUGHT:
@@ -1096,8 +1258,19 @@ class ProtocolHandler(Handler):
         return keep
 
     def on_close(self, session: Session, exc: BaseException | None) -> None:
-        if session.user is None:
+        tr: SessionTransport | None = session.user
+        if tr is None:
             return                  # (no transport was made: not counted)
+        if tr._strand is not None and _get_ident() != tr._loop._ev.thread_id:
+            # with workers, on a worker: connection_lost as asyncio's transport schedules
+            # it, a loop callback -- behind what the connection's last callback scheduled
+            # (a call_soon before its close() runs first, as on asyncio's loop)
+            if tr._loop._ev.call_soon_threadsafe(tr._strand.run_or_defer, self._closed,
+                                                 session, exc):
+                return
+        self._closed(session, exc)
+
+    def _closed(self, session: Session, exc: BaseException | None) -> None:
         try:
             self._lost(session, exc)
         finally:
@@ -1112,6 +1285,18 @@ class ProtocolHandler(Handler):
         tr: SessionTransport | None = session.user
         if tr is None:
             return
+        st = tr._strand
+        if st is None:
+            self._lost_in(tr, session, exc)
+            return
+        st.enter()
+        try:
+            self._lost_in(tr, session, exc)
+        finally:
+            st.leave()
+
+    def _lost_in(self, tr: SessionTransport, session: Session,
+                 exc: BaseException | None) -> None:
         tr._closing = True
         session.user = None
         if exc is None:

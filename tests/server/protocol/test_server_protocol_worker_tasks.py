@@ -121,7 +121,9 @@ def test_eager_tasks_from_workers_and_the_loop_thread_all_answer(serve, workers,
 def test_current_task_in_a_callback_on_a_worker_is_the_loop_threads(serve, workers):
     """docs/server.md: ``asyncio.current_task()`` answers for the loop, not the thread --
     inside ``data_received`` on a worker it is the task the loop thread is running at that
-    moment (None when it runs none); with workers=0 it is None, as on asyncio's loop."""
+    moment (None when it runs none); with workers=0 it is None, as on asyncio's loop.  The
+    task here is started from a thread of its own, as another connection's or thread's
+    code starts one: one this callback schedules would run only once it returns."""
     seen = []
 
     class P(asyncio.Protocol):
@@ -130,15 +132,21 @@ def test_current_task_in_a_callback_on_a_worker_is_the_loop_threads(serve, worke
 
         def data_received(self, data):
             running, release = threading.Event(), threading.Event()
+            tasks = []
 
             async def step():
+                tasks.append(asyncio.current_task())
                 running.set()
                 release.wait(20)        # the loop thread stays inside this task's step
 
-            task = asyncio.get_running_loop().create_task(step())
+            loop = asyncio.get_running_loop()
             if workers:
+                starter = threading.Thread(
+                    target=asyncio.run_coroutine_threadsafe, args=(step(), loop))
+                starter.start()
+                starter.join(20)
                 assert running.wait(20)
-            seen.append((asyncio.current_task(), task))
+            seen.append((asyncio.current_task(), tasks))
             release.set()
             self.t.write(b"ok")
 
@@ -146,8 +154,8 @@ def test_current_task_in_a_callback_on_a_worker_is_the_loop_threads(serve, worke
     with socket.create_connection(srv.address, timeout=20) as c:
         c.sendall(b"x")
         assert recv_exact(c, 2, timeout=20) == b"ok"
-    [(current, task)] = seen
+    [(current, tasks)] = seen
     if workers:
-        assert current is task
+        assert current is tasks[0] and current is not None
     else:
         assert current is None

@@ -1,0 +1,174 @@
+"""With ``workers=N`` a connection's code runs on one thread at a time, as on asyncio's one
+thread: its protocol callbacks (on a worker) and its tasks and loop callbacks (on the loop
+thread) never overlap, and what a protocol callback schedules runs after it returns --
+behind what it did to its transport meanwhile (a ``pause_reading``, its writes).  Each
+scenario also runs on asyncio's own loop, which must agree.  Both Layer 1 backends, with and
+without workers."""
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+from server_support import recv_exact
+from protocol_support import backend, on_asyncio, serve, workers  # noqa: F401
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class WakeThenPause(asyncio.Protocol):
+    """uvicorn's flow: ``data_received`` wakes the request task (an ``Event``), then pauses
+    reading; the task resumes reading.  If the task ran before the pause, reading would
+    stay paused for good."""
+
+    def connection_made(self, transport):
+        self.t = transport
+        self.got = 0
+        self.ev = asyncio.Event()
+        self.task = asyncio.get_running_loop().create_task(self.reader())
+
+    async def reader(self):
+        while True:
+            await self.ev.wait()
+            self.ev.clear()
+            self.t.resume_reading()
+
+    def data_received(self, data):
+        self.got += len(data)
+        self.ev.set()
+        self.t.pause_reading()
+        time.sleep(0.005)               # some work: the window the task must not run in
+        if self.got >= 400:
+            self.t.write(b"done")
+            self.t.close()
+
+    def connection_lost(self, exc):
+        self.task.cancel()
+
+
+def _wake_then_pause_client(address):
+    with socket.create_connection(address[:2], timeout=20) as c:
+        for _ in range(4):
+            c.sendall(b"x" * 100)
+            time.sleep(0.02)            # separate reads, each paused and resumed
+        return recv_exact(c, 4, timeout=20)
+
+
+def test_a_task_woken_before_pause_reading_resumes_after_it(serve):
+    assert on_asyncio(WakeThenPause, _wake_then_pause_client) == b"done"
+    srv = serve(WakeThenPause)
+    assert _wake_then_pause_client(srv.address) == b"done"
+
+
+class WriteScheduleWrite(asyncio.Protocol):
+    """``write(A)``, ``call_soon(write, B)``, ``write(C)``: asyncio's peer gets ``ACB``."""
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        loop = asyncio.get_running_loop()
+        self.t.write(b"A")
+        loop.call_soon(self.t.write, b"B")
+        time.sleep(0.002)
+        self.t.write(b"C")
+        loop.call_soon(self.t.close)
+
+
+def _order_client(address):
+    got = []
+    for _ in range(10):
+        with socket.create_connection(address[:2], timeout=20) as c:
+            c.sendall(b"x")
+            buf = b""
+            while d := c.recv(16):
+                buf += d
+            got.append(buf)
+    return got
+
+
+def test_what_data_received_schedules_runs_after_its_writes(serve):
+    assert on_asyncio(WriteScheduleWrite, _order_client) == [b"ACB"] * 10
+    srv = serve(WriteScheduleWrite)
+    assert _order_client(srv.address) == [b"ACB"] * 10
+
+
+class PingPong(asyncio.Protocol):
+    """Each message wakes the connection's task through an ``Event``; the task answers it.
+    ``inside`` counts the connection's code running now -- a protocol callback or a step
+    of its task -- and must never be above 1; every overlap is recorded."""
+
+    overlaps = None                     # a list shared by the test
+
+    def connection_made(self, transport):
+        self.t = transport
+        self.inside = 0
+        self.n = 0
+        self.ev = asyncio.Event()
+        self.task = asyncio.get_running_loop().create_task(self.answer())
+
+    def _enter(self, where):
+        self.inside += 1
+        if self.inside != 1:
+            self.overlaps.append(where)
+
+    def _leave(self):
+        time.sleep(0.0002)              # a window for another thread (the GIL let go)
+        self.inside -= 1
+
+    async def answer(self):
+        while True:
+            await self.ev.wait()
+            self._enter("task")
+            self.ev.clear()
+            self.t.write(b"%d;" % self.n)
+            self._leave()
+
+    def data_received(self, data):
+        self._enter("data_received")
+        self.n += data.count(b";")
+        self.ev.set()                   # the task may run only once this returns
+        self._leave()
+
+    def connection_lost(self, exc):
+        self.task.cancel()
+
+
+def _ping_pong_clients(address, conns=4, rounds=150):
+    results = [None] * conns
+
+    def one(i):
+        with socket.create_connection(address[:2], timeout=20) as c:
+            last = b""
+            for k in range(1, rounds + 1):
+                c.sendall(b"m;")
+                buf = b""
+                while not buf.endswith(b"%d;" % k):
+                    d = c.recv(4096)
+                    if not d:
+                        break
+                    buf += d
+                last = buf
+            results[i] = last.rsplit(b";", 2)[-2]
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(conns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(100)
+    return results
+
+
+def test_a_connections_callbacks_and_its_task_never_overlap(serve, workers):
+    rounds = 150
+    overlaps = []
+
+    class P(PingPong):
+        pass
+    P.overlaps = overlaps
+    assert on_asyncio(P, _ping_pong_clients) == [b"%d" % rounds] * 4
+    assert overlaps == []
+
+    srv = serve(P)
+    assert _ping_pong_clients(srv.address, rounds=rounds) == [b"%d" % rounds] * 4
+    assert overlaps == [], f"{len(overlaps)} overlaps, first: {overlaps[:5]}"
