@@ -550,11 +550,17 @@ class Session:
     def send_after_close(self, data: Buffer) -> None:
         """An asyncio transport's ``write()`` after its ``close()`` while the backlog from
         before is still being sent (loop thread): added to it, as asyncio's selector
-        transport still queues and sends such a write.  Dropped once the backlog is out
+        transport still queues and sends such a write.  The backlog is what the socket did
+        not take: the batch is offered to it first.  Dropped once the backlog is out
         (the write side is shut or about to be), after an abort, and from another thread
         (a worker's close is not seen here in order with its writes)."""
         if (self._state != CLOSING or self._lingering or not self._transport
                 or _get_ident() != self._loop.thread_id or not self._batch.pending_msgs):
+            return
+        # asyncio's write() has offered its bytes to the socket already, so its backlog is
+        # what the kernel did not take: offered here too, once, before it counts
+        self._send_once()
+        if not self._batch.pending_msgs:
             return
         b = self._batch
         p = b.add_frame(data, self._hs) if self._hs else b.add_copy(data)

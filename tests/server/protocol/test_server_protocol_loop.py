@@ -392,3 +392,29 @@ def test_write_after_close_joins_the_backlog_still_being_sent(serve):
     assert on_asyncio(WritesAfterClose, client) == want
     srv = serve(WritesAfterClose)
     assert client(srv.address) == want
+
+
+class WritesAfterCloseNoBacklog(asyncio.Protocol):
+    """A short reply, close(), then a write: the kernel took the reply at once, so there
+    is no backlog for the late write to join -- asyncio drops it."""
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        self.t.write(b"reply;")
+        self.t.close()
+        self.t.write(b"WRITTEN-AFTER-CLOSE")
+
+
+def test_write_after_close_with_no_backlog_is_dropped(serve):
+    def client(address):
+        with socket.create_connection(address) as c:
+            c.sendall(b"x")
+            data, how = recv_until_closed(c, timeout=30)
+            return data, how
+
+    want = b"reply;", "eof"
+    assert on_asyncio(WritesAfterCloseNoBacklog, client) == want
+    srv = serve(WritesAfterCloseNoBacklog)
+    assert client(srv.address) == want
