@@ -230,7 +230,7 @@ class Session:
                  "_proxy_wait", "_sent_seen", "_owed_seen", "_oserr", "_peer_failed",
                  "_rest", "_cb_hold", "_transport", "_cap", "_limit", "_limit_cause",
                  "_progress_at", "_forks_at_accept", "_wire", "_sink", "_await_answer",
-                 "__weakref__")
+                 "_peer_eof", "__weakref__")
 
     id: int                 # 1, 2, ... in the order the server accepted them
     #: the client's address as ``socket.accept()`` gives it (``(host, port)`` for IPv4,
@@ -304,6 +304,7 @@ class Session:
         # the stream failed (reset, recv/send error) while the session was open: frames read
         # before it and still queued for a worker are delivered (see takes_frames)
         self._peer_failed = False
+        self._peer_eof = False              # the peer's end of stream was read
         # workers=0: the rest of a frame that on_read handed back with unread() after pausing
         # reading; delivered first once reading resumes
         self._rest: bytes | None = None
@@ -895,6 +896,12 @@ class Session:
             return
         if not status and self._state == CLOSING:
             status = self._wire.end_output()    # (TLS: close_notify, once all is sent)
+            if status < 0 and self._peer_eof and -status in (errno.EPIPE, errno.ECONNRESET):
+                # the peer ended its stream and then its socket: everything owed was
+                # handed to the kernel, and only close_notify, which nobody is left to
+                # read, found the connection gone -- a clean end, as asyncio's TLS
+                # transport (which sends no close_notify after the peer's EOF) has it
+                status = 0
         if status < 0:
             e = -status
             if self._state != CLOSED:
@@ -1330,6 +1337,7 @@ class Session:
                   balancer)
 
     def _peer_closed(self) -> None:
+        self._peer_eof = True
         self._ctx.stats.eofs += 1
         self._close_after_frames("peer closed the connection", logging.DEBUG, "eof")
 

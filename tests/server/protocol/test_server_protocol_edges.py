@@ -776,3 +776,48 @@ def test_a_tls_peers_close_notify_calls_eof_received(serve, tls_certs):
     assert run(srv.address)
     assert done.wait(10)
     assert log == want == [("data", b"go"), "eof", ("lost", None)]
+
+
+class EchoThenLastWord(asyncio.Protocol):
+    """Echoes; at the peer's EOF writes a last line (and returns None: the transport
+    closes).  Records what connection_lost got."""
+
+    def __init__(self, seen, done):
+        self.seen, self.done = seen, done
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        self.t.write(data)
+
+    def eof_received(self):
+        self.t.write(b"last word")
+
+    def connection_lost(self, exc):
+        self.seen.append(repr(exc))
+        self.done.set()
+
+
+def test_a_write_at_a_tls_peers_eof_without_close_notify_ends_cleanly(serve, tls_certs):
+    """The TLS peer takes its echo and closes its socket without close_notify; the
+    protocol's eof_received writes one more line.  The close_notify that follows finds the
+    connection gone: connection_lost(None), as on asyncio (whose TLS transport sends no
+    close_notify after the peer's EOF), not a BrokenPipeError."""
+    def client(address):
+        raw = socket.create_connection(address[:2], timeout=10)
+        c = tls_certs.client_ctx().wrap_socket(raw, server_hostname="localhost")
+        c.sendall(b"x" * 600)
+        assert recv_exact(c, 600, timeout=10) == b"x" * 600
+        c.close()                       # a FIN, no close_notify
+        return True
+
+    for run in (on_asyncio, None):
+        seen, done = [], threading.Event()
+        if run is on_asyncio:
+            run(lambda: EchoThenLastWord(seen, done), client, ssl=tls_certs.server_ctx())
+        else:
+            srv = serve(lambda: EchoThenLastWord(seen, done), ssl=tls_certs.server_ctx())
+            client(srv.address)
+        assert done.wait(10)
+        assert seen == ["None"], (run, seen)
