@@ -278,14 +278,18 @@ def load_handler(spec: str) -> Handler:
 # -- the parser -----------------------------------------------------------------------------
 
 def _seconds_or_none(v: str) -> float | None:
-    if v.lower() in ("none", "0", "off"):
+    """A limit in seconds above 0, or ``none``/``off`` for no limit.  0 is refused, as
+    ``Server()`` refuses it, whatever its spelling (``0``, ``0.0``): it is not a way to say
+    "no limit"."""
+    if v.lower() in ("none", "off"):
         return None
     try:
         x = float(v)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {v!r}") from None
-    if x <= 0:
-        raise argparse.ArgumentTypeError("must be > 0 (or 'none')")
+    if not x > 0 or x == math.inf:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds above 0 ('none' or 'off' for no limit), not {v!r}")
     return x
 
 

@@ -316,6 +316,31 @@ def _not_sync(obj: object) -> str | None:
     return None
 
 
+# the arguments the server calls each hook with: (session,), (session, data),
+# (session, reason)
+_HOOK_ARGS = {"on_connect": ("session",), "on_read": ("session", "data"),
+              "on_close": ("session", "reason")}
+
+
+def _bad_arity(obj: object) -> str | None:
+    """Why a hook of ``obj`` cannot be called with the server's arguments (a missing or an
+    extra parameter), found at construction rather than as a TypeError at every call.
+    None if each takes them, or if its signature cannot be read (a C callable)."""
+    for h in _HOOKS:
+        f = getattr(obj, h)
+        try:
+            sig = inspect.signature(f)
+        except (TypeError, ValueError):
+            continue
+        args = _HOOK_ARGS[h]
+        try:
+            sig.bind(*args)
+        except TypeError as e:
+            return (f"{type(obj).__qualname__}.{h}{sig} cannot take the server's arguments "
+                    f"({', '.join(args)}): {e}")
+    return None
+
+
 def _instantiate(cls: type) -> object:
     """``cls()``; a class whose constructor needs arguments is refused naming them (its real
     signature: ``__init__``'s, wherever in the bases it is)."""
@@ -358,7 +383,7 @@ def as_handler(handler: object) -> Handler:
                         f"Server({name}(), ...)")
     if missing:
         raise _refuse(f"object of type {type(handler).__qualname__}", handler, missing)
-    why = _default_on_read(handler) or _not_sync(handler)
+    why = _default_on_read(handler) or _not_sync(handler) or _bad_arity(handler)
     if why is not None:
         raise TypeError(why)
     return cast("Handler", handler)

@@ -4,7 +4,8 @@ One idea, the supervisor (over 800 lines): starting, watching, relaying the outp
 stopping its children are one process's state machine.
 
 The kernel spreads the connections over the children (``SO_REUSEPORT``).  The supervisor
-imports no server code: a child is any command that reports to it on a pipe of its own (see
+runs no server code (this module imports none of it; the ``aoprim.server`` package around
+it is loaded, but no server, loop or session is made): a child is any command that reports to it on a pipe of its own (see
 "The status pipe") and exits.
 
 Rules

@@ -837,3 +837,20 @@ def test_stdout_on_a_full_disk_costs_the_lines_not_the_service(stats):
         end(p)
         p.stderr.close()
     assert "Traceback" not in err and "ERROR" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--idle-timeout", "--frame-timeout"])
+@pytest.mark.parametrize("value, ok", [("0", False), ("0.0", False), ("-1", False),
+                                       ("inf", False), ("nan", False), ("soon", False),
+                                       ("none", True), ("off", True), ("2.5", True)])
+def test_a_session_limit_is_seconds_above_0_or_none(flag, value, ok):
+    """As Server() takes them: a number of seconds above 0, or no limit ('none' / 'off');
+    0 in any spelling is refused with one line naming the value, not taken as 'none'."""
+    r = subprocess.run([sys.executable, "-m", "aoprim", "serve", flag, value, "--help"],
+                       capture_output=True, text=True, timeout=30, cwd=CWD)
+    if ok:
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        return
+    line = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in line, r.stderr
+    assert line.startswith(f"aoprim: {flag}: ") and repr(value) in line, line

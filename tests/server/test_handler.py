@@ -220,6 +220,61 @@ def test_a_hook_that_is_not_a_plain_function_is_refused(cls, hook, kind, as_inst
     assert "serve_protocol" in msg and "aoprim.aio" in msg
 
 
+class CloseWithoutReason(Handler):
+    def on_read(self, session, data):
+        pass
+
+    def on_close(self, session):        # (the reason is missing)
+        pass
+
+
+class ReadWithExtraArgument(Handler):
+    def on_read(self, session, data, when):
+        pass
+
+
+class ConnectTakesNothing:
+    def on_connect(self):
+        pass
+
+    def on_read(self, session, data):
+        pass
+
+    def on_close(self, session, reason):
+        pass
+
+
+class FlexibleHooks(Handler):
+    def on_connect(self, *args):
+        pass
+
+    def on_read(self, session, data, extra=None, **kw):
+        pass
+
+    def on_close(self, session, reason=None):
+        pass
+
+
+@pytest.mark.parametrize("cls, hook, wants", [
+    (CloseWithoutReason, "on_close", "(session, reason)"),
+    (ReadWithExtraArgument, "on_read", "(session, data)"),
+    (ConnectTakesNothing, "on_connect", "(session)"),
+])
+def test_a_hook_that_cannot_take_the_servers_arguments_is_refused_at_construction(
+        cls, hook, wants):
+    """Found when the server is built, as a missing on_read is -- not as a TypeError
+    logged at every close or read."""
+    with pytest.raises(TypeError) as info:
+        Server(cls(), HOST, 0)
+    msg = str(info.value)
+    assert msg.startswith(f"{cls.__qualname__}.{hook}(") and wants in msg, msg
+
+
+def test_hooks_with_defaults_or_star_args_are_taken():
+    srv = Server(FlexibleHooks(), HOST, 0)
+    srv.shutdown()
+
+
 def test_a_subclass_of_a_subclass_inherits_on_read():
     class Louder(Upper):
         def on_connect(self, session):
