@@ -302,7 +302,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             return
         # with workers: a callback or task step of a connection (run in its context or a
         # copy) waits while a worker runs one of that connection's protocol callbacks
-        tr = h._context.get(_CONN)      # type: ignore[attr-defined]
+        tr = h.connection()
         if tr is not None and tr._strand is not None:
             tr._strand.run_or_defer(self._fire, h)
             return
@@ -639,6 +639,10 @@ class _Handle(asyncio.Handle):
     def fire(self) -> None:
         self._run()
 
+    def connection(self) -> SessionTransport | None:
+        """The connection whose context (or a copy of it) this runs in, if any."""
+        return self._context.get(_CONN)
+
     def drop_frame(self) -> None:
         """Debug mode: drop the innermost frame of the creation traceback (the adapter's
         call), so it ends at the protocol's own line."""
@@ -658,6 +662,10 @@ class _Timer(asyncio.TimerHandle):
 
     def fire(self) -> None:
         self._run()
+
+    def connection(self) -> SessionTransport | None:
+        """The connection whose context (or a copy of it) this runs in, if any."""
+        return self._context.get(_CONN)
 
     def drop_frame(self) -> None:
         """Debug mode: drop the innermost frame of the creation traceback (the adapter's
