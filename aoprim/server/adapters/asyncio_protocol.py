@@ -1128,6 +1128,14 @@ class ProtocolHandler(Handler):
             return
         st.enter()
         try:
+            # (a task or timer of the connection may have run while this worker waited for
+            # the strand: after its close() or abort() nothing more is delivered; after its
+            # pause_reading() the bytes wait, first in line, for resume_reading())
+            if tr._closing:
+                return
+            if tr._paused_reading:
+                session.unread(data)
+                return
             self._read(tr, session, data)
         finally:
             st.leave()

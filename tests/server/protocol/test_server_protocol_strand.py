@@ -172,3 +172,80 @@ def test_a_connections_callbacks_and_its_task_never_overlap(serve, workers):
     srv = serve(P)
     assert _ping_pong_clients(srv.address, rounds=rounds) == [b"%d" % rounds] * 4
     assert overlaps == [], f"{len(overlaps)} overlaps, first: {overlaps[:5]}"
+
+
+class PausedByItsTask(asyncio.Protocol):
+    """The connection's task pauses and resumes reading, 30 times; ``data_received``
+    records every delivery that comes while it is paused, or after the task closed the
+    transport (``how``: "close", "abort" or None)."""
+
+    def __init__(self, how, bad, done):
+        self.how, self.bad, self.done = how, bad, done
+
+    def connection_made(self, transport):
+        self.t = transport
+        self.paused = self.closed = False
+        self.task = asyncio.get_running_loop().create_task(self.toggle())
+
+    async def toggle(self):
+        for _ in range(30):
+            await asyncio.sleep(0.003)
+            self.t.pause_reading()
+            self.paused = True
+            await asyncio.sleep(0.003)
+            self.paused = False
+            self.t.resume_reading()
+        if self.how is None:
+            self.t.write(b"done")
+        else:
+            getattr(self.t, self.how)()
+            self.closed = True
+
+    def data_received(self, data):
+        if self.paused:
+            self.bad.append("while paused")
+        if self.closed:
+            self.bad.append(f"after {self.how}()")
+        time.sleep(0.0002)              # a worker kept busy: the next delivery waits
+
+    def connection_lost(self, exc):
+        self.task.cancel()
+        self.done.set()
+
+
+def _flood(address, until):
+    """Send without pause until ``until()`` or the server closes; read what comes."""
+    s = socket.create_connection(address[:2], timeout=20)
+    s.setblocking(False)
+    got = b""
+    deadline = time.monotonic() + 20
+    try:
+        while not until(got) and time.monotonic() < deadline:
+            try:
+                s.send(b"z" * 16384)
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            try:
+                d = s.recv(100)
+                if d == b"":
+                    break
+                got += d
+            except BlockingIOError:
+                pass
+            time.sleep(0.0005)
+    finally:
+        s.close()
+    return got
+
+
+@pytest.mark.parametrize("how", [None, "close", "abort"])
+def test_nothing_is_delivered_while_its_task_paused_reading_or_after_it_closed(serve, how):
+    bad, done = [], threading.Event()
+    srv = serve(lambda: PausedByItsTask(how, bad, done))
+    got = _flood(srv.address, lambda got: b"done" in got or done.is_set())
+    assert done.wait(20) or how is None
+    if how is None:
+        assert b"done" in got
+    assert bad == [], f"{len(bad)} deliveries: {sorted(set(bad))}"
