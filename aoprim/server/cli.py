@@ -120,7 +120,7 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     as_plain_python(signum)
 
 
-_FORK_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+_FORK_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
 _forking = threading.local()        # the forking thread's signal mask before the fork
 
 
@@ -150,6 +150,9 @@ def _plain_signals_in_forks() -> None:
         try:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            for sig in (signal.SIGHUP, signal.SIGQUIT):
+                if signal.getsignal(sig) is _forward_to_sigterm:
+                    signal.signal(sig, signal.SIG_DFL)
             signal.set_wakeup_fd(-1)
         except (ValueError, OSError):   # (not the main thread: as_plain_python stays)
             pass
@@ -856,6 +859,23 @@ def _watch_stop_signals(watchdog: _StopWatchdog, heirs: _Heirs | None = None) ->
         signal.signal(sig, on_stop)
 
 
+def _forward_to_sigterm(signum: int, frame: FrameType | None) -> None:
+    """SIGHUP or SIGQUIT to ``serve`` alone: the stop SIGTERM starts, told by its own name."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        handler(signum, frame)
+
+
+def _stop_also_on_hup_and_quit() -> None:
+    """``serve`` alone stops on SIGHUP (the terminal hung up, ``kill -HUP``) and SIGQUIT as
+    on SIGTERM -- a clean stop, exit 0, no core file -- as a ``--procs`` supervisor does;
+    one ignored at the start (``nohup``, a background job's SIGQUIT) stays ignored, and
+    one with a handler of its own (the handler's module put it there) is left to it."""
+    for sig in (signal.SIGHUP, signal.SIGQUIT):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _forward_to_sigterm)
+
+
 def _serve_one(a: argparse.Namespace) -> int:
     status = _StatusPipe(a.status_fd) if a.status_fd is not None else None
     try:
@@ -903,6 +923,8 @@ def _serve(a: argparse.Namespace, status: _StatusPipe | None) -> int:
             _hide_in_forks(status)
         # (serve_forever has put its signal handlers in place by now: the loop runs)
         _watch_stop_signals(watchdog, heirs)
+        if status is None:
+            _stop_also_on_hup_and_quit()
         try:
             if status is None:
                 print(f"listening on {describe_address((host, port))}", flush=True)

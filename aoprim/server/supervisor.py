@@ -164,7 +164,7 @@ USAGE = b"usage "           # ... and the prefix of a usage error's message
 # others as SIGTERM (a child's own handlers are for SIGINT/SIGTERM only)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # ... those of them that stay ignored when they are at the start (``nohup``, a background
-# job's SIGQUIT), as they do for ``serve`` alone, which has no handler for them
+# job's SIGQUIT), as they do for ``serve`` alone (cli._stop_also_on_hup_and_quit)
 KEEP_IGNORED = (signal.SIGHUP, signal.SIGQUIT)
 # during a stop, these end the wait at once (Ctrl-C again, SIGQUIT); a repeated SIGTERM or
 # SIGHUP does not (``timeout`` sends SIGTERM to the command and then to its group; systemd

@@ -854,3 +854,43 @@ def test_a_session_limit_is_seconds_above_0_or_none(flag, value, ok):
     line = r.stderr.strip()
     assert r.returncode == 2 and "\n" not in line, r.stderr
     assert line.startswith(f"aoprim: {flag}: ") and repr(value) in line, line
+
+
+def _serve_with(dispositions):
+    def preexec():
+        for sig, how in dispositions.items():
+            signal.signal(sig, how)
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
+                          "0", "--stats-json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=CWD, preexec_fn=preexec)
+    line = p.stdout.readline()
+    assert line.startswith("listening on "), line
+    return p, int(line.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_serve_alone_stops_cleanly_on_sighup_and_sigquit(sig):
+    """As a --procs supervisor does (and as SIGTERM): a clean stop, its stats, exit 0 --
+    not the default action's death (SIGQUIT: a core file)."""
+    p, _ = _serve_with({signal.SIGHUP: signal.SIG_DFL, signal.SIGQUIT: signal.SIG_DFL})
+    try:
+        rc, out, err = stop(p, sig)
+        assert rc == 0, err
+        assert f"received {sig.name}: shutting down" in err and "stats " in out, err
+    finally:
+        end(p)
+
+
+def test_serve_alone_keeps_a_sighup_ignored_at_its_start():
+    """nohup: a SIGHUP ignored when serve starts stays ignored; it serves on."""
+    p, port = _serve_with({signal.SIGHUP: signal.SIG_IGN})
+    try:
+        p.send_signal(signal.SIGHUP)
+        for _ in range(3):
+            with socket.create_connection((HOST, port), timeout=10) as c:
+                c.sendall(b"still")
+                assert recv_exact(c, 5) == b"still"
+        rc, out, err = stop(p, signal.SIGTERM)
+        assert rc == 0 and "received SIGHUP" not in err, err
+    finally:
+        end(p)
