@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from aoprim import Closed, Full, SpinLock
 
-from .workers import AT_THREAD_LIMIT, ThreadLimitError, WorkerPool
+from .workers import AT_THREAD_LIMIT, ServerThread, ThreadLimitError, WorkerPool
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 #: a receiver's frame callback: (session, frame)
 FrameCallback = Callable[[Any, Any], object]
 
-__all__ = ["InlineDispatch", "WorkerDispatch", "WorkState", "ThreadLimitError",
+__all__ = ["InlineDispatch", "WorkerDispatch", "WorkState", "ServerThread", "ThreadLimitError",
            "AT_THREAD_LIMIT", "EOF_MARK", "CLOSE_MARK", "SHUTDOWN_MARK"]
 
 log = logging.getLogger("aoprim.server")

@@ -49,8 +49,8 @@ from aoprim import SlabPool, Slot
 from aoprim.server._rxbuf import RxArena
 
 from .config import Settings
-from .dispatch import (AT_THREAD_LIMIT, InlineDispatch, ThreadLimitError, WorkerDispatch,
-                       fork_returned)
+from .dispatch import (AT_THREAD_LIMIT, InlineDispatch, ServerThread, ThreadLimitError,
+                       WorkerDispatch, fork_returned)
 from .listener import Listener, describe_address, make_listening_socket, sock_address
 from .backends import create_loop
 from .proxy import TrustedPeers, refuse_untrusted
@@ -648,8 +648,8 @@ class Server:
             with _signals_held():
                 self._prepare_parts()
                 ready = threading.Event()
-                self._thread = threading.Thread(target=self._run, args=(ready,),
-                                                name="aoprim-loop", daemon=True)
+                self._thread = ServerThread(target=self._run, args=(ready,),
+                                            name="aoprim-loop", daemon=True)
                 try:
                     self._thread.start()
                 except RuntimeError as e:   # "can't start new thread"

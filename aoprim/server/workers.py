@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from aoprim import Closed, MPMCQueue
 
-__all__ = ["AT_THREAD_LIMIT", "ThreadLimitError", "WorkerPool"]
+__all__ = ["AT_THREAD_LIMIT", "ServerThread", "ThreadLimitError", "WorkerPool"]
 
 log = logging.getLogger("aoprim.server")
 
@@ -36,6 +36,27 @@ class ThreadLimitError(RuntimeError):
     systemd's ``TasksMax=`` and ``docker --pids-limit`` set; ``kernel.threads-max``)."""
 
 
+class ServerThread(threading.Thread):
+    """A thread of the server's own (its loop thread, a worker): a daemon, so that it never
+    holds the interpreter's exit (the server stops it) -- but not to the threads handler
+    code starts on it.  ``Thread()`` makes a new thread a daemon when the thread creating it
+    is one, so a thread an ``on_read`` on a worker started (a background job, as in a plain
+    program or under asyncio) was silently a daemon, killed unfinished at exit.  Asked by
+    code running on it, once it runs, this thread answers ``daemon`` False: what it starts
+    is a daemon only if asked (``daemon=True``), as what the main thread starts.  To every
+    other thread, and to the interpreter (which reads it before the thread runs), it is a
+    daemon."""
+
+    @property
+    def daemon(self) -> bool:
+        return bool(super().daemon) and not (threading.get_ident() == self.ident
+                                             and self.is_alive())
+
+    @daemon.setter
+    def daemon(self, value: bool) -> None:
+        threading.Thread.daemon.fset(self, value)      # type: ignore[attr-defined]
+
+
 class WorkerPool:
     def __init__(self, n: int, dispatch: Callable[[Any], object], capacity: int = 4096,
                  batch: int = 32, on_exit: Callable[[], object] | None = None,
@@ -49,7 +70,7 @@ class WorkerPool:
         self._batch = batch
         self._on_exit = on_exit
         self._pid = os.getpid()
-        self.threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+        self.threads = [ServerThread(target=self._run, name=f"{name}-{i}", daemon=True)
                         for i in range(n)]
 
     def start(self) -> None:

@@ -250,3 +250,45 @@ def test_a_worker_stuck_past_shutdown_gives_buffers_back_when_it_returns(caplog)
             t.join(10)
     c.close()
     assert_no_leaks(srv)
+
+
+class StartsAThread(Handler):
+    """Starts a plain ``threading.Thread`` per message and answers whether it is a daemon;
+    the thread runs until ``release`` is set (counted in ``finished``)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.finished = []
+        self.threads = []
+
+    def _job(self):
+        self.release.wait(30)
+        self.finished.append(1)
+
+    def on_read(self, session, data):
+        t = threading.Thread(target=self._job)
+        t.start()
+        self.threads.append(t)
+        session.send(b"daemon=%d" % t.daemon)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_thread_a_handler_starts_is_not_made_a_daemon(make_server, connect, workers):
+    """As in a plain program or under asyncio: a thread handler code starts is a daemon only
+    if asked, whichever thread of the server's it starts on (Thread() copies the daemon flag
+    of the thread that creates it, and the server's own threads are daemons) -- so the
+    interpreter waits for it at exit instead of killing its job.  The server's threads stay
+    daemons to everyone else."""
+    h = StartsAThread()
+    srv = make_server(h, workers=workers)
+    try:
+        c = connect(srv)
+        c.sendall(b"x")
+        assert c.recv(16) == b"daemon=0"
+        own = [t for t in threading.enumerate() if t.name.startswith("aoprim-")]
+        assert own and all(t.daemon for t in own), [(t.name, t.daemon) for t in own]
+    finally:
+        h.release.set()
+        for t in h.threads:
+            t.join(30)
+    assert h.finished == [1]
