@@ -758,6 +758,14 @@ class _Strand:
         self._depth = 1
         _here.strand = self
 
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` holding the strand (``enter``/``leave`` around it)."""
+        self.enter()
+        try:
+            return fn(*args)
+        finally:
+            self.leave()
+
     def keep(self, fn: Callable[..., object], *args: Any) -> None:
         """The holder: call ``fn(*args)`` when it leaves, in order with the rest kept."""
         with self._m:
@@ -1125,20 +1133,20 @@ class ProtocolHandler(Handler):
         st = tr._strand
         if st is None:
             self._read(tr, session, data)
+        else:
+            st.run(self._read_held, tr, session, data)
+
+    def _read_held(self, tr: SessionTransport, session: Session,
+                   data: memoryview | bytes) -> None:
+        # (a task or timer of the connection may have run while this worker waited for the
+        # strand: after its close() or abort() nothing more is delivered; after its
+        # pause_reading() the bytes wait, first in line, for resume_reading())
+        if tr._closing:
             return
-        st.enter()
-        try:
-            # (a task or timer of the connection may have run while this worker waited for
-            # the strand: after its close() or abort() nothing more is delivered; after its
-            # pause_reading() the bytes wait, first in line, for resume_reading())
-            if tr._closing:
-                return
-            if tr._paused_reading:
-                session.unread(data)
-                return
-            self._read(tr, session, data)
-        finally:
-            st.leave()
+        if tr._paused_reading:
+            session.unread(data)
+            return
+        self._read(tr, session, data)
 
     def _read(self, tr: SessionTransport, session: Session, data: memoryview | bytes) -> None:
         lp = tr._loop
@@ -1248,13 +1256,7 @@ class ProtocolHandler(Handler):
         if tr is None or tr._closing:
             return False
         st = tr._strand
-        if st is None:
-            return self._eof(tr, session)
-        st.enter()
-        try:
-            return self._eof(tr, session)
-        finally:
-            st.leave()
+        return self._eof(tr, session) if st is None else bool(st.run(self._eof, tr, session))
 
     def _eof(self, tr: SessionTransport, session: Session) -> bool:
         try:
@@ -1304,12 +1306,8 @@ class ProtocolHandler(Handler):
         st = tr._strand
         if st is None:
             self._lost_in(tr, session, exc)
-            return
-        st.enter()
-        try:
-            self._lost_in(tr, session, exc)
-        finally:
-            st.leave()
+        else:
+            st.run(self._lost_in, tr, session, exc)
 
     def _lost_in(self, tr: SessionTransport, session: Session,
                  exc: BaseException | None) -> None:
