@@ -963,13 +963,21 @@ class Session:
             return
         if self._state != OPEN:
             return
+        w = self.work
+        if reason == PAUSE_USER and w is not None:
+            # the latest request counts, not this one: a pause a worker posted may arrive
+            # after a resume_reading() the loop thread made meanwhile (an asyncio protocol's
+            # task), and must not undo it -- pause_reading/resume_reading record the
+            # request at once, any thread, in user_paused
+            with w.lock:
+                on = w.user_paused
         if on:
             if self._rx.pause(reason):
                 self._update_interest()
             return
         if self._rx.resume(reason):
             self._reading_resumed()
-        if reason == PAUSE_USER and self.work is not None:
+        if reason == PAUSE_USER and w is not None:
             # frames held for the worker while paused: have it take them again
             self._ctx.dispatch.release_held(self)   # type: ignore[union-attr]
 

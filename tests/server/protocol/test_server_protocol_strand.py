@@ -249,3 +249,78 @@ def test_nothing_is_delivered_while_its_task_paused_reading_or_after_it_closed(s
     if how is None:
         assert b"done" in got
     assert bad == [], f"{len(bad)} deliveries: {sorted(set(bad))}"
+
+
+class BufferedByItsTask(asyncio.Protocol):
+    """uvicorn's flow for a large body: ``data_received`` buffers, wakes the task and pauses
+    reading above 50 kB; the task echoes what is buffered and resumes reading; at EOF it
+    closes."""
+
+    def connection_made(self, transport):
+        self.t = transport
+        self.buf = bytearray()
+        self.ev = asyncio.Event()
+        self.eof = False
+        self.task = asyncio.get_running_loop().create_task(self.run())
+
+    def data_received(self, data):
+        self.buf += data
+        self.ev.set()
+        if len(self.buf) > 50000:
+            self.t.pause_reading()
+
+    def eof_received(self):
+        self.eof = True
+        self.ev.set()
+        return True
+
+    async def run(self):
+        while True:
+            await self.ev.wait()
+            self.ev.clear()
+            if self.buf:
+                b = bytes(self.buf)
+                self.buf.clear()
+                self.t.write(b)
+                self.t.resume_reading()
+                await asyncio.sleep(0)
+            if self.eof and not self.buf:
+                self.t.close()
+                return
+
+
+def _echo_all(address, conns=10, size=200_000):
+    results = [None] * conns
+
+    def one(i):
+        data = bytes((i * 7 + k) % 251 for k in range(size))
+        with socket.create_connection(address[:2], timeout=20) as s:
+            def send():
+                for off in range(0, size, 25_000):
+                    s.sendall(data[off:off + 25_000])
+                s.shutdown(socket.SHUT_WR)
+            w = threading.Thread(target=send)
+            w.start()
+            got = bytearray()
+            try:
+                while d := s.recv(65536):
+                    got += d
+            except OSError as e:        # (a hung connection: the timeout)
+                got = repr(e).encode()
+            w.join(20)
+        results[i] = bytes(got) == data
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(conns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return results
+
+
+def test_a_pause_from_a_callback_never_lands_after_its_tasks_resume(serve):
+    """A worker's pause_reading() reaches the loop thread as a posted call; the task's
+    resume_reading() there takes effect at once and may come first.  The pause arriving
+    late must not undo it (the connection would stay paused for good)."""
+    assert on_asyncio(BufferedByItsTask, _echo_all) == [True] * 10
+    srv = serve(BufferedByItsTask)
+    assert _echo_all(srv.address) == [True] * 10
