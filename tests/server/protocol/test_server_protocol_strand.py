@@ -5,6 +5,7 @@ behind what it did to its transport meanwhile (a ``pause_reading``, its writes).
 scenario also runs on asyncio's own loop, which must agree.  Both Layer 1 backends, with and
 without workers."""
 import asyncio
+import functools
 import socket
 import threading
 import time
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from server_support import recv_exact
+from support import run_threads
 from protocol_support import backend, on_asyncio, serve, workers  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
@@ -151,11 +153,7 @@ def _ping_pong_clients(address, conns=4, rounds=150):
                     buf += d
                 last = buf
             results[i] = last.rsplit(b";", 2)[-2]
-    ts = [threading.Thread(target=one, args=(i,)) for i in range(conns)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(100)
+    run_threads([functools.partial(one, i) for i in range(conns)], timeout=100)
     return results
 
 
@@ -309,11 +307,7 @@ def _echo_all(address, conns=10, size=200_000):
                 got = repr(e).encode()
             w.join(20)
         results[i] = bytes(got) == data
-    ts = [threading.Thread(target=one, args=(i,)) for i in range(conns)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
+    run_threads([functools.partial(one, i) for i in range(conns)], timeout=60)
     return results
 
 
