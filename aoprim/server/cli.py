@@ -122,6 +122,7 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 _FORK_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
 _forking = threading.local()        # the forking thread's signal mask before the fork
+_fork_hooks_in_place = False        # registered once per process (they cannot be removed)
 
 
 def _plain_signals_in_forks() -> None:
@@ -158,6 +159,10 @@ def _plain_signals_in_forks() -> None:
             pass
         unblock()
 
+    global _fork_hooks_in_place
+    if _fork_hooks_in_place:
+        return      # (a second set would save the mask the first had already blocked)
+    _fork_hooks_in_place = True
     os.register_at_fork(before=before, after_in_parent=unblock, after_in_child=in_child)
 
 

@@ -894,3 +894,21 @@ def test_serve_alone_keeps_a_sighup_ignored_at_its_start():
         assert rc == 0 and "received SIGHUP" not in err, err
     finally:
         end(p)
+
+
+def test_the_fork_signal_hooks_leave_the_parents_mask_as_it_was():
+    """The hooks that give a fork plain SIGINT/SIGTERM block both across the fork and
+    unblock them after: set up twice (serve run twice in one process), the parent must not
+    be left with them blocked."""
+    code = ("import os, signal\n"
+            "from aoprim.server import cli\n"
+            "cli._plain_signals_in_forks(); cli._plain_signals_in_forks()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    os._exit(0)\n"
+            "os.waitpid(pid, 0)\n"
+            "print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=30, cwd=CWD)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout

@@ -309,7 +309,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         self._fire(h)
 
     def _fire(self, h: _Handle | _Timer) -> None:
-        if h.cancelled():
+        if h.cancelled():           # (again: one the strand kept may be cancelled since)
             return
         try:
             if self._debug:
@@ -806,6 +806,11 @@ class _Strand:
             self.leave()
 
 
+def _on_strand(st: _Strand | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, holding ``st`` if the connection has one (workers)."""
+    return fn(*args) if st is None else st.run(fn, *args)
+
+
 class SessionTransport(asyncio.Transport):
     """An ``asyncio.Transport`` over one session."""
 
@@ -1130,17 +1135,13 @@ class ProtocolHandler(Handler):
         tr: SessionTransport = session.user
         if tr._closing:
             return
-        st = tr._strand
-        if st is None:
-            self._read(tr, session, data)
-        else:
-            st.run(self._read_held, tr, session, data)
+        _on_strand(tr._strand, self._read_held, tr, session, data)
 
     def _read_held(self, tr: SessionTransport, session: Session,
                    data: memoryview | bytes) -> None:
-        # (a task or timer of the connection may have run while this worker waited for the
-        # strand: after its close() or abort() nothing more is delivered; after its
-        # pause_reading() the bytes wait, first in line, for resume_reading())
+        # (with workers, a task or timer of the connection may have run while this worker
+        # waited for the strand: after its close() or abort() nothing more is delivered;
+        # after its pause_reading() the bytes wait, first in line, for resume_reading())
         if tr._closing:
             return
         if tr._paused_reading:
@@ -1255,8 +1256,7 @@ class ProtocolHandler(Handler):
         tr: SessionTransport | None = session.user
         if tr is None or tr._closing:
             return False
-        st = tr._strand
-        return self._eof(tr, session) if st is None else bool(st.run(self._eof, tr, session))
+        return bool(_on_strand(tr._strand, self._eof, tr, session))
 
     def _eof(self, tr: SessionTransport, session: Session) -> bool:
         try:
@@ -1303,11 +1303,7 @@ class ProtocolHandler(Handler):
         tr: SessionTransport | None = session.user
         if tr is None:
             return
-        st = tr._strand
-        if st is None:
-            self._lost_in(tr, session, exc)
-        else:
-            st.run(self._lost_in, tr, session, exc)
+        _on_strand(tr._strand, self._lost_in, tr, session, exc)
 
     def _lost_in(self, tr: SessionTransport, session: Session,
                  exc: BaseException | None) -> None:
