@@ -984,7 +984,13 @@ class Session:
     def _reading_resumed(self) -> None:
         """The last pause reason was cleared (loop thread)."""
         self._update_interest()
-        if self._rx.receiver.pending or self._rest is not None or self._wire.holds_input():
+        if self._rest is not None:
+            # the rest on_read handed back (unread) comes before anything read later, the
+            # peer's EOF included: the receiver reads nothing until _deliver_held has
+            # handed it over (a readiness event may come first)
+            self._rx.receiver.hold = True
+            self._loop.call_soon(self._deliver_held)
+        elif self._rx.receiver.pending or self._wire.holds_input():
             # frames read before the pause and held back (the receiver stops between frames
             # once held), input the wire holds (TLS: decrypted bytes in OpenSSL, records
             # in its incoming buffer): no readiness event will come for them
@@ -1018,6 +1024,8 @@ class Session:
         if rest is not None:
             # the rest on_read handed back (unread) comes before what the receiver holds
             self._rest = None
+            if not self._cb_hold:
+                self._rx.receiver.hold = False      # (set while the rest waited)
             try:
                 self._ctx.dispatch.handler.on_read(self, rest)
                 self._ctx.dispatch.returned("on_read")

@@ -305,3 +305,122 @@ def test_buffered_protocol_stops_inside_the_chunk_as_asyncio(plan, backend, work
         assert got == b"ok"
     else:
         assert [e for e in log if type(e) is tuple] == [("upd", b"0123", True, False)]
+
+
+# a BufferedProtocol whose buffer_updated pauses reading and has it resumed from a loop
+# callback, a task, a timer or another thread, while the peer's FIN may come in the same
+# read as its bytes: every byte, in order, then eof_received -- random cases, each run on
+# asyncio's loop and on serve_protocol, which must agree
+RESUMES = ("soon", "task", "later0", "later", "thread", "none")
+
+
+class Pauser(asyncio.BufferedProtocol):
+    def __init__(self, size, plan, out, done):
+        self.buf = bytearray(size)
+        self.plan = plan            # what the k-th buffer_updated does: RESUMES[plan[k % n]]
+        self.out, self.done = out, done
+        self.got = bytearray()
+        self.k = 0
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def get_buffer(self, sizehint):
+        return self.buf
+
+    def buffer_updated(self, nbytes):
+        assert self.t.is_reading(), "bytes delivered while paused"
+        self.got += self.buf[:nbytes]
+        how = RESUMES[self.plan[self.k % len(self.plan)]]
+        self.k += 1
+        if how == "none":
+            return
+        t = self.t
+        t.pause_reading()
+        loop = asyncio.get_running_loop()
+        if how == "soon":
+            loop.call_soon(t.resume_reading)
+        elif how == "task":
+            async def resume():
+                t.resume_reading()
+            loop.create_task(resume())
+        elif how == "later0":
+            loop.call_later(0, t.resume_reading)
+        elif how == "later":
+            loop.call_later(0.002, t.resume_reading)
+        else:
+            threading.Thread(target=loop.call_soon_threadsafe,
+                             args=(t.resume_reading,)).start()
+
+    def eof_received(self):
+        self.out.append(("eof", bytes(self.got)))
+        self.t.write(struct.pack("!I", len(self.got)))
+
+    def connection_lost(self, exc):
+        self.out.append(("lost", exc))
+        self.done.set()
+
+
+def _pauser_client(address, payload, split):
+    with socket.create_connection(address, timeout=10) as c:
+        if split:
+            c.sendall(payload[:split])
+        c.sendall(payload[split:])
+        c.shutdown(socket.SHUT_WR)
+        return recv_until_closed(c)
+
+
+def _pauser_case(seed):
+    rnd = __import__("random").Random(seed)
+    payload = rnd.randbytes(rnd.choice([1, 500, 777, 5000, 20000, 70000]))
+    size = rnd.choice([1, 7, 777, 4096, 65536])
+    plan = [rnd.randrange(len(RESUMES)) for _ in range(rnd.randint(1, 4))]
+    split = rnd.randrange(len(payload)) if rnd.random() < 0.3 else 0
+    return payload, size, plan, split
+
+
+def _pausers_on_asyncio(cases):
+    async def main():
+        loop = asyncio.get_running_loop()
+        res = []
+        for payload, size, plan, split in cases:
+            out, done = [], threading.Event()
+            srv = await loop.create_server(lambda: Pauser(size, plan, out, done), HOST, 0)
+            try:
+                got = await asyncio.to_thread(_pauser_client, srv.sockets[0].getsockname(),
+                                              payload, split)
+                await asyncio.wait_for(asyncio.to_thread(done.wait, 10), 15)
+            finally:
+                srv.close()
+            res.append((out, got))
+        return res
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_buffered_protocol_resumed_from_a_callback_gets_every_byte_before_the_eof(
+        backend, workers):
+    cases = [_pauser_case(seed) for seed in range(24)]
+    want = _pausers_on_asyncio(cases)
+    fds = open_fds()
+    for (payload, size, plan, split), (want_out, want_got) in zip(cases, want):
+        # (asyncio's own result first: every byte, then the EOF)
+        assert want_out == [("eof", payload), ("lost", None)], (size, plan, split)
+        out, done = [], threading.Event()
+        srv = serve_protocol(lambda: Pauser(size, plan, out, done), HOST, 0,
+                             backend=backend, workers=workers)
+        try:
+            got = _pauser_client(srv.address[:2], payload, split)
+            assert done.wait(10), out
+            wait_for(lambda: srv.stats()["connections"] == 0)
+        finally:
+            srv.shutdown(timeout=15)
+        case = (len(payload), size, [RESUMES[i] for i in plan], split)
+        assert [e[0] for e in out] == ["eof", "lost"], (case, out)
+        assert len(out[0][1]) == len(payload), case
+        assert out[0][1] == payload, case
+        assert out[1][1] is None, case
+        assert got == want_got == (struct.pack("!I", len(payload)), "eof"), case
+    assert_no_leaks(srv, fds)
