@@ -200,7 +200,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         if st is not None and not ev.closed:
             # inside a protocol callback on a worker: handed over once it returns, behind
             # what it did to its session (a pause_reading, its writes), as asyncio runs it
-            st.keep(ev.call_soon_threadsafe, self._run_handle, h)
+            st.keep(ev.call_soon, self._run_handle, h)
         elif not ev.call_soon_threadsafe(self._run_handle, h):
             raise RuntimeError("Event loop is closed (the server has shut down)")
         return h
@@ -228,7 +228,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             return h
         st = getattr(_here, "strand", None)
         if st is not None and not self._ev.closed:
-            st.keep(self._post, True, h)    # (as call_soon: once the callback returns)
+            st.keep(self._arm, h)           # (as call_soon: once the callback returns)
         elif not self._post(True, h):
             raise RuntimeError("Event loop is closed (the server has shut down)")
         return h
@@ -265,7 +265,13 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             when = h.when()
             if when != when:        # NaN: asyncio runs it in the next iteration, as if due
                 when = 0.0          # (the native loop refuses NaN; 0.0 is in the past)
-            h._ev_timer = self._ev.call_at(when, self._run_handle, h)
+            h._ev_timer = self._ev.call_at(when, self._due, h)
+
+    def _due(self, h: _Timer) -> None:
+        # asyncio moves a due timer to the end of its ready queue, behind the callbacks
+        # queued before -- a call_soon made just after call_later(0) runs first.  The
+        # server loop runs its timers before its queued callbacks: the handle joins them
+        self._ev.call_soon(self._run_handle, h)
 
     def _owns_this_thread(self) -> bool:
         """Whether the calling thread is one the server made (start()'s loop thread, a
@@ -735,7 +741,10 @@ class _Strand:
     took the kept callbacks" one step each, so that no kept callback is missed.  ``_owner``
     (the holding thread's ident) lets a callback that runs inside another on the same
     thread (``pause_writing`` inside a ``write``) pass; only the holder writes it.  Each
-    kept item is a call the leaving thread makes (a hand-over to the loop thread)."""
+    kept item is a call for the loop thread (a ``call_soon``, a timer's arm); they are
+    handed over together, as one loop callback, so they take effect in one step, as the
+    callback's own calls do on asyncio's one thread (a timer it armed is due before a
+    task step it queued runs)."""
     __slots__ = ("_lock", "_m", "_owner", "_depth", "_kept", "_ev")
 
     def __init__(self, ev: EventLoop) -> None:
@@ -767,7 +776,8 @@ class _Strand:
             self.leave()
 
     def keep(self, fn: Callable[..., object], *args: Any) -> None:
-        """The holder: call ``fn(*args)`` when it leaves, in order with the rest kept."""
+        """The holder: ``fn(*args)`` on the loop thread once it leaves, in order with the
+        rest kept."""
         with self._m:
             self._kept.append((fn, args))
 
@@ -782,9 +792,13 @@ class _Strand:
             self._owner = 0
             self._lock.release()
             kept, self._kept = self._kept, []
-        for fn, args in kept:
+        if kept:
             # (a hand-over to a closed loop fails quietly: the server is gone)
-            fn(*args)
+            ev = self._ev
+            if _get_ident() == ev.thread_id:
+                ev.call_soon(_handed_over, kept)
+            else:
+                ev.call_soon_threadsafe(_handed_over, kept)
 
     def run_or_defer(self, fn: Callable[..., object], *args: Any) -> None:
         """Loop thread: ``fn(*args)`` holding the strand, or kept for the worker's
@@ -794,8 +808,7 @@ class _Strand:
             return
         with self._m:
             if not self._lock.acquire(False):
-                self._kept.append((self._ev.call_soon_threadsafe,
-                                   (self.run_or_defer, fn, *args)))
+                self._kept.append((self._ev.call_soon, (self.run_or_defer, fn, *args)))
                 return
             self._owner = _get_ident()
             self._depth = 1
@@ -804,6 +817,12 @@ class _Strand:
             fn(*args)
         finally:
             self.leave()
+
+
+def _handed_over(kept: list[tuple[Callable[..., object], tuple[Any, ...]]]) -> None:
+    """Loop thread: the calls a strand kept (see _Strand.keep), in order."""
+    for fn, args in kept:
+        fn(*args)
 
 
 def _on_strand(st: _Strand | None, fn: Callable[..., Any], *args: Any) -> Any:

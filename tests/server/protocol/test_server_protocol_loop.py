@@ -418,3 +418,86 @@ def test_write_after_close_with_no_backlog_is_dropped(serve):
     assert on_asyncio(WritesAfterCloseNoBacklog, client) == want
     srv = serve(WritesAfterCloseNoBacklog)
     assert client(srv.address) == want
+
+
+# -- the order of what a callback schedules: call_soon, due timers, tasks ------------------
+
+def _schedule_plan(rnd, depth=0):
+    """Random ops: ("soon", tag, sub) a loop callback, ("timer", tag, sub) a timer already
+    due, ("task", tag, sub) a task; each logs its tag when it runs, then does ``sub``."""
+    ops = []
+    for _ in range(rnd.randint(1, 4 if depth == 0 else 2)):
+        kind = rnd.choice(("soon", "timer", "task"))
+        sub = _schedule_plan(rnd, depth + 1) if depth < 2 and rnd.random() < 0.4 else []
+        ops.append((kind, None, sub))
+    return ops
+
+
+def _tag(ops, counter):
+    out = []
+    for kind, _, sub in ops:
+        counter[0] += 1
+        out.append((kind, f"{kind}{counter[0]}", _tag(sub, counter)))
+    return out
+
+
+def _count(ops):
+    return sum(1 + _count(sub) for _, _, sub in ops)
+
+
+class Schedules(asyncio.Protocol):
+    """data_received does the plan; once every tag ran, the order goes to the peer.  Timers
+    are due at once, each later than the one armed before it (so asyncio's heap, which
+    compares deadlines only, orders them as ours does)."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.want = _count(plan)
+        self.log = []
+        self.k = 0
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        self.base = asyncio.get_running_loop().time() - 100.0
+        self.run(self.plan)
+
+    def run(self, ops):
+        loop = asyncio.get_running_loop()
+        for kind, tag, sub in ops:
+            if kind == "soon":
+                loop.call_soon(self.ran, tag, sub)
+            elif kind == "timer":
+                self.k += 1
+                loop.call_at(self.base + self.k * 1e-3, self.ran, tag, sub)
+            else:
+                async def step(tag=tag, sub=sub):
+                    self.ran(tag, sub)
+                loop.create_task(step())
+
+    def ran(self, tag, sub):
+        self.log.append(tag)
+        self.run(sub)
+        if len(self.log) == self.want:
+            self.t.write(" ".join(self.log).encode())
+            self.t.close()
+
+
+def _ask_order(address):
+    with socket.create_connection(address[:2], timeout=20) as c:
+        c.sendall(b"go")
+        data, how = recv_until_closed(c)
+        return data.decode(), how
+
+
+def test_what_a_callback_schedules_runs_in_asyncios_order(serve):
+    import random
+    rnd = random.Random(39)
+    plans = [_tag(_schedule_plan(rnd), [0]) for _ in range(30)]
+    srv = serve(lambda: Schedules(plans[srv.n]))
+    for i, plan in enumerate(plans):
+        want = on_asyncio(lambda: Schedules(plan), _ask_order)
+        assert len(want[0].split()) == _count(plan)
+        srv.n = i
+        assert _ask_order(srv.address) == want, plan
