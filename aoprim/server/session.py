@@ -1246,13 +1246,16 @@ class Session:
         self._ctx.stats.handler_errors.fetch_add(1)
         reason = f"handler {hook} raised {type(exc).__name__}: {exc}"
         close = self._reset_close if reset else self._fail_close if abort else self._close
+        # the close's own line: WARNING, unless the caller reported the exception (the
+        # asyncio adapter, to the loop's exception handler, which may be the user's)
+        level = logging.DEBUG if logged else logging.WARNING
         if _get_ident() == self._loop.thread_id:
-            close(reason, exc, logging.WARNING, "handler")
+            close(reason, exc, level, "handler")
         elif self._state == OPEN:
             # closed for its worker at once: the frames still queued are not delivered (as
             # inline, where the close stops the receiver before the next frame)
             self._close_requested = True
-            self._loop.call_soon_threadsafe(close, reason, exc, logging.WARNING, "handler")
+            self._loop.call_soon_threadsafe(close, reason, exc, level, "handler")
 
     def _reset_close(self, reason: str, exc: BaseException | None, level: int,
                      cause: str) -> None:

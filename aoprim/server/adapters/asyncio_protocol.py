@@ -221,6 +221,12 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
                 context: contextvars.Context | None = None) -> asyncio.TimerHandle:
         if when is None:
             raise TypeError("when cannot be None")
+        if type(when) is not float:
+            # refused here, on the caller's thread (a worker's arm runs later, on the loop
+            # thread), by the rule of the loop's own deadlines: a number, never a str
+            if isinstance(when, (str, bytes, bytearray)):
+                raise TypeError(f"when must be a number, not {type(when).__name__}")
+            when = float(when)
         h = _Timer(when, callback, args, self, context)
         h.drop_frame()              # (debug mode: the caller's line is where it was made)
         if _get_ident() == self._ev.thread_id:

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from protocol_support import backend, on_asyncio, serve, workers  # noqa: F401  (fixtures)
-from server_support import HOST, wait_for
+from server_support import HOST, recv_until_closed, wait_for
 from tlscerts import tls_certs  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -633,3 +633,49 @@ def test_debug_mode_a_tasks_source_traceback_ends_at_the_callers_line(serve):
     wait_for(lambda: here, 10, "the protocol's connection_made")
     assert there[0][-1] == ("connection_made", "task = loop.create_task(asyncio.sleep(0))")
     assert here[0][-1] == there[0][-1]
+
+
+class _RaisesToItsHandler(asyncio.Protocol):
+    """Sets its own exception handler, then raises in data_received."""
+
+    def __init__(self, seen, lost):
+        self.seen, self.lost = seen, lost
+
+    def connection_made(self, transport):
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, ctx: self.seen.append(ctx["message"]))
+
+    def data_received(self, data):
+        raise ValueError("bad request")
+
+    def connection_lost(self, exc):
+        self.lost.append(type(exc).__name__)
+
+
+def test_an_exception_the_exception_handler_took_is_not_logged_again(serve, caplog):
+    def run(address):
+        with socket.create_connection(address[:2], timeout=10) as c:
+            c.sendall(b"x")
+            return recv_until_closed(c)[0]
+
+    seen, lost = [], []
+    caplog.set_level(logging.DEBUG)
+    assert on_asyncio(lambda: _RaisesToItsHandler(seen, lost), run) == b""
+    wait_for(lambda: lost, 10, "connection_lost on asyncio")
+    there = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    want = (list(seen), list(lost))
+    seen.clear()
+    lost.clear()
+    srv = serve(lambda: _RaisesToItsHandler(seen, lost))
+    assert run(srv.address) == b""
+    wait_for(lambda: lost, 10, "connection_lost")
+    assert (seen, lost) == want == (["Fatal error: protocol.data_received() call failed."],
+                                    ["ValueError"])
+    assert srv.stats()["handler_errors"] == 1
+    # the user's handler had it: nothing more at WARNING or above, as on asyncio
+    here = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert here == there == []
+    # the close is still told, at DEBUG
+    assert any("bad request" in r.getMessage() for r in caplog.records
+               if r.name.startswith("aoprim"))

@@ -501,3 +501,37 @@ def test_what_a_callback_schedules_runs_in_asyncios_order(serve):
         assert len(want[0].split()) == _count(plan)
         srv.n = i
         assert _ask_order(srv.address) == want, plan
+
+
+class BadDeadlines(asyncio.Protocol):
+    """Arms timers with deadlines that are not numbers: each raises in the caller; what the
+    callback schedules afterwards still runs."""
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        loop = asyncio.get_running_loop()
+        got = []
+        for when in ("1", b"1", object()):
+            try:
+                loop.call_at(when, got.append, "ran")
+            except TypeError:
+                got.append("TypeError")
+        loop.call_at(loop.time() - 1, self.t.write, b" timer")
+        loop.call_soon(self.t.write, " ".join(got).encode())
+        loop.call_later(0.001, self.t.close)
+
+
+def _read_reply(address):
+    with socket.create_connection(address[:2], timeout=10) as c:
+        c.sendall(b"x")
+        return recv_until_closed(c)
+
+
+def test_a_deadline_that_is_not_a_number_raises_in_the_caller(serve):
+    # (asyncio's own loop takes such a deadline into its heap and then fails in its next
+    # iteration, outside any callback: nothing to compare with)
+    srv = serve(BadDeadlines)
+    assert _read_reply(srv.address) == (b"TypeError TypeError TypeError timer", "eof")
+    assert srv.stats()["handler_errors"] == 0
