@@ -548,25 +548,27 @@ class Session:
             self._close_requested = True
             self._loop.call_soon_threadsafe(self._close, "closed by the application")
 
-    def send_after_close(self, data: Buffer) -> None:
+    def send_after_close(self, data: Buffer) -> bool:
         """An asyncio transport's ``write()`` after its ``close()`` while the backlog from
         before is still being sent (loop thread): added to it, as asyncio's selector
         transport still queues and sends such a write.  The backlog is what the socket did
         not take: the batch is offered to it first.  Dropped once the backlog is out
         (the write side is shut or about to be), after an abort, and from another thread
-        (a worker's close is not seen here in order with its writes)."""
+        (a worker's close is not seen here in order with its writes).  True if queued."""
         if (self._state != CLOSING or self._lingering or not self._transport
                 or _get_ident() != self._loop.thread_id or not self._batch.pending_msgs):
-            return
+            return False
         # asyncio's write() has offered its bytes to the socket already, so its backlog is
         # what the kernel did not take: offered here too, once, before it counts
         self._send_once()
         if not self._batch.pending_msgs:
-            return
+            return False
         b = self._batch
         p = b.add_frame(data, self._hs) if self._hs else b.add_copy(data)
         if p >= 0:                      # (-1: the batch is another thread's; not here)
             self._nout += 1
+            return True
+        return False
 
     def abort(self) -> None:
         """Close at once, dropping what is unsent.  Thread-safe."""

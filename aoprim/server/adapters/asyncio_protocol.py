@@ -851,6 +851,8 @@ class SessionTransport(asyncio.Transport):
         self._protocol: Any = protocol
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
         self._closing = False
+        self._lost_writes = 0       # write() calls dropped after close (see _dropped)
+        self._lost = False          # connection_lost was called
         self._paused_reading = False
         self._low = self._high = 0
         # The protocol's writing state, which the loop thread's flush and a worker's
@@ -871,6 +873,19 @@ class SessionTransport(asyncio.Transport):
         self.set_write_buffer_limits()
 
     # -- writing -------------------------------------------------------------------------
+    def _dropped(self) -> None:
+        # as asyncio's transports: a protocol that writes on to a closed connection is
+        # told so, once a write, from the fifth on -- counting as asyncio does: its TCP
+        # transport counts the close itself as one, its TLS transport only the connection's
+        # loss (a close still flushing does not)
+        n = self._lost_writes
+        self._lost_writes = n + 1
+        if not self._tls or self._lost:
+            n += 1
+        if n >= 5:
+            _asyncio_log.warning("SSL connection is closed" if self._tls
+                                 else "socket.send() raised exception.")
+
     def write(self, data: Buffer) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data argument must be a bytes-like object, "
@@ -881,8 +896,8 @@ class SessionTransport(asyncio.Transport):
         if self._closing:
             # while the backlog from before close() is still being sent, asyncio's TCP
             # transport queues it too (plain TCP, the loop thread); otherwise dropped
-            if not self._tls and not s.over_max_pending():
-                s.send_after_close(data)
+            if self._tls or s.over_max_pending() or not s.send_after_close(data):
+                self._dropped()
             return
         told = self._told.load()
         if s.over_max_pending(told == 1 or told == 2):
@@ -1333,6 +1348,7 @@ class ProtocolHandler(Handler):
     def _lost_in(self, tr: SessionTransport, session: Session,
                  exc: BaseException | None) -> None:
         tr._closing = True
+        tr._lost = True
         session.user = None
         if exc is None:
             # a reset or another socket error: asyncio hands connection_lost the OSError

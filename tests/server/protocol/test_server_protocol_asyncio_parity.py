@@ -679,3 +679,59 @@ def test_an_exception_the_exception_handler_took_is_not_logged_again(serve, capl
     # the close is still told, at DEBUG
     assert any("bad request" in r.getMessage() for r in caplog.records
                if r.name.startswith("aoprim"))
+
+
+class _WritesAfterClose(asyncio.Protocol):
+    """close(), then writes on: seven times in the callback, seven more after
+    connection_lost."""
+
+    def __init__(self, lost):
+        self.lost = lost
+
+    def connection_made(self, transport):
+        self.t = transport
+
+    def data_received(self, data):
+        self.t.close()
+        for _ in range(7):
+            self.t.write(b"late")
+
+    def connection_lost(self, exc):
+        for _ in range(7):
+            self.t.write(b"later")
+        self.lost.append(exc)
+
+
+def _poke_until_closed(address, ctx=None):
+    raw = socket.create_connection(address[:2], timeout=10)
+    c = raw if ctx is None else ctx.wrap_socket(raw, server_hostname="localhost")
+    try:
+        c.sendall(b"x")
+        while c.recv(100):
+            pass
+    except (OSError, ssl.SSLError):
+        pass
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_writes_after_close_are_told_as_asyncio_tells_them(serve, caplog, tls, tls_certs):
+    kw = {"ssl": tls_certs.server_ctx()} if tls else {}
+    ctx = tls_certs.client_ctx() if tls else None
+    want = "SSL connection is closed" if tls else "socket.send() raised exception."
+
+    def told():
+        return sum(r.getMessage() == want for r in caplog.records if r.name == "asyncio")
+
+    lost = []
+    caplog.set_level(logging.WARNING, logger="asyncio")
+    on_asyncio(lambda: _WritesAfterClose(lost), lambda a: _poke_until_closed(a, ctx), **kw)
+    wait_for(lambda: lost, 10, "connection_lost on asyncio")
+    there = told()
+    caplog.clear()
+    lost.clear()
+    srv = serve(lambda: _WritesAfterClose(lost), **kw)
+    _poke_until_closed(srv.address, ctx)
+    wait_for(lambda: lost, 10, "connection_lost")
+    assert told() == there > 0
