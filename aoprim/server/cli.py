@@ -15,15 +15,17 @@ with ``--app-dir`` (default: the current directory) first on ``sys.path``.  With
 
 ``serve`` prints ``listening on HOST:PORT`` (one line, flushed) once it accepts connections,
 logs lifecycle and close reasons to stderr, and on SIGINT/SIGTERM shuts down cleanly (flushes
-what is pending), logs the stats as one readable summary line and exits 0 with no traceback;
+what is pending), logs the stats as one readable summary line and exits 0 with no traceback
+(SIGHUP and SIGQUIT act as SIGTERM, in a ``--procs`` child too, unless ignored at the start:
+``_stop_also_on_hup_and_quit``);
 with ``--stats-json`` it also prints the whole ``stats()`` dict as one ``stats {...}`` JSON
 line on stdout, for programs (a ``--procs`` supervisor passes the flag to its children).
 The process's stdout is the user's, written as any program's is (blocking): a handler's
 ``print()`` into a pipe nobody reads blocks that handler.  A stop therefore has a bound,
-``--stop-timeout`` (15 s): a process that has not ended that long after SIGINT/SIGTERM (or
+``--stop-timeout`` (15 s): a process that has not ended that long after its stop signal (or
 after serving ended) says so on stderr and exits 1 (``_StopWatchdog``).
 
-Exit status: 0 after a clean shutdown (only a real SIGINT/SIGTERM ends it so); 2 for a usage
+Exit status: 0 after a clean shutdown (only a real stop signal ends it so); 2 for a usage
 or configuration error (a bad option, a handler that cannot be loaded -- whatever its import
 raises, ``SystemExit(0)`` and ``KeyboardInterrupt`` included --, settings the server refuses,
 an address it cannot bind), with one ``aoprim: ...`` line on stderr and no traceback; 1 when serving failed -- a
@@ -129,14 +131,15 @@ def _plain_signals_in_forks() -> None:
     """In every process forked from this one (a ``fork`` multiprocessing Pool's workers,
     made at import or while serving; a handler's ``os.fork()``), SIGINT and SIGTERM act
     as in a plain Python program from the fork on: SIGTERM's default action, SIGINT
-    Python's KeyboardInterrupt, no signal wake-up fd.  SIGTERM must be the kernel's
-    default, not a Python handler that acts as it: a Python handler runs only once the
-    interpreter looks, and a signal that lands while the process is inside a C call that
-    retries on its own (a Pool worker's ``sem_wait`` woken and going back to sleep) is
-    never looked at -- the Pool's finalizer, which ends its workers with SIGTERM and then
-    joins them, would wait forever.  Both signals are blocked in the forking thread across
-    the fork, so one sent to the new process before its handlers are reset waits (pending)
-    and gets the default action once they are."""
+    Python's KeyboardInterrupt, no signal wake-up fd; SIGHUP and SIGQUIT, which serve
+    takes as SIGTERM (``_forward_to_sigterm``), get their default action back.  SIGTERM
+    must be the kernel's default, not a Python handler that acts as it: a Python handler
+    runs only once the interpreter looks, and a signal that lands while the process is
+    inside a C call that retries on its own (a Pool worker's ``sem_wait`` woken and going
+    back to sleep) is never looked at -- the Pool's finalizer, which ends its workers with
+    SIGTERM and then joins them, would wait forever.  The four signals are blocked in the
+    forking thread across the fork, so one sent to the new process before its handlers are
+    reset waits (pending) and gets the default action once they are."""
 
     def before() -> None:
         _forking.mask = signal.pthread_sigmask(signal.SIG_BLOCK, _FORK_SIGNALS)
@@ -167,11 +170,13 @@ def _plain_signals_in_forks() -> None:
 
 
 def _stop_on_signals() -> None:
-    """Until the server installs its own handlers, SIGINT/SIGTERM end the process quietly."""
+    """Until the server installs its own handlers, SIGINT/SIGTERM end the process quietly;
+    SIGHUP and SIGQUIT act as SIGTERM from here on (``_stop_also_on_hup_and_quit``)."""
     global _STOP_PID
     _STOP_PID = os.getpid()
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
+    _stop_also_on_hup_and_quit()
 
 
 # -- loading the user's handler -------------------------------------------------------------
@@ -847,9 +852,10 @@ class _Heirs:
 
 
 def _watch_stop_signals(watchdog: _StopWatchdog, heirs: _Heirs | None = None) -> None:
-    """Arm ``watchdog`` when SIGINT/SIGTERM arrives, before the handler in place (the
-    server's, which starts the shutdown) runs; pass the signal on to ``heirs`` (what a
-    supervised child started) if its supervisor is gone."""
+    """Arm ``watchdog`` when SIGINT/SIGTERM arrives (SIGHUP/SIGQUIT too: they reach
+    SIGTERM's handler, ``_forward_to_sigterm``), before the handler in place (the server's,
+    which starts the shutdown) runs; pass the signal on to ``heirs`` (what a supervised
+    child started) if its supervisor is gone."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         prev = signal.getsignal(sig)
         if not callable(prev):
@@ -865,17 +871,23 @@ def _watch_stop_signals(watchdog: _StopWatchdog, heirs: _Heirs | None = None) ->
 
 
 def _forward_to_sigterm(signum: int, frame: FrameType | None) -> None:
-    """SIGHUP or SIGQUIT to ``serve`` alone: the stop SIGTERM starts, told by its own name."""
+    """SIGHUP or SIGQUIT: what SIGTERM's handler in place does, told by its own name --
+    ``_raise_stop`` while starting, the server's stop while serving (armed by
+    ``_watch_stop_signals``), nothing once the stop began (SIGTERM is then ignored)."""
     handler = signal.getsignal(signal.SIGTERM)
     if callable(handler):
         handler(signum, frame)
 
 
 def _stop_also_on_hup_and_quit() -> None:
-    """``serve`` alone stops on SIGHUP (the terminal hung up, ``kill -HUP``) and SIGQUIT as
-    on SIGTERM -- a clean stop, exit 0, no core file -- as a ``--procs`` supervisor does;
-    one ignored at the start (``nohup``, a background job's SIGQUIT) stays ignored, and
-    one with a handler of its own (the handler's module put it there) is left to it."""
+    """``serve`` -- alone or a ``--procs`` child -- stops on SIGHUP (the terminal hung up,
+    ``kill -HUP``, ``pkill -HUP``, systemd's ``SendSIGHUP=yes``) and SIGQUIT as on SIGTERM,
+    from the start of ``main()`` to its end: a clean stop, its stats line, replies in
+    flight sent, exit 0, no core file, and under ``--procs`` the same word to the
+    supervisor (``stopped``) as for SIGTERM -- as a ``--procs`` supervisor stops on them.
+    One ignored at the start (``nohup``, a background job's SIGQUIT; a supervisor started
+    so passes the ignore on to its children) stays ignored, and one with a handler of its
+    own (the handler's module puts it there at import) is left to it."""
     for sig in (signal.SIGHUP, signal.SIGQUIT):
         if signal.getsignal(sig) == signal.SIG_DFL:
             signal.signal(sig, _forward_to_sigterm)
@@ -928,8 +940,6 @@ def _serve(a: argparse.Namespace, status: _StatusPipe | None) -> int:
             _hide_in_forks(status)
         # (serve_forever has put its signal handlers in place by now: the loop runs)
         _watch_stop_signals(watchdog, heirs)
-        if status is None:
-            _stop_also_on_hup_and_quit()
         try:
             if status is None:
                 print(f"listening on {describe_address((host, port))}", flush=True)
@@ -973,12 +983,17 @@ def _serve(a: argparse.Namespace, status: _StatusPipe | None) -> int:
         failed.append(True)
     finally:
         if os.getpid() == serving_pid:          # (a fork leaving: none of this is its)
-            # the stop began: a second SIGINT/SIGTERM (systemd signals every process of the
-            # service, and the supervisor forwards its own) must neither interrupt the rest
-            # nor kill the process while the interpreter finalizes (which puts back the
-            # default action of a signal with a Python handler): ignored from here until exit
+            # the stop began: a second stop signal (systemd signals every process of the
+            # service, SIGTERM and then SIGHUP with SendSIGHUP=yes, and the supervisor
+            # forwards its own) must neither interrupt the rest nor kill the process while
+            # the interpreter finalizes (which puts back the default action of a signal
+            # with a Python handler): ignored from here until exit (SIGHUP/SIGQUIT if they
+            # are serve's, not the handler's module's)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            for sig in (signal.SIGHUP, signal.SIGQUIT):
+                if signal.getsignal(sig) is _forward_to_sigterm:
+                    signal.signal(sig, signal.SIG_IGN)
             # what is left -- the stats line, what handlers printed without flushing -- goes
             # to a stdout that may not be read: bounded too
             watchdog.arm("the end of serving")

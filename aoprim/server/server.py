@@ -194,26 +194,31 @@ def _signals_held() -> Iterator[None]:
     SIGINT's ``KeyboardInterrupt``, the command line's stop) once the block is done: raised
     inside ``Thread.start()``, such an exception could leave a thread half started, which
     no join sees (or a phantom entry in ``threading``'s tables).  Signals whose handler is
-    not a Python callable (``SIG_DFL``, ``SIG_IGN``) are left as they are."""
+    not a Python callable (``SIG_DFL``, ``SIG_IGN``) are left as they are.  A handler of
+    another signal that calls the one in place for SIGTERM with its own number (the
+    command line's SIGHUP and SIGQUIT) is held as that SIGTERM, and given to the caller's
+    SIGTERM handler with that number."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held: list[tuple[int, FrameType | None]] = []
+    held: list[tuple[int, int, FrameType | None]] = []   # (whose handler, signum, frame)
     prev: dict[int, Any] = {}
 
-    def hold(signum: int, frame: FrameType | None) -> None:
-        held.append((signum, frame))
+    def holder(sig: int) -> Callable[[int, FrameType | None], None]:
+        def hold(signum: int, frame: FrameType | None) -> None:
+            held.append((sig, signum, frame))
+        return hold
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
             h = signal.getsignal(sig)
             if callable(h):
-                prev[sig] = signal.signal(sig, hold)
+                prev[sig] = signal.signal(sig, holder(sig))
         yield
     finally:
         for num, h in prev.items():
             signal.signal(num, h)
-        for num, frame in held:
-            prev[num](num, frame)       # (raises, as the caller's handler does)
+        for sig, num, frame in held:
+            prev[sig](num, frame)       # (raises, as the caller's handler does)
 
 
 def as_plain_python(signum: int) -> None:

@@ -32,9 +32,10 @@ Rules
     - at the first start, it exited before saying ``ready``: a usage or configuration
       error (status 2) or a start-up that fails, which a restart would only repeat: stop
       every child, exit 2 (or 1);
-    - it said ``stopped`` and exited 0, or died of SIGTERM/SIGINT, without the supervisor
-      having asked (an operator's ``kill``, an OOM daemon): it is replaced -- the service
-      keeps its N processes -- and that is not counted as a crash;
+    - it said ``stopped`` and exited 0, or died of a stop signal (SIGTERM, SIGINT, SIGHUP,
+      SIGQUIT: one that came before its handlers were in place), without the supervisor
+      having asked (an operator's ``kill``, ``kill -HUP``, an OOM daemon): it is replaced
+      -- the service keeps its N processes -- and that is not counted as a crash;
     - anything else is a crash: restart it after a back-off that doubles from ``backoff``
       up to ``backoff_max``; a child that lived ``stable_after`` seconds starts the back-off
       again.  A restart that fails -- its process exits before ``ready`` (status 2 too: a
@@ -65,7 +66,16 @@ Rules
   way, the children getting SIGTERM: their default action would end the supervisor alone,
   and a supervisor that ends leaves no service behind (no core file either: a
   supervisor's is of no use).  Either one ignored when the supervisor starts (``nohup``, a
-  shell's background job) stays ignored, as it does for ``serve`` alone.
+  shell's background job) stays ignored, as it does for ``serve`` alone -- and for its
+  children, which inherit the ignore.
+- A child takes SIGHUP and SIGQUIT as SIGTERM (cli.py's ``_stop_also_on_hup_and_quit``,
+  from its start): a clean stop, its stats line, its replies in flight sent, ``stopped``
+  said, exit 0.  Sent to every process of the service (``pkill -HUP -f 'aoprim serve'``,
+  systemd's ``SendSIGHUP=yes`` after its SIGTERM, ``kill -HUP`` of each pid) that is the
+  supervisor's stop above, exit 0; a child still starting that dies of one before its
+  handlers are in place counts as stopped cleanly, as it does for SIGTERM.  Sent to one
+  child alone it is that child's SIGTERM: a child that stops cleanly on its own signal is
+  replaced at once, not counted as a crash (see above), and the service serves on.
 - What a child started (a handler's subprocess, a process it forked) is in the child's
   process group and does not outlive it: at a stop it is the child's to stop first (a
   ``fork`` Pool its module made is ended by the Pool's finalizer at the child's exit; killed
@@ -123,13 +133,14 @@ The status pipe
 ---------------
 ``child_argv(port, status_fd)`` gives each child the number of an inherited pipe's write end.
 The child writes ``ready\n`` once it accepts connections (its settings were accepted, no
-handler code has run yet), and ``stopped\n`` when it was told to stop (SIGINT/SIGTERM) and
-has shut down cleanly, just before it exits 0.  ``stopped`` matters only when the supervisor
-asked for the stop: said on its own, the child is replaced.  A child that cannot serve as
-told (a handler that does not import, a port in use: what ``serve`` alone says in one
-``aoprim: ...`` line, exit 2) writes ``usage "MESSAGE"\n`` (the message as a JSON string)
-instead of printing it, and exits 2: the supervisor prints each message once, however many
-children fail alike (a typo in MODULE:HANDLER fails in all N).  Nothing else is read.
+handler code has run yet), and ``stopped\n`` when it was told to stop (SIGINT, SIGTERM,
+SIGHUP or SIGQUIT) and has shut down cleanly, just before it exits 0.  ``stopped`` matters
+only when the supervisor asked for the stop: said on its own, the child is replaced.  A
+child that cannot serve as told (a handler that does not import, a port in use: what
+``serve`` alone says in one ``aoprim: ...`` line, exit 2) writes ``usage "MESSAGE"\n``
+(the message as a JSON string) instead of printing it, and exits 2: the supervisor prints
+each message once, however many children fail alike (a typo in MODULE:HANDLER fails in all
+N).  Nothing else is read.
 """
 from __future__ import annotations
 
@@ -160,8 +171,10 @@ _PR_GET_CHILD_SUBREAPER = 37
 _READY = b"ready"           # the child's status messages (see "The status pipe")
 _STOPPED = b"stopped"
 USAGE = b"usage "           # ... and the prefix of a usage error's message
-# the signals that stop the service; the children get the first two as they came, the
-# others as SIGTERM (a child's own handlers are for SIGINT/SIGTERM only)
+# the signals that stop the service, and a child that gets one of them itself; the children
+# get the first two as they came, the others as SIGTERM (a child takes SIGHUP and SIGQUIT
+# as SIGTERM unless ignored at its start or handled by its handler's module; SIGTERM stops
+# it either way)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # ... those of them that stay ignored when they are at the start (``nohup``, a background
 # job's SIGQUIT), as they do for ``serve`` alone (cli._stop_also_on_hup_and_quit)
@@ -997,7 +1010,9 @@ class Supervisor:
 
         A child still starting (it has not said "listening on") may not have its handlers
         yet: it gets SIGTERM, whose default action ends it, and ending so counts as a clean
-        stop (SIGINT there would be a KeyboardInterrupt anywhere in its start-up)."""
+        stop (SIGINT there would be a KeyboardInterrupt anywhere in its start-up), as ending
+        by any stop signal's default action does (the SIGHUP or SIGQUIT of a ``pkill`` that
+        reached it too)."""
         live = [c for c in self._children if c.proc is not None]
         was_ready = {c: c.ready for c in live}
         for c in live:
@@ -1046,7 +1061,7 @@ class Supervisor:
                 self._read(c, final=True)
                 if rc == 2 and c.usage is not None and c.usage in self._usage_said:
                     pass        # a sibling failed alike, before the stop reached it: said
-                elif not (rc == 0 or (rc == -signal.SIGTERM and not was_ready[c])):
+                elif not (rc == 0 or (-rc in STOP_SIGNALS and not was_ready[c])):
                     self._say_usage(c, rc)
                     # the supervisor's exit status says the stop was not clean: say which
                     # process and how (a crash in its on_close, a segfault, an OOM kill)
@@ -1220,10 +1235,11 @@ class Supervisor:
             return self._fail(f"server process {pid} ({c.index + 1} of {self._procs}) exited "
                               f"with {_how(rc)} before it listened: stopping", 1)
         delay = self._next_delay(c, now)
-        if (rc == 0 and _STOPPED in words) or rc in (-signal.SIGTERM, -signal.SIGINT):
-            # stopped by someone else (an operator's kill, an OOM daemon's SIGTERM): the
-            # supervisor did not ask (its own stops are reaped by _stop_all), so the place
-            # is filled again -- not a crash: never a reason to give up
+        if (rc == 0 and _STOPPED in words) or -rc in STOP_SIGNALS:
+            # stopped by someone else (an operator's kill, kill -HUP, an OOM daemon's
+            # SIGTERM; a stop signal's default action if it came before the child's
+            # handlers): the supervisor did not ask (its own stops are reaped by _stop_all),
+            # so the place is filled again -- not a crash: never a reason to give up
             log.warning("server process %d stopped (%s) without the supervisor asking: "
                         "replacing it in %.2g s", pid, _how(rc), delay)
             c.respawn_at = now + delay
@@ -1329,8 +1345,9 @@ class Supervisor:
                 sig = self._signals.pop(0)
                 log.info("received %s: stopping %d server processes",
                          signal.Signals(sig).name, self._procs)
-                # a child's handlers stop it on SIGINT/SIGTERM only: SIGHUP's default action
-                # would end it without a clean stop
+                # SIGHUP and SIGQUIT go on as SIGTERM, which stops every child cleanly: a
+                # child keeps one ignored at its start ignored, and its handler's module may
+                # have a handler of its own for it
                 forward = sig if sig in (signal.SIGINT, signal.SIGTERM) else signal.SIGTERM
                 return 0 if self._stop_all(forward) else 1
             now = time.monotonic()

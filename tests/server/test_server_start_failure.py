@@ -91,6 +91,53 @@ def test_a_sigint_while_the_workers_start_waits_until_they_have_all_started(monk
     _assert_given_back(srv, fds, threads)
 
 
+class _Stop(BaseException):
+    """What the caller's SIGTERM handler raises (the command line's start-up stop)."""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sighup_taken_as_sigterm_while_the_workers_start_is_held_as_sigterm(monkeypatch,
+                                                                              backend):
+    """``serve`` takes SIGHUP as SIGTERM: its SIGHUP handler calls the handler in place for
+    SIGTERM with SIGHUP's number (cli._forward_to_sigterm).  Landing while the workers
+    start, it was held under SIGHUP's number, which has no held handler: a KeyError out of
+    serve_forever once they had started.  It is held as a SIGTERM, and given to the
+    caller's SIGTERM handler, with its own number, once the start is done."""
+    got = []
+
+    def on_term(signum, frame):
+        got.append(signum)
+        raise _Stop
+
+    def as_sigterm(signum, frame):
+        signal.getsignal(signal.SIGTERM)(signum, frame)
+    started = []
+
+    def start(pool):
+        pool.threads[0].start()
+        os.kill(os.getpid(), signal.SIGHUP)     # its handler runs at the next check
+        for _ in range(1000):
+            pass
+        for t in pool.threads[1:]:
+            t.start()
+        started.append(sum(t.ident is not None for t in pool.threads))
+    fds, threads = _fds(), _aoprim_threads()
+    old = {signal.SIGTERM: signal.signal(signal.SIGTERM, on_term),
+           signal.SIGHUP: signal.signal(signal.SIGHUP, as_sigterm)}
+    try:
+        srv = Server(Echo(), HOST, backend=backend, workers=4, shutdown_timeout=0.5)
+        monkeypatch.setattr(WorkerPool, "start", start)
+        with pytest.raises(_Stop):
+            srv.serve_forever()
+        assert started == [4], "the stop came inside the workers' start"
+        assert got == [signal.SIGHUP]
+        assert signal.getsignal(signal.SIGTERM) is on_term
+        _assert_given_back(srv, fds, threads)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_start_whose_workers_cannot_all_start_stops_those_started(monkeypatch, backend):
     fds, threads = _fds(), _aoprim_threads()

@@ -24,7 +24,7 @@ import pytest
 from aoprim.server.loop import BACKENDS
 from aoprim.server.supervisor import Supervisor, reserve_port
 
-from proc_support import child_env
+from proc_support import child_env, signal_masks
 from server_support import HOST, recv_exact, wait_for
 
 CWD = tempfile.gettempdir()
@@ -473,16 +473,24 @@ def test_the_reservation_refuses_other_binders():
 # -- the Supervisor class with stand-in children ---------------------------------------------
 
 CHILD = textwrap.dedent("""
-    import os, signal, sys, time
+    import os, resource, signal, sys, time
 
     mode, port, status = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # (SIGQUIT's default action: no core)
 
     def bye(signum, frame):
         print("bye", os.getpid(), flush=True)
         os.write(status, b"stopped\\n")      # told to stop, and done
         sys.exit(0)
 
-    signal.signal(signal.SIGTERM, bye)
+    def dies_of(sig):
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+
+    # hup-starting: still starting when the stop comes, and ended by the default action of
+    # a SIGHUP that reached it too (pkill -HUP of every process of the service)
+    signal.signal(signal.SIGTERM, bye if mode != "hup-starting" else
+                  lambda signum, frame: dies_of(signal.SIGHUP))
     signal.signal(signal.SIGINT, bye)
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -492,24 +500,27 @@ CHILD = textwrap.dedent("""
         sys.exit(2)
     if mode == "early":                    # a crash before listening (a start-up crash)
         sys.exit(3)
+    if mode == "hup-starting":
+        time.sleep(60)
     # before "ready": a stop signal, sent once every child listens, could otherwise land
     # inside this print (the child then wrote "child" + "bye ...": a test race)
     print("child", mode, "up", flush=True)
     os.write(status, b"ready\\n")
     # exit2/exit0: a status chosen while serving (a handler's sys.exit, os._exit);
     # stop0: the child stops by itself as if told to, saying so first; killed: it dies of
-    # SIGTERM that the supervisor did not send
+    # SIGTERM that the supervisor did not send; hup, quit: of a SIGHUP or SIGQUIT's default
+    # action (one that came before a server's handlers were in place)
     lifetime = {"crash": 0.05, "late": 0.4, "exit2": 0.2, "exit0": 0.2, "stop0": 0.2,
-                "killed": 0.2}.get(mode)
+                "killed": 0.2, "hup": 0.2, "quit": 0.2}.get(mode)
     if lifetime is None:
         time.sleep(60)
     else:
         time.sleep(lifetime)
         if mode == "stop0":
             os.write(status, b"stopped\\n")
-        if mode == "killed":
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        if mode in ("killed", "hup", "quit"):
+            dies_of({"killed": signal.SIGTERM, "hup": signal.SIGHUP,
+                     "quit": signal.SIGQUIT}[mode])
         sys.exit({"crash": 3, "late": 3, "exit2": 2, "exit0": 0, "stop0": 0}[mode])
 """)
 
@@ -633,11 +644,13 @@ def test_the_record_of_spawns_keeps_the_newest_only(child_script, caplog, monkey
     assert not any(alive(pid) for pid in pids)
 
 
-@pytest.mark.parametrize("mode", ["stop0", "killed"])
+@pytest.mark.parametrize("mode", ["stop0", "killed", "hup", "quit"])
 def test_a_child_stopped_without_the_supervisor_asking_is_replaced(child_script, caplog,
                                                                     mode):
     """A child that said "stopped" (an operator's SIGTERM to it) was never restarted: the
-    service shrank for good, and ended with exit 0 when every child had been stopped."""
+    service shrank for good, and ended with exit 0 when every child had been stopped.  A
+    child that died of SIGHUP or SIGQUIT (their default action: a signal that came before
+    its handlers) was restarted as a crash, where one that died of SIGTERM is replaced."""
     caplog.set_level(logging.INFO, logger="aoprim.server")
     sup = Supervisor(argv_of(child_script, mode, mode, "serve"), 2, HOST, 0,
                      stdout=io.StringIO(), backoff=0.01, give_up_after=0)
@@ -645,6 +658,28 @@ def test_a_child_stopped_without_the_supervisor_asking_is_replaced(child_script,
                           all(c.ready for c in sup._children)) == 0
     assert sorted(i for _, i, _ in sup.spawned) == [0, 0, 1, 1]   # both places filled again
     assert caplog.text.count("without the supervisor asking: replacing it") == 2
+    assert not any(alive(pid) for _, _, pid in sup.spawned)
+
+
+@pytest.mark.timeout(60)
+def test_a_child_still_starting_ended_by_a_sighup_at_the_stop_stopped_cleanly(child_script,
+                                                                              caplog):
+    """`pkill -HUP -f 'aoprim serve'` reaching a child that is still starting, before its
+    handlers are in place: the SIGHUP's default action ends it, as the SIGTERM the
+    supervisor sends it would -- a clean stop, exit 0 (it was "exited with signal SIGHUP
+    while stopping" and exit 1)."""
+    caplog.set_level(logging.INFO, logger="aoprim.server")
+    sup = Supervisor(argv_of(child_script, "hup-starting"), 1, HOST, 0, stdout=io.StringIO())
+    caught = 1 << (signal.SIGTERM - 1)
+
+    def starting():         # its SIGTERM handler is in place (the kernel's view)
+        try:
+            return sup.spawned and signal_masks(sup.spawned[0][2])["SigCgt"] & caught
+        except OSError:
+            return False
+    assert run_supervisor(sup, starting) == 0, caplog.text
+    assert not any(c.ready for c in sup._children)
+    assert "while stopping" not in caplog.text, caplog.text
     assert not any(alive(pid) for _, _, pid in sup.spawned)
 
 

@@ -3,6 +3,11 @@ bytes (aoprim/server/supervisor.py, docs/server.md "--procs N").
 
 - SIGHUP (a hang-up of its terminal, ``kill -HUP``) and SIGQUIT stop the service as SIGTERM
   does: the children and what their handlers started stop, and the supervisor exits 0.
+- A child takes SIGHUP and SIGQUIT as SIGTERM: sent to every process of the service
+  (``pkill -HUP -f 'aoprim serve'``, systemd's ``SendSIGHUP=yes``) the service stops
+  cleanly, each child with its stats line and its replies in flight sent, and the
+  supervisor exits 0; sent to one child alone, that child stops cleanly and is replaced,
+  as after a SIGTERM of its own -- not counted as a crash.
 - A supervisor killed with SIGKILL takes its children with it (``PR_SET_PDEATHSIG``), and
   each child stops its own process group before it exits: what a handler started does not
   outlive the service, also when it ignores SIGTERM (then it is killed after
@@ -10,6 +15,7 @@ bytes (aoprim/server/supervisor.py, docs/server.md "--procs N").
 - What a child writes on its stdout reaches the supervisor's stdout byte for byte, as with
   ``--procs 1``: never decoded and encoded again.
 """
+import os
 import signal
 import socket
 import subprocess
@@ -18,8 +24,8 @@ import sys
 import pytest
 
 from proc_support import child_env
-from server_support import HOST, wait_for
-from test_supervisor import _stat, alive, children_of, cleanup
+from server_support import HOST, recv_exact, wait_for
+from test_supervisor import Lines, _stat, alive, children_of, cleanup, echo_once
 
 SPAWNER = """
 import subprocess
@@ -216,3 +222,129 @@ def test_ctrl_z_stops_and_continues_the_whole_service(tmp_path):
         assert p.wait(60) == 0
     finally:
         cleanup(p, [helper] if helper else [])
+
+
+# -- a child's own SIGHUP or SIGQUIT --------------------------------------------------------
+
+IN_FLIGHT = """
+import logging, os, select
+from aoprim.server import Handler
+
+told_r, told_w = os.pipe()
+
+class _Told(logging.Handler):
+    # the server logs "received SIGxxx: shutting down" from its stop signal's handler, which
+    # may have interrupted on_read's wait below: a byte on a pipe, no lock taken (an
+    # Event's set() would wait for the lock its wait() holds, on the same thread)
+    def emit(self, record):
+        if record.getMessage().startswith("received "):
+            os.write(told_w, b"!")
+
+logging.getLogger("aoprim.server").addHandler(_Told())
+
+class InFlight(Handler):
+    # b"slow" says "busy PID" and is answered only once this process was told to stop:
+    # the reply is in flight when the stop begins; anything else is echoed
+    def on_read(self, session, data):
+        if bytes(data) == b"slow":
+            print("busy", os.getpid(), flush=True)
+            told = select.select([told_r], [], [], 60)[0]
+            session.send(b"done" if told else b"late")
+        else:
+            session.send(data)
+"""
+
+
+def _serve_in_flight(tmp_path):
+    """A --procs 2 service of IN_FLIGHT (stats JSON lines, INFO log): (process, port, its
+    children, its stderr's Lines)."""
+    (tmp_path / "inflight.py").write_text(IN_FLIGHT)
+    p = subprocess.Popen([sys.executable, "-m", "aoprim", "serve", "--host", HOST, "--port",
+                          "0", "--procs", "2", "--log-level", "INFO", "--stats-json",
+                          "inflight:InFlight"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=str(tmp_path), env=child_env(),
+                         preexec_fn=_default_stop_signals)
+    err = Lines(p.stderr)
+    line = p.stdout.readline()
+    assert line.startswith("listening on "), (line, err.text())
+    kids = children_of(p.pid)
+    assert len(kids) == 2, kids
+    return p, int(line.rsplit(":", 1)[1]), kids, err
+
+
+def _reply(s, err):
+    """The reply to b"slow" on ``s`` (4 bytes), or a failure that shows the service's log."""
+    try:
+        return recv_exact(s, 4, timeout=30)
+    except OSError as e:
+        pytest.fail(f"no reply ({e!r}):\n{err.text()}")
+
+
+def _slow_request(s, p):
+    """Put b"slow" in flight on connection ``s``: the pid of the child that holds it."""
+    s.sendall(b"slow")
+    said = p.stdout.readline()
+    assert said.startswith("busy "), said
+    return int(said.split()[1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGQUIT"])
+def test_a_stop_signal_to_every_process_of_the_service_is_a_clean_stop(tmp_path, sig):
+    """`pkill -HUP -f 'aoprim serve'`, systemd's SendSIGHUP=yes: the children died of the
+    SIGHUP's default action (SIGQUIT's: a core file) -- no stats line, the reply in flight
+    lost -- and the supervisor counted each as a crash during its stop and exited 1."""
+    p, port, kids, err = _serve_in_flight(tmp_path)
+    try:
+        with socket.create_connection((HOST, port), timeout=30) as s:
+            holder = _slow_request(s, p)
+            assert holder in kids
+            for pid in (p.pid, *kids):          # pkill's order: the supervisor first
+                os.kill(pid, getattr(signal, sig))
+            assert _reply(s, err) == b"done", err.text()
+        out = p.stdout.read()
+        assert p.wait(60) == 0, err.text()
+        err.join()
+        assert out.count("stats {") == 2, out   # each child's clean stop
+        text = err.text()
+        assert f"received {sig}: stopping 2 server processes" in text, text
+        for bad in ("Traceback", "while stopping", "restarting", "replacing", "did not stop"):
+            assert bad not in text, text
+        assert children_of(p.pid) == []
+    finally:
+        cleanup(p, kids)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGQUIT"])
+def test_a_stop_signal_to_one_child_stops_it_cleanly_and_it_is_replaced(tmp_path, sig):
+    """`kill -HUP CHILD`: the child died of the default action (no stats line, the reply in
+    flight lost) and the supervisor restarted it as a crash after a back-off, where a
+    SIGTERM to one child is a clean stop, replaced at once and not counted as a crash."""
+    p, port, kids, err = _serve_in_flight(tmp_path)
+    try:
+        with socket.create_connection((HOST, port), timeout=30) as s:
+            holder = _slow_request(s, p)
+            os.kill(holder, getattr(signal, sig))
+            assert _reply(s, err) == b"done", err.text()
+        line = p.stdout.readline()              # its stats line: it stopped cleanly
+        assert line.startswith("stats {"), (line, err.text())
+        err.wait("(restarted) is listening", timeout=30)
+        now = children_of(p.pid)
+        assert len(now) == 2 and holder not in now, (holder, now)
+        for i in range(4):
+            assert echo_once(port, b"ok%d" % i) == b"ok%d" % i
+        assert p.poll() is None
+        p.send_signal(signal.SIGTERM)
+        out = p.stdout.read()
+        assert p.wait(60) == 0, err.text()
+        err.join()
+        assert out.count("stats {") == 2, out   # the two at the end
+        text = err.text()
+        assert f"server process {holder} stopped (status 0) without the supervisor asking: " \
+            "replacing it" in text, text
+        assert text.count("without the supervisor asking: replacing it") == 1, text
+        for bad in ("Traceback", "restarting", "crash", "while stopping", "did not stop"):
+            assert bad not in text, text
+    finally:
+        cleanup(p, kids)

@@ -229,12 +229,16 @@ def _ignore(*sigs):
 @pytest.mark.parametrize("sig", ["SIGHUP", "SIGQUIT"])
 def test_a_signal_ignored_at_the_start_stays_ignored(tmp_path, sig):
     """`nohup serve --procs 2`: the supervisor put its own handler over the inherited
-    SIG_IGN, and the terminal's hang-up stopped the whole service."""
+    SIG_IGN, and the terminal's hang-up stopped the whole service.  The children inherit
+    the ignore and keep it too (`pkill -HUP` reaches them as well)."""
     p, port = start(tmp_path, "from aoprim.server.apps import Echo\n", "ignored:Echo",
                     preexec_fn=_ignore(signal.SIGHUP, signal.SIGQUIT))
     err = Lines(p.stderr)
     try:
-        os.kill(p.pid, getattr(signal, sig))
+        kids = children_of(p.pid)
+        assert len(kids) == 2, kids
+        for pid in (p.pid, *kids):
+            os.kill(pid, getattr(signal, sig))
         for i in range(6):                      # it serves on: the signal was ignored
             assert echo_once(port, b"hup%d" % i) == b"hup%d" % i
         assert p.poll() is None
