@@ -11,7 +11,11 @@ threaded run of ``n`` operations in all (the threads start together at a barrier
 from the barrier to the last join).  The figure is total operations per second; the group's
 ratio column compares the parallel figure with the baseline's (the stdlib's lock-based way),
 and ``2/1`` is the entry's own parallel figure over its solo one (1.0: a second core adds
-nothing; 2.0: perfect scaling).
+nothing; 2.0: perfect scaling).  ``cores`` is the process's CPU time over the wall time of
+the solo and of the parallel run: the cores the run kept busy.  A solo run that keeps both
+cores busy already (the queues' producer and consumer, the server's worker beside its loop
+thread and client) leaves a parallel run no core to add: its 2/1 is then bounded by how much
+less CPU an operation costs, not by the second core.
 
 Every thread binds the bound methods it calls once, before the barrier (``add =
 counter.fetch_add``): on a free-threaded build each reference taken to an object that
@@ -264,10 +268,13 @@ def _slab(kind):
 def _queue(kind, producers, consumers):
     """``producers`` threads put n items in all, ``consumers`` threads get them (blocking
     gets); every item is got exactly once.  The solo run (``threads`` 1): one thread putting
-    then getting each item."""
-    def new():
+    then getting each item.  ``MPMCQueue(n)``: a capacity of every item of the run, so that
+    its producers never wait for room, as SimpleQueue's (unbounded) never do."""
+    def new(n):
         if kind == "MPMCQueue":
             return MPMCQueue(1024)
+        if kind == "MPMCQueue(n)":
+            return MPMCQueue(n)
         if kind == "SPSCQueue":
             return SPSCQueue(1024)
         if kind == "SimpleQueue":
@@ -284,7 +291,7 @@ def _queue(kind, producers, consumers):
     def make(threads, n):
         if threads == 1:
             def run():
-                q = new()
+                q = new(n)
                 put, get = names(q)
                 t0 = time.perf_counter()
                 s = 0
@@ -300,7 +307,7 @@ def _queue(kind, producers, consumers):
         assert per_c * consumers == total
 
         def run():
-            q = new()
+            q = new(total)
 
             def producer(base):
                 def body():
@@ -365,13 +372,17 @@ class FtGroup:
                     progress.step(self.mode["rounds"])
                 continue
             live.append({"name": name, "role": role, "solo": solo, "par": par,
-                         "s": [], "p": []})
+                         "s": [], "p": [], "cs": [], "cp": []})
         for r in range(self.mode["rounds"]):
             order = live[r % len(live):] + live[:r % len(live)] if live else []
             for e in order:
+                c0, t0 = time.process_time(), time.perf_counter()
                 wall, ops = e["solo"]()
+                e["cs"].append(_cores(c0, t0))
                 e["s"].append(ops / wall / self.per_unit)
+                c0, t0 = time.process_time(), time.perf_counter()
                 wall, ops = e["par"]()
+                e["cp"].append(_cores(c0, t0))
                 e["p"].append(ops / wall / self.per_unit)
                 if progress:
                     progress.step(1, f"{self.id}: {e['name']}")
@@ -383,10 +394,20 @@ class FtGroup:
             solo = runner.summarize(e["s"])
             ent["metrics"] = {"solo_mops": solo,
                               "scaling": runner.summarize(
-                                  [p / s for p, s in zip(e["p"], e["s"])])}
+                                  [p / s for p, s in zip(e["p"], e["s"])]),
+                              # the cores busy (process CPU / wall), solo and parallel
+                              "cores_solo": runner.summarize(e["cs"]),
+                              "cores": runner.summarize(e["cp"])}
             entries.append(ent)
         return runner.finish_group(self, entries, skipped, better="higher",
                                    extra={"threads": list(self.threads)})
+
+
+def _cores(cpu0, wall0):
+    """The cores kept busy since (``time.process_time()``, ``time.perf_counter()``) were
+    ``cpu0``, ``wall0``: the whole sample, its threads' start and end included (the process
+    clock cannot tell those apart from the timed part)."""
+    return (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
 
 
 def _spin(work):
@@ -514,6 +535,7 @@ def groups(mode):
                 [("queue.Queue(1024)", "baseline", q("Queue", 1, 1)),
                  ("queue.SimpleQueue", "candidate", q("SimpleQueue", 1, 1)),
                  ("MPMCQueue(1024)", "candidate", q("MPMCQueue", 1, 1)),
+                 ("MPMCQueue(n): never full", "candidate", q("MPMCQueue(n)", 1, 1)),
                  ("ft_utils ConcurrentQueue", "candidate", q("ft_utils", 1, 1))],
                 N_QUEUE, mode),
         FtGroup("ft-mpmc-2p2c", "2 producer + 2 consumer threads on 2 cores, blocking put/get "
@@ -521,6 +543,7 @@ def groups(mode):
                 [("queue.Queue(1024)", "baseline", q("Queue", 2, 2)),
                  ("queue.SimpleQueue", "candidate", q("SimpleQueue", 2, 2)),
                  ("MPMCQueue(1024)", "candidate", q("MPMCQueue", 2, 2)),
+                 ("MPMCQueue(n): never full", "candidate", q("MPMCQueue(n)", 2, 2)),
                  ("ft_utils ConcurrentQueue", "candidate", q("ft_utils", 2, 2))],
                 N_QUEUE, mode, parallel=4),
         FtGroup("ft-spsc-1p1c", "1 producer + 1 consumer thread, blocking put/get "
@@ -538,7 +561,8 @@ def groups(mode):
                      "the ceiling); for the server the client thread, the loop thread and the "
                      "workers share the machine's cores")
         for gid, work, n in (("ft-server-400", 400, N_SERVER),
-                             ("ft-server-2000", 2000, N_SERVER // 4))
+                             ("ft-server-2000", 2000, N_SERVER // 4),
+                             ("ft-server-10000", 10000, N_SERVER // 20))
     ]
 
 
@@ -551,12 +575,14 @@ def render_group(g):
     base = next((e for e in g["entries"] if e["role"] == "baseline"), None)
     nw = max([len(label(e)) for e in ents] + [8])
     lines.append(f"{'  entry':<{nw}} {f'{par_t} thr':>8} {'spread':>13} {'ratio':>7} "
-                 f"{f'{solo_t} thr':>8} {f'{par_t}/{solo_t}':>6}")
+                 f"{f'{solo_t} thr':>8} {f'{par_t}/{solo_t}':>6} {'cores':>9}")
     for e in ents:
         m = e["metrics"]
+        cores = (f"{m['cores_solo']['median']:.1f}->{m['cores']['median']:.1f}"
+                 if "cores" in m else "")
         lines.append(f"{label(e):<{nw}} {e['median']:>8.2f} {spread(e, '-'):>13} "
                      f"{ratio_cell(e, base):>7} {m['solo_mops']['median']:>8.2f} "
-                     f"{m['scaling']['median']:>6.2f}")
+                     f"{m['scaling']['median']:>6.2f} {cores:>9}")
     if g.get("note"):
         lines += wrap(g["note"], "  note: ", "        ")
     for s in g["skipped"]:

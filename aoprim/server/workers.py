@@ -1,5 +1,6 @@
 """Worker threads in the IOCP shape: a completion queue (``MPMCQueue``) and N threads that take
-completions in batches (``get_many``) and run them.
+completions (one thread: in batches, ``get_many``; several: one at a time, so that none
+sits idle while another holds a batch) and run them.
 
 This module is generic: an item is whatever the producer posts, and ``dispatch(item)`` is the
 producer's function.  Per-session ordering is the dispatch layer's business (it posts a session
@@ -67,7 +68,10 @@ class WorkerPool:
             raise ValueError("a WorkerPool needs at least one thread")
         self.queue: MPMCQueue[Any] = MPMCQueue(capacity)
         self._dispatch = dispatch
-        self._batch = batch
+        # with two threads or more, one item at a time: a batch taken is run in turn by its
+        # taker while another thread may sit idle -- with slow items (a CPU-bound handler
+        # draining a session) one worker did 87% of the work of two
+        self._batch = batch if n == 1 else 1
         self._on_exit = on_exit
         self._pid = os.getpid()
         self.threads = [ServerThread(target=self._run, name=f"{name}-{i}", daemon=True)

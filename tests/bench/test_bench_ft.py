@@ -3,6 +3,7 @@ them (a subprocess).  On a free-threaded interpreter every group prints its tabl
 aoprim rows and their baselines; under the GIL the groups are left out with one line that
 says why."""
 import json
+import os
 import subprocess
 import sys
 
@@ -21,12 +22,15 @@ EXPECTED = {
     "ft-lock-counter": ("threading.Lock + int", ["SpinLock + int",
                                                  "no lock (the floor; updates lost)"]),
     "ft-slab": ("bytearray(4096)", ["SlabPool.acquire().release()"]),
-    "ft-mpmc-1p1c": ("queue.Queue(1024)", ["MPMCQueue(1024)", "queue.SimpleQueue"]),
-    "ft-mpmc-2p2c": ("queue.Queue(1024)", ["MPMCQueue(1024)", "queue.SimpleQueue"]),
+    "ft-mpmc-1p1c": ("queue.Queue(1024)", ["MPMCQueue(1024)", "MPMCQueue(n): never full",
+                                           "queue.SimpleQueue"]),
+    "ft-mpmc-2p2c": ("queue.Queue(1024)", ["MPMCQueue(1024)", "MPMCQueue(n): never full",
+                                           "queue.SimpleQueue"]),
     "ft-spsc-1p1c": ("queue.Queue(1024)", ["SPSCQueue(1024)", "queue.SimpleQueue"]),
     # workers=1 against workers=2 beside the handler's work in plain threads
     "ft-server-400": ("the loop alone, in threads", ["Server(workers=N)"]),
     "ft-server-2000": ("the loop alone, in threads", ["Server(workers=N)"]),
+    "ft-server-10000": ("the loop alone, in threads", ["Server(workers=N)"]),
 }
 
 
@@ -63,6 +67,10 @@ def test_ft_groups_print_every_row_at_1_and_2_threads(tmp_path):
             # the 2/1 column is the entry's own parallel over solo figure
             assert e["metrics"]["scaling"]["median"] == pytest.approx(
                 e["samples"][0] / e["metrics"]["solo_mops"]["median"], rel=1e-3)
+            # the cores the run kept busy: at least part of one, at most the machine's
+            # (and some slack: the process's CPU clock and the wall clock tick apart)
+            for key in ("cores_solo", "cores"):
+                assert 0 < e["metrics"][key]["median"] <= (os.cpu_count() or 1) + 0.5
             assert name in r.stdout
         # a peer that cannot be installed here is named with the reason, never silently gone
         for s in g["skipped"]:
@@ -87,7 +95,8 @@ def test_under_the_gil_the_ft_groups_are_skipped_with_one_line(tmp_path):
     assert "ft (free-threaded scaling) groups: " + skip["reason"] in flat
 
 
-@pytest.mark.parametrize("kind", ["MPMCQueue", "SPSCQueue", "SimpleQueue", "Queue"])
+@pytest.mark.parametrize("kind", ["MPMCQueue", "MPMCQueue(n)", "SPSCQueue", "SimpleQueue",
+                                  "Queue"])
 def test_a_queue_groups_solo_run_is_one_thread_putting_then_getting(monkeypatch, kind):
     """The 1-thread column of the queue groups is one thread doing put then get (their
     title says so), the parallel one the producer and consumer threads."""

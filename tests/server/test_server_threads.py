@@ -292,3 +292,46 @@ def test_a_thread_a_handler_starts_is_not_made_a_daemon(make_server, connect, wo
         for t in h.threads:
             t.join(30)
     assert h.finished == [1]
+
+
+def test_an_idle_worker_takes_a_waiting_session_while_another_worker_is_busy(make_server,
+                                                                             connect):
+    """workers=2 with sessions waiting in the completion queue while both workers are busy:
+    once each worker is free, each takes a session -- neither takes them all in one go and
+    runs them one after the other while the other worker sits idle.  Each of the four
+    waiting sessions' handlers meets another at a barrier: it passes only if two of them
+    run at once."""
+    release = [threading.Event(), threading.Event()]
+    meet = threading.Barrier(2, timeout=10)
+    met = []
+
+    class Gated(Handler):
+        def on_read(self, session, data):
+            d = bytes(data)
+            if d.startswith(b"hold"):
+                release[int(d[4:])].wait(30)
+            else:
+                try:
+                    meet.wait()
+                    met.append(d)
+                except threading.BrokenBarrierError:
+                    met.append(b"alone " + d)
+            session.send(data)
+
+    srv = make_server(Gated(), framing="u16", workers=2)
+    held = [connect(srv) for _ in range(2)]
+    for i, c in enumerate(held):
+        c.sendall(frame(b"hold%d" % i))
+    waiting = [connect(srv) for _ in range(4)]
+    wait_for(lambda: srv.stats()["frames_in"] == 2)
+    for i, c in enumerate(waiting):
+        c.sendall(frame(b"meet%d" % i))
+    # (both workers are inside a held frame: the four sessions wait in the queue)
+    wait_for(lambda: srv.stats()["frames_in"] == 6)
+    release[0].set()
+    release[1].set()
+    for i, c in enumerate(held):
+        assert read_frame(c) == b"hold%d" % i
+    for i, c in enumerate(waiting):
+        assert read_frame(c) == b"meet%d" % i
+    assert sorted(met) == [b"meet%d" % i for i in range(4)], met
