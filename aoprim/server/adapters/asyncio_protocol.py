@@ -643,47 +643,48 @@ class _ForkExit(SystemExit, Exception):
     fork's end, which exits with its status (see ``ProtocolLoop._fork_check``)."""
 
 
-class _Handle(asyncio.Handle):
-    """asyncio's Handle; fire() runs it as a loop does (its context, an exception to the
-    loop's exception handler)."""
+class _Run:
+    """What the adapter's handles add to asyncio's: ``fire()`` runs one as a loop does (its
+    context, an exception to the loop's exception handler); ``connection()``; and the repr
+    of asyncio's own class (``<Handle ...>``, ``<TimerHandle when=...>``), as log lines and
+    debug output name them there."""
     __slots__ = ()
+    _shown_as = "Handle"
 
     def fire(self) -> None:
-        self._run()
+        self._run()         # type: ignore[attr-defined]
 
     def connection(self) -> SessionTransport | None:
         """The connection whose context (or a copy of it) this runs in, if any."""
-        return self._context.get(_CONN)
+        return self._context.get(_CONN)     # type: ignore[attr-defined,no-any-return]
 
     def drop_frame(self) -> None:
         """Debug mode: drop the innermost frame of the creation traceback (the adapter's
         call), so it ends at the protocol's own line."""
-        if self._source_traceback:
-            del self._source_traceback[-1]
+        if self._source_traceback:          # type: ignore[attr-defined]
+            del self._source_traceback[-1]  # type: ignore[attr-defined]
+
+    def _repr_info(self) -> list[str]:
+        info: list[str] = super()._repr_info()     # type: ignore[misc]
+        info[0] = self._shown_as
+        return info
 
 
-class _Timer(asyncio.TimerHandle):
-    """asyncio's TimerHandle, with the server loop's timer that fires it."""
+class _Handle(_Run, asyncio.Handle):
+    """asyncio's Handle (see _Run)."""
+    __slots__ = ()
+
+
+class _Timer(_Run, asyncio.TimerHandle):
+    """asyncio's TimerHandle (see _Run), with the server loop's timer that fires it."""
     __slots__ = ("_ev_timer",)
+    _shown_as = "TimerHandle"
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         if self._source_traceback:      # (this __init__'s frame)
             del self._source_traceback[-1]
         self._ev_timer: Timer | None = None
-
-    def fire(self) -> None:
-        self._run()
-
-    def connection(self) -> SessionTransport | None:
-        """The connection whose context (or a copy of it) this runs in, if any."""
-        return self._context.get(_CONN)
-
-    def drop_frame(self) -> None:
-        """Debug mode: drop the innermost frame of the creation traceback (the adapter's
-        call), so it ends at the protocol's own line."""
-        if self._source_traceback:
-            del self._source_traceback[-1]
 
 
 # .loop: the ProtocolLoop set for good as this thread's running loop (a thread of the server's

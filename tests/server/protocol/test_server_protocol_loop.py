@@ -8,6 +8,7 @@ import contextvars
 import decimal
 import logging
 import os
+import re
 import socket
 import threading
 
@@ -535,3 +536,30 @@ def test_a_deadline_that_is_not_a_number_raises_in_the_caller(serve):
     srv = serve(BadDeadlines)
     assert _read_reply(srv.address) == (b"TypeError TypeError TypeError timer", "eof")
     assert srv.stats()["handler_errors"] == 0
+
+
+class ShowsHandles(asyncio.Protocol):
+    """Answers with the reprs of a call_soon and a call_later handle, the deadline masked."""
+
+    def connection_made(self, transport):
+        loop = asyncio.get_running_loop()
+        soon = loop.call_soon(print)
+        later = loop.call_later(3600, print)
+        shown = [repr(soon), repr(later)]
+        soon.cancel()
+        later.cancel()
+        shown += [repr(soon), repr(later)]
+        transport.write(re.sub(r"when=[0-9.e+-]+", "when=T", " | ".join(shown)).encode())
+        transport.close()
+
+
+def _read_until_eof(address):
+    with socket.create_connection(address[:2], timeout=10) as c:
+        return recv_until_closed(c)[0].decode()
+
+
+def test_handles_show_asyncios_class_names(serve):
+    want = on_asyncio(ShowsHandles, _read_until_eof)
+    assert want.startswith("<Handle print()> | <TimerHandle when=T print()>")
+    srv = serve(ShowsHandles)
+    assert _read_until_eof(srv.address) == want
