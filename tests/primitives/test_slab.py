@@ -486,3 +486,91 @@ def test_stress_slots_released_by_another_thread(threads):
                 timeout=110)
     assert sum(got) == threads * n
     assert (p.available, p.in_use) == (8, 0)
+
+
+# ---- the per-thread stash: a thread's give-back waits in a word of its own ---------------
+
+def test_stats_stay_exact_through_the_stash_single_threaded():
+    """Random acquires and releases on one thread (a release goes to the thread's stash word
+    when it is empty, else to the ring): available, in_use and high_water match a model after
+    every step, and every slot can be taken once all are back."""
+    import random
+    rnd = random.Random(7)
+    for n in (1, 2, 3, 5, 16):
+        p = SlabPool(32, n)
+        held, top = [], 0
+        for _ in range(2000):
+            if held and (len(held) == n or rnd.random() < 0.5):
+                held.pop(rnd.randrange(len(held))).release()
+            else:
+                held.append(p.acquire())
+                top = max(top, len(held))
+            assert (p.in_use, p.available, p.high_water) == (len(held), n - len(held), top)
+            assert len({s.index for s in held}) == len(held)
+        for s in held:
+            s.release()
+        every = [p.acquire() for _ in range(n)]
+        assert sorted(s.index for s in every) == list(range(n))
+        with pytest.raises(PoolExhausted):
+            p.acquire()
+        for s in every:
+            s.release()
+
+
+def test_slots_other_threads_gave_back_are_found_when_the_ring_is_empty():
+    """Four threads each take four slots and give them back (each keeps one in its stash
+    word), and stay alive; another thread then takes all sixteen: none is reported
+    exhausted while one is free, wherever it waits."""
+    import threading
+    p = SlabPool(32, 16)
+    gave, done = threading.Barrier(5, timeout=30), threading.Event()
+    got = []
+
+    def giver():
+        for s in [p.acquire() for _ in range(4)]:
+            s.release()
+        gave.wait()
+        done.wait(30)           # alive (its thread id and word its own) until the taker ran
+
+    def taker():
+        gave.wait()
+        try:
+            got.extend(p.acquire() for _ in range(16))
+        finally:
+            done.set()
+
+    run_threads([giver] * 4 + [taker])
+    assert sorted(s.index for s in got) == list(range(16))
+    assert p.try_acquire() is None and p.failed_acquires == 1
+    for s in got:
+        s.release()
+    assert (p.available, p.in_use) == (16, 0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [2, 4, 8])
+def test_stress_an_acquire_never_fails_while_a_slot_is_free(threads):
+    """At most slots - 1 holders at any instant (a semaphore of slots - 1 permits around
+    each tenure), so at every instant a slot is free somewhere -- the ring or a stash word --
+    and no acquire may report the pool exhausted, however the indices move between the
+    threads' words."""
+    import threading
+    n = 4
+    p = SlabPool(32, n)
+    permits = threading.Semaphore(n - 1)
+    rounds = scaled(20_000)
+    done = [0] * threads
+
+    def worker(tid):
+        def run():
+            for _ in range(rounds):
+                with permits:
+                    s = p.acquire()         # PoolExhausted fails the test
+                    s.release()
+                done[tid] += 1
+        return run
+
+    run_threads([worker(t) for t in range(threads)], timeout=110)
+    assert done == [rounds] * threads
+    assert p.failed_acquires == 0
+    assert (p.available, p.in_use) == (n, 0)
