@@ -12,7 +12,8 @@
             aop_slab_release(pool.slab, i)       # 0, or -1 if i was not held
 
 How C-level indices coexist with Python Slot objects
-- Both draw from the same lock-free free ring; an index is held by exactly one owner at a
+- Both draw from the same free indices (a lock-free ring, and a stash word per thread in
+  front of it: aop_slab.h); an index is held by exactly one owner at a
   time: a Python ``Slot`` (returned by ``acquire()`` or ``c_adopt()``) or C code.
 - C code that acquired an index owns it outright (no reference count) and must release it
   exactly once; a second release returns -1 and changes nothing, and so does releasing an
@@ -46,6 +47,7 @@ cdef extern from "aop_slab.h" nogil:
         int64_t align           # alignment of the arena and every slot (64, or a page)
         uint64_t mask           # ring capacity - 1
         aop_slab_cell_t *cells  # the ring of free indices
+        # (and stash: the per-thread words, reached only through the functions below)
         aop_atomic_u32 *busy    # busy[i] == 1 while C code holds index i
     # C API: take a free slot index, marked held by C code (-1: none free, counted).
     int64_t aop_slab_acquire(aop_slab_t *s) noexcept
@@ -68,7 +70,7 @@ cdef class SlabPool:
                                 # ref).  Touched only by the current owner of index i.
     cdef object __weakref__
 
-    # nogil C-level API (same free ring as acquire()/Slot.release()).
+    # nogil C-level API (same free indices as acquire()/Slot.release()).
     cdef int64_t c_acquire(self) noexcept nogil        # index, or -1 when exhausted
     cdef int c_release(self, int64_t index) noexcept nogil   # 0, or -1 if not held
     cdef char *c_ptr(self, int64_t index) noexcept nogil     # first byte of a slot

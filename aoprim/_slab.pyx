@@ -3,8 +3,9 @@
 """SlabPool and Slot: one preallocated arena cut into fixed-size, reference-counted slots.
 
 The free list is C (aop_slab.h): a bounded MPMC ring of slot indices (Vyukov), one CAS per
-acquire and per release, ABA-safe because its 64-bit positions never repeat (argued at the
-top of the header).  This module adds the Python
+acquire and per release, ABA-safe because its 64-bit positions never repeat, and in front of
+it a stash word per thread, which keeps a thread that acquires and releases in turn off the
+ring's shared lines (argued at the top of the header).  This module adds the Python
 objects.
 
 Slot objects and pool indices (the generation question)
@@ -32,8 +33,8 @@ race): bits 0-30 references, bit 31 DEFER, bits 32-63 exported buffer views.
   pool when the last view is released.  Either way no view ever outlives its slot's tenure.
 Ordering: as Rust's Arc -- reference increments relaxed (a new reference is made from an
 existing one), decrements acq_rel (each holder's writes are released; the one reaching 0
-acquires them all before the index goes back into the free ring, published by a release
-store).  A view is added with acquire (it reads what holders wrote) and dropped acq_rel (its
+acquires them all before the index goes back to the free list, published by a release
+store or CAS).  A view is added with acquire (it reads what holders wrote) and dropped acq_rel (its
 writes reach whoever gives the slot back; on the DEFER path that is the view's releaser).
 """
 cimport cython

@@ -36,7 +36,9 @@
  * and every word read the same values: nothing moved in between, so at that instant the ring
  * and every word were empty together -- every slot held.  (One pass would not do: an index
  * could move from a word not yet read to one already read, through a holder that took it and
- * gave it back, without the pass ever seeing it.)
+ * gave it back, without the pass ever seeing it.)  A word's version is 32 bits: exactly 2^32
+ * changes of one word between the two reads would fool the check -- minutes of a thread
+ * descheduled inside it at ten million changes a second.
  *
  * Invariants
  *  - every index 0 <= i < nslots is either in the ring exactly once, or in exactly one stash

@@ -68,9 +68,10 @@ class WorkerPool:
             raise ValueError("a WorkerPool needs at least one thread")
         self.queue: MPMCQueue[Any] = MPMCQueue(capacity)
         self._dispatch = dispatch
-        # with two threads or more, one item at a time: a batch taken is run in turn by its
-        # taker while another thread may sit idle -- with slow items (a CPU-bound handler
-        # draining a session) one worker did 87% of the work of two
+        # ``batch`` counts for one thread only: with two or more, one item at a time -- a
+        # batch taken is run in turn by its taker while another thread may sit idle (with
+        # slow items, a CPU-bound handler draining a session, one worker did 87% of the
+        # work of two)
         self._batch = batch if n == 1 else 1
         self._on_exit = on_exit
         self._pid = os.getpid()

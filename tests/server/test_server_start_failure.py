@@ -64,6 +64,20 @@ def test_serve_forever_interrupted_while_its_workers_start_stops_them(monkeypatc
     _assert_given_back(srv, fds, threads)
 
 
+def _signal_between_starts(sig, started):
+    """A WorkerPool.start that sends ``sig`` to this process between the first worker's
+    start and the others', then appends how many workers started to ``started``."""
+    def start(pool):
+        pool.threads[0].start()
+        os.kill(os.getpid(), sig)               # its handler runs at the next check
+        for _ in range(1000):
+            pass
+        for t in pool.threads[1:]:
+            t.start()
+        started.append(sum(t.ident is not None for t in pool.threads))
+    return start
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_sigint_while_the_workers_start_waits_until_they_have_all_started(monkeypatch,
                                                                            backend):
@@ -71,15 +85,7 @@ def test_a_sigint_while_the_workers_start_waits_until_they_have_all_started(monk
     KeyboardInterrupt inside Thread.start() could leave a thread half started), then raised:
     every worker started, and every one joined."""
     started = []
-
-    def start(pool):
-        pool.threads[0].start()
-        os.kill(os.getpid(), signal.SIGINT)     # its handler runs at the next check
-        for _ in range(1000):
-            pass
-        for t in pool.threads[1:]:
-            t.start()
-        started.append(sum(t.ident is not None for t in pool.threads))
+    start = _signal_between_starts(signal.SIGINT, started)
     fds, threads = _fds(), _aoprim_threads()
     handler = signal.getsignal(signal.SIGINT)
     srv = Server(Echo(), HOST, backend=backend, workers=4, shutdown_timeout=0.5)
@@ -112,15 +118,7 @@ def test_a_sighup_taken_as_sigterm_while_the_workers_start_is_held_as_sigterm(mo
     def as_sigterm(signum, frame):
         signal.getsignal(signal.SIGTERM)(signum, frame)
     started = []
-
-    def start(pool):
-        pool.threads[0].start()
-        os.kill(os.getpid(), signal.SIGHUP)     # its handler runs at the next check
-        for _ in range(1000):
-            pass
-        for t in pool.threads[1:]:
-            t.start()
-        started.append(sum(t.ident is not None for t in pool.threads))
+    start = _signal_between_starts(signal.SIGHUP, started)
     fds, threads = _fds(), _aoprim_threads()
     old = {signal.SIGTERM: signal.signal(signal.SIGTERM, on_term),
            signal.SIGHUP: signal.signal(signal.SIGHUP, as_sigterm)}
