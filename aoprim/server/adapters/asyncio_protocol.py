@@ -200,7 +200,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
         if st is not None and not ev.closed:
             # inside a protocol callback on a worker: handed over once it returns, behind
             # what it did to its session (a pause_reading, its writes), as asyncio runs it
-            st.keep(ev.call_soon, self._run_handle, h)
+            st.keep(self._run_handle, h)
         elif not ev.call_soon_threadsafe(self._run_handle, h):
             raise RuntimeError("Event loop is closed (the server has shut down)")
         return h
@@ -234,7 +234,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             return h
         st = getattr(_here, "strand", None)
         if st is not None and not self._ev.closed:
-            st.keep(self._arm, h)           # (as call_soon: once the callback returns)
+            st.keep(self._arm_kept, h)      # (as call_soon: once the callback returns)
         elif not self._post(True, h):
             raise RuntimeError("Event loop is closed (the server has shut down)")
         return h
@@ -272,6 +272,10 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             if when != when:        # NaN: asyncio runs it in the next iteration, as if due
                 when = 0.0          # (the native loop refuses NaN; 0.0 is in the past)
             h._ev_timer = self._ev.call_at(when, self._due, h)
+
+    def _arm_kept(self, h: _Timer) -> None:
+        """A timer a worker's protocol callback armed, handed over (see _handed_over)."""
+        self._arm(h)
 
     def _due(self, h: _Timer) -> None:
         # asyncio moves a due timer to the end of its ready queue, behind the callbacks
@@ -748,10 +752,10 @@ class _Strand:
     took the kept callbacks" one step each, so that no kept callback is missed.  ``_owner``
     (the holding thread's ident) lets a callback that runs inside another on the same
     thread (``pause_writing`` inside a ``write``) pass; only the holder writes it.  Each
-    kept item is a call for the loop thread (a ``call_soon``, a timer's arm); they are
-    handed over together, as one loop callback, so they take effect in one step, as the
-    callback's own calls do on asyncio's one thread (a timer it armed is due before a
-    task step it queued runs)."""
+    kept item is a call for the loop thread (a loop callback or task step to run, a timer
+    to arm); they are handed over together, as one loop callback that runs them where the
+    worker's callback returned (``_handed_over``), so they take effect in one step, as the
+    callback's own calls do on asyncio's one thread."""
     __slots__ = ("_lock", "_m", "_owner", "_depth", "_kept", "_ev")
 
     def __init__(self, ev: EventLoop) -> None:
@@ -815,7 +819,7 @@ class _Strand:
             return
         with self._m:
             if not self._lock.acquire(False):
-                self._kept.append((self._ev.call_soon, (self.run_or_defer, fn, *args)))
+                self._kept.append((self.run_or_defer, (fn, *args)))
                 return
             self._owner = _get_ident()
             self._depth = 1
@@ -827,9 +831,28 @@ class _Strand:
 
 
 def _handed_over(kept: list[tuple[Callable[..., object], tuple[Any, ...]]]) -> None:
-    """Loop thread: the calls a strand kept (see _Strand.keep), in order."""
+    """Loop thread: what a strand kept while a worker ran a protocol callback (see
+    _Strand.keep), where the callback returned -- as the iteration after that callback on
+    asyncio's one thread: its loop callbacks and task steps run here, in order, then its
+    timers that are due already (asyncio moves them to its ready queue behind those, in
+    deadline order); the others are armed."""
+    due: list[_Timer] = []
     for fn, args in kept:
+        if getattr(fn, "__func__", None) is ProtocolLoop._arm_kept:
+            h = args[0]
+            loop: ProtocolLoop = fn.__self__     # type: ignore[attr-defined]
+            if not h.when() > loop._ev.clock():     # (NaN: due)
+                due.append(h)
+                continue
         fn(*args)
+    due.sort(key=_deadline)         # (stable: equal deadlines in the order armed)
+    for h in due:
+        h._loop._run_handle(h)
+
+
+def _deadline(h: _Timer) -> float:
+    w = h.when()
+    return w if w == w else float("-inf")       # (NaN: first, as asyncio runs it at once)
 
 
 def _on_strand(st: _Strand | None, fn: Callable[..., Any], *args: Any) -> Any:
