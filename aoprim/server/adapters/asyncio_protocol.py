@@ -234,7 +234,7 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             return h
         st = getattr(_here, "strand", None)
         if st is not None and not self._ev.closed:
-            st.keep(self._arm_kept, h)      # (as call_soon: once the callback returns)
+            st.keep_timer(h)                # (as call_soon: once the callback returns)
         elif not self._post(True, h):
             raise RuntimeError("Event loop is closed (the server has shut down)")
         return h
@@ -272,10 +272,6 @@ class ProtocolLoop(asyncio.AbstractEventLoop):
             if when != when:        # NaN: asyncio runs it in the next iteration, as if due
                 when = 0.0          # (the native loop refuses NaN; 0.0 is in the past)
             h._ev_timer = self._ev.call_at(when, self._due, h)
-
-    def _arm_kept(self, h: _Timer) -> None:
-        """A timer a worker's protocol callback armed, handed over (see _handed_over)."""
-        self._arm(h)
 
     def _due(self, h: _Timer) -> None:
         # asyncio moves a due timer to the end of its ready queue, behind the callbacks
@@ -763,7 +759,8 @@ class _Strand:
         self._m = threading.Lock()
         self._owner = 0
         self._depth = 0
-        self._kept: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
+        # (fn, args) to call; (None, (timer,)) a timer to arm
+        self._kept: list[tuple[Callable[..., object] | None, tuple[Any, ...]]] = []
         self._ev = ev
 
     def enter(self) -> None:
@@ -791,6 +788,11 @@ class _Strand:
         rest kept."""
         with self._m:
             self._kept.append((fn, args))
+
+    def keep_timer(self, h: _Timer) -> None:
+        """The holder: arm timer ``h`` once it leaves (``_handed_over``)."""
+        with self._m:
+            self._kept.append((None, (h,)))
 
     def leave(self) -> None:
         """Give the strand back; what was kept meanwhile goes to the loop thread, in
@@ -830,7 +832,7 @@ class _Strand:
             self.leave()
 
 
-def _handed_over(kept: list[tuple[Callable[..., object], tuple[Any, ...]]]) -> None:
+def _handed_over(kept: list[tuple[Callable[..., object] | None, tuple[Any, ...]]]) -> None:
     """Loop thread: what a strand kept while a worker ran a protocol callback (see
     _Strand.keep), where the callback returned -- as the iteration after that callback on
     asyncio's one thread: its loop callbacks and task steps run here, in order, then its
@@ -838,13 +840,15 @@ def _handed_over(kept: list[tuple[Callable[..., object], tuple[Any, ...]]]) -> N
     deadline order); the others are armed."""
     due: list[_Timer] = []
     for fn, args in kept:
-        if getattr(fn, "__func__", None) is ProtocolLoop._arm_kept:
-            h = args[0]
-            loop: ProtocolLoop = fn.__self__     # type: ignore[attr-defined]
-            if not h.when() > loop._ev.clock():     # (NaN: due)
-                due.append(h)
-                continue
-        fn(*args)
+        if fn is not None:
+            fn(*args)
+            continue
+        h: _Timer = args[0]
+        loop: ProtocolLoop = h._loop
+        if not h.when() > loop._ev.clock():     # (NaN: due)
+            due.append(h)
+        else:
+            loop._arm(h)
     due.sort(key=_deadline)         # (stable: equal deadlines in the order armed)
     for h in due:
         h._loop._run_handle(h)
