@@ -34,9 +34,33 @@ from aoprim.atomic_h cimport (
 from aoprim.errors import RefCountError
 
 
+cdef extern from *:
+    """
+    /* An exact int of one digit (|v| < 2**30: every counter step, most values) read in
+       place, without the call PyLong_AsLongLong is: 1 and the value in *out; 0 for any other
+       object, which then takes the general path. */
+    static inline int aop_small_int(PyObject *v, int64_t *out) {
+        if (!PyLong_CheckExact(v)) return 0;
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (!PyUnstable_Long_IsCompact((PyLongObject *)v)) return 0;
+        *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)v);
+    #else
+        Py_ssize_t n = Py_SIZE(v);
+        if (n < -1 || n > 1) return 0;
+        *out = (int64_t)n * (int64_t)((PyLongObject *)v)->ob_digit[0];
+    #endif
+        return 1;
+    }
+    """
+    bint aop_small_int(object v, int64_t *out) noexcept
+
+
 cdef inline int64_t as_i64(object v) except? -1:
     """operator.index(v) as a signed 64-bit int: TypeError for non-integers (a float is never
     truncated), OverflowError outside [-2**63, 2**63)."""
+    cdef int64_t x
+    if aop_small_int(v, &x):
+        return x
     if not PyLong_CheckExact(v):
         v = PyNumber_Index(v)
     return PyLong_AsLongLong(v)
@@ -153,35 +177,35 @@ cdef class AtomicInt:
     # and 'float'".
 
     def __iadd__(self, d):
-        if not PyIndex_Check(d):
+        if not PyLong_CheckExact(d) and not PyIndex_Check(d):
             return NotImplemented
         cdef int64_t x = as_i64(d)
         aop_fetch_add_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self
 
     def __isub__(self, d):
-        if not PyIndex_Check(d):
+        if not PyLong_CheckExact(d) and not PyIndex_Check(d):
             return NotImplemented
         cdef int64_t x = as_i64(d)
         aop_fetch_sub_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self
 
     def __iand__(self, m):
-        if not PyIndex_Check(m):
+        if not PyLong_CheckExact(m) and not PyIndex_Check(m):
             return NotImplemented
         cdef int64_t x = as_i64(m)
         aop_fetch_and_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self
 
     def __ior__(self, m):
-        if not PyIndex_Check(m):
+        if not PyLong_CheckExact(m) and not PyIndex_Check(m):
             return NotImplemented
         cdef int64_t x = as_i64(m)
         aop_fetch_or_i64(&self.cell, x, AOP_SEQ_CST)       # seq_cst RMW: the module rule
         return self
 
     def __ixor__(self, m):
-        if not PyIndex_Check(m):
+        if not PyLong_CheckExact(m) and not PyIndex_Check(m):
             return NotImplemented
         cdef int64_t x = as_i64(m)
         aop_fetch_xor_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule

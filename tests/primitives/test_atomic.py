@@ -100,6 +100,47 @@ def test_wraps_modulo_2_64():
     assert b.load() == 0
 
 
+def _wrap(x):
+    return (x + 2**63) % 2**64 - 2**63
+
+
+class IntSub(int):
+    pass
+
+
+def test_every_int_form_reads_as_python_does():
+    # Small exact ints are read in place, every other argument through operator.index: the
+    # values around each digit boundary (2**30, 2**60) and the 64-bit limits, as an exact
+    # int, a bool, an int subclass and an __index__ object, against Python's own arithmetic.
+    import random
+    rng = random.Random(1234)
+    edges = [0, 1, 2**15, 2**30, 2**31, 2**60, 2**62, I64_MAX]
+    values = {s * e + k for e in edges for s in (1, -1) for k in (-2, -1, 0, 1, 2)}
+    values |= {rng.randrange(I64_MIN, I64_MAX + 1) for _ in range(200)}
+    values = sorted(v for v in values if I64_MIN <= v <= I64_MAX)
+    forms = [lambda v: v, IntSub, Idx]
+    start = 5
+    for v in values:
+        for form in forms:
+            x = form(v)
+            assert AtomicInt(x).load() == v
+            a = AtomicInt(start)
+            assert a.fetch_add(x) == start and a.load() == _wrap(start + v), (v, form)
+            assert a.fetch_sub(x) == _wrap(start + v) and a.load() == start, (v, form)
+            a += x
+            assert a.load() == _wrap(start + v), (v, form)
+            a -= x
+            a ^= x
+            assert a.load() == start ^ v, (v, form)
+            assert a.exchange(x) == start ^ v and a.load() == v
+            assert a.compare_exchange(x, 7) and a.load() == 7
+    for b in (True, False):
+        a = AtomicInt(start)
+        a.fetch_add(b)
+        a += b
+        assert a.load() == start + 2 * b
+
+
 @pytest.mark.parametrize("bad", [2**63, -(2**63) - 1, 2**100])
 def test_overflow_error(bad):
     with pytest.raises(OverflowError):
