@@ -355,12 +355,19 @@ def block():
         with lk:
             pass
 
+entered = threading.Event()
+stat = f"/proc/self/task/{threading.main_thread().native_id}/stat"
+
 def kicker():
-    # send SIGINT once the main thread is inside block() (in the blocking call); if the
-    # signal lands just before the call, a correct acquire still sees it
+    # send SIGINT once the main thread sleeps in the kernel after entering block(): parked
+    # in the blocking acquire (the kernel's state, read without touching the main thread's
+    # Python frames, which another thread may not read safely on a free-threaded build).
+    # A signal that lands earlier is still seen by a correct acquire.
+    entered.wait()
     while True:
-        f = sys._current_frames().get(main)
-        if f is not None and f.f_code is block.__code__:
+        with open(stat) as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if state in ("S", "D"):
             break
         time.sleep(0.001)
     signal.pthread_kill(main, signal.SIGINT)
@@ -368,6 +375,7 @@ def kicker():
 threading.Thread(target=kicker, daemon=True).start()
 t0 = time.monotonic()
 try:
+    entered.set()
     block()
 except KeyboardInterrupt:
     dt = time.monotonic() - t0
@@ -400,6 +408,8 @@ def test_blocked_acquire_is_interrupted_by_sigint(tmp_path, how):
     import subprocess
     import sys
     import aoprim
+    if not os.path.exists("/proc/self/task"):
+        pytest.skip("needs /proc/self/task to see the main thread parked")
     script = tmp_path / "interrupt.py"
     script.write_text(INTERRUPT)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(aoprim.__file__)))
