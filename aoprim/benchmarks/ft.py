@@ -191,9 +191,9 @@ def _counter_own(kind):
     """One counter per thread (nothing shared but the code): n increments in all."""
     def make(threads, n):
         per = n // threads
-        if kind == "AtomicInt":
+        if kind in ("AtomicInt", "AtomicInt +="):
             cs = [AtomicInt() for _ in range(threads)]
-        elif kind == "ft_utils":
+        elif kind in ("ft_utils", "ft_utils +="):
             cs = [_peer("ft_utils.concurrency", "AtomicInt64")(0) for _ in range(threads)]
         else:
             cs = [(threading.Lock(), [0]) for _ in range(threads)]
@@ -211,6 +211,12 @@ def _counter_own(kind):
                     for _ in range(per):
                         incr()
                     return c.get()
+            elif kind in ("AtomicInt +=", "ft_utils +="):
+                def body():
+                    mine = c               # the operator returns the same object
+                    for _ in range(per):
+                        mine += 1
+                    return int(mine.load() if kind == "AtomicInt +=" else mine.get())
             else:
                 lk, box = c
 
@@ -225,7 +231,7 @@ def _counter_own(kind):
             for c in cs:                 # fresh counts per sample
                 if kind == "Lock":
                     c[1][0] = 0
-                elif kind == "AtomicInt":
+                elif kind in ("AtomicInt", "AtomicInt +="):
                     c.store(0)
                 else:
                     c.set(0)
@@ -265,11 +271,17 @@ def _slab(kind):
     return make
 
 
-def _queue(kind, producers, consumers):
+def _queue(kind, producers, consumers, immortal=False):
     """``producers`` threads put n items in all, ``consumers`` threads get them (blocking
     gets); every item is got exactly once.  The solo run (``threads`` 1): one thread putting
     then getting each item.  ``MPMCQueue(n)``: a capacity of every item of the run, so that
-    its producers never wait for room, as SimpleQueue's (unbounded) never do."""
+    its producers never wait for room, as SimpleQueue's (unbounded) never do.
+
+    The items: a new int per item (made by its producer thread), or with ``immortal`` the
+    ints 0-255, which CPython never reference-counts.  On a free-threaded build a consumer
+    that drops the last reference to an object another thread made, while that thread is
+    still running, hands the object back to it (biased reference counting: the owner merges
+    the count and frees it); the immortal items measure the queue without that cost."""
     def new(n):
         if kind == "MPMCQueue":
             return MPMCQueue(1024)
@@ -293,13 +305,14 @@ def _queue(kind, producers, consumers):
             def run():
                 q = new(n)
                 put, get = names(q)
+                items = [i & 255 for i in range(n)] if immortal else range(n)
                 t0 = time.perf_counter()
                 s = 0
-                for i in range(n):
+                for i in items:
                     put(i)
                     s += get()
                 wall = time.perf_counter() - t0
-                assert s == n * (n - 1) // 2, (kind, s)
+                assert s == sum(items), (kind, s)
                 return wall, n
             return run
         per_p, per_c = n // producers, n // consumers
@@ -310,9 +323,12 @@ def _queue(kind, producers, consumers):
             q = new(total)
 
             def producer(base):
+                items = ([i & 255 for i in range(base, base + per_p)] if immortal
+                         else range(base, base + per_p))
+
                 def body():
                     put = names(q)[0]
-                    for i in range(base, base + per_p):
+                    for i in items:
                         put(i)
                     return per_p
                 return body
@@ -326,7 +342,9 @@ def _queue(kind, producers, consumers):
 
             bodies = [producer(p * per_p) for p in range(producers)] + [consumer] * consumers
             wall, counts = _run_threads(bodies)
-            assert sum(counts[producers:]) == total * (total - 1) // 2, (kind, counts)
+            want = (sum(i & 255 for i in range(total)) if immortal
+                    else total * (total - 1) // 2)
+            assert sum(counts[producers:]) == want, (kind, counts)
             return wall, total
         return run
     return make
@@ -514,13 +532,15 @@ def groups(mode):
                  ("AtomicInt +=", "candidate", cs("AtomicInt +=")),
                  ("ft_utils AtomicInt64 +=", "candidate", cs("ft_utils +=")),
                  ("cereggii AtomicInt64", "candidate", cs("cereggii"))], N, mode,
-                note="fetch_add(1) parses an argument that incr() does not have (about 100 "
-                     "instructions of 650 per call on 3.13t); the += rows do the same work "
+                note="fetch_add(1) passes an argument that incr() does not have (about 95 "
+                     "instructions of 640 per call on 3.13t); the += rows do the same work "
                      "on both"),
         FtGroup("ft-atomic-own", "one counter per thread: n increments in all",
                 [("threading.Lock + int", "baseline", co("Lock")),
                  ("AtomicInt.fetch_add", "candidate", co("AtomicInt")),
-                 ("ft_utils AtomicInt64.incr", "candidate", co("ft_utils"))], N, mode),
+                 ("ft_utils AtomicInt64.incr", "candidate", co("ft_utils")),
+                 ("AtomicInt +=", "candidate", co("AtomicInt +=")),
+                 ("ft_utils AtomicInt64 +=", "candidate", co("ft_utils +="))], N, mode),
         FtGroup("ft-lock-counter", "`with lock: n += 1` on one shared lock and counter",
                 [("threading.Lock + int", "baseline", cs("Lock")),
                  ("SpinLock + int", "candidate", cs("SpinLock")),
@@ -551,6 +571,15 @@ def groups(mode):
                 [("queue.Queue(1024)", "baseline", q("Queue", 1, 1)),
                  ("queue.SimpleQueue", "candidate", q("SimpleQueue", 1, 1)),
                  ("SPSCQueue(1024)", "candidate", q("SPSCQueue", 1, 1))], N_QUEUE, mode),
+        FtGroup("ft-queue-immortal", "1 producer + 1 consumer thread as above, the items the "
+                "ints 0-255 (immortal: no reference count handed back between the threads)",
+                [("queue.Queue(1024)", "baseline", q("Queue", 1, 1, True)),
+                 ("queue.SimpleQueue", "candidate", q("SimpleQueue", 1, 1, True)),
+                 ("MPMCQueue(1024)", "candidate", q("MPMCQueue", 1, 1, True)),
+                 ("MPMCQueue(n): never full", "candidate", q("MPMCQueue(n)", 1, 1, True)),
+                 ("SPSCQueue(1024)", "candidate", q("SPSCQueue", 1, 1, True))], N_QUEUE, mode,
+                note="the same queues with items that need no reference-count hand-back: "
+                     "what is left is the queue's own cost"),
     ] + [
         FtGroup(gid, f"the server: u16 echo after a {work}-step Python loop a frame; "
                 "workers=1, 2",

@@ -18,7 +18,7 @@ FREE_THREADED = ft.available()
 # group id -> (the baseline, aoprim's rows)
 EXPECTED = {
     "ft-atomic-shared": ("threading.Lock + int", ["AtomicInt.fetch_add", "AtomicInt +="]),
-    "ft-atomic-own": ("threading.Lock + int", ["AtomicInt.fetch_add"]),
+    "ft-atomic-own": ("threading.Lock + int", ["AtomicInt.fetch_add", "AtomicInt +="]),
     "ft-lock-counter": ("threading.Lock + int", ["SpinLock + int",
                                                  "no lock (the floor; updates lost)"]),
     "ft-slab": ("bytearray(4096)", ["SlabPool.acquire().release()"]),
@@ -27,6 +27,8 @@ EXPECTED = {
     "ft-mpmc-2p2c": ("queue.Queue(1024)", ["MPMCQueue(1024)", "MPMCQueue(n): never full",
                                            "queue.SimpleQueue"]),
     "ft-spsc-1p1c": ("queue.Queue(1024)", ["SPSCQueue(1024)", "queue.SimpleQueue"]),
+    "ft-queue-immortal": ("queue.Queue(1024)", ["MPMCQueue(1024)", "MPMCQueue(n): never full",
+                                                "SPSCQueue(1024)", "queue.SimpleQueue"]),
     # workers=1 against workers=2 beside the handler's work in plain threads
     "ft-server-400": ("the loop alone, in threads", ["Server(workers=N)"]),
     "ft-server-2000": ("the loop alone, in threads", ["Server(workers=N)"]),
