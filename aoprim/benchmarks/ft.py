@@ -43,6 +43,7 @@ MODES = {"full": dict(rounds=5, scale=1.0),
          "tiny": dict(rounds=1, scale=0.01)}
 N = 1_000_000
 N_QUEUE = 400_000
+BATCH = 64          # items a put_many / get_many moves in the batch rows
 N_SERVER = 40_000
 
 
@@ -281,10 +282,19 @@ def _queue(kind, producers, consumers, immortal=False):
     ints 0-255, which CPython never reference-counts.  On a free-threaded build a consumer
     that drops the last reference to an object another thread made, while that thread is
     still running, hands the object back to it (biased reference counting: the owner merges
-    the count and frees it); the immortal items measure the queue without that cost."""
+    the count and frees it); the immortal items measure the queue without that cost.
+
+    ``... batch`` kinds: the same ring of 1024, items moved BATCH at a time with
+    ``put_many``/``get_many`` (one claim of the ring per batch); a producer that finds the
+    ring full, or a consumer that finds it empty, waits in a blocking ``put``/``get`` for one
+    item and goes on with batches."""
+    batched = kind.endswith(" batch")
+
     def new(n):
-        if kind == "MPMCQueue":
+        if kind in ("MPMCQueue", "MPMCQueue batch"):
             return MPMCQueue(1024)
+        if kind == "SPSCQueue batch":
+            return SPSCQueue(1024)
         if kind == "MPMCQueue(n)":
             return MPMCQueue(n)
         if kind == "SPSCQueue":
@@ -308,9 +318,15 @@ def _queue(kind, producers, consumers, immortal=False):
                 items = [i & 255 for i in range(n)] if immortal else range(n)
                 t0 = time.perf_counter()
                 s = 0
-                for i in items:
-                    put(i)
-                    s += get()
+                if batched:
+                    put_many, get_many = q.put_many, q.get_many
+                    for i in range(0, n, BATCH):
+                        put_many(list(items[i:i + BATCH]))   # a list: moved in one claim
+                        s += sum(get_many(BATCH))
+                else:
+                    for i in items:
+                        put(i)
+                        s += get()
                 wall = time.perf_counter() - t0
                 assert s == sum(items), (kind, s)
                 return wall, n
@@ -328,6 +344,17 @@ def _queue(kind, producers, consumers, immortal=False):
 
                 def body():
                     put = names(q)[0]
+                    if batched:
+                        put_many, i = q.put_many, 0
+                        while i < per_p:
+                            # a list (put_many moves a list in one claim), its ints made
+                            # here, by the producer thread, as the one-at-a-time rows make them
+                            k = put_many(list(items[i:i + BATCH]))
+                            if not k:               # full: wait for room for one
+                                put(items[i])
+                                k = 1
+                            i += k
+                        return per_p
                     for i in items:
                         put(i)
                     return per_p
@@ -336,6 +363,15 @@ def _queue(kind, producers, consumers, immortal=False):
             def consumer():
                 get = names(q)[1]
                 s = 0
+                if batched:
+                    get_many, got = q.get_many, 0
+                    while got < per_c:
+                        b = get_many(min(BATCH, per_c - got))
+                        if not b:                   # empty: wait for one
+                            b = (get(),)
+                        s += sum(b)
+                        got += len(b)
+                    return s
                 for _ in range(per_c):
                     s += get()
                 return s
@@ -556,6 +592,7 @@ def groups(mode):
                  ("queue.SimpleQueue", "candidate", q("SimpleQueue", 1, 1)),
                  ("MPMCQueue(1024)", "candidate", q("MPMCQueue", 1, 1)),
                  ("MPMCQueue(n): never full", "candidate", q("MPMCQueue(n)", 1, 1)),
+                 ("MPMCQueue(1024), batches of 64", "candidate", q("MPMCQueue batch", 1, 1)),
                  ("ft_utils ConcurrentQueue", "candidate", q("ft_utils", 1, 1))],
                 N_QUEUE, mode),
         FtGroup("ft-mpmc-2p2c", "2 producer + 2 consumer threads on 2 cores, blocking put/get "
@@ -564,13 +601,16 @@ def groups(mode):
                  ("queue.SimpleQueue", "candidate", q("SimpleQueue", 2, 2)),
                  ("MPMCQueue(1024)", "candidate", q("MPMCQueue", 2, 2)),
                  ("MPMCQueue(n): never full", "candidate", q("MPMCQueue(n)", 2, 2)),
+                 ("MPMCQueue(1024), batches of 64", "candidate", q("MPMCQueue batch", 2, 2)),
                  ("ft_utils ConcurrentQueue", "candidate", q("ft_utils", 2, 2))],
                 N_QUEUE, mode, parallel=4),
         FtGroup("ft-spsc-1p1c", "1 producer + 1 consumer thread, blocking put/get "
                 "(solo: one thread, put then get)",
                 [("queue.Queue(1024)", "baseline", q("Queue", 1, 1)),
                  ("queue.SimpleQueue", "candidate", q("SimpleQueue", 1, 1)),
-                 ("SPSCQueue(1024)", "candidate", q("SPSCQueue", 1, 1))], N_QUEUE, mode),
+                 ("SPSCQueue(1024)", "candidate", q("SPSCQueue", 1, 1)),
+                 ("SPSCQueue(1024), batches of 64", "candidate", q("SPSCQueue batch", 1, 1))],
+                N_QUEUE, mode),
         FtGroup("ft-queue-immortal", "1 producer + 1 consumer thread as above, the items the "
                 "ints 0-255 (immortal: no reference count handed back between the threads)",
                 [("queue.Queue(1024)", "baseline", q("Queue", 1, 1, True)),
