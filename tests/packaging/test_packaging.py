@@ -72,6 +72,14 @@ def test_descriptive_metadata(meta):
     assert [c for c in project["classifiers"] if c.startswith("Development Status :: ")]
 
 
+def test_one_free_threading_classifier(meta):
+    # the whole suite runs on the free-threaded 3.13t in .ci/run, and .ci/tsan's threaded
+    # tests report no race (docs/reliability.md): the package says so once, at one level
+    ft = [c for c in meta["project"]["classifiers"]
+          if c.startswith("Programming Language :: Python :: Free Threading")]
+    assert ft == ["Programming Language :: Python :: Free Threading :: 3 - Stable"]
+
+
 def test_supported_pythons_agree(meta):
     # the version classifiers, requires-python, cibuildwheel's build list and the versions
     # .ci/run runs the suite on name the same Pythons; the free-threaded builds (3.13t) are
