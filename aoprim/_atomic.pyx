@@ -22,7 +22,7 @@ Invariants
 cimport cython
 from cpython.long cimport PyLong_Check, PyLong_CheckExact, PyLong_AsLongLong
 from cpython.number cimport PyNumber_Index, PyIndex_Check
-from cpython.object cimport PyObject_RichCompare
+from cpython.object cimport PyObject_RichCompare, Py_TYPE
 from libc.stdint cimport int64_t
 
 from aoprim.atomic_h cimport (
@@ -64,6 +64,16 @@ cdef inline int64_t as_i64(object v) except? -1:
     if not PyLong_CheckExact(v):
         v = PyNumber_Index(v)
     return PyLong_AsLongLong(v)
+
+
+cdef int _refuse_inplace(str sym, object a, object other) except -1:
+    # Python's own message, the types named as Python names them (tp_name)
+    raise TypeError(f"unsupported operand type(s) for {sym}: '{_tp_name(a)}' and "
+                    f"'{_tp_name(other)}'")
+
+
+cdef str _tp_name(object o):
+    return (<bytes>Py_TYPE(o).tp_name).decode("utf-8", "replace")
 
 
 cdef inline object load_of(AtomicInt a):
@@ -173,40 +183,42 @@ cdef class AtomicInt:
     # fetch_* method of the same name, and they return self (the name stays bound to this
     # AtomicInt).  They take what the methods take (an int or any __index__ object;
     # OverflowError outside the signed 64-bit range, nothing stored); for anything else they
-    # return NotImplemented, so Python raises "unsupported operand type(s) for +=: 'AtomicInt'
-    # and 'float'".
+    # raise Python's own "unsupported operand type(s) for +=: 'AtomicInt' and 'float'"
+    # themselves.  Returning NotImplemented would let Python fall back to `a + n` and then to
+    # the other operand's __radd__, which may take the AtomicInt through its __index__ and
+    # return a plain int -- rebinding `a` (numpy's bool_ does).
 
     def __iadd__(self, d):
         if not PyLong_CheckExact(d) and not PyIndex_Check(d):
-            return NotImplemented
+            _refuse_inplace("+=", self, d)
         cdef int64_t x = as_i64(d)
         aop_fetch_add_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self
 
     def __isub__(self, d):
         if not PyLong_CheckExact(d) and not PyIndex_Check(d):
-            return NotImplemented
+            _refuse_inplace("-=", self, d)
         cdef int64_t x = as_i64(d)
         aop_fetch_sub_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self
 
     def __iand__(self, m):
         if not PyLong_CheckExact(m) and not PyIndex_Check(m):
-            return NotImplemented
+            _refuse_inplace("&=", self, m)
         cdef int64_t x = as_i64(m)
         aop_fetch_and_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self
 
     def __ior__(self, m):
         if not PyLong_CheckExact(m) and not PyIndex_Check(m):
-            return NotImplemented
+            _refuse_inplace("|=", self, m)
         cdef int64_t x = as_i64(m)
         aop_fetch_or_i64(&self.cell, x, AOP_SEQ_CST)       # seq_cst RMW: the module rule
         return self
 
     def __ixor__(self, m):
         if not PyLong_CheckExact(m) and not PyIndex_Check(m):
-            return NotImplemented
+            _refuse_inplace("^=", self, m)
         cdef int64_t x = as_i64(m)
         aop_fetch_xor_i64(&self.cell, x, AOP_SEQ_CST)      # seq_cst RMW: the module rule
         return self

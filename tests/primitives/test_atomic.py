@@ -467,6 +467,26 @@ def test_inplace_type_error_changes_nothing(bad):
     assert a.load() == 1
 
 
+class TakesAnything:
+    """Not an integer, but its reflected operators accept an AtomicInt (through __index__)
+    and return a plain int -- as numpy's bool_ does."""
+    def _r(self, other):
+        return operator.index(other) + 1000
+    __radd__ = __rsub__ = __rand__ = __ror__ = __rxor__ = _r
+
+
+def test_inplace_operator_never_rebinds_through_the_other_operand():
+    a = AtomicInt(7)
+    for op, sym in ((operator.iadd, "+="), (operator.isub, "-="), (operator.iand, "&="),
+                    (operator.ior, "|="), (operator.ixor, "^=")):
+        with pytest.raises(TypeError, match=re.escape(sym) + ".*AtomicInt.*TakesAnything"):
+            op(a, TakesAnything())
+    b = a
+    with pytest.raises(TypeError):
+        b += TakesAnything()
+    assert b is a and a.load() == 7
+
+
 @pytest.mark.parametrize("v", [I64_MIN, -7, -1, 0, 1, 7, I64_MAX])
 @pytest.mark.parametrize("x", [-3, 0, 2, I64_MAX, 2**64, AtomicInt(5)])
 def test_binary_operators_are_load_then_int(v, x):
