@@ -217,7 +217,7 @@ def _counter_own(kind):
                     mine = c               # the operator returns the same object
                     for _ in range(per):
                         mine += 1
-                    return int(mine.load() if kind == "AtomicInt +=" else mine.get())
+                    return mine.load() if kind == "AtomicInt +=" else mine.get()
             else:
                 lk, box = c
 
